@@ -1,0 +1,195 @@
+/* sage.h — the C API of libsage: quantized attention (SageAttention2 / SageAttention3).
+ *
+ * The contract every other face (C++, Python) goes through. Plain C99, POD structs, no CUDA
+ * headers. Every function returns a sage_status; on failure sage_last_error() gives a
+ * thread-local message naming the offending argument and its value.
+ *
+ * One call, sage_attention(), serves every backend: host pointers run the CPU reference (an exact
+ * emulation of the quantized arithmetic, or float64 attention), device pointers run the GPU
+ * kernels. Initialise the args with sage_attention_args_init() and set what you need. */
+#ifndef SAGE_SAGE_H
+#define SAGE_SAGE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define SAGE_API __declspec(dllexport)
+#else
+#define SAGE_API __attribute__((visibility("default")))
+#endif
+
+#define SAGE_VERSION_MAJOR 0
+#define SAGE_VERSION_MINOR 1
+#define SAGE_VERSION_PATCH 0
+
+typedef enum sage_status {
+  SAGE_OK = 0,
+  SAGE_ERROR_INVALID_ARGUMENT = 1, /* a value is wrong: sizes, strides, enums, pointers */
+  SAGE_ERROR_UNSUPPORTED = 2,      /* valid, but no kernel/backend implements this combination */
+  SAGE_ERROR_CUDA = 3,             /* a CUDA runtime call failed (message has the CUDA error) */
+  SAGE_ERROR_OUT_OF_MEMORY = 4,    /* host allocation failed (the CPU reference) */
+  SAGE_ERROR_WORKSPACE_TOO_SMALL = 5,
+  SAGE_ERROR_INTERNAL = 6
+} sage_status;
+
+typedef enum sage_dtype {
+  SAGE_DTYPE_FP16 = 0,
+  SAGE_DTYPE_BF16 = 1,
+  SAGE_DTYPE_FP32 = 2 /* CPU reference only */
+} sage_dtype;
+
+/* What the strides default to when a tensor's strides are all zero (see sage_strides). */
+typedef enum sage_layout {
+  SAGE_LAYOUT_HND = 0, /* [B, H, N, D] */
+  SAGE_LAYOUT_NHD = 1  /* [B, N, H, D] */
+} sage_layout;
+
+typedef enum sage_mask {
+  SAGE_MASK_NONE = 0,
+  SAGE_MASK_CAUSAL_BOTTOM_RIGHT = 1, /* query i sees keys j <= i + Nk - Nq (FlashAttention) */
+  SAGE_MASK_CAUSAL_TOP_LEFT = 2      /* query i sees keys j <= i (torch SDPA is_causal=True) */
+} sage_mask;
+
+typedef enum sage_backend {
+  SAGE_BACKEND_AUTO = 0, /* device pointers -> CUDA, host pointers -> CPU reference */
+  SAGE_BACKEND_CPU = 1,  /* the CPU reference (host pointers) */
+  SAGE_BACKEND_CUDA = 2  /* the GPU kernels (device pointers) */
+} sage_backend;
+
+/* Presets. CUSTOM takes sage_attention_args.quant exactly as given; every other value overwrites
+ * it with the preset (sage_quant_config_init() shows what a preset holds). */
+typedef enum sage_variant {
+  SAGE_VARIANT_AUTO = 0,     /* what the hardware runs best (CPU: SAGE2_8B emulation) */
+  SAGE_VARIANT_SAGE2_8B = 1, /* INT8 per-thread Q,K + smooth K; FP8 E4M3 P,V; two-level accum */
+  SAGE_VARIANT_SAGE2_4B = 2, /* INT4 per-thread Q,K + smooth Q and K; FP8 E4M3 P,V; two-level */
+  SAGE_VARIANT_EXACT = 3,    /* no quantization: float64 on the CPU */
+  SAGE_VARIANT_CUSTOM = 4    /* every knob from .quant (CPU reference: all combinations) */
+} sage_variant;
+
+typedef enum sage_qk_format {
+  SAGE_QK_NONE = 0, /* Q, K kept in full precision */
+  SAGE_QK_INT8 = 1,
+  SAGE_QK_INT4 = 2,
+  SAGE_QK_FP8_E4M3 = 3
+} sage_qk_format;
+
+/* Which tokens share one quantization scale (SPEC.md §3, §4). */
+typedef enum sage_granularity {
+  SAGE_GRANULARITY_PER_THREAD_MMA = 0,   /* mma.sync m16n8k*: 4 warps x 32 rows, 64-key blocks */
+  SAGE_GRANULARITY_PER_THREAD_WGMMA = 1, /* wgmma m64nNk32: 16 rows a warp, block_k keys */
+  SAGE_GRANULARITY_PER_TOKEN = 2,
+  SAGE_GRANULARITY_PER_WARP = 3,  /* Q: rows of one warp (block_q / warps); K: per block */
+  SAGE_GRANULARITY_PER_BLOCK = 4, /* one scale per Q block and per K block */
+  SAGE_GRANULARITY_PER_TENSOR = 5 /* one scale per (batch, head) matrix */
+} sage_granularity;
+
+typedef enum sage_pv_format {
+  SAGE_PV_NONE = 0,     /* P~ and V in full precision (fp32 P~, V as given) */
+  SAGE_PV_FP16 = 1,     /* P~ and V rounded to fp16 */
+  SAGE_PV_FP8_E4M3 = 2, /* P~ x 448 and V / v_scale in E4M3 */
+  SAGE_PV_FP8_E5M2 = 3, /* P~ x 57344 and V / v_scale in E5M2 */
+  SAGE_PV_INT8 = 4      /* P~ x 127 and V / v_scale in INT8 (static P scale, as the paper) */
+} sage_pv_format;
+
+typedef enum sage_v_scale {
+  SAGE_V_SCALE_PER_CHANNEL = 0,      /* max |V[:, c]| over the whole sequence */
+  SAGE_V_SCALE_PER_BLOCK_CHANNEL = 1 /* max |V[block, c]| per key block (needs flush every block) */
+} sage_v_scale;
+
+typedef enum sage_pv_accum {
+  SAGE_PV_ACCUM_FP32 = 0,     /* a true fp32 accumulator */
+  SAGE_PV_ACCUM_HW = 1,       /* the MMA's own accumulator over the whole sequence (FP22-like) */
+  SAGE_PV_ACCUM_TWO_LEVEL = 2 /* MMA accumulator for pv_flush_interval key blocks, then fp32 */
+} sage_pv_accum;
+
+/* Smoothing flags (SPEC.md §2.1, §2.2, §2.10). */
+#define SAGE_SMOOTH_Q 1u
+#define SAGE_SMOOTH_K 2u
+#define SAGE_SMOOTH_V 4u
+
+typedef struct sage_quant_config {
+  sage_qk_format qk_format;
+  sage_granularity granularity;
+  uint32_t smooth;         /* SAGE_SMOOTH_* flags */
+  sage_pv_format pv_format;
+  sage_v_scale v_scale;
+  sage_pv_accum pv_accum;
+  int32_t pv_flush_interval; /* key blocks per flush of the MMA accumulator (TWO_LEVEL), >= 1 */
+  int32_t accum_mantissa_bits; /* mantissa bits the MMA accumulator keeps (CPU model; 13 = FP22) */
+  int32_t accum_chunk;         /* keys summed exactly inside one MMA before the truncating add */
+  int32_t block_q;             /* query rows a CTA owns (softmax tile, Q smoothing, per-block) */
+  int32_t block_k;             /* keys per streamed block */
+  int32_t warps;               /* warps sharing block_q (per-warp / per-thread MMA groups) */
+} sage_quant_config;
+
+/* Strides in elements for the batch, head and token dimensions; the last (head_dim, or nothing for
+ * LSE) is contiguous. All zero = contiguous in args.layout (LSE: contiguous [B, Hq, Nq]). */
+typedef struct sage_strides {
+  int64_t batch;
+  int64_t head;
+  int64_t token;
+} sage_strides;
+
+typedef struct sage_attention_args {
+  size_t struct_size; /* sizeof(sage_attention_args), set by sage_attention_args_init */
+
+  const void* q; /* [B, Hq, Nq, D] (HND) or [B, Nq, Hq, D] (NHD), dtype */
+  const void* k; /* [B, Hkv, Nk, D] or [B, Nk, Hkv, D] */
+  const void* v; /* same shape as k */
+  void* o;       /* same shape as q, dtype; must not overlap the inputs */
+  float* lse;    /* optional [B, Hq, Nq] fp32: natural log of the softmax denominator; NULL = off */
+
+  int64_t batch;
+  int64_t heads_q;
+  int64_t heads_kv; /* heads_q % heads_kv == 0 (GQA/MQA) */
+  int64_t seq_q;
+  int64_t seq_kv;
+  int64_t head_dim;
+
+  sage_layout layout;
+  sage_strides q_strides, k_strides, v_strides, o_strides, lse_strides;
+  sage_dtype dtype; /* of q, k, v and o */
+
+  float scale;     /* softmax scale; 0 = 1/sqrt(head_dim) */
+  sage_mask mask;
+
+  sage_variant variant;
+  sage_quant_config quant; /* used when variant == SAGE_VARIANT_CUSTOM */
+
+  sage_backend backend;
+  void* stream;          /* cudaStream_t for the CUDA backend; NULL = the default stream */
+  void* workspace;       /* device memory of sage_attention_workspace_size() bytes (CUDA) */
+  size_t workspace_size;
+  int32_t num_threads;   /* CPU reference threads; 0 = all hardware threads */
+} sage_attention_args;
+
+/* Library version, e.g. "0.1.0". */
+SAGE_API const char* sage_version(void);
+SAGE_API void sage_version_numbers(int* major, int* minor, int* patch);
+
+/* Thread-local message describing the last failure on this thread ("" after success). */
+SAGE_API const char* sage_last_error(void);
+SAGE_API const char* sage_status_string(sage_status status);
+
+/* Defaults: HND, fp16, no mask, AUTO variant and backend, quant = the SAGE2_8B preset. */
+SAGE_API sage_status sage_attention_args_init(sage_attention_args* args);
+/* Fill a quantization config with a preset (not CUSTOM or AUTO... AUTO gives SAGE2_8B). */
+SAGE_API sage_status sage_quant_config_init(sage_quant_config* config, sage_variant variant);
+
+/* Bytes of device workspace sage_attention() needs for these args (0 for the CPU backend). */
+SAGE_API sage_status sage_attention_workspace_size(const sage_attention_args* args,
+                                                   size_t* bytes);
+
+/* Validate the args and run attention. Writes o (and lse); never touches the inputs. */
+SAGE_API sage_status sage_attention(const sage_attention_args* args);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* SAGE_SAGE_H */

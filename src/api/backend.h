@@ -1,0 +1,40 @@
+// The seam between the validated C API and the backends: the resolved arguments, and the CUDA
+// backend's entry points (implemented in cuda_backend.cu, or by a stub when built without CUDA).
+// Host code; any architecture.
+#pragma once
+
+#include <string>
+
+#include "ref/reference.h"
+#include "sage/sage.h"
+
+namespace sage::api {
+
+// sage_attention_args after validation: defaults filled in, strides resolved, preset expanded.
+struct Resolved {
+  ref::Problem problem;
+  sage_quant_config quant{};
+  bool exact = false;  // SAGE_VARIANT_EXACT: no quantization at all
+  sage_backend backend = SAGE_BACKEND_CPU;
+  sage_strides q{}, k{}, v{}, o{}, lse{};
+};
+
+// Checks everything about `args` and fills `out`; on failure records a message naming the
+// argument and returns its status. Touches no memory the pointers point to.
+sage_status validate(const sage_attention_args* args, Resolved* out);
+
+}  // namespace sage::api
+
+namespace sage::cuda {
+
+enum class PointerKind { kHost, kDevice };
+
+// Where a pointer lives (kHost when built without CUDA or when no driver answers).
+PointerKind pointer_kind(const void* ptr);
+// One line per visible GPU (name, compute capability, memory), or why there is none.
+std::string describe_devices(bool* has_gpu);
+
+sage_status workspace_size(const api::Resolved& r, const sage_attention_args& args, size_t* bytes);
+sage_status attention(const api::Resolved& r, const sage_attention_args& args);
+
+}  // namespace sage::cuda

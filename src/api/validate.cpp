@@ -1,0 +1,172 @@
+// Argument validation for sage_attention(): the one place where user input is checked. Every
+// failure names the argument and its value. Host code; any architecture.
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+
+#include "api/backend.h"
+#include "common/error.h"
+
+namespace sage::api {
+namespace {
+
+using i128 = __int128;
+
+int64_t dtype_size(sage_dtype d) { return d == SAGE_DTYPE_FP32 ? 4 : 2; }
+
+struct Dim {
+  int64_t size, stride;
+};
+
+// Largest element offset reached by a tensor with these dims (plus a contiguous inner dim of
+// `inner` elements), or -1 when it does not fit in int64.
+int64_t max_offset(const Dim* dims, int n, int64_t inner) {
+  i128 off = inner - 1;
+  for (int i = 0; i < n; ++i) off += i128(dims[i].size - 1) * dims[i].stride;
+  return off > i128(INT64_MAX) ? -1 : int64_t(off);
+}
+
+// True when no two index tuples share an element: sorted by stride, each dimension must step
+// past everything the inner ones reach.
+bool distinct_elements(Dim* dims, int n, int64_t inner) {
+  std::sort(dims, dims + n, [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  i128 reach = inner;  // elements spanned so far
+  for (int i = 0; i < n; ++i) {
+    if (dims[i].size <= 1) continue;
+    if (i128(dims[i].stride) < reach) return false;
+    reach = i128(dims[i].stride) * (dims[i].size - 1) + reach;
+  }
+  return true;
+}
+
+struct Range {
+  const char* name;
+  uintptr_t lo, hi;  // [lo, hi)
+};
+
+sage_status check_tensor(const char* name, const void* ptr, sage_strides* strides,
+                         sage_strides contiguous, int64_t heads, int64_t seq, int64_t batch,
+                         int64_t inner, int64_t elem_size, bool written, Range* range) {
+  SAGE_CHECK_ARG(ptr != nullptr, "%s is NULL", name);
+  SAGE_CHECK_ARG(reinterpret_cast<uintptr_t>(ptr) % uintptr_t(elem_size) == 0,
+                 "%s = %p is not aligned to its element size (%" PRId64 " bytes)", name, ptr,
+                 elem_size);
+  if (strides->batch == 0 && strides->head == 0 && strides->token == 0) *strides = contiguous;
+  SAGE_CHECK_ARG(strides->batch >= 0 && strides->head >= 0 && strides->token >= 0,
+                 "%s_strides = {batch %" PRId64 ", head %" PRId64 ", token %" PRId64
+                 "}: strides must be >= 0",
+                 name, strides->batch, strides->head, strides->token);
+  Dim dims[3] = {{batch, strides->batch}, {heads, strides->head}, {seq, strides->token}};
+  const int64_t last = max_offset(dims, 3, inner);
+  SAGE_CHECK_ARG(last >= 0 && last < INT64_MAX / elem_size,
+                 "%s: the strides {%" PRId64 ", %" PRId64 ", %" PRId64
+                 "} with these sizes overflow a 64-bit offset",
+                 name, strides->batch, strides->head, strides->token);
+  if (written)
+    SAGE_CHECK_ARG(distinct_elements(dims, 3, inner),
+                   "%s_strides = {batch %" PRId64 ", head %" PRId64 ", token %" PRId64
+                   "} make elements of %s overlap (an output needs distinct elements; the "
+                   "token stride must be >= %" PRId64 ")",
+                   name, strides->batch, strides->head, strides->token, name, inner);
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(ptr);
+  *range = {name, lo, lo + uintptr_t((last + 1) * elem_size)};
+  return SAGE_OK;
+}
+
+bool overlap(const Range& a, const Range& b) { return a.lo < b.hi && b.lo < a.hi; }
+
+}  // namespace
+
+sage_status validate(const sage_attention_args* args, Resolved* out) {
+  SAGE_CHECK_ARG(args != nullptr, "args is NULL");
+  SAGE_CHECK_ARG(args->struct_size == sizeof(sage_attention_args),
+                 "args.struct_size = %zu, expected %zu (initialise with sage_attention_args_init)",
+                 args->struct_size, sizeof(sage_attention_args));
+  const sage_attention_args& a = *args;
+  SAGE_CHECK_ARG(a.dtype >= SAGE_DTYPE_FP16 && a.dtype <= SAGE_DTYPE_FP32, "dtype = %d is unknown",
+                 int(a.dtype));
+  SAGE_CHECK_ARG(a.layout == SAGE_LAYOUT_HND || a.layout == SAGE_LAYOUT_NHD,
+                 "layout = %d is unknown", int(a.layout));
+  SAGE_CHECK_ARG(a.mask >= SAGE_MASK_NONE && a.mask <= SAGE_MASK_CAUSAL_TOP_LEFT,
+                 "mask = %d is unknown", int(a.mask));
+  SAGE_CHECK_ARG(a.variant >= SAGE_VARIANT_AUTO && a.variant <= SAGE_VARIANT_CUSTOM,
+                 "variant = %d is unknown", int(a.variant));
+  SAGE_CHECK_ARG(a.backend >= SAGE_BACKEND_AUTO && a.backend <= SAGE_BACKEND_CUDA,
+                 "backend = %d is unknown", int(a.backend));
+  SAGE_CHECK_ARG(a.batch >= 1, "batch = %" PRId64 " must be >= 1", a.batch);
+  SAGE_CHECK_ARG(a.heads_q >= 1, "heads_q = %" PRId64 " must be >= 1", a.heads_q);
+  SAGE_CHECK_ARG(a.heads_kv >= 1, "heads_kv = %" PRId64 " must be >= 1", a.heads_kv);
+  SAGE_CHECK_ARG(a.heads_q % a.heads_kv == 0,
+                 "heads_q = %" PRId64 " is not a multiple of heads_kv = %" PRId64 " (GQA)",
+                 a.heads_q, a.heads_kv);
+  SAGE_CHECK_ARG(a.seq_q >= 1, "seq_q = %" PRId64 " must be >= 1", a.seq_q);
+  SAGE_CHECK_ARG(a.seq_kv >= 1, "seq_kv = %" PRId64 " must be >= 1", a.seq_kv);
+  SAGE_CHECK_ARG(a.head_dim >= 1 && a.head_dim <= 512,
+                 "head_dim = %" PRId64 " is outside 1..512", a.head_dim);
+  SAGE_CHECK_ARG(std::isfinite(a.scale), "scale = %g is not finite", double(a.scale));
+  SAGE_CHECK_ARG(a.num_threads >= 0, "num_threads = %d must be >= 0", int(a.num_threads));
+
+  Resolved r;
+  r.problem = {a.batch, a.heads_q, a.heads_kv, a.seq_q, a.seq_kv, a.head_dim,
+               a.scale != 0.0f ? double(a.scale) : 1.0 / std::sqrt(double(a.head_dim)), a.mask};
+  r.q = a.q_strides;
+  r.k = a.k_strides;
+  r.v = a.v_strides;
+  r.o = a.o_strides;
+  r.lse = a.lse_strides;
+  const int64_t es = dtype_size(a.dtype), D = a.head_dim;
+  Range q, k, v, o, lse{};
+  SAGE_RETURN_IF_ERROR(check_tensor("q", a.q, &r.q,
+                                    ref::contiguous_strides(a.layout, a.heads_q, a.seq_q, D),
+                                    a.heads_q, a.seq_q, a.batch, D, es, false, &q));
+  SAGE_RETURN_IF_ERROR(check_tensor("k", a.k, &r.k,
+                                    ref::contiguous_strides(a.layout, a.heads_kv, a.seq_kv, D),
+                                    a.heads_kv, a.seq_kv, a.batch, D, es, false, &k));
+  SAGE_RETURN_IF_ERROR(check_tensor("v", a.v, &r.v,
+                                    ref::contiguous_strides(a.layout, a.heads_kv, a.seq_kv, D),
+                                    a.heads_kv, a.seq_kv, a.batch, D, es, false, &v));
+  SAGE_RETURN_IF_ERROR(check_tensor("o", a.o, &r.o,
+                                    ref::contiguous_strides(a.layout, a.heads_q, a.seq_q, D),
+                                    a.heads_q, a.seq_q, a.batch, D, es, true, &o));
+  for (const Range* in : {&q, &k, &v})
+    SAGE_CHECK_ARG(!overlap(o, *in), "o overlaps %s: the output must not alias an input",
+                   in->name);
+  if (a.lse) {
+    const sage_strides lse_contig{a.heads_q * a.seq_q, a.seq_q, 1};
+    SAGE_RETURN_IF_ERROR(check_tensor("lse", a.lse, &r.lse, lse_contig, a.heads_q, a.seq_q,
+                                      a.batch, 1, 4, true, &lse));
+    for (const Range* other : {&q, &k, &v, &o})
+      SAGE_CHECK_ARG(!overlap(lse, *other), "lse overlaps %s", other->name);
+  }
+
+  if (a.variant == SAGE_VARIANT_CUSTOM) {
+    const std::string e = ref::quant_config_error(a.quant);
+    if (!e.empty()) return set_error(SAGE_ERROR_INVALID_ARGUMENT, "%s", e.c_str());
+    r.quant = a.quant;
+  } else {
+    r.quant = ref::quant_preset(a.variant);
+  }
+  r.exact = a.variant == SAGE_VARIANT_EXACT;
+
+  // Backend: where the pointers live decides AUTO; an explicit choice must match them.
+  const bool on_device = cuda::pointer_kind(a.q) == cuda::PointerKind::kDevice;
+  const sage_backend want = a.backend == SAGE_BACKEND_AUTO
+                                ? (on_device ? SAGE_BACKEND_CUDA : SAGE_BACKEND_CPU)
+                                : a.backend;
+  const void* ptrs[] = {a.q, a.k, a.v, a.o, a.lse};
+  const char* names[] = {"q", "k", "v", "o", "lse"};
+  for (int i = 0; i < 5; ++i) {
+    if (!ptrs[i]) continue;
+    const bool dev = cuda::pointer_kind(ptrs[i]) == cuda::PointerKind::kDevice;
+    SAGE_CHECK_ARG(dev == (want == SAGE_BACKEND_CUDA),
+                   "%s = %p is %s memory but the backend is %s (all pointers must be on the "
+                   "backend's side)",
+                   names[i], ptrs[i], dev ? "device" : "host",
+                   want == SAGE_BACKEND_CUDA ? "CUDA" : "the CPU reference");
+  }
+  r.backend = want;
+  *out = r;
+  return SAGE_OK;
+}
+
+}  // namespace sage::api

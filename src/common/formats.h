@@ -1,0 +1,150 @@
+// Numeric formats shared by host and device code: small floats (FP8 E4M3/E5M2, FP4 E2M1, fp16,
+// bf16) encoded with round-to-nearest-even like the GPU's `cvt.rn[.satfinite]`, and the symmetric
+// integer quantizer (INT8/INT4) with `cvt.rni` rounding. One general minifloat codec serves every
+// format, so each one is described by a handful of numbers, not by its own code. Any architecture.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define SAGE_HOST_DEVICE __host__ __device__
+#else
+#define SAGE_HOST_DEVICE
+#endif
+
+namespace sage {
+
+// How the all-ones exponent field is used.
+enum class FloatSpecials : uint8_t {
+  kIeee,     // all-ones exponent: mantissa 0 = infinity, else NaN (fp16, bf16, E5M2)
+  kOnlyNan,  // only S.1111.111 is NaN, no infinity, the rest are numbers (E4M3 "fn")
+  kNone      // every code is a finite number (E2M1)
+};
+
+struct FloatFormat {
+  int exp_bits;
+  int man_bits;
+  int bias;
+  FloatSpecials specials;
+
+  SAGE_HOST_DEVICE constexpr int total_bits() const { return 1 + exp_bits + man_bits; }
+  SAGE_HOST_DEVICE constexpr int exp_field_max() const { return (1 << exp_bits) - 1; }
+  SAGE_HOST_DEVICE constexpr int min_normal_exp() const { return 1 - bias; }
+  // Largest finite value's exponent field and mantissa.
+  SAGE_HOST_DEVICE constexpr int max_field() const {
+    return specials == FloatSpecials::kIeee ? exp_field_max() - 1 : exp_field_max();
+  }
+  SAGE_HOST_DEVICE constexpr int max_mantissa() const {
+    return specials == FloatSpecials::kOnlyNan ? (1 << man_bits) - 2 : (1 << man_bits) - 1;
+  }
+  SAGE_HOST_DEVICE double max_finite() const {
+    return std::ldexp(1.0 + double(max_mantissa()) / double(1 << man_bits), max_field() - bias);
+  }
+  // What a NaN input becomes: the positive all-ones code, as the GPU's cvt writes it (0x7F for
+  // E4M3 and E5M2, 0x7FFF for fp16 and bf16; sign and payload dropped). E2M1 has no NaN; there
+  // this code is +6, PTX cvt.satfinite's "NaN becomes positive MAX_NORM".
+  SAGE_HOST_DEVICE constexpr uint32_t nan_code() const {
+    return (1u << (exp_bits + man_bits)) - 1u;
+  }
+};
+
+inline constexpr FloatFormat kE4M3{4, 3, 7, FloatSpecials::kOnlyNan};  // max 448
+inline constexpr FloatFormat kE5M2{5, 2, 15, FloatSpecials::kIeee};    // max 57344
+inline constexpr FloatFormat kE2M1{2, 1, 1, FloatSpecials::kNone};     // max 6
+inline constexpr FloatFormat kFp16{5, 10, 15, FloatSpecials::kIeee};   // max 65504
+inline constexpr FloatFormat kBf16{8, 7, 127, FloatSpecials::kIeee};
+
+// Bits of x in `f`, rounded to nearest, ties to even. With `saturate` (PTX .satfinite) a finite
+// or infinite value beyond the range becomes +-max_finite; without it, it becomes infinity (or
+// NaN for a format with no infinity). A NaN of either sign becomes nan_code() (E2M1: +6).
+// x is taken as a double so a float64 result is rounded once, not through float first.
+SAGE_HOST_DEVICE inline uint32_t encode_float(const FloatFormat& f, double x, bool saturate) {
+  if (std::isnan(x)) return f.nan_code();
+  const uint32_t sign = std::signbit(x) ? (1u << (f.exp_bits + f.man_bits)) : 0u;
+  const double a = std::fabs(x);
+  const uint32_t max_code = (uint32_t(f.max_field()) << f.man_bits) | uint32_t(f.max_mantissa());
+  const uint32_t overflow_code =
+      saturate ? max_code
+               : (f.specials == FloatSpecials::kIeee ? uint32_t(f.exp_field_max()) << f.man_bits
+                                                     : f.nan_code());
+  if (std::isinf(x)) return sign | overflow_code;
+  if (a == 0.0) return sign;
+  int e2 = 0;
+  std::frexp(a, &e2);  // a = m * 2^e2, m in [0.5, 1)
+  int ex = e2 - 1;     // unbiased exponent of the leading bit
+  if (ex < f.min_normal_exp()) ex = f.min_normal_exp();
+  const double quantum = std::ldexp(1.0, ex - f.man_bits);
+  double r = std::nearbyint(a / quantum);  // default rounding mode: to nearest, ties to even
+  const double one = double(1u << f.man_bits);
+  if (r >= 2.0 * one) {  // carry into the next binade
+    r *= 0.5;
+    ex += 1;
+  }
+  uint32_t field, mant;
+  if (r < one) {  // subnormal (only reachable at the minimum exponent)
+    field = 0;
+    mant = uint32_t(r);
+  } else {
+    field = uint32_t(ex + f.bias);
+    mant = uint32_t(r - one);
+  }
+  if (r * quantum > f.max_finite() || int(field) > f.max_field()) return sign | overflow_code;
+  return sign | (field << f.man_bits) | mant;
+}
+
+SAGE_HOST_DEVICE inline float decode_float(const FloatFormat& f, uint32_t bits) {
+  const uint32_t mant_mask = (1u << f.man_bits) - 1u;
+  const bool neg = (bits >> (f.exp_bits + f.man_bits)) & 1u;
+  const int field = int((bits >> f.man_bits) & uint32_t(f.exp_field_max()));
+  const uint32_t mant = bits & mant_mask;
+  double v;
+  if (f.specials == FloatSpecials::kIeee && field == f.exp_field_max()) {
+    v = mant == 0 ? HUGE_VAL : NAN;
+  } else if (f.specials == FloatSpecials::kOnlyNan && field == f.exp_field_max() &&
+             mant == mant_mask) {
+    v = NAN;
+  } else if (field == 0) {
+    v = std::ldexp(double(mant), f.min_normal_exp() - f.man_bits);
+  } else {
+    v = std::ldexp(1.0 + double(mant) / double(1u << f.man_bits), field - f.bias);
+  }
+  return float(neg ? -v : v);
+}
+
+// x rounded through the format and back (saturating, as the quantizers use it).
+SAGE_HOST_DEVICE inline float round_float(const FloatFormat& f, float x, bool saturate = true) {
+  return decode_float(f, encode_float(f, x, saturate));
+}
+SAGE_HOST_DEVICE inline float round_fp16(float x) { return round_float(kFp16, x, false); }
+SAGE_HOST_DEVICE inline float round_bf16(float x) { return round_float(kBf16, x, false); }
+
+// Symmetric quantization scale of a group: x_hat = q(x * inv), x ~ x_hat * scale.
+// Both are computed (not one as the reciprocal of the other) so host and device agree bit for bit.
+struct QuantScale {
+  float scale;  // amax / qmax
+  float inv;    // qmax / amax
+};
+SAGE_HOST_DEVICE inline QuantScale make_quant_scale(float amax, float qmax) {
+  if (!(amax > 0.0f)) return {0.0f, 0.0f};  // all-zero group: every x_hat is 0
+  return {amax / qmax, qmax / amax};
+}
+
+// Integer quantization, as `cvt.rni.sat.s32.f32` of x * inv then a clamp to [-qmax, qmax].
+// A NaN product gives 0, as that cvt does (int(NaN) would be undefined behaviour).
+SAGE_HOST_DEVICE inline int quantize_int(float x, float inv, int qmax) {
+  const float y = x * inv;
+  if (std::isnan(y)) return 0;
+  float r = std::nearbyint(y);
+  if (r > float(qmax)) r = float(qmax);
+  if (r < -float(qmax)) r = -float(qmax);
+  return int(r);
+}
+
+inline constexpr int kInt8Max = 127;
+inline constexpr int kInt4Max = 7;
+inline constexpr float kE4M3Max = 448.0f;
+inline constexpr float kE5M2Max = 57344.0f;
+inline constexpr float kE2M1Max = 6.0f;
+
+}  // namespace sage

@@ -1,0 +1,82 @@
+// The ablation rows of `sage accuracy`: each one the 4-bit (or 8-bit) kernel with one knob turned.
+#include "ref/ablations.h"
+
+#include "ref/reference.h"
+
+namespace sage::ref {
+
+std::vector<AblationRow> paper_ablations() {
+  std::vector<AblationRow> rows;
+  const sage_quant_config b4 = quant_preset(SAGE_VARIANT_SAGE2_4B);
+  const sage_quant_config b8 = quant_preset(SAGE_VARIANT_SAGE2_8B);
+
+  const std::string t4 = "Smoothing, INT4 per-thread Q,K, E4M3 P,V (paper Table 4)";
+  const std::pair<const char*, uint32_t> smooth[] = {
+      {"none", 0u}, {"K", SAGE_SMOOTH_K}, {"Q", SAGE_SMOOTH_Q}, {"Q+K", SAGE_SMOOTH_Q | SAGE_SMOOTH_K}};
+  for (const auto& [label, flags] : smooth) {
+    sage_quant_config c = b4;
+    c.smooth = flags;
+    rows.push_back({t4, label, c});
+  }
+
+  const std::string t6 = "Granularity, INT4 Q,K smoothed Q+K, E4M3 P,V (paper Table 6)";
+  const std::pair<const char*, sage_granularity> gran[] = {
+      {"per-token", SAGE_GRANULARITY_PER_TOKEN},
+      {"per-thread (mma)", SAGE_GRANULARITY_PER_THREAD_MMA},
+      {"per-thread (wgmma)", SAGE_GRANULARITY_PER_THREAD_WGMMA},
+      {"per-warp", SAGE_GRANULARITY_PER_WARP},
+      {"per-block", SAGE_GRANULARITY_PER_BLOCK},
+      {"per-tensor", SAGE_GRANULARITY_PER_TENSOR}};
+  for (const auto& [label, g] : gran) {
+    sage_quant_config c = b4;
+    c.granularity = g;
+    rows.push_back({t6, label, c});
+  }
+
+  const std::string t7 = "P~,V format, INT4 Q,K smoothed Q+K, fp32 accumulator (paper Table 7)";
+  const std::pair<const char*, sage_pv_format> pv[] = {{"INT8", SAGE_PV_INT8},
+                                                       {"E5M2", SAGE_PV_FP8_E5M2},
+                                                       {"E4M3", SAGE_PV_FP8_E4M3},
+                                                       {"FP16", SAGE_PV_FP16}};
+  for (const auto& [label, f] : pv) {
+    sage_quant_config c = b4;
+    c.pv_format = f;
+    c.pv_accum = SAGE_PV_ACCUM_FP32;
+    rows.push_back({t7, label, c});
+  }
+
+  const std::string ta = "P~V accumulator, SageAttn2-8b (paper 3.4; FP22 = 13 mantissa bits)";
+  struct Acc {
+    const char* label;
+    sage_pv_accum accum;
+    int flush;
+    uint32_t extra_smooth;
+  };
+  const Acc acc[] = {{"fp32", SAGE_PV_ACCUM_FP32, 1, 0},
+                     {"FP22 only", SAGE_PV_ACCUM_HW, 1, 0},
+                     {"FP22 only + smooth V", SAGE_PV_ACCUM_HW, 1, SAGE_SMOOTH_V},
+                     {"two-level, flush every 16 blocks", SAGE_PV_ACCUM_TWO_LEVEL, 16, 0},
+                     {"two-level, flush every 4 blocks", SAGE_PV_ACCUM_TWO_LEVEL, 4, 0},
+                     {"two-level, flush every block", SAGE_PV_ACCUM_TWO_LEVEL, 1, 0}};
+  for (const Acc& a : acc) {
+    sage_quant_config c = b8;
+    c.pv_accum = a.accum;
+    c.pv_flush_interval = a.flush;
+    c.smooth |= a.extra_smooth;
+    rows.push_back({ta, a.label, c});
+  }
+
+  const std::string tv = "Kernel variants (paper Table 3)";
+  rows.push_back({tv, "SageAttn2-8b (mma, 128x64)", b8});
+  sage_quant_config w8 = b8;
+  w8.granularity = SAGE_GRANULARITY_PER_THREAD_WGMMA;
+  w8.block_k = 128;
+  rows.push_back({tv, "SageAttn2-8b (wgmma, 128x128)", w8});
+  sage_quant_config w8v = w8;
+  w8v.v_scale = SAGE_V_SCALE_PER_BLOCK_CHANNEL;
+  rows.push_back({tv, "SageAttn2-8b (wgmma, per-block V scale)", w8v});
+  rows.push_back({tv, "SageAttn2-4b (mma, 128x64)", b4});
+  return rows;
+}
+
+}  // namespace sage::ref

@@ -1,0 +1,362 @@
+// The CPU emulation of quantized attention (SageAttention2, SPEC.md §2–4): smoothing, per-group
+// Q/K quantization, base-2 online softmax over key blocks, P~ and V quantization, and the P·V
+// accumulator as the hardware keeps it (exact sums inside one MMA, truncation to a few mantissa
+// bits on each add, flushed into fp32 every few key blocks). Host code; mirrors the GPU kernels.
+//
+// `Real` is the arithmetic of everything that is not quantized: float reproduces the GPU's fp32
+// registers; double gives the same quantization with ideal arithmetic around it (used to show
+// that smoothing is an exact identity, and to separate rounding error from quantization error).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "common/error.h"
+#include "common/formats.h"
+#include "ref/reference.h"
+
+namespace sage::ref {
+namespace {
+
+constexpr double kLog2e = 1.4426950408889634;
+constexpr double kLn2 = 0.6931471805599453;
+
+template <typename Real>
+constexpr Real neg_inf() {
+  return -std::numeric_limits<Real>::infinity();
+}
+
+// Channel means over rows [r0, r1) of a [rows][dim] matrix, accumulated in double.
+template <typename Real>
+std::vector<Real> channel_mean(const std::vector<Real>& x, int64_t r0, int64_t r1, int64_t dim) {
+  std::vector<double> sum(static_cast<size_t>(dim), 0.0);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t d = 0; d < dim; ++d) sum[size_t(d)] += double(x[size_t(r * dim + d)]);
+  std::vector<Real> mean(static_cast<size_t>(dim));
+  for (int64_t d = 0; d < dim; ++d) mean[size_t(d)] = Real(sum[size_t(d)] / double(r1 - r0));
+  return mean;
+}
+
+// Dot product with independent partial sums (vectorizes without reassociation flags). With
+// Acc = float it is exact for INT8/INT4 operands (every partial sum < 2^24 for head_dim <= 256),
+// which is what the integer MMA computes.
+template <typename Acc, typename T>
+Acc dot(const T* a, const T* b, int64_t n) {
+  Acc acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += Acc(a[i + l]) * Acc(b[i + l]);
+  for (; i < n; ++i) acc[0] += Acc(a[i]) * Acc(b[i]);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// Keep `bits` mantissa bits of x, dropping the rest toward zero (the MMA accumulator's add).
+double truncate_mantissa(double x, int bits) {
+  if (x == 0.0 || !std::isfinite(x)) return x;
+  int e = 0;
+  const double f = std::frexp(x, &e);  // |f| in [0.5, 1)
+  return std::ldexp(std::trunc(std::ldexp(f, bits + 1)), e - (bits + 1));
+}
+
+// How P~ and V are stored for the P·V product.
+struct PvFormat {
+  sage_pv_format format;
+  float p_scale;  // P^ = quantize(P~ * p_scale)
+  float v_max;    // V^ = quantize(V / v_scale), v_scale = amax / v_max (0: no scale)
+
+  template <typename Real>
+  Real quantize(Real x) const {
+    switch (format) {
+      case SAGE_PV_FP16: return Real(round_fp16(float(x)));
+      case SAGE_PV_FP8_E4M3: return Real(round_float(kE4M3, float(x)));
+      case SAGE_PV_FP8_E5M2: return Real(round_float(kE5M2, float(x)));
+      case SAGE_PV_INT8: return Real(quantize_int(float(x), 1.0f, kInt8Max));
+      default: return x;
+    }
+  }
+};
+
+PvFormat pv_format_of(sage_pv_format f) {
+  switch (f) {
+    case SAGE_PV_FP8_E4M3: return {f, kE4M3Max, kE4M3Max};
+    case SAGE_PV_FP8_E5M2: return {f, kE5M2Max, kE5M2Max};
+    case SAGE_PV_INT8: return {f, float(kInt8Max), float(kInt8Max)};
+    default: return {f, 1.0f, 0.0f};  // fp16 or full precision: no scales
+  }
+}
+
+// K, V of one (batch, kv head) after the pre-pass.
+template <typename Real>
+struct KvPrep {
+  std::vector<Real> k_mean;       // [D], zeros without K smoothing
+  std::vector<Real> k_smooth;     // K - k_mean, [Nk][D] (for ΔS)
+  QuantizedGroups<Real> k;        // quantized K - k_mean
+  std::vector<Real> v_mean;       // [D], zeros without V smoothing
+  std::vector<Real> v;            // quantized V - v_mean, [Nk][D]
+  std::vector<Real> v_scale;      // [scale rows][D]: one row (per channel) or one per key block
+};
+
+// Q of one (batch, q head) after the pre-pass.
+template <typename Real>
+struct QPrep {
+  std::vector<Real> q_mean;       // [Q blocks][D], zeros without Q smoothing
+  QuantizedGroups<Real> q;        // quantized Q - q_mean of its block
+  std::vector<Real> lse_shift;    // [Nq]: scale * q_i·k_mean, added back to the LSE
+};
+
+template <typename Real>
+std::vector<Real> load_rows(const TensorView& t, int64_t b, int64_t h, int64_t rows, int64_t dim) {
+  const std::vector<float> f = load_matrix(t, b, h, rows, dim);
+  return std::vector<Real>(f.begin(), f.end());
+}
+
+template <typename Real>
+void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, const TensorView& k,
+         const TensorView& v, Real* out, Real* lse, int threads) {
+  if (const std::string e = quant_config_error(cfg); !e.empty())
+    throw Error{SAGE_ERROR_INVALID_ARGUMENT, e};
+  const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_kv;
+  const int64_t bq = cfg.block_q, bk = cfg.block_k;
+  const int64_t q_blocks = (Nq + bq - 1) / bq, k_blocks = (Nk + bk - 1) / bk;
+  const bool smooth_q = cfg.smooth & SAGE_SMOOTH_Q, smooth_k = cfg.smooth & SAGE_SMOOTH_K,
+             smooth_v = cfg.smooth & SAGE_SMOOTH_V;
+  // Integer operands: a float dot product is exact, as the integer MMA is.
+  const bool exact_qk_in_float = cfg.qk_format == SAGE_QK_INT8 || cfg.qk_format == SAGE_QK_INT4;
+  const PvFormat pv = pv_format_of(cfg.pv_format);
+  const bool block_v_scale = cfg.v_scale == SAGE_V_SCALE_PER_BLOCK_CHANNEL && pv.v_max > 0;
+  const GroupLayout q_layout = q_group_layout(cfg), k_layout = k_group_layout(cfg);
+  const size_t dims = static_cast<size_t>(D);
+
+  // --- Pre-pass over K and V, once per (batch, kv head).
+  std::vector<KvPrep<Real>> kv(size_t(p.batch * p.heads_kv));
+  parallel_for(int64_t(kv.size()), threads, [&](int64_t i) {
+    KvPrep<Real>& kp = kv[size_t(i)];
+    const int64_t b = i / p.heads_kv, h = i % p.heads_kv;
+    kp.k_smooth = load_rows<Real>(k, b, h, Nk, D);
+    kp.k_mean = smooth_k ? channel_mean(kp.k_smooth, 0, Nk, D) : std::vector<Real>(dims, Real(0));
+    for (int64_t j = 0; j < Nk; ++j)
+      for (int64_t d = 0; d < D; ++d) kp.k_smooth[size_t(j * D + d)] -= kp.k_mean[size_t(d)];
+    kp.k = quantize_groups(kp.k_smooth, Nk, D, k_layout, cfg.qk_format);
+
+    kp.v = load_rows<Real>(v, b, h, Nk, D);
+    kp.v_mean = smooth_v ? channel_mean(kp.v, 0, Nk, D) : std::vector<Real>(dims, Real(0));
+    for (int64_t j = 0; j < Nk; ++j)
+      for (int64_t d = 0; d < D; ++d) kp.v[size_t(j * D + d)] -= kp.v_mean[size_t(d)];
+    const int64_t scale_rows = block_v_scale ? k_blocks : 1;
+    kp.v_scale.assign(size_t(scale_rows * D), Real(1));
+    if (pv.v_max > 0) {
+      std::vector<float> amax(size_t(scale_rows * D), 0.0f);
+      for (int64_t j = 0; j < Nk; ++j) {
+        const int64_t row = block_v_scale ? j / bk : 0;
+        for (int64_t d = 0; d < D; ++d) {
+          float& a = amax[size_t(row * D + d)];
+          a = std::max(a, float(std::fabs(kp.v[size_t(j * D + d)])));
+        }
+      }
+      for (int64_t j = 0; j < Nk; ++j) {
+        const int64_t row = block_v_scale ? j / bk : 0;
+        for (int64_t d = 0; d < D; ++d) {
+          const QuantScale s = make_quant_scale(amax[size_t(row * D + d)], pv.v_max);
+          kp.v_scale[size_t(row * D + d)] = Real(s.scale);
+          Real& x = kp.v[size_t(j * D + d)];
+          x = pv.quantize(Real(float(x) * s.inv));
+        }
+      }
+    } else {
+      for (Real& x : kp.v) x = pv.quantize(x);
+    }
+  });
+
+  // --- Pre-pass over Q, once per (batch, q head).
+  std::vector<QPrep<Real>> qp(size_t(p.batch * p.heads_q));
+  parallel_for(int64_t(qp.size()), threads, [&](int64_t i) {
+    QPrep<Real>& pr = qp[size_t(i)];
+    const int64_t b = i / p.heads_q, h = i % p.heads_q;
+    const KvPrep<Real>& kp = kv[size_t(b * p.heads_kv + h / p.group_ratio())];
+    std::vector<Real> x = load_rows<Real>(q, b, h, Nq, D);
+    pr.lse_shift.resize(size_t(Nq));
+    for (int64_t r = 0; r < Nq; ++r)
+      pr.lse_shift[size_t(r)] = Real(p.scale * dot<double>(&x[size_t(r * D)], kp.k_mean.data(), D));
+    pr.q_mean.assign(size_t(q_blocks * D), Real(0));
+    for (int64_t qb = 0; qb < q_blocks && smooth_q; ++qb) {
+      const int64_t r0 = qb * bq, r1 = std::min(Nq, r0 + bq);
+      const std::vector<Real> mean = channel_mean(x, r0, r1, D);
+      std::copy(mean.begin(), mean.end(), pr.q_mean.begin() + qb * D);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t d = 0; d < D; ++d) x[size_t(r * D + d)] -= mean[size_t(d)];
+    }
+    pr.q = quantize_groups(x, Nq, D, q_layout, cfg.qk_format);
+  });
+
+  // --- The attention kernel: one item per (batch, q head, Q block), streaming key blocks.
+  const Real scale_log2 = Real(p.scale * kLog2e);
+  parallel_for(p.batch * p.heads_q * q_blocks, threads, [&](int64_t item) {
+    const int64_t qb = item % q_blocks, bh = item / q_blocks;
+    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+    const KvPrep<Real>& kp = kv[size_t(b * p.heads_kv + h / p.group_ratio())];
+    const QPrep<Real>& pr = qp[size_t(bh)];
+    const int64_t r0 = qb * bq, rows = std::min(Nq, r0 + bq) - r0;
+
+    // ΔS = q_mean · (K - k_mean)ᵀ: one value per key for this Q block (SPEC.md §2.2).
+    std::vector<Real> delta_s(size_t(Nk), Real(0));
+    if (smooth_q)
+      for (int64_t j = 0; j < Nk; ++j)
+        delta_s[size_t(j)] =
+            Real(dot<double>(&pr.q_mean[size_t(qb * D)], &kp.k_smooth[size_t(j * D)], D));
+
+    // Online-softmax state per row: running max m (base 2), sum l, output O, and the MMA
+    // accumulator R (a double holding exactly what the hardware register holds).
+    std::vector<Real> m(size_t(rows), neg_inf<Real>()), l(size_t(rows), Real(0));
+    std::vector<Real> O(size_t(rows * D), Real(0));
+    std::vector<double> R(size_t(rows * D), 0.0);
+    std::vector<int> pending(size_t(rows), 0);  // key blocks in R since the last flush
+    std::vector<Real> s(static_cast<size_t>(bk)), phat(static_cast<size_t>(bk));
+    std::vector<double> chunk(dims);
+    int64_t visible_max = 0;
+    for (int64_t r = 0; r < rows; ++r) visible_max = std::max(visible_max, p.visible_keys(r0 + r));
+
+    for (int64_t kb = 0; kb * bk < visible_max; ++kb) {
+      const int64_t j0 = kb * bk, j1 = std::min(Nk, j0 + bk);
+      const Real* flush_scale = block_v_scale ? &kp.v_scale[size_t(kb * D)] : nullptr;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r0 + r, n = p.visible_keys(i);
+        if (j0 >= n) continue;  // block fully masked for this row: the kernel skips it
+        const Real* qi = &pr.q.values[size_t(i * D)];
+        const Real qs = pr.q.scale[size_t(i)];
+        Real row_max = neg_inf<Real>();
+        for (int64_t j = j0; j < j1; ++j) {
+          if (j >= n) {
+            s[size_t(j - j0)] = neg_inf<Real>();
+            continue;
+          }
+          const Real* kj = &kp.k.values[size_t(j * D)];
+          const Real acc = (std::is_same_v<Real, float> && exact_qk_in_float)
+                               ? Real(dot<float>(qi, kj, D))
+                               : Real(dot<double>(qi, kj, D));
+          const Real x = (acc * (qs * kp.k.scale[size_t(j)]) + delta_s[size_t(j)]) * scale_log2;
+          s[size_t(j - j0)] = x;
+          row_max = std::max(row_max, x);
+        }
+        const Real m_new = std::max(m[size_t(r)], row_max);
+        const Real alpha = std::exp2(m[size_t(r)] - m_new);  // 0 on the first block
+        Real row_sum = 0;
+        for (int64_t j = j0; j < j1; ++j) {
+          const Real pt = j < n ? std::exp2(s[size_t(j - j0)] - m_new) : Real(0);
+          row_sum += pt;
+          phat[size_t(j - j0)] = pv.quantize(pt * Real(pv.p_scale));
+        }
+        m[size_t(r)] = m_new;
+        l[size_t(r)] = l[size_t(r)] * alpha + row_sum;
+        Real* o = &O[size_t(r * D)];
+        double* acc = &R[size_t(r * D)];
+        for (int64_t d = 0; d < D; ++d) {
+          o[d] *= alpha;
+          acc[d] = double(Real(acc[d]) * alpha);
+        }
+        // P^·V^ one MMA at a time: exact sum of accum_chunk products, then one accumulator add.
+        for (int64_t c0 = j0; c0 < j1; c0 += cfg.accum_chunk) {
+          const int64_t c1 = std::min(j1, c0 + int64_t(cfg.accum_chunk));
+          std::fill(chunk.begin(), chunk.end(), 0.0);
+          for (int64_t j = c0; j < c1; ++j) {
+            const double pj = double(phat[size_t(j - j0)]);
+            if (pj == 0.0) continue;
+            const Real* vj = &kp.v[size_t(j * D)];
+            for (int64_t d = 0; d < D; ++d) chunk[size_t(d)] += pj * double(vj[d]);
+          }
+          if (cfg.pv_accum == SAGE_PV_ACCUM_FP32) {  // rounded to Real: fp32 for the emulation
+            for (int64_t d = 0; d < D; ++d) acc[d] = double(Real(acc[d] + chunk[size_t(d)]));
+          } else {
+            for (int64_t d = 0; d < D; ++d)
+              acc[d] = truncate_mantissa(acc[d] + chunk[size_t(d)], cfg.accum_mantissa_bits);
+          }
+        }
+        const bool flush = cfg.pv_accum == SAGE_PV_ACCUM_FP32 ||
+                           (cfg.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL &&
+                            ++pending[size_t(r)] == cfg.pv_flush_interval);
+        if (flush) {
+          for (int64_t d = 0; d < D; ++d) {
+            o[d] += flush_scale ? Real(acc[d]) * flush_scale[d] : Real(acc[d]);
+            acc[d] = 0.0;
+          }
+          pending[size_t(r)] = 0;
+        }
+      }
+    }
+
+    // Finalize: flush what is left, O / l / p_scale * v_scale + v_mean.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r0 + r, n = p.visible_keys(i);
+      Real* dst = out + (bh * Nq + i) * D;
+      if (n == 0) {
+        std::fill(dst, dst + D, Real(0));
+        if (lse) lse[bh * Nq + i] = neg_inf<Real>();
+        continue;
+      }
+      const Real* flush_scale = block_v_scale ? &kp.v_scale[size_t((n - 1) / bk * D)] : nullptr;
+      const Real denom = l[size_t(r)] * Real(pv.p_scale);
+      for (int64_t d = 0; d < D; ++d) {
+        const Real acc = Real(R[size_t(r * D + d)]);
+        const Real o = O[size_t(r * D + d)] + (flush_scale ? acc * flush_scale[d] : acc);
+        const Real vs = block_v_scale ? Real(1) : kp.v_scale[size_t(d)];
+        dst[d] = o * (vs / denom) + kp.v_mean[size_t(d)];
+      }
+      if (lse)
+        lse[bh * Nq + i] =
+            Real((double(m[size_t(r)]) + std::log2(double(l[size_t(r)]))) * kLn2) +
+            pr.lse_shift[size_t(i)];
+    }
+  });
+}
+
+}  // namespace
+
+template <typename Real>
+QuantizedGroups<Real> quantize_groups(const std::vector<Real>& x, int64_t rows, int64_t dim,
+                                      const GroupLayout& layout, sage_qk_format format) {
+  QuantizedGroups<Real> out;
+  out.scale.assign(size_t(rows), Real(1));
+  if (format == SAGE_QK_NONE) {
+    out.values = x;
+    return out;
+  }
+  out.values.resize(x.size());
+  std::vector<float> amax(size_t(layout.num_groups(rows)), 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float& a = amax[size_t(layout.group(r))];
+    for (int64_t d = 0; d < dim; ++d) a = std::max(a, float(std::fabs(x[size_t(r * dim + d)])));
+  }
+  const float qmax = format == SAGE_QK_INT8   ? float(kInt8Max)
+                     : format == SAGE_QK_INT4 ? float(kInt4Max)
+                                              : kE4M3Max;
+  for (int64_t r = 0; r < rows; ++r) {
+    const QuantScale s = make_quant_scale(amax[size_t(layout.group(r))], qmax);
+    out.scale[size_t(r)] = Real(s.scale);
+    for (int64_t d = 0; d < dim; ++d) {
+      const size_t i = size_t(r * dim + d);
+      const float xf = float(x[i]);
+      out.values[i] = format == SAGE_QK_FP8_E4M3 ? Real(round_float(kE4M3, xf * s.inv))
+                                                 : Real(quantize_int(xf, s.inv, int(qmax)));
+    }
+  }
+  return out;
+}
+
+template QuantizedGroups<float> quantize_groups(const std::vector<float>&, int64_t, int64_t,
+                                                const GroupLayout&, sage_qk_format);
+template QuantizedGroups<double> quantize_groups(const std::vector<double>&, int64_t, int64_t,
+                                                 const GroupLayout&, sage_qk_format);
+
+void attention_quant(const Problem& p, const sage_quant_config& cfg, const TensorView& q,
+                     const TensorView& k, const TensorView& v, float* out, float* lse,
+                     int threads) {
+  run<float>(p, cfg, q, k, v, out, lse, threads);
+}
+
+void attention_quant(const Problem& p, const sage_quant_config& cfg, const TensorView& q,
+                     const TensorView& k, const TensorView& v, double* out, double* lse,
+                     int threads) {
+  run<double>(p, cfg, q, k, v, out, lse, threads);
+}
+
+}  // namespace sage::ref

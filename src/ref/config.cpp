@@ -1,0 +1,83 @@
+// Quantization configs: the presets behind sage_variant and the one validity check shared by the
+// C API and the CPU reference. Host code.
+#include <string>
+
+#include "ref/reference.h"
+
+namespace sage::ref {
+
+sage_quant_config quant_preset(sage_variant variant) {
+  sage_quant_config c{};
+  c.qk_format = SAGE_QK_INT8;
+  c.granularity = SAGE_GRANULARITY_PER_THREAD_MMA;
+  c.smooth = SAGE_SMOOTH_K;
+  c.pv_format = SAGE_PV_FP8_E4M3;
+  c.v_scale = SAGE_V_SCALE_PER_CHANNEL;
+  c.pv_accum = SAGE_PV_ACCUM_TWO_LEVEL;
+  c.pv_flush_interval = 1;
+  c.accum_mantissa_bits = 13;  // FP22 as the paper measured on Ada; see docs/ once measured here
+  c.accum_chunk = 32;          // keys in one m16n8k32 / m64nNk32 FP8 MMA
+  c.block_q = 128;
+  c.block_k = 64;
+  c.warps = 4;
+  switch (variant) {
+    case SAGE_VARIANT_SAGE2_4B:
+      c.qk_format = SAGE_QK_INT4;
+      c.smooth = SAGE_SMOOTH_Q | SAGE_SMOOTH_K;
+      break;
+    case SAGE_VARIANT_EXACT:
+      c.qk_format = SAGE_QK_NONE;
+      c.smooth = 0;
+      c.pv_format = SAGE_PV_NONE;
+      c.pv_accum = SAGE_PV_ACCUM_FP32;
+      break;
+    default: break;  // AUTO, SAGE2_8B, CUSTOM start from the 8-bit kernel
+  }
+  return c;
+}
+
+std::string quant_config_error(const sage_quant_config& c) {
+  auto bad = [](const char* what, long long value) {
+    return std::string("quant.") + what + " = " + std::to_string(value) + " is invalid";
+  };
+  if (c.qk_format < SAGE_QK_NONE || c.qk_format > SAGE_QK_FP8_E4M3)
+    return bad("qk_format", c.qk_format);
+  if (c.granularity < SAGE_GRANULARITY_PER_THREAD_MMA ||
+      c.granularity > SAGE_GRANULARITY_PER_TENSOR)
+    return bad("granularity", c.granularity);
+  if (c.smooth & ~(SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V))
+    return bad("smooth (unknown flag bits)", c.smooth);
+  if (c.pv_format < SAGE_PV_NONE || c.pv_format > SAGE_PV_INT8) return bad("pv_format", c.pv_format);
+  if (c.v_scale < SAGE_V_SCALE_PER_CHANNEL || c.v_scale > SAGE_V_SCALE_PER_BLOCK_CHANNEL)
+    return bad("v_scale", c.v_scale);
+  if (c.pv_accum < SAGE_PV_ACCUM_FP32 || c.pv_accum > SAGE_PV_ACCUM_TWO_LEVEL)
+    return bad("pv_accum", c.pv_accum);
+  if (c.block_q < 1 || c.block_q > 1024) return bad("block_q (1..1024)", c.block_q);
+  if (c.block_k < 1 || c.block_k > 1024) return bad("block_k (1..1024)", c.block_k);
+  if (c.warps < 1 || c.block_q % c.warps != 0)
+    return bad("warps (>= 1 and must divide block_q)", c.warps);
+  if (c.pv_flush_interval < 1) return bad("pv_flush_interval (>= 1)", c.pv_flush_interval);
+  if (c.accum_mantissa_bits < 1 || c.accum_mantissa_bits > 23)
+    return bad("accum_mantissa_bits (1..23)", c.accum_mantissa_bits);
+  if (c.accum_chunk < 1) return bad("accum_chunk (>= 1)", c.accum_chunk);
+  if (c.granularity == SAGE_GRANULARITY_PER_THREAD_MMA && (c.block_q / c.warps) % 16 != 0)
+    return bad("block_q (per-thread MMA groups need block_q / warps to be a multiple of 16)",
+               c.block_q);
+  if (c.granularity == SAGE_GRANULARITY_PER_THREAD_WGMMA && c.block_q % 16 != 0)
+    return bad("block_q (per-thread WGMMA groups need a multiple of 16)", c.block_q);
+  if ((c.granularity == SAGE_GRANULARITY_PER_THREAD_MMA ||
+       c.granularity == SAGE_GRANULARITY_PER_THREAD_WGMMA) &&
+      c.block_k % 8 != 0)
+    return bad("block_k (per-thread K groups need a multiple of 8)", c.block_k);
+  if (c.v_scale == SAGE_V_SCALE_PER_BLOCK_CHANNEL && c.pv_accum != SAGE_PV_ACCUM_FP32 &&
+      c.pv_flush_interval != 1)
+    return "quant.v_scale per (block, channel) needs the accumulator flushed every key block "
+           "(pv_flush_interval = " + std::to_string(c.pv_flush_interval) +
+           ", pv_accum = " + std::to_string(c.pv_accum) + ")";
+  if (c.v_scale == SAGE_V_SCALE_PER_BLOCK_CHANNEL && c.pv_accum == SAGE_PV_ACCUM_HW)
+    return "quant.v_scale per (block, channel) cannot be used with pv_accum = HW (the hardware "
+           "accumulator is never flushed, so block scales cannot be applied)";
+  return {};
+}
+
+}  // namespace sage::ref

@@ -1,0 +1,116 @@
+// sage::ref — the CPU reference, the oracle every GPU kernel is checked against. Plain C++17,
+// no CUDA. Two entry points: float64 attention, and a faithful emulation of quantized attention
+// with every knob of SPEC.md §2–4 (sage_quant_config). Both read strided fp16/bf16/fp32 inputs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "sage/sage.h"
+
+namespace sage::ref {
+
+// A strided [B, H, N, D] tensor on the host: element (b, h, n, d) sits at
+// data + b*strides.batch + h*strides.head + n*strides.token + d (in elements of dtype).
+struct TensorView {
+  const void* data = nullptr;
+  sage_dtype dtype = SAGE_DTYPE_FP32;
+  sage_strides strides{0, 0, 0};
+};
+
+struct Problem {
+  int64_t batch = 1, heads_q = 1, heads_kv = 1, seq_q = 1, seq_kv = 1, head_dim = 64;
+  double scale = 0.0;  // resolved softmax scale (never 0 here)
+  sage_mask mask = SAGE_MASK_NONE;
+
+  int64_t group_ratio() const { return heads_q / heads_kv; }
+  // Keys visible to query i are j < visible_keys(i) (0 = a fully masked row).
+  int64_t visible_keys(int64_t i) const;
+  int64_t out_elems() const { return batch * heads_q * seq_q * head_dim; }
+  int64_t lse_elems() const { return batch * heads_q * seq_q; }
+};
+
+// Contiguous strides of a [B, H, N, D] tensor stored in `layout`.
+sage_strides contiguous_strides(sage_layout layout, int64_t heads, int64_t seq, int64_t dim);
+
+// Reads one (b, h) matrix [rows, dim] as float.
+std::vector<float> load_matrix(const TensorView& t, int64_t b, int64_t h, int64_t rows,
+                               int64_t dim);
+float load_element(const void* data, sage_dtype dtype, int64_t offset);
+// Writes x rounded to dtype (round to nearest even) at data + offset.
+void store_element(void* data, sage_dtype dtype, int64_t offset, double x);
+
+// float64 attention of the given (already dtype-rounded) inputs: out is contiguous
+// [B, Hq, Nq, D]; lse (optional) contiguous [B, Hq, Nq], natural log; fully masked rows give
+// out = 0 and lse = -inf.
+void attention_exact(const Problem& p, const TensorView& q, const TensorView& k,
+                     const TensorView& v, double* out, double* lse, int threads = 0);
+
+// The quantized attention of `cfg` emulated step by step as the GPU kernels compute it (see
+// attention_quant.cpp). Same output conventions as attention_exact. The float version keeps
+// every unquantized value in fp32 as the GPU does; the double version applies the same
+// quantization with ideal arithmetic around it.
+void attention_quant(const Problem& p, const sage_quant_config& cfg, const TensorView& q,
+                     const TensorView& k, const TensorView& v, float* out, float* lse,
+                     int threads = 0);
+void attention_quant(const Problem& p, const sage_quant_config& cfg, const TensorView& q,
+                     const TensorView& k, const TensorView& v, double* out, double* lse,
+                     int threads = 0);
+
+// The quantization config a variant stands for (CUSTOM and AUTO give the SAGE2_8B one).
+sage_quant_config quant_preset(sage_variant variant);
+// Empty when `cfg` is usable, else a message naming the bad field and its value.
+std::string quant_config_error(const sage_quant_config& cfg);
+
+// Which tokens share a quantization scale. The pattern repeats every `span` tokens (a block);
+// token t is in group (t / span) * groups_per_span + group_of[t % span]. span == 0 means one group
+// for the whole sequence (per-tensor).
+struct GroupLayout {
+  int64_t span = 0;
+  int groups_per_span = 1;
+  std::vector<int> group_of;
+
+  int64_t group(int64_t t) const;
+  int64_t num_groups(int64_t n) const;
+
+  static GroupLayout per_tensor();
+  static GroupLayout per_block(int64_t block);
+  static GroupLayout per_token(int64_t block);
+  static GroupLayout per_rows(int64_t block, int64_t rows);  // consecutive runs of `rows` tokens
+  // Q rows of an MMA accumulator: a warp owns rows_per_warp consecutive rows (a multiple of 16);
+  // lane group g = lane/4 holds rows {g, g+8, g+16, ...} of its warp (SPEC.md §4).
+  static GroupLayout thread_q(int64_t block_q, int64_t rows_per_warp);
+  // K columns of an MMA accumulator: lane t = lane%4 holds keys {8j+2t, 8j+2t+1} (SPEC.md §4).
+  static GroupLayout thread_k(int64_t block_k);
+};
+
+// A [rows][dim] matrix quantized in groups of rows (SPEC.md §2.3): values holds the quantized
+// numbers (integers for INT8/INT4, E4M3 values for FP8; x itself for SAGE_QK_NONE) and scale
+// the dequantization factor of each row's group: x ~ values * scale, delta = amax / qmax.
+template <typename Real>
+struct QuantizedGroups {
+  std::vector<Real> values;
+  std::vector<Real> scale;  // [rows]
+};
+template <typename Real>
+QuantizedGroups<Real> quantize_groups(const std::vector<Real>& x, int64_t rows, int64_t dim,
+                                      const GroupLayout& layout, sage_qk_format format);
+
+// The Q and K layouts a config implies.
+GroupLayout q_group_layout(const sage_quant_config& cfg);
+GroupLayout k_group_layout(const sage_quant_config& cfg);
+
+// Accuracy of `x` against `ref` (SPEC.md §5), over n elements.
+struct Metrics {
+  double cos = 0, rel_l1 = 0, rmse = 0, max_abs = 0;
+};
+Metrics compare(const double* ref, const float* x, int64_t n);
+Metrics compare(const double* ref, const double* x, int64_t n);
+
+// Runs fn(i) for i in [0, n) on `threads` threads (0 = hardware concurrency). Exceptions thrown
+// by fn are rethrown (the first one) after all threads stop.
+void parallel_for(int64_t n, int threads, const std::function<void(int64_t)>& fn);
+
+}  // namespace sage::ref

@@ -1,0 +1,48 @@
+// Built-in test and demo inputs for the CPU reference and the `sage` tool (fp16, HND layout):
+// the outlier structure of real models' Q, K, V (paper 003 Fig. 2) plus an attention sink.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "ref/reference.h"
+
+namespace sage::ref {
+
+struct SyntheticSpec {
+  int64_t batch = 1, heads_q = 2, heads_kv = 2, seq_q = 2048, seq_kv = 2048, head_dim = 128;
+  // Per-channel biases (constant over tokens), as standard deviations over channels. A few
+  // "massive" channels (outlier_channels of them) carry a larger bias in Q and K, and there K's
+  // token-to-token variation is small, as in real models.
+  float q_bias = 1.0f, q_outlier = 12.0f;
+  float k_bias = 8.0f, k_outlier = 16.0f;
+  float v_bias = 4.0f;
+  int64_t outlier_channels = 8;
+  float token_spread = 0.3f;  // std of the log token norm of Q and K (varies along the sequence)
+  float sink = 9.0f;          // score boost (natural log units) of key 0 for every query; 0 = none
+  uint64_t seed = 1;
+};
+
+struct SyntheticInputs {
+  SyntheticSpec spec;
+  std::vector<uint16_t> q, k, v;  // fp16 bits, HND, contiguous
+
+  Problem problem(sage_mask mask = SAGE_MASK_NONE) const {
+    return Problem{spec.batch,   spec.heads_q,  spec.heads_kv,
+                   spec.seq_q,   spec.seq_kv,   spec.head_dim,
+                   1.0 / std::sqrt(double(spec.head_dim)), mask};
+  }
+  TensorView q_view() const { return view(q.data(), spec.heads_q, spec.seq_q); }
+  TensorView k_view() const { return view(k.data(), spec.heads_kv, spec.seq_kv); }
+  TensorView v_view() const { return view(v.data(), spec.heads_kv, spec.seq_kv); }
+
+ private:
+  TensorView view(const uint16_t* p, int64_t heads, int64_t seq) const {
+    return {p, SAGE_DTYPE_FP16, contiguous_strides(SAGE_LAYOUT_HND, heads, seq, spec.head_dim)};
+  }
+};
+
+SyntheticInputs make_inputs(const SyntheticSpec& spec);
+
+}  // namespace sage::ref

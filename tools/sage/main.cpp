@@ -1,0 +1,271 @@
+// The `sage` command-line tool: `sage accuracy` prints the paper's ablations (CPU reference
+// against float64) on a built-in problem or the user's .npy tensors; `sage info` says what was
+// built and which GPU is there. Host code.
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "api/backend.h"
+#include "common/formats.h"
+#include "npy.h"
+#include "ref/ablations.h"
+#include "ref/reference.h"
+#include "ref/synthetic.h"
+
+namespace {
+
+using namespace sage;
+
+void usage(FILE* f) {
+  std::fprintf(f,
+               "usage: sage <command> [options]\n"
+               "\n"
+               "commands:\n"
+               "  accuracy   the paper's ablations (CPU emulation vs float64), all four metrics\n"
+               "  info       version, CUDA architectures built, GPUs visible\n"
+               "\n"
+               "accuracy options:\n"
+               "  --q F --k F --v F      .npy inputs (float16/float32), [B,H,N,D] or [H,N,D] or\n"
+               "                         [N,D]; float32 is rounded to fp16 as a kernel call would\n"
+               "  --layout HND|NHD       layout of the .npy inputs (default HND)\n"
+               "  --batch B --heads H --kv-heads H --seq N --seq-kv N --dim D --seed S\n"
+               "                         the built-in problem (default 1 x 2 heads x 2048 x 128)\n"
+               "  --q-bias X --q-outlier X --k-bias X --k-outlier X --v-bias X\n"
+               "  --outlier-channels C --token-spread X --sink X\n"
+               "                         its outlier structure (defaults 1, 12, 8, 16, 4, 8, 0.3, 9;\n"
+               "                         see src/ref/synthetic.h)\n"
+               "  --causal               bottom-right causal mask\n"
+               "  --threads T            CPU threads (default: all)\n"
+               "  --json                 print JSON instead of tables\n");
+}
+
+struct Options {
+  std::map<std::string, std::string> values;
+  bool json = false, causal = false;
+  std::string get(const std::string& k, const std::string& def) const {
+    auto it = values.find(k);
+    return it == values.end() ? def : it->second;
+  }
+};
+
+bool parse_options(int argc, char** argv, Options* o) {
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--json") { o->json = true; continue; }
+    if (a == "--causal") { o->causal = true; continue; }
+    static const char* with_value[] = {"--q", "--k", "--v", "--layout", "--batch", "--heads",
+                                       "--kv-heads", "--seq", "--seq-kv", "--dim", "--seed",
+                                       "--q-bias", "--k-bias", "--v-bias", "--token-spread",
+                                       "--q-outlier", "--k-outlier", "--outlier-channels", "--sink",
+                                       "--threads"};
+    bool known = false;
+    for (const char* w : with_value) known |= a == w;
+    if (!known) {
+      std::fprintf(stderr, "sage: unknown option '%s'\n", a.c_str());
+      return false;
+    }
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "sage: option '%s' needs a value\n", a.c_str());
+      return false;
+    }
+    o->values[a.substr(2)] = argv[++i];
+  }
+  return true;
+}
+
+// The user's tensors as fp16 HND, shaped like the synthetic problem so both paths share code.
+bool load_user_inputs(const Options& o, ref::SyntheticInputs* in) {
+  tool::NpyArray arr[3];
+  const char* names[3] = {"q", "k", "v"};
+  std::string err;
+  for (int i = 0; i < 3; ++i) {
+    if (!tool::read_npy(o.get(names[i], ""), &arr[i], &err)) {
+      std::fprintf(stderr, "sage: --%s %s\n", names[i], err.c_str());
+      return false;
+    }
+    if (arr[i].shape.size() < 2 || arr[i].shape.size() > 4) {
+      std::fprintf(stderr, "sage: --%s must have 2, 3 or 4 dimensions\n", names[i]);
+      return false;
+    }
+    while (arr[i].shape.size() < 4) arr[i].shape.insert(arr[i].shape.begin(), 1);
+  }
+  const bool nhd = o.get("layout", "HND") == "NHD";
+  if (!nhd && o.get("layout", "HND") != "HND") {
+    std::fprintf(stderr, "sage: --layout must be HND or NHD\n");
+    return false;
+  }
+  auto dims = [&](int i, int64_t* b, int64_t* h, int64_t* n, int64_t* d) {
+    *b = arr[i].shape[0];
+    *h = nhd ? arr[i].shape[2] : arr[i].shape[1];
+    *n = nhd ? arr[i].shape[1] : arr[i].shape[2];
+    *d = arr[i].shape[3];
+  };
+  int64_t b[3], h[3], n[3], d[3];
+  for (int i = 0; i < 3; ++i) dims(i, &b[i], &h[i], &n[i], &d[i]);
+  if (b[1] != b[0] || b[2] != b[0] || d[1] != d[0] || d[2] != d[0] || h[1] != h[2] ||
+      n[1] != n[2] || h[0] % h[1] != 0) {
+    std::fprintf(stderr,
+                 "sage: shapes do not fit: need q [B,Hq,Nq,D], k and v [B,Hkv,Nk,D] with Hq %% Hkv "
+                 "== 0 (in the given layout)\n");
+    return false;
+  }
+  in->spec.batch = b[0];
+  in->spec.heads_q = h[0];
+  in->spec.heads_kv = h[1];
+  in->spec.seq_q = n[0];
+  in->spec.seq_kv = n[1];
+  in->spec.head_dim = d[0];
+  std::vector<uint16_t>* dst[3] = {&in->q, &in->k, &in->v};
+  for (int i = 0; i < 3; ++i) {
+    dst[i]->resize(size_t(b[i] * h[i] * n[i] * d[i]));
+    for (int64_t bb = 0; bb < b[i]; ++bb)
+      for (int64_t hh = 0; hh < h[i]; ++hh)
+        for (int64_t nn = 0; nn < n[i]; ++nn)
+          for (int64_t dd = 0; dd < d[i]; ++dd) {
+            const int64_t src = nhd ? ((bb * n[i] + nn) * h[i] + hh) * d[i] + dd
+                                    : ((bb * h[i] + hh) * n[i] + nn) * d[i] + dd;
+            const int64_t out = ((bb * h[i] + hh) * n[i] + nn) * d[i] + dd;
+            uint16_t bits;
+            if (arr[i].is_fp16) {
+              std::memcpy(&bits, &arr[i].bytes[size_t(src * 2)], 2);
+            } else {
+              float x;
+              std::memcpy(&x, &arr[i].bytes[size_t(src * 4)], 4);
+              bits = uint16_t(encode_float(kFp16, x, false));
+            }
+            (*dst[i])[size_t(out)] = bits;
+          }
+  }
+  return true;
+}
+
+int cmd_accuracy(const Options& o) {
+  ref::SyntheticInputs in;
+  const bool user = !o.get("q", "").empty() || !o.get("k", "").empty() || !o.get("v", "").empty();
+  int threads = 0;
+  try {
+    threads = std::stoi(o.get("threads", "0"));
+    if (user) {
+      if (!load_user_inputs(o, &in)) return 2;
+    } else {
+      ref::SyntheticSpec s;
+      s.batch = std::stoll(o.get("batch", "1"));
+      s.heads_q = std::stoll(o.get("heads", "2"));
+      s.heads_kv = std::stoll(o.get("kv-heads", std::to_string(s.heads_q)));
+      s.seq_q = std::stoll(o.get("seq", "2048"));
+      s.seq_kv = std::stoll(o.get("seq-kv", std::to_string(s.seq_q)));
+      s.head_dim = std::stoll(o.get("dim", "128"));
+      s.seed = std::stoull(o.get("seed", "1"));
+      s.q_bias = std::stof(o.get("q-bias", std::to_string(s.q_bias)));
+      s.q_outlier = std::stof(o.get("q-outlier", std::to_string(s.q_outlier)));
+      s.k_bias = std::stof(o.get("k-bias", std::to_string(s.k_bias)));
+      s.k_outlier = std::stof(o.get("k-outlier", std::to_string(s.k_outlier)));
+      s.v_bias = std::stof(o.get("v-bias", std::to_string(s.v_bias)));
+      s.outlier_channels = std::stoll(o.get("outlier-channels", std::to_string(s.outlier_channels)));
+      s.token_spread = std::stof(o.get("token-spread", std::to_string(s.token_spread)));
+      s.sink = std::stof(o.get("sink", std::to_string(s.sink)));
+      if (s.batch < 1 || s.heads_q < 1 || s.heads_kv < 1 || s.heads_q % s.heads_kv != 0 ||
+          s.seq_q < 1 || s.seq_kv < 1 || s.head_dim < 1 || s.head_dim > 512) {
+        std::fprintf(stderr, "sage: the problem sizes are invalid (need >= 1, heads %% kv-heads "
+                             "== 0, dim <= 512)\n");
+        return 2;
+      }
+      in = ref::make_inputs(s);
+    }
+  } catch (const std::exception&) {
+    std::fprintf(stderr, "sage: a numeric option has a value that is not a number\n");
+    return 2;
+  }
+  const ref::Problem p = in.problem(o.causal ? SAGE_MASK_CAUSAL_BOTTOM_RIGHT : SAGE_MASK_NONE);
+  const ref::TensorView q = in.q_view(), k = in.k_view(), v = in.v_view();
+
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  std::vector<double> exact(static_cast<size_t>(p.out_elems()));
+  ref::attention_exact(p, q, k, v, exact.data(), nullptr, threads);
+  const double exact_s = std::chrono::duration<double>(clock::now() - t0).count();
+
+  struct Result {
+    ref::AblationRow row;
+    ref::Metrics m;
+    double seconds;
+  };
+  std::vector<Result> results;
+  std::vector<float> out(static_cast<size_t>(p.out_elems()));
+  for (const ref::AblationRow& row : ref::paper_ablations()) {
+    const auto t = clock::now();
+    ref::attention_quant(p, row.cfg, q, k, v, out.data(), nullptr, threads);
+    const double s = std::chrono::duration<double>(clock::now() - t).count();
+    results.push_back({row, ref::compare(exact.data(), out.data(), p.out_elems()), s});
+  }
+  const double total_s = std::chrono::duration<double>(clock::now() - t0).count();
+
+  const char* input_name = user ? "user tensors" : "built-in outlier problem";
+  if (o.json) {
+    std::printf("{\"input\": \"%s\", \"batch\": %" PRId64 ", \"heads_q\": %" PRId64
+                ", \"heads_kv\": %" PRId64 ", \"seq_q\": %" PRId64 ", \"seq_kv\": %" PRId64
+                ", \"head_dim\": %" PRId64 ", \"causal\": %s, \"seconds\": %.3f, \"rows\": [",
+                input_name, p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, p.head_dim,
+                o.causal ? "true" : "false", total_s);
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      std::printf("%s\n  {\"table\": \"%s\", \"label\": \"%s\", \"cos\": %.8f, \"rel_l1\": %.8g, "
+                  "\"rmse\": %.8g, \"max_abs\": %.8g, \"seconds\": %.3f}",
+                  i ? "," : "", r.row.table.c_str(), r.row.label.c_str(), r.m.cos, r.m.rel_l1,
+                  r.m.rmse, r.m.max_abs, r.seconds);
+    }
+    std::printf("\n]}\n");
+    return 0;
+  }
+  std::printf("sage accuracy: %s, B=%" PRId64 " Hq=%" PRId64 " Hkv=%" PRId64 " Nq=%" PRId64
+              " Nk=%" PRId64 " D=%" PRId64 "%s\n",
+              input_name, p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, p.head_dim,
+              o.causal ? " causal" : "");
+  std::printf("CPU emulation of each kernel configuration against float64 attention of the same "
+              "fp16 inputs (float64: %.1f s)\n",
+              exact_s);
+  std::string table;
+  for (const Result& r : results) {
+    if (r.row.table != table) {
+      table = r.row.table;
+      std::printf("\n%s\n  %-42s %10s %10s %10s %10s\n", table.c_str(), "", "CosSim", "RelL1",
+                  "RMSE", "MaxAbs");
+    }
+    std::printf("  %-42s %9.4f%% %10.5f %10.5f %10.5f\n", r.row.label.c_str(), 100.0 * r.m.cos,
+                r.m.rel_l1, r.m.rmse, r.m.max_abs);
+  }
+  std::printf("\n%zu configurations in %.1f s\n", results.size(), total_s);
+  return 0;
+}
+
+int cmd_info() {
+  bool has_gpu = false;
+  const std::string gpus = cuda::describe_devices(&has_gpu);
+  std::printf("libsage %s\n", sage_version());
+  std::printf("CUDA architectures built: %s\n", SAGE_CUDA_ARCHS_STRING);
+  std::printf("%s\n", gpus.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "--help")) {
+    usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string cmd = argv[1];
+  Options o;
+  if (!parse_options(argc, argv, &o)) return 2;
+  if (cmd == "accuracy") return cmd_accuracy(o);
+  if (cmd == "info") return cmd_info();
+  std::fprintf(stderr, "sage: unknown command '%s'\n\n", cmd.c_str());
+  usage(stderr);
+  return 2;
+}
