@@ -17,8 +17,8 @@ Metrics compare_impl(const double* ref, const T* x, int64_t n) {
     l1 += std::fabs(e);
     ref_l1 += std::fabs(a);
     sq += e * e;
-    // NaN must not hide: fmax would drop it.
-    if (!(std::fabs(e) <= mx)) mx = std::fabs(e);
+    // A NaN must not hide: once seen it stays (fmax would drop it).
+    if (!std::isnan(mx) && !(std::fabs(e) <= mx)) mx = std::fabs(e);
   }
   Metrics m;
   m.cos = (rr > 0 && xx > 0) ? dot / (std::sqrt(rr) * std::sqrt(xx)) : (rr == xx ? 1.0 : 0.0);
