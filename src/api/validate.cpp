@@ -44,14 +44,22 @@ struct Range {
   uintptr_t lo, hi;  // [lo, hi)
 };
 
+// `layout` gives the default (contiguous) strides; the LSE is always [B, H, N] (pass HND, inner 1).
 sage_status check_tensor(const char* name, const void* ptr, sage_strides* strides,
-                         sage_strides contiguous, int64_t heads, int64_t seq, int64_t batch,
+                         sage_layout layout, int64_t heads, int64_t seq, int64_t batch,
                          int64_t inner, int64_t elem_size, bool written, Range* range) {
   SAGE_CHECK_ARG(ptr != nullptr, "%s is NULL", name);
   SAGE_CHECK_ARG(reinterpret_cast<uintptr_t>(ptr) % uintptr_t(elem_size) == 0,
                  "%s = %p is not aligned to its element size (%" PRId64 " bytes)", name, ptr,
                  elem_size);
-  if (strides->batch == 0 && strides->head == 0 && strides->token == 0) *strides = contiguous;
+  if (strides->batch == 0 && strides->head == 0 && strides->token == 0) {
+    // Checked before the strides are computed, so that computing them cannot overflow.
+    SAGE_CHECK_ARG(i128(batch) * heads * seq * inner <= i128(INT64_MAX / elem_size),
+                   "%s: %" PRId64 " x %" PRId64 " x %" PRId64 " x %" PRId64
+                   " elements overflow a 64-bit offset",
+                   name, batch, heads, seq, inner);
+    *strides = ref::contiguous_strides(layout, heads, seq, inner);
+  }
   SAGE_CHECK_ARG(strides->batch >= 0 && strides->head >= 0 && strides->token >= 0,
                  "%s_strides = {batch %" PRId64 ", head %" PRId64 ", token %" PRId64
                  "}: strides must be >= 0",
@@ -117,23 +125,22 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
   const int64_t es = dtype_size(a.dtype), D = a.head_dim;
   Range q, k, v, o, lse{};
   SAGE_RETURN_IF_ERROR(check_tensor("q", a.q, &r.q,
-                                    ref::contiguous_strides(a.layout, a.heads_q, a.seq_q, D),
+                                    a.layout,
                                     a.heads_q, a.seq_q, a.batch, D, es, false, &q));
   SAGE_RETURN_IF_ERROR(check_tensor("k", a.k, &r.k,
-                                    ref::contiguous_strides(a.layout, a.heads_kv, a.seq_kv, D),
+                                    a.layout,
                                     a.heads_kv, a.seq_kv, a.batch, D, es, false, &k));
   SAGE_RETURN_IF_ERROR(check_tensor("v", a.v, &r.v,
-                                    ref::contiguous_strides(a.layout, a.heads_kv, a.seq_kv, D),
+                                    a.layout,
                                     a.heads_kv, a.seq_kv, a.batch, D, es, false, &v));
   SAGE_RETURN_IF_ERROR(check_tensor("o", a.o, &r.o,
-                                    ref::contiguous_strides(a.layout, a.heads_q, a.seq_q, D),
+                                    a.layout,
                                     a.heads_q, a.seq_q, a.batch, D, es, true, &o));
   for (const Range* in : {&q, &k, &v})
     SAGE_CHECK_ARG(!overlap(o, *in), "o overlaps %s: the output must not alias an input",
                    in->name);
   if (a.lse) {
-    const sage_strides lse_contig{a.heads_q * a.seq_q, a.seq_q, 1};
-    SAGE_RETURN_IF_ERROR(check_tensor("lse", a.lse, &r.lse, lse_contig, a.heads_q, a.seq_q,
+    SAGE_RETURN_IF_ERROR(check_tensor("lse", a.lse, &r.lse, SAGE_LAYOUT_HND, a.heads_q, a.seq_q,
                                       a.batch, 1, 4, true, &lse));
     for (const Range* other : {&q, &k, &v, &o})
       SAGE_CHECK_ARG(!overlap(lse, *other), "lse overlaps %s", other->name);

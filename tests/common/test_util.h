@@ -3,11 +3,13 @@
 #pragma once
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <random>
 #include <vector>
 
+#include "common/error.h"
 #include "common/formats.h"
 #include "ref/reference.h"
 
@@ -99,6 +101,47 @@ inline void naive_attention(int64_t B, int64_t Hq, int64_t Hkv, int64_t Nq, int6
         (*lse)[row] = double(mx + std::log(sum));
       }
     }
+}
+
+}  // namespace sage::test
+
+namespace sage::test {
+
+// Attention of one head from dense double matrices (row-major [N][D]) with an additive score
+// term `bias` [Nq][Nk] (may be empty): out = softmax((Q·Kᵀ + bias)·scale) · V, causal top-left if
+// asked. Written from the definition, for the emulation-faithfulness tests.
+inline std::vector<double> dense_attention(const std::vector<double>& Q, const std::vector<double>& K,
+                                           const std::vector<double>& V,
+                                           const std::vector<double>& bias, int64_t Nq,
+                                           int64_t Nk, int64_t D, double scale) {
+  std::vector<double> out(size_t(Nq * D), 0.0), s(static_cast<size_t>(Nk));
+  for (int64_t i = 0; i < Nq; ++i) {
+    double mx = -std::numeric_limits<double>::infinity();
+    for (int64_t j = 0; j < Nk; ++j) {
+      double x = 0;
+      for (int64_t d = 0; d < D; ++d) x += Q[size_t(i * D + d)] * K[size_t(j * D + d)];
+      if (!bias.empty()) x += bias[size_t(i * Nk + j)];
+      s[size_t(j)] = x * scale;
+      mx = std::max(mx, s[size_t(j)]);
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < Nk; ++j) sum += std::exp(s[size_t(j)] - mx);
+    for (int64_t j = 0; j < Nk; ++j) {
+      const double p = std::exp(s[size_t(j)] - mx) / sum;
+      for (int64_t d = 0; d < D; ++d) out[size_t(i * D + d)] += p * V[size_t(j * D + d)];
+    }
+  }
+  return out;
+}
+
+// One (b=0, h) matrix of an fp16 tensor as doubles.
+inline std::vector<double> head_matrix(const Fp16Tensor& t, int64_t h, int64_t N, int64_t D) {
+  std::vector<double> m(size_t(N * D));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t d = 0; d < D; ++d)
+      m[size_t(n * D + d)] =
+          decode_float(kFp16, t.data[size_t(h * t.strides.head + n * t.strides.token + d)]);
+  return m;
 }
 
 }  // namespace sage::test

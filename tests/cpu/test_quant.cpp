@@ -1,0 +1,367 @@
+// The quantized emulation: quantizers, faithfulness of each stage against an independent
+// computation from the definitions, the accumulator model, and the paper's orderings (003
+// Tables 4, 6, 7) on the built-in outlier problem with fresh seeds.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "common/test_util.h"
+#include "ref/ablations.h"
+#include "ref/synthetic.h"
+
+namespace sage::ref {
+namespace {
+
+using test::Fp16Tensor;
+
+TEST(Quantizer, RoundTripWithinHalfStepAndRange) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  const int64_t rows = 300, dim = 64;
+  std::vector<float> x(size_t(rows * dim));
+  for (float& v : x) v = normal(rng);
+  // Rows 128..191 all zero: one full per-block group with amax 0.
+  for (int64_t r = 128; r < 192; ++r)
+    for (int64_t d = 0; d < dim; ++d) x[size_t(r * dim + d)] = 0.0f;
+  for (sage_qk_format f : {SAGE_QK_INT8, SAGE_QK_INT4}) {
+    const int qmax = f == SAGE_QK_INT8 ? 127 : 7;
+    for (const GroupLayout& layout : {GroupLayout::per_block(64), GroupLayout::per_token(64),
+                                      GroupLayout::thread_q(128, 32), GroupLayout::per_tensor()}) {
+      const QuantizedGroups<float> qz = quantize_groups(x, rows, dim, layout, f);
+      std::map<int64_t, int> group_max;  // largest |value| per group: must reach qmax
+      for (int64_t r = 0; r < rows; ++r) {
+        const float scale = qz.scale[size_t(r)];
+        for (int64_t d = 0; d < dim; ++d) {
+          const float v = qz.values[size_t(r * dim + d)], xi = x[size_t(r * dim + d)];
+          ASSERT_EQ(v, std::nearbyint(v)) << "not an integer";
+          ASSERT_LE(std::fabs(v), float(qmax));
+          ASSERT_LE(std::fabs(xi - v * scale), 0.5f * scale * (1 + 1e-5f) + 1e-30f)
+              << "row " << r << " d " << d;
+          int& gm = group_max[layout.group(r)];
+          gm = std::max(gm, int(std::fabs(v)));
+        }
+      }
+      for (const auto& [g, m] : group_max) {
+        bool all_zero = true;
+        for (int64_t r = 0; r < rows; ++r)
+          if (layout.group(r) == g)
+            for (int64_t d = 0; d < dim; ++d) all_zero &= x[size_t(r * dim + d)] == 0.0f;
+        EXPECT_EQ(m, all_zero ? 0 : qmax) << "group " << g;
+        if (all_zero)
+          for (int64_t r = 0; r < rows; ++r)
+            if (layout.group(r) == g) {
+              EXPECT_EQ(qz.scale[size_t(r)], 0.0f);
+            }
+      }
+    }
+  }
+}
+
+TEST(Quantizer, Fp8GroupsKeepRelativeErrorOfE4M3) {
+  std::mt19937_64 rng(test::fresh_seed());
+  std::normal_distribution<float> normal(0.0f, 5.0f);
+  std::vector<float> x(64 * 128);
+  for (float& v : x) v = normal(rng);
+  const QuantizedGroups<float> qz =
+      quantize_groups(x, 64, 128, GroupLayout::per_block(64), SAGE_QK_FP8_E4M3);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float back = qz.values[i] * qz.scale[0];
+    // Normal E4M3 numbers carry 3 mantissa bits: relative error <= 2^-4; subnormals 2^-10 * amax.
+    EXPECT_LE(std::fabs(back - x[i]), std::max(std::fabs(x[i]) / 16.0f, qz.scale[0] / 512.0f) * 1.001f);
+  }
+}
+
+// INT4 per-thread (mma layout) with Q and K smoothing and ΔS, computed here independently from
+// the definitions, must equal the emulation when nothing else is quantized (double arithmetic).
+TEST(Emulation, QkQuantizationMatchesIndependentComputation) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t Nq = 200, Nk = 150, D = 64;  // neither a multiple of the block
+  const Fp16Tensor q = test::random_tensor(rng, 1, 1, Nq, D, 3.0f);
+  const Fp16Tensor k = test::random_tensor(rng, 1, 1, Nk, D, 6.0f);
+  const Fp16Tensor v = test::random_tensor(rng, 1, 1, Nk, D, 1.0f);
+  const Problem p{1, 1, 1, Nq, Nk, D, 0.125, SAGE_MASK_NONE};
+
+  for (sage_qk_format fmt : {SAGE_QK_INT4, SAGE_QK_INT8}) {
+    const double qmax = fmt == SAGE_QK_INT4 ? 7 : 127;
+    std::vector<double> Q = test::head_matrix(q, 0, Nq, D), K = test::head_matrix(k, 0, Nk, D);
+    const std::vector<double> V = test::head_matrix(v, 0, Nk, D);
+    // Smooth K over the sequence, Q per 128-row block (means in double, then to float as stored).
+    std::vector<double> kmean(size_t(D), 0.0), qmean(size_t(2 * D), 0.0);
+    for (int64_t j = 0; j < Nk; ++j)
+      for (int64_t d = 0; d < D; ++d) kmean[size_t(d)] += K[size_t(j * D + d)] / double(Nk);
+    for (int64_t i = 0; i < Nq; ++i)
+      for (int64_t d = 0; d < D; ++d)
+        qmean[size_t((i / 128) * D + d)] += Q[size_t(i * D + d)] / double(i < 128 ? 128 : Nq - 128);
+    for (int64_t j = 0; j < Nk; ++j)
+      for (int64_t d = 0; d < D; ++d) K[size_t(j * D + d)] -= kmean[size_t(d)];
+    for (int64_t i = 0; i < Nq; ++i)
+      for (int64_t d = 0; d < D; ++d) Q[size_t(i * D + d)] -= qmean[size_t((i / 128) * D + d)];
+    // ΔS from the unquantized smoothed K.
+    std::vector<double> bias(size_t(Nq * Nk), 0.0);
+    for (int64_t i = 0; i < Nq; ++i)
+      for (int64_t j = 0; j < Nk; ++j)
+        for (int64_t d = 0; d < D; ++d)
+          bias[size_t(i * Nk + j)] += qmean[size_t((i / 128) * D + d)] * K[size_t(j * D + d)];
+    // Groups of SPEC §4: Q rows {g, g+8, g+16, g+24} of each 32-row warp; K keys {8j+2t, 8j+2t+1}
+    // of each 64-key block.
+    auto quantize = [&](std::vector<double>& M, int64_t N, auto group_of) {
+      std::map<int64_t, double> amax;
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t d = 0; d < D; ++d)
+          amax[group_of(n)] = std::max(amax[group_of(n)], std::fabs(M[size_t(n * D + d)]));
+      for (int64_t n = 0; n < N; ++n) {
+        const float a = float(amax[group_of(n)]);
+        const float scale = a / float(qmax), inv = float(qmax) / a;
+        for (int64_t d = 0; d < D; ++d) {
+          const double r = std::nearbyint(float(M[size_t(n * D + d)]) * inv);
+          M[size_t(n * D + d)] = std::clamp(r, -qmax, qmax) * double(scale);
+        }
+      }
+    };
+    quantize(Q, Nq, [](int64_t n) { return (n / 32) * 8 + n % 8; });
+    quantize(K, Nk, [](int64_t n) { return (n / 64) * 4 + (n % 8) / 2; });
+    const std::vector<double> want = test::dense_attention(Q, K, V, bias, Nq, Nk, D, p.scale);
+
+    sage_quant_config cfg = quant_preset(SAGE_VARIANT_SAGE2_4B);
+    cfg.qk_format = fmt;
+    cfg.pv_format = SAGE_PV_NONE;
+    cfg.pv_accum = SAGE_PV_ACCUM_FP32;
+    std::vector<double> got(want.size());
+    attention_quant(p, cfg, q.view(), k.view(), v.view(), got.data(), nullptr);
+    for (size_t i = 0; i < want.size(); ++i)
+      ASSERT_NEAR(got[i], want[i], 1e-9 * (1 + std::fabs(want[i]))) << "element " << i;
+  }
+}
+
+// P~ and V in E4M3 with one key block covering all keys: O = Σ P^ V^ / (Σ P~ · 448) · δV,
+// computed here from the definitions.
+TEST(Emulation, PvQuantizationMatchesIndependentComputation) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t Nq = 50, Nk = 300, D = 64;
+  const Fp16Tensor q = test::random_tensor(rng, 1, 1, Nq, D, 0.0f, 2.0f);
+  const Fp16Tensor k = test::random_tensor(rng, 1, 1, Nk, D);
+  const Fp16Tensor v = test::random_tensor(rng, 1, 1, Nk, D, 4.0f);
+  const Problem p{1, 1, 1, Nq, Nk, D, 0.125, SAGE_MASK_NONE};
+  const std::vector<double> Q = test::head_matrix(q, 0, Nq, D), K = test::head_matrix(k, 0, Nk, D),
+                            V = test::head_matrix(v, 0, Nk, D);
+  std::vector<double> vscale(static_cast<size_t>(D)), Vq(V.size());
+  for (int64_t d = 0; d < D; ++d) {
+    float amax = 0;
+    for (int64_t j = 0; j < Nk; ++j) amax = std::max(amax, float(std::fabs(V[size_t(j * D + d)])));
+    vscale[size_t(d)] = double(amax / 448.0f);
+    const float inv = 448.0f / amax;
+    for (int64_t j = 0; j < Nk; ++j)
+      Vq[size_t(j * D + d)] = round_float(kE4M3, float(V[size_t(j * D + d)]) * inv);
+  }
+  const double log2e = 1.4426950408889634;
+  std::vector<double> want(size_t(Nq * D), 0.0);
+  for (int64_t i = 0; i < Nq; ++i) {
+    std::vector<double> s(static_cast<size_t>(Nk));
+    double mx = -INFINITY, sum = 0;
+    for (int64_t j = 0; j < Nk; ++j) {
+      double x = 0;
+      for (int64_t d = 0; d < D; ++d) x += Q[size_t(i * D + d)] * K[size_t(j * D + d)];
+      s[size_t(j)] = x * p.scale * log2e;
+      mx = std::max(mx, s[size_t(j)]);
+    }
+    for (int64_t j = 0; j < Nk; ++j) {
+      const double pt = std::exp2(s[size_t(j)] - mx);
+      sum += pt;
+      const double ph = round_float(kE4M3, float(pt * 448.0));
+      for (int64_t d = 0; d < D; ++d) want[size_t(i * D + d)] += ph * Vq[size_t(j * D + d)];
+    }
+    for (int64_t d = 0; d < D; ++d) want[size_t(i * D + d)] *= vscale[size_t(d)] / (sum * 448.0);
+  }
+  sage_quant_config cfg = quant_preset(SAGE_VARIANT_EXACT);
+  cfg.pv_format = SAGE_PV_FP8_E4M3;
+  cfg.block_k = 512;  // one key block
+  std::vector<double> got(want.size());
+  attention_quant(p, cfg, q.view(), k.view(), v.view(), got.data(), nullptr);
+  for (size_t i = 0; i < want.size(); ++i)
+    ASSERT_NEAR(got[i], want[i], 1e-9 * (1 + std::fabs(want[i]))) << "element " << i;
+}
+
+// Online softmax over many small blocks must agree with one big block when nothing is
+// quantized in P·V, for every mask and for LSE (with K smoothing's correction).
+TEST(Emulation, BlockingDoesNotChangeTheResult) {
+  std::mt19937_64 rng(test::fresh_seed());
+  const Fp16Tensor q = test::random_tensor(rng, 1, 2, 77, 64, 2.0f);
+  const Fp16Tensor k = test::random_tensor(rng, 1, 1, 201, 64, 5.0f);
+  const Fp16Tensor v = test::random_tensor(rng, 1, 1, 201, 64, 2.0f);
+  for (sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
+    const Problem p{1, 2, 1, 77, 201, 64, 0.125, mask};
+    std::vector<double> want(size_t(p.out_elems())), want_lse(size_t(p.lse_elems()));
+    attention_exact(p, q.view(), k.view(), v.view(), want.data(), want_lse.data());
+    sage_quant_config cfg = quant_preset(SAGE_VARIANT_EXACT);
+    cfg.smooth = SAGE_SMOOTH_K;
+    for (int bk : {8, 64, 1024}) {
+      cfg.block_k = bk;
+      cfg.block_q = 16;
+      cfg.warps = 1;
+      std::vector<double> got(want.size()), lse(want_lse.size());
+      attention_quant(p, cfg, q.view(), k.view(), v.view(), got.data(), lse.data());
+      for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-11);
+      for (size_t i = 0; i < lse.size(); ++i) ASSERT_NEAR(lse[i], want_lse[i], 1e-11);
+    }
+  }
+}
+
+// The accumulator model: FP22 over the whole sequence loses precision (adds truncate toward
+// zero relative to a large running value); flushing into fp32 every key block confines it.
+TEST(Accumulator, TwoLevelBeatsFp22Only) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t N = 4096, D = 64;
+  const Fp16Tensor q = test::random_tensor(rng, 1, 1, 256, D);
+  const Fp16Tensor k = test::random_tensor(rng, 1, 1, N, D, 4.0f);
+  const Fp16Tensor v = test::random_tensor(rng, 1, 1, N, D, 8.0f);  // channel bias: large sums
+  const Problem p{1, 1, 1, 256, N, D, 0.125, SAGE_MASK_NONE};
+  std::vector<double> exact(size_t(p.out_elems()));
+  attention_exact(p, q.view(), k.view(), v.view(), exact.data(), nullptr);
+  auto run = [&](sage_pv_accum accum, int flush) {
+    sage_quant_config cfg = quant_preset(SAGE_VARIANT_SAGE2_8B);
+    cfg.pv_accum = accum;
+    cfg.pv_flush_interval = flush;
+    std::vector<float> o(exact.size());
+    attention_quant(p, cfg, q.view(), k.view(), v.view(), o.data(), nullptr);
+    return o;
+  };
+  const std::vector<float> fp32 = run(SAGE_PV_ACCUM_FP32, 1), fp22 = run(SAGE_PV_ACCUM_HW, 1),
+                           two = run(SAGE_PV_ACCUM_TWO_LEVEL, 1);
+  std::vector<double> fp32d(fp32.begin(), fp32.end());
+  // Accumulator error alone (against the same config with a true fp32 accumulator).
+  const double err22 = compare(fp32d.data(), fp22.data(), p.out_elems()).rel_l1;
+  const double err2l = compare(fp32d.data(), two.data(), p.out_elems()).rel_l1;
+  EXPECT_GT(err22, 4.0 * err2l) << "FP22-only " << err22 << " two-level " << err2l;
+  EXPECT_GT(err22, 1e-4);  // the truncation is visible at this length
+  // And against float64 truth.
+  EXPECT_LT(compare(exact.data(), two.data(), p.out_elems()).rel_l1,
+            compare(exact.data(), fp22.data(), p.out_elems()).rel_l1);
+}
+
+TEST(Accumulator, MantissaBitsAndFlushIntervalAreMonotone) {
+  std::mt19937_64 rng(test::fresh_seed());
+  const Fp16Tensor q = test::random_tensor(rng, 1, 1, 128, 64);
+  const Fp16Tensor k = test::random_tensor(rng, 1, 1, 2048, 64);
+  const Fp16Tensor v = test::random_tensor(rng, 1, 1, 2048, 64, 8.0f);
+  const Problem p{1, 1, 1, 128, 2048, 64, 0.125, SAGE_MASK_NONE};
+  sage_quant_config cfg = quant_preset(SAGE_VARIANT_SAGE2_8B);
+  cfg.pv_accum = SAGE_PV_ACCUM_FP32;
+  std::vector<float> base(size_t(p.out_elems()));
+  attention_quant(p, cfg, q.view(), k.view(), v.view(), base.data(), nullptr);
+  const std::vector<double> based(base.begin(), base.end());
+  auto err = [&](sage_pv_accum accum, int bits, int flush) {
+    cfg.pv_accum = accum;
+    cfg.accum_mantissa_bits = bits;
+    cfg.pv_flush_interval = flush;
+    std::vector<float> o(base.size());
+    attention_quant(p, cfg, q.view(), k.view(), v.view(), o.data(), nullptr);
+    return compare(based.data(), o.data(), p.out_elems()).rel_l1;
+  };
+  EXPECT_LT(err(SAGE_PV_ACCUM_HW, 23, 1), 1e-6);  // a 23-bit truncating accumulator ~ fp32
+  EXPECT_LT(err(SAGE_PV_ACCUM_HW, 16, 1), err(SAGE_PV_ACCUM_HW, 10, 1));
+  EXPECT_LE(err(SAGE_PV_ACCUM_TWO_LEVEL, 13, 1), err(SAGE_PV_ACCUM_TWO_LEVEL, 13, 8));
+  EXPECT_LE(err(SAGE_PV_ACCUM_TWO_LEVEL, 13, 8), err(SAGE_PV_ACCUM_HW, 13, 1));
+}
+
+// The paper's orderings on the built-in outlier problem (fresh seed each run).
+class PaperOrderings : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    SyntheticSpec spec;  // 1 x 2 heads x 2048 x 128, the `sage accuracy` default
+    spec.seed = test::fresh_seed();
+    seed_ = spec.seed;
+    inputs_ = new SyntheticInputs(make_inputs(spec));
+    const Problem p = inputs_->problem();
+    exact_ = new std::vector<double>(size_t(p.out_elems()));
+    attention_exact(p, inputs_->q_view(), inputs_->k_view(), inputs_->v_view(), exact_->data(),
+                    nullptr);
+    for (const AblationRow& row : paper_ablations()) rows_[row.table + "/" + row.label] = row.cfg;
+  }
+  static void TearDownTestSuite() {
+    delete inputs_;
+    delete exact_;
+  }
+  static Metrics run(const std::string& table_prefix, const std::string& label) {
+    for (const auto& [key, cfg] : rows_)
+      if (key.rfind(table_prefix, 0) == 0 && key.substr(key.find('/') + 1) == label) {
+        const Problem p = inputs_->problem();
+        std::vector<float> o(exact_->size());
+        attention_quant(p, cfg, inputs_->q_view(), inputs_->k_view(), inputs_->v_view(),
+                        o.data(), nullptr);
+        return compare(exact_->data(), o.data(), p.out_elems());
+      }
+    ADD_FAILURE() << "no ablation row " << table_prefix << " / " << label;
+    return {};
+  }
+  static inline uint64_t seed_ = 0;
+  static inline SyntheticInputs* inputs_ = nullptr;
+  static inline std::vector<double>* exact_ = nullptr;
+  static inline std::map<std::string, sage_quant_config> rows_;
+};
+
+TEST_F(PaperOrderings, SmoothingQKBeatsQBeatsKBeatsNone) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const Metrics none = run("Smoothing", "none"), k = run("Smoothing", "K"),
+                q = run("Smoothing", "Q"), qk = run("Smoothing", "Q+K");
+  EXPECT_LT(qk.rel_l1, q.rel_l1);
+  EXPECT_LT(q.rel_l1, k.rel_l1);
+  EXPECT_LT(k.rel_l1, none.rel_l1);
+  EXPECT_GT(qk.cos, q.cos);
+  EXPECT_GT(q.cos, k.cos);
+  EXPECT_GT(k.cos, none.cos);
+}
+
+TEST_F(PaperOrderings, PerTokenAboutPerThreadBeatsPerBlockBeatsPerTensor) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const Metrics tok = run("Granularity", "per-token"), thr = run("Granularity", "per-thread (mma)"),
+                blk = run("Granularity", "per-block"), ten = run("Granularity", "per-tensor");
+  EXPECT_LT(thr.rel_l1, blk.rel_l1);
+  EXPECT_LT(blk.rel_l1, ten.rel_l1);
+  EXPECT_GT(thr.cos, blk.cos);
+  EXPECT_GT(blk.cos, ten.cos);
+  // "About": per-thread is nearer per-token than per-block is to per-thread.
+  EXPECT_LT(std::fabs(thr.rel_l1 - tok.rel_l1), blk.rel_l1 - thr.rel_l1);
+}
+
+TEST_F(PaperOrderings, E4M3BeatsE5M2BeatsInt8ForPV) {
+  SCOPED_TRACE("seed " + std::to_string(seed_));
+  const Metrics i8 = run("P~,V", "INT8"), e5 = run("P~,V", "E5M2"), e4 = run("P~,V", "E4M3"),
+                f16 = run("P~,V", "FP16");
+  EXPECT_LT(f16.rel_l1, e4.rel_l1);
+  EXPECT_LT(e4.rel_l1, e5.rel_l1);
+  EXPECT_LT(e5.rel_l1, i8.rel_l1);
+  EXPECT_GT(e4.cos, e5.cos);
+  EXPECT_GT(e5.cos, i8.cos);
+}
+
+TEST(QuantConfig, InvalidCombinationsAreRejectedByName) {
+  sage_quant_config c = quant_preset(SAGE_VARIANT_SAGE2_8B);
+  EXPECT_EQ(quant_config_error(c), "");
+  c.v_scale = SAGE_V_SCALE_PER_BLOCK_CHANNEL;
+  c.pv_flush_interval = 2;
+  EXPECT_NE(quant_config_error(c).find("v_scale"), std::string::npos);
+  c = quant_preset(SAGE_VARIANT_SAGE2_8B);
+  c.block_q = 96;  // 96 / 4 warps = 24 rows: not whole m16 tiles
+  EXPECT_NE(quant_config_error(c).find("block_q"), std::string::npos);
+  c = quant_preset(SAGE_VARIANT_SAGE2_8B);
+  c.accum_mantissa_bits = 0;
+  EXPECT_NE(quant_config_error(c).find("accum_mantissa_bits"), std::string::npos);
+  // The reference refuses a bad config instead of computing garbage.
+  const Problem p{1, 1, 1, 4, 4, 64, 0.125, SAGE_MASK_NONE};
+  std::vector<uint16_t> zeros(4 * 64, 0);
+  const TensorView t{zeros.data(), SAGE_DTYPE_FP16, contiguous_strides(SAGE_LAYOUT_HND, 1, 4, 64)};
+  std::vector<float> o(256);
+  EXPECT_THROW(attention_quant(p, c, t, t, t, o.data(), nullptr), Error);
+}
+
+}  // namespace
+}  // namespace sage::ref
