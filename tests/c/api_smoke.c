@@ -32,7 +32,9 @@ static float next_value(unsigned* state) {
   return (float)(*state >> 8) / (float)(1u << 24) * 4.0f - 2.0f;
 }
 
-static int is_finite(float x) { return x == x && x - x == 0.0f; }
+static int is_finite(float x) {
+  return x == x && x - x == 0.0f;
+}
 
 static void fill_args(sage_attention_args* args) {
   args->q = q;

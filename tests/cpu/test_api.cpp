@@ -39,7 +39,9 @@ std::string seed_message(uint64_t seed) {
          ")";
 }
 
-int64_t elem_bytes(sage_dtype d) { return d == SAGE_DTYPE_FP32 ? 4 : 2; }
+int64_t elem_bytes(sage_dtype d) {
+  return d == SAGE_DTYPE_FP32 ? 4 : 2;
+}
 
 const char* dtype_name(sage_dtype d) {
   return d == SAGE_DTYPE_FP16 ? "fp16" : d == SAGE_DTYPE_BF16 ? "bf16" : "fp32";
@@ -50,7 +52,9 @@ uint32_t nan_bits(sage_dtype d) {
   return d == SAGE_DTYPE_FP32 ? 0x7FC00000u : d == SAGE_DTYPE_FP16 ? 0x7E00u : 0x7FC0u;
 }
 // Output buffers start as this pattern; what the API must not write keeps it.
-uint32_t poison_bits(sage_dtype d) { return d == SAGE_DTYPE_FP32 ? 0xDEADBEEFu : 0xDEADu; }
+uint32_t poison_bits(sage_dtype d) {
+  return d == SAGE_DTYPE_FP32 ? 0xDEADBEEFu : 0xDEADu;
+}
 constexpr uint32_t kLsePoison = 0xDEADBEEFu;
 
 // Bits of x stored in dtype (the rounding the API applies to its output).
@@ -94,27 +98,38 @@ enum class Layout {
 
 const char* layout_name(Layout l) {
   switch (l) {
-    case Layout::kHndDefault: return "HND (zero strides)";
-    case Layout::kNhdDefault: return "NHD (zero strides)";
-    case Layout::kHnd: return "HND";
-    case Layout::kNhd: return "NHD";
-    case Layout::kPadded: return "padded NHD";
-    case Layout::kHeadsOuter: return "heads-outer padded";
-    case Layout::kTransposed: return "[N,H,B,D]";
+    case Layout::kHndDefault:
+      return "HND (zero strides)";
+    case Layout::kNhdDefault:
+      return "NHD (zero strides)";
+    case Layout::kHnd:
+      return "HND";
+    case Layout::kNhd:
+      return "NHD";
+    case Layout::kPadded:
+      return "padded NHD";
+    case Layout::kHeadsOuter:
+      return "heads-outer padded";
+    case Layout::kTransposed:
+      return "[N,H,B,D]";
   }
   return "?";
 }
 
-bool is_default(Layout l) { return l == Layout::kHndDefault || l == Layout::kNhdDefault; }
+bool is_default(Layout l) {
+  return l == Layout::kHndDefault || l == Layout::kNhdDefault;
+}
 
 // Strides of a [B, H, N, D] tensor stored in `l` (D = 1 for LSE, whose zero strides mean HND).
 sage_strides strides_for(Layout l, int64_t B, int64_t H, int64_t N, int64_t D, bool lse = false) {
   if (lse && is_default(l)) l = Layout::kHnd;
   switch (l) {
     case Layout::kHndDefault:
-    case Layout::kHnd: return {H * N * D, N * D, D};
+    case Layout::kHnd:
+      return {H * N * D, N * D, D};
     case Layout::kNhdDefault:
-    case Layout::kNhd: return {N * H * D, D, H * D};
+    case Layout::kNhd:
+      return {N * H * D, D, H * D};
     case Layout::kPadded: {
       const int64_t dp = D + 8, token = H * dp + 16;
       return {N * token + 40, dp, token};
@@ -123,7 +138,8 @@ sage_strides strides_for(Layout l, int64_t B, int64_t H, int64_t N, int64_t D, b
       const int64_t token = D + 4, batch = N * token + 8;
       return {batch, B * batch + 24, token};
     }
-    case Layout::kTransposed: return {D, B * D, H * B * D + 5};
+    case Layout::kTransposed:
+      return {D, B * D, H * B * D + 5};
   }
   return {0, 0, 0};
 }
@@ -227,11 +243,14 @@ struct Problem {
   float scale = 0.0f;
   bool lse = true;
 
-  double resolved_scale() const { return scale != 0.0f ? double(scale) : 1.0 / std::sqrt(double(D)); }
+  double resolved_scale() const {
+    return scale != 0.0f ? double(scale) : 1.0 / std::sqrt(double(D));
+  }
   sage::ref::Problem ref() const { return {B, Hq, Hkv, Nq, Nk, D, resolved_scale(), mask}; }
   std::string str() const {
     char s[200];
-    std::snprintf(s, sizeof(s), "B=%lld Hq=%lld Hkv=%lld Nq=%lld Nk=%lld D=%lld %s mask=%d variant=%d",
+    std::snprintf(s, sizeof(s),
+                  "B=%lld Hq=%lld Hkv=%lld Nq=%lld Nk=%lld D=%lld %s mask=%d variant=%d",
                   (long long)B, (long long)Hq, (long long)Hkv, (long long)Nq, (long long)Nk,
                   (long long)D, dtype_name(dtype), int(mask), int(variant));
     return s;
@@ -263,7 +282,9 @@ Inputs random_inputs(const Problem& p, std::mt19937_64& rng) {
 struct Layouts {
   Layout q, k, v, o, lse;
 };
-Layouts uniform(Layout l) { return {l, l, l, l, l}; }
+Layouts uniform(Layout l) {
+  return {l, l, l, l, l};
+}
 
 // One sage_attention call with its buffers. Move-only use: args point into the tensors' storage.
 struct Call {
@@ -507,7 +528,8 @@ TEST(ApiInfo, ArgsInitDefaults) {
   for (int64_t size : {a.batch, a.heads_q, a.heads_kv, a.seq_q, a.seq_kv, a.head_dim})
     EXPECT_EQ(size, 0);
   EXPECT_EQ(a.layout, SAGE_LAYOUT_HND);
-  for (const sage_strides& s : {a.q_strides, a.k_strides, a.v_strides, a.o_strides, a.lse_strides}) {
+  for (const sage_strides& s :
+       {a.q_strides, a.k_strides, a.v_strides, a.o_strides, a.lse_strides}) {
     EXPECT_EQ(s.batch, 0);
     EXPECT_EQ(s.head, 0);
     EXPECT_EQ(s.token, 0);
@@ -688,7 +710,9 @@ class ApiErrors : public ::testing::Test {
   }
 
   // Explicit contiguous HND strides of a tensor with H heads and N tokens.
-  sage_strides hnd(int64_t H, int64_t N) const { return strides_for(Layout::kHnd, p_.B, H, N, p_.D); }
+  sage_strides hnd(int64_t H, int64_t N) const {
+    return strides_for(Layout::kHnd, p_.B, H, N, p_.D);
+  }
 
   uint64_t seed_ = 0;
   Problem p_;
@@ -716,12 +740,10 @@ TEST_F(ApiErrors, Sizes) {
     const char* name;
     int64_t sage_attention_args::*field;
   };
-  const Case cases[] = {{"batch", &sage_attention_args::batch},
-                        {"heads_q", &sage_attention_args::heads_q},
-                        {"heads_kv", &sage_attention_args::heads_kv},
-                        {"seq_q", &sage_attention_args::seq_q},
-                        {"seq_kv", &sage_attention_args::seq_kv},
-                        {"head_dim", &sage_attention_args::head_dim}};
+  const Case cases[] = {
+      {"batch", &sage_attention_args::batch},       {"heads_q", &sage_attention_args::heads_q},
+      {"heads_kv", &sage_attention_args::heads_kv}, {"seq_q", &sage_attention_args::seq_q},
+      {"seq_kv", &sage_attention_args::seq_kv},     {"head_dim", &sage_attention_args::head_dim}};
   for (const Case& c : cases)
     for (int64_t bad : {int64_t(0), int64_t(-1), std::numeric_limits<int64_t>::min()})
       expect_rejected(std::string(c.name) + " = " + std::to_string(bad),
@@ -730,10 +752,10 @@ TEST_F(ApiErrors, Sizes) {
     expect_rejected("head_dim = " + std::to_string(bad),
                     [&](sage_attention_args& a) { a.head_dim = bad; }, {"head_dim"});
   // GQA needs heads_q % heads_kv == 0.
-  expect_rejected("heads_q 2, heads_kv 4",
-                  [](sage_attention_args& a) { a.heads_kv = 4; }, {"heads_q", "heads_kv"});
-  expect_rejected("heads_q 3, heads_kv 2",
-                  [](sage_attention_args& a) { a.heads_q = 3; }, {"heads_q", "heads_kv"});
+  expect_rejected("heads_q 2, heads_kv 4", [](sage_attention_args& a) { a.heads_kv = 4; },
+                  {"heads_q", "heads_kv"});
+  expect_rejected("heads_q 3, heads_kv 2", [](sage_attention_args& a) { a.heads_q = 3; },
+                  {"heads_q", "heads_kv"});
 }
 
 TEST_F(ApiErrors, UnknownEnums) {
@@ -791,17 +813,17 @@ TEST_F(ApiErrors, OutputStridesThatOverlap) {
   const sage_strides o = hnd(p_.Hq, p_.Nq);
   const int64_t D = p_.D, N = p_.Nq, H = p_.Hq;
   const sage_strides bad_o[] = {
-      {o.batch, o.head, D - 1},      // token stride shorter than a row
-      {o.batch, o.head, 0},          // every token on the same row
-      {o.batch, 0, o.token},         // every head on the same matrix
-      {0, o.head, o.token},          // every batch on the same tensor
-      {o.head, o.head, o.token},     // batch and head collide
-      {o.batch, (N - 1) * D, D},     // head h's last token is head h+1's first
-      {H * N * D - 1, N * D, D},     // batches overlap by one element
+      {o.batch, o.head, D - 1},   // token stride shorter than a row
+      {o.batch, o.head, 0},       // every token on the same row
+      {o.batch, 0, o.token},      // every head on the same matrix
+      {0, o.head, o.token},       // every batch on the same tensor
+      {o.head, o.head, o.token},  // batch and head collide
+      {o.batch, (N - 1) * D, D},  // head h's last token is head h+1's first
+      {H * N * D - 1, N * D, D},  // batches overlap by one element
   };
   for (const sage_strides& s : bad_o)
-    expect_rejected("o_strides {" + std::to_string(s.batch) + ", " + std::to_string(s.head) +
-                        ", " + std::to_string(s.token) + "}",
+    expect_rejected("o_strides {" + std::to_string(s.batch) + ", " + std::to_string(s.head) + ", " +
+                        std::to_string(s.token) + "}",
                     [&](sage_attention_args& a) { a.o_strides = s; }, {"o_strides"});
   const sage_strides bad_lse[] = {{H * N, N, 0}, {H * N, 0, 1}, {0, N, 1}, {N, N, 1}};
   for (const sage_strides& s : bad_lse)
@@ -811,26 +833,35 @@ TEST_F(ApiErrors, OutputStridesThatOverlap) {
 }
 
 TEST_F(ApiErrors, OutputOverlapsAnInput) {
-  expect_rejected("o == q", [](sage_attention_args& a) { a.o = const_cast<void*>(a.q); }, {"o", "q"});
-  expect_rejected("o == k", [](sage_attention_args& a) { a.o = const_cast<void*>(a.k); }, {"o", "k"});
-  expect_rejected("o == v", [](sage_attention_args& a) { a.o = const_cast<void*>(a.v); }, {"o", "v"});
+  expect_rejected("o == q", [](sage_attention_args& a) { a.o = const_cast<void*>(a.q); },
+                  {"o", "q"});
+  expect_rejected("o == k", [](sage_attention_args& a) { a.o = const_cast<void*>(a.k); },
+                  {"o", "k"});
+  expect_rejected("o == v", [](sage_attention_args& a) { a.o = const_cast<void*>(a.v); },
+                  {"o", "v"});
   // With half the tokens, q and o each span half of q's buffer: o starting in the middle of q's
   // span stays inside q's buffer (memory-safe even if the check were missing).
   const size_t quarter = size_t(p_.B * p_.Hq * p_.Nq * p_.D) / 4 * 2;  // bytes (fp16)
-  expect_rejected("o inside q", [&](sage_attention_args& a) {
-    a.seq_q = p_.Nq / 2;
-    a.o = static_cast<char*>(const_cast<void*>(a.q)) + quarter;
-  }, {"o", "q"});
+  expect_rejected("o inside q",
+                  [&](sage_attention_args& a) {
+                    a.seq_q = p_.Nq / 2;
+                    a.o = static_cast<char*>(const_cast<void*>(a.q)) + quarter;
+                  },
+                  {"o", "q"});
   const size_t half = 2 * quarter;
   // lse must overlap nothing either.
   expect_rejected("lse == o", [](sage_attention_args& a) { a.lse = static_cast<float*>(a.o); },
                   {"lse", "o"});
-  expect_rejected("lse == q", [](sage_attention_args& a) {
-    a.lse = static_cast<float*>(const_cast<void*>(a.q));
-  }, {"lse", "q"});
-  expect_rejected("lse inside v", [&](sage_attention_args& a) {
-    a.lse = reinterpret_cast<float*>(static_cast<char*>(const_cast<void*>(a.v)) + half);
-  }, {"lse", "v"});
+  expect_rejected(
+      "lse == q",
+      [](sage_attention_args& a) { a.lse = static_cast<float*>(const_cast<void*>(a.q)); },
+      {"lse", "q"});
+  expect_rejected("lse inside v",
+                  [&](sage_attention_args& a) {
+                    a.lse =
+                        reinterpret_cast<float*>(static_cast<char*>(const_cast<void*>(a.v)) + half);
+                  },
+                  {"lse", "v"});
 }
 
 TEST_F(ApiErrors, MisalignedPointers) {
@@ -841,41 +872,48 @@ TEST_F(ApiErrors, MisalignedPointers) {
   expect_rejected("k + 1 byte", [&](sage_attention_args& a) { a.k = shift(a.k, 1); }, {"k"});
   expect_rejected("v + 1 byte", [&](sage_attention_args& a) { a.v = shift(a.v, 1); }, {"v"});
   expect_rejected("o + 1 byte", [&](sage_attention_args& a) { a.o = shift(a.o, 1); }, {"o"});
-  expect_rejected("lse + 2 bytes", [&](sage_attention_args& a) {
-    a.lse = reinterpret_cast<float*>(shift(a.lse, 2));
-  }, {"lse"});
+  expect_rejected(
+      "lse + 2 bytes",
+      [&](sage_attention_args& a) { a.lse = reinterpret_cast<float*>(shift(a.lse, 2)); }, {"lse"});
   // fp32 needs 4-byte alignment: 2 bytes off is misaligned (the buffers are big enough for fp32
   // only in the first half; validation must reject before reading anything).
-  expect_rejected("fp32 q + 2 bytes", [&](sage_attention_args& a) {
-    a.dtype = SAGE_DTYPE_FP32;
-    a.seq_q = a.seq_kv = p_.Nq / 2;
-    a.q = shift(a.q, 2);
-  }, {"q"});
+  expect_rejected("fp32 q + 2 bytes",
+                  [&](sage_attention_args& a) {
+                    a.dtype = SAGE_DTYPE_FP32;
+                    a.seq_q = a.seq_kv = p_.Nq / 2;
+                    a.q = shift(a.q, 2);
+                  },
+                  {"q"});
 }
 
 TEST_F(ApiErrors, OffsetsThatOverflow64Bits) {
-  expect_rejected("q token stride 2^61", [](sage_attention_args& a) {
-    a.q_strides = {0, 0, int64_t(1) << 61};
-    a.batch = 1;
-    a.heads_q = a.heads_kv = 1;
-  }, {"q"});
-  expect_rejected("o head stride 2^62", [&](sage_attention_args& a) {
-    a.o_strides = {int64_t(1) << 62, int64_t(1) << 61, p_.D};
-  }, {"o"});
+  expect_rejected("q token stride 2^61",
+                  [](sage_attention_args& a) {
+                    a.q_strides = {0, 0, int64_t(1) << 61};
+                    a.batch = 1;
+                    a.heads_q = a.heads_kv = 1;
+                  },
+                  {"q"});
+  expect_rejected("o head stride 2^62",
+                  [&](sage_attention_args& a) {
+                    a.o_strides = {int64_t(1) << 62, int64_t(1) << 61, p_.D};
+                  },
+                  {"o"});
 }
 
 // Sizes whose element count does not fit in 64 bits, with the strides left at zero (so the library
 // derives them): rejected, with a message about the tensor, not about strides the caller never set.
 TEST_F(ApiErrors, HugeSizesWithDefaultStrides) {
   for (int shift : {57, 58, 62})
-    expect_rejected("seq_q = 2^" + std::to_string(shift), [&](sage_attention_args& a) {
-      a.seq_q = int64_t(1) << shift;
-    }, {"q"});
+    expect_rejected("seq_q = 2^" + std::to_string(shift),
+                    [&](sage_attention_args& a) { a.seq_q = int64_t(1) << shift; }, {"q"});
   for (int shift : {57, 61})
-    expect_rejected("seq_kv = 2^" + std::to_string(shift) + ", NHD", [&](sage_attention_args& a) {
-      a.layout = SAGE_LAYOUT_NHD;
-      a.seq_kv = int64_t(1) << shift;
-    }, {"k"});
+    expect_rejected("seq_kv = 2^" + std::to_string(shift) + ", NHD",
+                    [&](sage_attention_args& a) {
+                      a.layout = SAGE_LAYOUT_NHD;
+                      a.seq_kv = int64_t(1) << shift;
+                    },
+                    {"k"});
 }
 
 TEST_F(ApiErrors, InvalidCustomQuantConfig) {
@@ -887,7 +925,8 @@ TEST_F(ApiErrors, InvalidCustomQuantConfig) {
   };
   auto enum_case = [](const char* name, auto sage_quant_config::*field, int value) {
     return Case{std::string(name) + " " + std::to_string(value),
-                [=](sage_quant_config& q) { set_enum(q.*field, value); }, {name}};
+                [=](sage_quant_config& q) { set_enum(q.*field, value); },
+                {name}};
   };
   std::vector<Case> cases = {
       enum_case("qk_format", &sage_quant_config::qk_format, 4),
@@ -909,13 +948,17 @@ TEST_F(ApiErrors, InvalidCustomQuantConfig) {
       {"warps 0", [](sage_quant_config& q) { q.warps = 0; }, {"warps"}},
       {"warps 3 (block_q 128)", [](sage_quant_config& q) { q.warps = 3; }, {"warps"}},
       {"warps 256 (block_q 128)", [](sage_quant_config& q) { q.warps = 256; }, {"warps"}},
-      {"pv_flush_interval 0", [](sage_quant_config& q) { q.pv_flush_interval = 0; },
+      {"pv_flush_interval 0",
+       [](sage_quant_config& q) { q.pv_flush_interval = 0; },
        {"pv_flush_interval"}},
-      {"pv_flush_interval -1", [](sage_quant_config& q) { q.pv_flush_interval = -1; },
+      {"pv_flush_interval -1",
+       [](sage_quant_config& q) { q.pv_flush_interval = -1; },
        {"pv_flush_interval"}},
-      {"accum_mantissa_bits 0", [](sage_quant_config& q) { q.accum_mantissa_bits = 0; },
+      {"accum_mantissa_bits 0",
+       [](sage_quant_config& q) { q.accum_mantissa_bits = 0; },
        {"accum_mantissa_bits"}},
-      {"accum_mantissa_bits 24", [](sage_quant_config& q) { q.accum_mantissa_bits = 24; },
+      {"accum_mantissa_bits 24",
+       [](sage_quant_config& q) { q.accum_mantissa_bits = 24; },
        {"accum_mantissa_bits"}},
       {"accum_chunk 0", [](sage_quant_config& q) { q.accum_chunk = 0; }, {"accum_chunk"}},
       // Per-thread MMA groups: block_q / warps must be a multiple of 16; block_k of 8.
@@ -944,11 +987,14 @@ TEST_F(ApiErrors, InvalidCustomQuantConfig) {
        {"v_scale", "pv_accum"}},
   };
   for (const Case& c : cases) {
-    expect_rejected("CUSTOM: " + c.what, [&](sage_attention_args& a) {
-      a.variant = SAGE_VARIANT_CUSTOM;
-      a.quant = preset(SAGE_VARIANT_SAGE2_8B);
-      c.mutate(a.quant);
-    }, c.words);
+    expect_rejected(
+        "CUSTOM: " + c.what,
+        [&](sage_attention_args& a) {
+          a.variant = SAGE_VARIANT_CUSTOM;
+          a.quant = preset(SAGE_VARIANT_SAGE2_8B);
+          c.mutate(a.quant);
+        },
+        c.words);
     // A preset variant ignores args.quant: the same bad config is no error there.
     sage_attention_args a = c_.args;
     a.variant = SAGE_VARIANT_SAGE2_8B;
@@ -963,12 +1009,14 @@ TEST_F(ApiErrors, CudaBackendWithHostPointers) {
   expect_rejected("backend CUDA, host pointers",
                   [](sage_attention_args& a) { a.backend = SAGE_BACKEND_CUDA; }, {"CUDA"},
                   {SAGE_ERROR_INVALID_ARGUMENT, SAGE_ERROR_UNSUPPORTED});
-  expect_rejected("backend CUDA, host pointers, EXACT fp32", [](sage_attention_args& a) {
-    a.backend = SAGE_BACKEND_CUDA;
-    a.variant = SAGE_VARIANT_EXACT;
-    a.seq_q = a.seq_kv = 12;
-    a.dtype = SAGE_DTYPE_FP32;
-  }, {"CUDA"}, {SAGE_ERROR_INVALID_ARGUMENT, SAGE_ERROR_UNSUPPORTED});
+  expect_rejected("backend CUDA, host pointers, EXACT fp32",
+                  [](sage_attention_args& a) {
+                    a.backend = SAGE_BACKEND_CUDA;
+                    a.variant = SAGE_VARIANT_EXACT;
+                    a.seq_q = a.seq_kv = 12;
+                    a.dtype = SAGE_DTYPE_FP32;
+                  },
+                  {"CUDA"}, {SAGE_ERROR_INVALID_ARGUMENT, SAGE_ERROR_UNSUPPORTED});
 }
 
 // Boundaries of the overlap checks: o (or lse) starting right after an input is fine; one
@@ -992,8 +1040,8 @@ TEST(ApiErrorsBoundary, AdjacentBuffersAreAcceptedOverlapByOneIsNot) {
   a.lse = buf.data() + 2 * n;
   ASSERT_EQ(sage_attention(&a), SAGE_OK) << sage_last_error();
   ASSERT_NO_FATAL_FAILURE(run_ok(c));
-  EXPECT_TRUE(std::equal(buf.begin() + n, buf.begin() + 2 * n,
-                         static_cast<const float*>(c.o.data())));
+  EXPECT_TRUE(
+      std::equal(buf.begin() + n, buf.begin() + 2 * n, static_cast<const float*>(c.o.data())));
   const std::vector<float> before = buf;
   a.o = buf.data() + n - 1;
   EXPECT_EQ(sage_attention(&a), SAGE_ERROR_INVALID_ARGUMENT);
@@ -1014,8 +1062,12 @@ TEST(ApiLayouts, SameOutputInEveryLayout) {
   SCOPED_TRACE(seed_message(seed));
   std::mt19937_64 rng(seed);
   const std::vector<Layouts> layouts = {
-      uniform(Layout::kHndDefault), uniform(Layout::kNhdDefault), uniform(Layout::kHnd),
-      uniform(Layout::kNhd),        uniform(Layout::kPadded),     uniform(Layout::kHeadsOuter),
+      uniform(Layout::kHndDefault),
+      uniform(Layout::kNhdDefault),
+      uniform(Layout::kHnd),
+      uniform(Layout::kNhd),
+      uniform(Layout::kPadded),
+      uniform(Layout::kHeadsOuter),
       uniform(Layout::kTransposed),
       {Layout::kPadded, Layout::kHeadsOuter, Layout::kTransposed, Layout::kNhd, Layout::kPadded},
   };
@@ -1101,7 +1153,8 @@ TEST(ApiReference, ExactFp32MatchesRefAttentionExact) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(seed_message(seed));
   std::mt19937_64 rng(seed);
-  for (sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
+  for (sage_mask mask :
+       {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
     Problem p;
     p.B = 2;
     p.Hq = 4;
@@ -1279,7 +1332,8 @@ TEST(ApiLse, CustomStridesAndOptional) {
   p.Nk = 58;
   const Inputs in = random_inputs(p, rng);
   std::vector<uint32_t> lse0;
-  for (Layout l : {Layout::kHndDefault, Layout::kPadded, Layout::kHeadsOuter, Layout::kTransposed}) {
+  for (Layout l :
+       {Layout::kHndDefault, Layout::kPadded, Layout::kHeadsOuter, Layout::kTransposed}) {
     SCOPED_TRACE(layout_name(l));
     Layouts ls = uniform(Layout::kHnd);
     ls.lse = l;
@@ -1293,7 +1347,8 @@ TEST(ApiLse, CustomStridesAndOptional) {
   // A strided LSE with the batch stride the smallest: [N][H][B] with gaps.
   Layouts ls = uniform(Layout::kHnd);
   Call c = make_call(p, in, ls);
-  c.lse = Tensor(SAGE_DTYPE_FP32, p.B, p.Hq, p.Nq, 1, {1, p.B + 1, p.Hq * (p.B + 1) + 3}, kLsePoison);
+  c.lse =
+      Tensor(SAGE_DTYPE_FP32, p.B, p.Hq, p.Nq, 1, {1, p.B + 1, p.Hq * (p.B + 1) + 3}, kLsePoison);
   c.args.lse = static_cast<float*>(c.lse.data());
   c.args.lse_strides = c.lse.strides();
   ASSERT_NO_FATAL_FAILURE(run_ok(c));
@@ -1346,7 +1401,8 @@ TEST(ApiGqa, GroupedHeadsEqualRepeatedKv) {
       rep.v = rep.k;
       for (int64_t b = 0; b < p.B; ++b)
         for (int64_t h = 0; h < p.Hq; ++h) {
-          const size_t src = size_t((b * p.Hkv + h / ratio) * row), dst = size_t((b * p.Hq + h) * row);
+          const size_t src = size_t((b * p.Hkv + h / ratio) * row),
+                       dst = size_t((b * p.Hq + h) * row);
           std::copy_n(in.k.begin() + long(src), row, rep.k.begin() + long(dst));
           std::copy_n(in.v.begin() + long(src), row, rep.v.begin() + long(dst));
         }
@@ -1397,7 +1453,8 @@ TEST(ApiMask, CausalAlignmentsAndFullyMaskedRows) {
         const Expected e = naive_attention(c);
         const std::vector<double> o = c.o.values(), lse = c.lse.values();
         // Fully masked rows: known in closed form, independent of visible_keys().
-        const int64_t empty_rows = mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? std::max<int64_t>(0, p.Nq - p.Nk) : 0;
+        const int64_t empty_rows =
+            mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? std::max<int64_t>(0, p.Nq - p.Nk) : 0;
         int64_t seen_empty = 0;
         for (int64_t h = 0; h < p.Hq; ++h)
           for (int64_t i = 0; i < p.Nq; ++i) {
@@ -1454,7 +1511,8 @@ TEST(ApiMask, MaskedKeysAreNotRead) {
         if (visible_keys(p, i) > p.Nk - poisoned) continue;
         ++checked;
         for (int64_t d = 0; d < p.D; ++d)
-          ASSERT_EQ(dirty.o.raw(dirty.o.offset(0, h, i, d)), clean.o.raw(clean.o.offset(0, h, i, d)))
+          ASSERT_EQ(dirty.o.raw(dirty.o.offset(0, h, i, d)),
+                    clean.o.raw(clean.o.offset(0, h, i, d)))
               << "row " << i << " read a masked key";
       }
     EXPECT_GT(checked, 0);
