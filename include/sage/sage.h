@@ -178,7 +178,8 @@ SAGE_API const char* sage_status_string(sage_status status);
 
 /* Defaults: HND, fp16, no mask, AUTO variant and backend, quant = the SAGE2_8B preset. */
 SAGE_API sage_status sage_attention_args_init(sage_attention_args* args);
-/* Fill a quantization config with a preset (not CUSTOM or AUTO... AUTO gives SAGE2_8B). */
+/* Fill a quantization config with a preset. AUTO and CUSTOM give the SAGE2_8B config (the
+ * starting point of a custom one). */
 SAGE_API sage_status sage_quant_config_init(sage_quant_config* config, sage_variant variant);
 
 /* Bytes of device workspace sage_attention() needs for these args (0 for the CPU backend). */

@@ -18,7 +18,8 @@ void run_cpu(const Resolved& r, const sage_attention_args& a) {
   const ref::Problem& p = r.problem;
   const ref::TensorView q{a.q, a.dtype, r.q}, k{a.k, a.dtype, r.k}, v{a.v, a.dtype, r.v};
   const int64_t D = p.head_dim, N = p.seq_q;
-  std::vector<double> out(static_cast<size_t>(p.out_elems())), lse(a.lse ? size_t(p.lse_elems()) : 0);
+  std::vector<double> out(static_cast<size_t>(p.out_elems())),
+      lse(a.lse ? size_t(p.lse_elems()) : 0);
   if (r.exact) {
     ref::attention_exact(p, q, k, v, out.data(), a.lse ? lse.data() : nullptr, a.num_threads);
   } else {
@@ -44,7 +45,9 @@ void run_cpu(const Resolved& r, const sage_attention_args& a) {
 
 extern "C" {
 
-const char* sage_version(void) { return "0.1.0"; }
+const char* sage_version(void) {
+  return "0.1.0";
+}
 
 void sage_version_numbers(int* major, int* minor, int* patch) {
   if (major) *major = SAGE_VERSION_MAJOR;
@@ -52,17 +55,26 @@ void sage_version_numbers(int* major, int* minor, int* patch) {
   if (patch) *patch = SAGE_VERSION_PATCH;
 }
 
-const char* sage_last_error(void) { return sage::last_error(); }
+const char* sage_last_error(void) {
+  return sage::last_error();
+}
 
 const char* sage_status_string(sage_status status) {
-  switch (status) {
-    case SAGE_OK: return "ok";
-    case SAGE_ERROR_INVALID_ARGUMENT: return "invalid argument";
-    case SAGE_ERROR_UNSUPPORTED: return "unsupported";
-    case SAGE_ERROR_CUDA: return "CUDA error";
-    case SAGE_ERROR_OUT_OF_MEMORY: return "out of memory";
-    case SAGE_ERROR_WORKSPACE_TOO_SMALL: return "workspace too small";
-    case SAGE_ERROR_INTERNAL: return "internal error";
+  switch (sage::enum_value(status)) {
+    case SAGE_OK:
+      return "ok";
+    case SAGE_ERROR_INVALID_ARGUMENT:
+      return "invalid argument";
+    case SAGE_ERROR_UNSUPPORTED:
+      return "unsupported";
+    case SAGE_ERROR_CUDA:
+      return "CUDA error";
+    case SAGE_ERROR_OUT_OF_MEMORY:
+      return "out of memory";
+    case SAGE_ERROR_WORKSPACE_TOO_SMALL:
+      return "workspace too small";
+    case SAGE_ERROR_INTERNAL:
+      return "internal error";
   }
   return "unknown status";
 }
@@ -70,8 +82,9 @@ const char* sage_status_string(sage_status status) {
 sage_status sage_quant_config_init(sage_quant_config* config, sage_variant variant) {
   sage::clear_error();
   SAGE_CHECK_ARG(config != nullptr, "config is NULL");
-  SAGE_CHECK_ARG(variant >= SAGE_VARIANT_AUTO && variant <= SAGE_VARIANT_CUSTOM,
-                 "variant = %d is unknown", int(variant));
+  const int64_t v = sage::enum_value(variant);
+  SAGE_CHECK_ARG(v >= SAGE_VARIANT_AUTO && v <= SAGE_VARIANT_CUSTOM, "variant = %lld is unknown",
+                 static_cast<long long>(v));
   *config = sage::ref::quant_preset(variant);
   return SAGE_OK;
 }

@@ -12,7 +12,9 @@ namespace {
 
 using i128 = __int128;
 
-int64_t dtype_size(sage_dtype d) { return d == SAGE_DTYPE_FP32 ? 4 : 2; }
+int64_t dtype_size(sage_dtype d) {
+  return d == SAGE_DTYPE_FP32 ? 4 : 2;
+}
 
 struct Dim {
   int64_t size, stride;
@@ -81,7 +83,9 @@ sage_status check_tensor(const char* name, const void* ptr, sage_strides* stride
   return SAGE_OK;
 }
 
-bool overlap(const Range& a, const Range& b) { return a.lo < b.hi && b.lo < a.hi; }
+bool overlap(const Range& a, const Range& b) {
+  return a.lo < b.hi && b.lo < a.hi;
+}
 
 }  // namespace
 
@@ -91,16 +95,19 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
                  "args.struct_size = %zu, expected %zu (initialise with sage_attention_args_init)",
                  args->struct_size, sizeof(sage_attention_args));
   const sage_attention_args& a = *args;
-  SAGE_CHECK_ARG(a.dtype >= SAGE_DTYPE_FP16 && a.dtype <= SAGE_DTYPE_FP32, "dtype = %d is unknown",
-                 int(a.dtype));
-  SAGE_CHECK_ARG(a.layout == SAGE_LAYOUT_HND || a.layout == SAGE_LAYOUT_NHD,
-                 "layout = %d is unknown", int(a.layout));
-  SAGE_CHECK_ARG(a.mask >= SAGE_MASK_NONE && a.mask <= SAGE_MASK_CAUSAL_TOP_LEFT,
-                 "mask = %d is unknown", int(a.mask));
-  SAGE_CHECK_ARG(a.variant >= SAGE_VARIANT_AUTO && a.variant <= SAGE_VARIANT_CUSTOM,
-                 "variant = %d is unknown", int(a.variant));
-  SAGE_CHECK_ARG(a.backend >= SAGE_BACKEND_AUTO && a.backend <= SAGE_BACKEND_CUDA,
-                 "backend = %d is unknown", int(a.backend));
+  const int64_t dtype = enum_value(a.dtype), layout = enum_value(a.layout),
+                mask = enum_value(a.mask), variant = enum_value(a.variant),
+                backend = enum_value(a.backend);
+  SAGE_CHECK_ARG(dtype >= SAGE_DTYPE_FP16 && dtype <= SAGE_DTYPE_FP32,
+                 "dtype = %" PRId64 " is unknown", dtype);
+  SAGE_CHECK_ARG(layout == SAGE_LAYOUT_HND || layout == SAGE_LAYOUT_NHD,
+                 "layout = %" PRId64 " is unknown", layout);
+  SAGE_CHECK_ARG(mask >= SAGE_MASK_NONE && mask <= SAGE_MASK_CAUSAL_TOP_LEFT,
+                 "mask = %" PRId64 " is unknown", mask);
+  SAGE_CHECK_ARG(variant >= SAGE_VARIANT_AUTO && variant <= SAGE_VARIANT_CUSTOM,
+                 "variant = %" PRId64 " is unknown", variant);
+  SAGE_CHECK_ARG(backend >= SAGE_BACKEND_AUTO && backend <= SAGE_BACKEND_CUDA,
+                 "backend = %" PRId64 " is unknown", backend);
   SAGE_CHECK_ARG(a.batch >= 1, "batch = %" PRId64 " must be >= 1", a.batch);
   SAGE_CHECK_ARG(a.heads_q >= 1, "heads_q = %" PRId64 " must be >= 1", a.heads_q);
   SAGE_CHECK_ARG(a.heads_kv >= 1, "heads_kv = %" PRId64 " must be >= 1", a.heads_kv);
@@ -109,14 +116,20 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
                  a.heads_q, a.heads_kv);
   SAGE_CHECK_ARG(a.seq_q >= 1, "seq_q = %" PRId64 " must be >= 1", a.seq_q);
   SAGE_CHECK_ARG(a.seq_kv >= 1, "seq_kv = %" PRId64 " must be >= 1", a.seq_kv);
-  SAGE_CHECK_ARG(a.head_dim >= 1 && a.head_dim <= 512,
-                 "head_dim = %" PRId64 " is outside 1..512", a.head_dim);
+  SAGE_CHECK_ARG(a.head_dim >= 1 && a.head_dim <= 512, "head_dim = %" PRId64 " is outside 1..512",
+                 a.head_dim);
   SAGE_CHECK_ARG(std::isfinite(a.scale), "scale = %g is not finite", double(a.scale));
   SAGE_CHECK_ARG(a.num_threads >= 0, "num_threads = %d must be >= 0", int(a.num_threads));
 
   Resolved r;
-  r.problem = {a.batch, a.heads_q, a.heads_kv, a.seq_q, a.seq_kv, a.head_dim,
-               a.scale != 0.0f ? double(a.scale) : 1.0 / std::sqrt(double(a.head_dim)), a.mask};
+  r.problem = {a.batch,
+               a.heads_q,
+               a.heads_kv,
+               a.seq_q,
+               a.seq_kv,
+               a.head_dim,
+               a.scale != 0.0f ? double(a.scale) : 1.0 / std::sqrt(double(a.head_dim)),
+               a.mask};
   r.q = a.q_strides;
   r.k = a.k_strides;
   r.v = a.v_strides;
@@ -124,21 +137,16 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
   r.lse = a.lse_strides;
   const int64_t es = dtype_size(a.dtype), D = a.head_dim;
   Range q, k, v, o, lse{};
-  SAGE_RETURN_IF_ERROR(check_tensor("q", a.q, &r.q,
-                                    a.layout,
-                                    a.heads_q, a.seq_q, a.batch, D, es, false, &q));
-  SAGE_RETURN_IF_ERROR(check_tensor("k", a.k, &r.k,
-                                    a.layout,
-                                    a.heads_kv, a.seq_kv, a.batch, D, es, false, &k));
-  SAGE_RETURN_IF_ERROR(check_tensor("v", a.v, &r.v,
-                                    a.layout,
-                                    a.heads_kv, a.seq_kv, a.batch, D, es, false, &v));
-  SAGE_RETURN_IF_ERROR(check_tensor("o", a.o, &r.o,
-                                    a.layout,
-                                    a.heads_q, a.seq_q, a.batch, D, es, true, &o));
+  SAGE_RETURN_IF_ERROR(
+      check_tensor("q", a.q, &r.q, a.layout, a.heads_q, a.seq_q, a.batch, D, es, false, &q));
+  SAGE_RETURN_IF_ERROR(
+      check_tensor("k", a.k, &r.k, a.layout, a.heads_kv, a.seq_kv, a.batch, D, es, false, &k));
+  SAGE_RETURN_IF_ERROR(
+      check_tensor("v", a.v, &r.v, a.layout, a.heads_kv, a.seq_kv, a.batch, D, es, false, &v));
+  SAGE_RETURN_IF_ERROR(
+      check_tensor("o", a.o, &r.o, a.layout, a.heads_q, a.seq_q, a.batch, D, es, true, &o));
   for (const Range* in : {&q, &k, &v})
-    SAGE_CHECK_ARG(!overlap(o, *in), "o overlaps %s: the output must not alias an input",
-                   in->name);
+    SAGE_CHECK_ARG(!overlap(o, *in), "o overlaps %s: the output must not alias an input", in->name);
   if (a.lse) {
     SAGE_RETURN_IF_ERROR(check_tensor("lse", a.lse, &r.lse, SAGE_LAYOUT_HND, a.heads_q, a.seq_q,
                                       a.batch, 1, 4, true, &lse));

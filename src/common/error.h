@@ -2,6 +2,8 @@
 // (naming the argument and its value) for sage_last_error(). Host code only; any architecture.
 #pragma once
 
+#include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "sage/sage.h"
@@ -25,17 +27,28 @@ struct Error {
   std::string message;
 };
 
+// The integer a C caller stored in an enum field. Reading a C++ enum outside its declared range
+// is undefined behaviour (and -fstrict-enums lets the compiler drop range checks), so every
+// validation reads the raw bits of the field.
+template <typename E>
+int64_t enum_value(const E& e) {
+  static_assert(sizeof(E) == sizeof(int32_t), "C enums are int-sized");
+  int32_t raw;
+  std::memcpy(&raw, &e, sizeof(raw));
+  return raw;
+}
+
 }  // namespace sage
 
 // Return the status of a sage_status-returning expression if it is not SAGE_OK.
-#define SAGE_RETURN_IF_ERROR(expr)          \
-  do {                                      \
-    const sage_status sage_status_ = (expr); \
+#define SAGE_RETURN_IF_ERROR(expr)                    \
+  do {                                                \
+    const sage_status sage_status_ = (expr);          \
     if (sage_status_ != SAGE_OK) return sage_status_; \
   } while (0)
 
 // Validation helper: if `cond` is false, record an invalid-argument error and return it.
-#define SAGE_CHECK_ARG(cond, ...)                                          \
-  do {                                                                     \
+#define SAGE_CHECK_ARG(cond, ...)                                                    \
+  do {                                                                               \
     if (!(cond)) return ::sage::set_error(SAGE_ERROR_INVALID_ARGUMENT, __VA_ARGS__); \
   } while (0)

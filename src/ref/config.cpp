@@ -2,6 +2,7 @@
 // C API and the CPU reference. Host code.
 #include <string>
 
+#include "common/error.h"
 #include "ref/reference.h"
 
 namespace sage::ref {
@@ -31,7 +32,8 @@ sage_quant_config quant_preset(sage_variant variant) {
       c.pv_format = SAGE_PV_NONE;
       c.pv_accum = SAGE_PV_ACCUM_FP32;
       break;
-    default: break;  // AUTO, SAGE2_8B, CUSTOM start from the 8-bit kernel
+    default:
+      break;  // AUTO, SAGE2_8B, CUSTOM start from the 8-bit kernel
   }
   return c;
 }
@@ -40,18 +42,21 @@ std::string quant_config_error(const sage_quant_config& c) {
   auto bad = [](const char* what, long long value) {
     return std::string("quant.") + what + " = " + std::to_string(value) + " is invalid";
   };
-  if (c.qk_format < SAGE_QK_NONE || c.qk_format > SAGE_QK_FP8_E4M3)
-    return bad("qk_format", c.qk_format);
-  if (c.granularity < SAGE_GRANULARITY_PER_THREAD_MMA ||
-      c.granularity > SAGE_GRANULARITY_PER_TENSOR)
-    return bad("granularity", c.granularity);
+  if (enum_value(c.qk_format) < SAGE_QK_NONE || enum_value(c.qk_format) > SAGE_QK_FP8_E4M3)
+    return bad("qk_format", enum_value(c.qk_format));
+  if (enum_value(c.granularity) < SAGE_GRANULARITY_PER_THREAD_MMA ||
+      enum_value(c.granularity) > SAGE_GRANULARITY_PER_TENSOR)
+    return bad("granularity", enum_value(c.granularity));
   if (c.smooth & ~(SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V))
     return bad("smooth (unknown flag bits)", c.smooth);
-  if (c.pv_format < SAGE_PV_NONE || c.pv_format > SAGE_PV_INT8) return bad("pv_format", c.pv_format);
-  if (c.v_scale < SAGE_V_SCALE_PER_CHANNEL || c.v_scale > SAGE_V_SCALE_PER_BLOCK_CHANNEL)
-    return bad("v_scale", c.v_scale);
-  if (c.pv_accum < SAGE_PV_ACCUM_FP32 || c.pv_accum > SAGE_PV_ACCUM_TWO_LEVEL)
-    return bad("pv_accum", c.pv_accum);
+  if (enum_value(c.pv_format) < SAGE_PV_NONE || enum_value(c.pv_format) > SAGE_PV_INT8)
+    return bad("pv_format", enum_value(c.pv_format));
+  if (enum_value(c.v_scale) < SAGE_V_SCALE_PER_CHANNEL ||
+      enum_value(c.v_scale) > SAGE_V_SCALE_PER_BLOCK_CHANNEL)
+    return bad("v_scale", enum_value(c.v_scale));
+  if (enum_value(c.pv_accum) < SAGE_PV_ACCUM_FP32 ||
+      enum_value(c.pv_accum) > SAGE_PV_ACCUM_TWO_LEVEL)
+    return bad("pv_accum", enum_value(c.pv_accum));
   if (c.block_q < 1 || c.block_q > 1024) return bad("block_q (1..1024)", c.block_q);
   if (c.block_k < 1 || c.block_k > 1024) return bad("block_k (1..1024)", c.block_k);
   if (c.warps < 1 || c.block_q % c.warps != 0)
@@ -72,8 +77,8 @@ std::string quant_config_error(const sage_quant_config& c) {
   if (c.v_scale == SAGE_V_SCALE_PER_BLOCK_CHANNEL && c.pv_accum != SAGE_PV_ACCUM_FP32 &&
       c.pv_flush_interval != 1)
     return "quant.v_scale per (block, channel) needs the accumulator flushed every key block "
-           "(pv_flush_interval = " + std::to_string(c.pv_flush_interval) +
-           ", pv_accum = " + std::to_string(c.pv_accum) + ")";
+           "(pv_flush_interval = " +
+           std::to_string(c.pv_flush_interval) + ", pv_accum = " + std::to_string(c.pv_accum) + ")";
   if (c.v_scale == SAGE_V_SCALE_PER_BLOCK_CHANNEL && c.pv_accum == SAGE_PV_ACCUM_HW)
     return "quant.v_scale per (block, channel) cannot be used with pv_accum = HW (the hardware "
            "accumulator is never flushed, so block scales cannot be applied)";
