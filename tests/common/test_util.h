@@ -5,8 +5,11 @@
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "common/error.h"
@@ -14,6 +17,22 @@
 #include "ref/reference.h"
 
 namespace sage::test {
+
+inline uint32_t float_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+inline float bits_float(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+inline std::string hex(uint32_t v) {
+  std::ostringstream s;
+  s << "0x" << std::hex << v;
+  return s.str();
+}
 
 // A fresh seed per run; tests print it (SCOPED_TRACE) so a failure can be replayed.
 inline uint64_t fresh_seed() {

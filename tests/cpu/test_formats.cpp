@@ -5,6 +5,8 @@
 // Host only; any architecture.
 #include <gtest/gtest.h>
 
+#include "common/test_util.h"
+
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -22,21 +24,9 @@ namespace {
 
 using sage::FloatFormat;
 
-uint32_t float_bits(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, sizeof b);
-  return b;
-}
-float bits_float(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, sizeof x);
-  return x;
-}
-std::string hex(uint32_t v) {
-  std::ostringstream s;
-  s << "0x" << std::hex << v;
-  return s.str();
-}
+using sage::test::bits_float;
+using sage::test::float_bits;
+using sage::test::hex;
 
 // ---------------------------------------------------------------------------------------------
 // Facts about each format, written out by hand (not derived from FloatFormat's arithmetic).

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "common/test_util.h"
+
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -89,21 +91,9 @@ __global__ void fp8_decode_kernel(uint32_t* out) {
 // ---------------------------------------------------------------------------------------------
 // Host helpers.
 
-uint32_t float_bits(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, sizeof b);
-  return b;
-}
-float bits_float(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, sizeof x);
-  return x;
-}
-std::string hex(uint32_t v) {
-  std::ostringstream s;
-  s << "0x" << std::hex << v;
-  return s.str();
-}
+using sage::test::bits_float;
+using sage::test::float_bits;
+using sage::test::hex;
 
 // Device memory freed on scope exit.
 template <class T>
