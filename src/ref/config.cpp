@@ -18,9 +18,9 @@ sage_quant_config quant_preset(sage_variant variant) {
   c.pv_flush_interval = 1;
   c.accum_mantissa_bits = 13;  // FP22 as the paper measured on Ada; see docs/ once measured here
   c.accum_chunk = 32;          // keys in one m16n8k32 / m64nNk32 FP8 MMA
-  c.block_q = 128;
+  c.block_q = 128;  // the mma.sync kernel's tile: 8 warps of 16 rows, 64-key blocks
   c.block_k = 64;
-  c.warps = 4;
+  c.warps = 8;
   switch (variant) {
     case SAGE_VARIANT_SAGE2_4B:
       c.qk_format = SAGE_QK_INT4;

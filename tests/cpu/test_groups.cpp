@@ -79,7 +79,9 @@ std::map<int64_t, int64_t> group_sizes(const GroupLayout& g, int64_t n) {
 }
 
 TEST(Groups, MmaSyncLayoutOneScalePerThread) {
-  sage_quant_config cfg = quant_preset(SAGE_VARIANT_SAGE2_4B);  // 128 x 64, 4 warps
+  // The paper's kernel: 4 warps of 32 rows (two m16 tiles each), 64-key blocks.
+  sage_quant_config cfg = quant_preset(SAGE_VARIANT_SAGE2_4B);
+  cfg.warps = 4;
   const GroupLayout qg = q_group_layout(cfg), kg = k_group_layout(cfg);
   check_one_scale_per_thread(mma_sync_ownership(128, 32, 64), 128, 64, qg, kg);
   // SPEC §4: 32 Q groups of 4 rows {g, g+8, g+16, g+24} per 128-row block, 4 K groups of 16 keys.
@@ -94,6 +96,21 @@ TEST(Groups, MmaSyncLayoutOneScalePerThread) {
   EXPECT_EQ(kg.group(0), kg.group(1));
   EXPECT_EQ(kg.group(0), kg.group(57));
   EXPECT_NE(kg.group(0), kg.group(2));
+}
+
+TEST(Groups, PresetMatchesTheMmaKernelTile) {
+  // This library's mma.sync kernel: 8 warps of 16 rows (one m16 tile), so groups of 2 rows.
+  for (sage_variant v : {SAGE_VARIANT_SAGE2_8B, SAGE_VARIANT_SAGE2_4B}) {
+    const sage_quant_config cfg = quant_preset(v);
+    ASSERT_EQ(cfg.block_q, 128);
+    ASSERT_EQ(cfg.warps, 8);
+    ASSERT_EQ(cfg.block_k, 64);
+    const GroupLayout qg = q_group_layout(cfg), kg = k_group_layout(cfg);
+    check_one_scale_per_thread(mma_sync_ownership(128, 16, 64), 128, 64, qg, kg);
+    const auto qs = group_sizes(qg, 128);
+    EXPECT_EQ(qs.size(), 64u);
+    for (const auto& [g, n] : qs) EXPECT_EQ(n, 2) << "Q group " << g;
+  }
 }
 
 TEST(Groups, WgmmaLayoutOneScalePerThread) {

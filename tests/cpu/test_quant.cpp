@@ -107,8 +107,8 @@ TEST(Emulation, QkQuantizationMatchesIndependentComputation) {
       for (int64_t j = 0; j < Nk; ++j)
         for (int64_t d = 0; d < D; ++d)
           bias[size_t(i * Nk + j)] += qmean[size_t((i / 128) * D + d)] * K[size_t(j * D + d)];
-    // Groups of SPEC §4: Q rows {g, g+8, g+16, g+24} of each 32-row warp; K keys {8j+2t, 8j+2t+1}
-    // of each 64-key block.
+    // Groups of the kernel (SPEC §4 with 16-row warps): Q rows {g, g+8} of each 16-row warp
+    // slice; K keys {8j+2t, 8j+2t+1} of each 64-key block.
     auto quantize = [&](std::vector<double>& M, int64_t N, auto group_of) {
       std::map<int64_t, double> amax;
       for (int64_t n = 0; n < N; ++n)
@@ -123,7 +123,7 @@ TEST(Emulation, QkQuantizationMatchesIndependentComputation) {
         }
       }
     };
-    quantize(Q, Nq, [](int64_t n) { return (n / 32) * 8 + n % 8; });
+    quantize(Q, Nq, [](int64_t n) { return (n / 16) * 8 + n % 8; });
     quantize(K, Nk, [](int64_t n) { return (n / 64) * 4 + (n % 8) / 2; });
     const std::vector<double> want = test::dense_attention(Q, K, V, bias, Nq, Nk, D, p.scale);
 

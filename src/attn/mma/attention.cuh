@@ -1,0 +1,258 @@
+// SageAttention2 on mma.sync (sm_89, sm_90a, sm_120a): INT8 (m16n8k32) or INT4 (m16n8k64) Q·Kᵀ
+// dequantized with one Q and one K scale per thread, base-2 online softmax, P~ to E4M3 in
+// registers, E4M3 P^·V^ (m16n8k32) into a fresh accumulator per key block added into fp32
+// (two-level), finalize with the V scales. One CTA = 8 warps = 128 query rows of one head.
+//
+// Why the shapes: a warp owns 16 rows, so a thread holds rows g and g+8 (one Q group) and, per
+// 8-key tile, keys 2t, 2t+1 (one K group) — per-thread quantization costs nothing. With 16 rows a
+// warp the accumulators fit: S 8 tiles x 4, R and O D/8 tiles x 4 each (D=128: 32+64+64 regs).
+// Vᵀ arrives with the keys of each 32-chunk permuted (v_position_of_key) so the E4M3 pairs a
+// thread converts from its S registers are exactly its A-operand bytes: no shuffles.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "attn/mma/params.h"
+#include "ptx/async.cuh"
+#include "ptx/cvt.cuh"
+#include "ptx/math.cuh"
+#include "ptx/mma.cuh"
+
+namespace sage::mma {
+
+template <int D, int kBits>
+struct Tile {
+  static constexpr int kRowBytes = D * kBits / 8;  // one quantized Q/K row
+  static constexpr int kQkSteps = kRowBytes / 32;  // MMAs along head_dim (32 bytes each)
+  // Shared-memory row strides padded by 16 bytes: the 32 lanes' 4-byte fragment loads (8 rows x
+  // 4 consecutive words) then fall in 32 distinct banks.
+  static constexpr int kKStride = kRowBytes + 16;
+  static constexpr int kVStride = kBlockK + 16;
+  static constexpr int kKBytes = kBlockK * kKStride;
+  static constexpr int kVBytes = D * kVStride;
+  static constexpr int kStageBytes = kKBytes + kVBytes;
+};
+
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+template <typename OutT>
+__device__ __forceinline__ void store2(OutT* dst, float a, float b);
+template <>
+__device__ __forceinline__ void store2<__half>(__half* dst, float a, float b) {
+  *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
+}
+template <>
+__device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+}
+
+// Issues the cp.async copies of key block `kb` (K rows and Vᵀ columns) into one stage.
+template <int D, int kBits>
+__device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, const uint8_t* v,
+                                              int64_t kb, int64_t nk_pad) {
+  using T = Tile<D, kBits>;
+  constexpr int kKChunks = kBlockK * T::kRowBytes / 16, kVChunks = D * kBlockK / 16;
+  const uint8_t* ksrc = k + kb * kBlockK * T::kRowBytes;
+  for (int i = threadIdx.x; i < kKChunks; i += kThreads) {
+    const int row = i / (T::kRowBytes / 16), col = i % (T::kRowBytes / 16);
+    ptx::cp_async_16(stage + row * T::kKStride + col * 16, ksrc + row * T::kRowBytes + col * 16);
+  }
+  uint8_t* vdst = stage + T::kKBytes;
+  for (int i = threadIdx.x; i < kVChunks; i += kThreads) {
+    const int c = i / 4, part = i % 4;
+    ptx::cp_async_16(vdst + c * T::kVStride + part * 16, v + c * nk_pad + kb * kBlockK + part * 16);
+  }
+}
+
+template <int D, int kBits, typename OutT, bool kCausal>
+__global__ void __launch_bounds__(kThreads) attention_kernel(const AttnParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  using T = Tile<D, kBits>;
+  constexpr int kDTiles = D / 8;
+  extern __shared__ __align__(16) uint8_t smem[];
+
+  const int64_t qb = blockIdx.x, bh = blockIdx.y;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t row_a = qb * kBlockQ + warp * 16 + g, row_b = row_a + 8;
+
+  // Keys this CTA must visit: all, or up to the diagonal of its last row.
+  const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
+  const int64_t kv_end = kCausal ? min(p.seq_kv, last_row + p.causal_offset + 1) : p.seq_kv;
+  const int64_t n_blocks = kv_end > 0 ? (kv_end + kBlockK - 1) / kBlockK : 0;
+
+  const uint8_t* kbase = p.k + bhk * p.nk_pad * T::kRowBytes;
+  const uint8_t* vbase = p.v + bhk * D * p.nk_pad;
+  if (n_blocks > 0) load_kv_block<D, kBits>(smem, kbase, vbase, 0, p.nk_pad);
+  ptx::cp_async_commit();
+
+  // Q fragments of this warp's 16 rows, straight from global (read once).
+  uint32_t qf[T::kQkSteps][4];
+  {
+    const uint8_t* qa = p.q + (bh * p.nq_pad + row_a) * T::kRowBytes + 4 * t;
+    const uint8_t* qbp = qa + 8 * T::kRowBytes;
+    for (int s = 0; s < T::kQkSteps; ++s) {
+      qf[s][0] = *reinterpret_cast<const uint32_t*>(qa + s * 32);
+      qf[s][1] = *reinterpret_cast<const uint32_t*>(qbp + s * 32);
+      qf[s][2] = *reinterpret_cast<const uint32_t*>(qa + s * 32 + 16);
+      qf[s][3] = *reinterpret_cast<const uint32_t*>(qbp + s * 32 + 16);
+    }
+  }
+  const float q_scale_log2 =
+      p.q_scale[(bh * p.q_blocks + qb) * kQGroups + warp * 8 + g] * p.scale_log2;
+  const float* delta_s = p.delta_s ? p.delta_s + (bh * p.q_blocks + qb) * p.nk_pad : nullptr;
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows a, b (l: this thread's part)
+  float o[kDTiles][4];
+  for (int i = 0; i < kDTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+
+  for (int64_t kb = 0; kb < n_blocks; ++kb) {
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // block kb landed; everyone is done with the other stage
+    if (kb + 1 < n_blocks)
+      load_kv_block<D, kBits>(smem + ((kb + 1) % 2) * T::kStageBytes, kbase, vbase, kb + 1,
+                              p.nk_pad);
+    ptx::cp_async_commit();
+    const uint8_t* ks = smem + (kb % 2) * T::kStageBytes;
+    const uint8_t* vs = ks + T::kKBytes;
+
+    // S = Q^·K^ᵀ (exact int32), 8 tiles of 8 keys.
+    int acc[8][4];
+    for (int nt = 0; nt < 8; ++nt) {
+      acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
+      const uint8_t* krow = ks + (nt * 8 + g) * T::kKStride + 4 * t;
+      for (int s = 0; s < T::kQkSteps; ++s) {
+        const uint32_t kf[2] = {lds32(krow + s * 32), lds32(krow + s * 32 + 16)};
+        if constexpr (kBits == 8)
+          ptx::mma_m16n8k32_s8(acc[nt], qf[s], kf, acc[nt]);
+        else
+          ptx::mma_m16n8k64_s4(acc[nt], qf[s], kf, acc[nt]);
+      }
+    }
+
+    // Dequantize (one Q and one K scale per thread), add ΔS, mask; base-2 scores.
+    const float f = q_scale_log2 * p.k_scale[(bhk * p.k_blocks + kb) * kKGroups + t];
+    float sc[8][4];
+    float row_max[2] = {-INFINITY, -INFINITY};
+    for (int nt = 0; nt < 8; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int64_t col = kb * kBlockK + nt * 8 + 2 * t + (e & 1);
+        const int64_t row = e < 2 ? row_a : row_b;
+        float x = float(acc[nt][e]) * f;
+        if (delta_s) x = fmaf(delta_s[col], p.scale_log2, x);
+        const bool visible = col < p.seq_kv && (!kCausal || col <= row + p.causal_offset);
+        sc[nt][e] = visible ? x : -INFINITY;
+        row_max[e / 2] = fmaxf(row_max[e / 2], sc[nt][e]);
+      }
+
+    // Online softmax: the 4 threads of a row (t = 0..3) agree on its max.
+    float alpha[2], m_use[2];
+    for (int r = 0; r < 2; ++r) {
+      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
+      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
+      const float m_new = fmaxf(m[r], row_max[r]);
+      m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
+      alpha[r] = ptx::ex2(m[r] - m_use[r]);
+      m[r] = m_new;
+      l[r] *= alpha[r];
+    }
+    for (int nt = 0; nt < 8; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        sc[nt][e] = ptx::ex2(sc[nt][e] - m_use[e / 2]);
+        l[e / 2] += sc[nt][e];
+      }
+    for (int i = 0; i < kDTiles; ++i) {
+      o[i][0] *= alpha[0], o[i][1] *= alpha[0], o[i][2] *= alpha[1], o[i][3] *= alpha[1];
+    }
+
+    // P^ = E4M3(P~ · 448) as the A operand of two m16n8k32 MMAs (keys 0-31, 32-63), then
+    // R = P^·V^ in a fresh accumulator added into the fp32 O (two-level accumulation).
+    float r_acc[kDTiles][4];
+    for (int i = 0; i < kDTiles; ++i) r_acc[i][0] = r_acc[i][1] = r_acc[i][2] = r_acc[i][3] = 0.0f;
+    for (int c = 0; c < 2; ++c) {
+      uint32_t pf[4];
+      for (int half = 0; half < 2; ++half) {  // reg 0/1: tiles 4c, 4c+1; reg 2/3: 4c+2, 4c+3
+        const int n0 = 4 * c + 2 * half, n1 = n0 + 1;
+        pf[2 * half + 0] = uint32_t(ptx::cvt_e4m3x2(sc[n0][0] * 448.0f, sc[n0][1] * 448.0f)) |
+                           uint32_t(ptx::cvt_e4m3x2(sc[n1][0] * 448.0f, sc[n1][1] * 448.0f)) << 16;
+        pf[2 * half + 1] = uint32_t(ptx::cvt_e4m3x2(sc[n0][2] * 448.0f, sc[n0][3] * 448.0f)) |
+                           uint32_t(ptx::cvt_e4m3x2(sc[n1][2] * 448.0f, sc[n1][3] * 448.0f)) << 16;
+      }
+      for (int i = 0; i < kDTiles; ++i) {
+        const uint8_t* vrow = vs + (i * 8 + g) * T::kVStride + c * 32 + 4 * t;
+        const uint32_t vf[2] = {lds32(vrow), lds32(vrow + 16)};
+        ptx::mma_m16n8k32_e4m3(r_acc[i], pf, vf, r_acc[i]);
+      }
+    }
+    for (int i = 0; i < kDTiles; ++i)
+      for (int e = 0; e < 4; ++e) o[i][e] += r_acc[i][e];
+  }
+  ptx::cp_async_wait<0>();
+
+  // Finalize: O / l / 448 · v_scale + v_mean; LSE = (m + log2 l)·ln 2 + scale·q·k_mean.
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  const float* vsc = p.v_scale + bhk * D;
+  const float* vmean = p.v_mean + bhk * D;
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = r == 0 ? row_a : row_b;
+    if (row >= p.seq_q) continue;
+    const bool empty = !(l[r] > 0.0f);
+    const float inv = empty ? 0.0f : 1.0f / (l[r] * 448.0f);
+    OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
+    for (int i = 0; i < kDTiles; ++i) {
+      const int c = i * 8 + 2 * t;
+      const float x0 = empty ? 0.0f : o[i][2 * r] * (vsc[c] * inv) + vmean[c];
+      const float x1 = empty ? 0.0f : o[i][2 * r + 1] * (vsc[c + 1] * inv) + vmean[c + 1];
+      store2<OutT>(dst + c, x0, x1);
+    }
+    if (p.lse && t == 0)
+      p.lse[b * p.lse_batch + h * p.lse_head + row * p.lse_token] =
+          empty ? -INFINITY
+                : (m[r] + log2f(l[r])) * 0.69314718055994531f + p.lse_shift[bh * p.seq_q + row];
+  }
+#endif
+}
+
+}  // namespace sage::mma
+
+namespace sage::mma {
+
+// Picks the instantiation for (INT8/INT4, output dtype, mask) of one head dim and launches it.
+template <int D, int kBits, typename OutT, bool kCausal>
+cudaError_t launch_one(const AttnParams& p, cudaStream_t stream) {
+  constexpr int kSmem = 2 * Tile<D, kBits>::kStageBytes;
+  auto kernel = attention_kernel<D, kBits, OutT, kCausal>;
+  if (kSmem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e != cudaSuccess) return e;
+  }
+  const dim3 grid(unsigned(p.q_blocks), unsigned(p.batch * p.heads_q));
+  kernel<<<grid, kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int D>
+cudaError_t launch_attention(const AttnParams& p, int bits, bool bf16_out, bool causal,
+                             cudaStream_t stream) {
+  if (bits == 8) {
+    if (bf16_out)
+      return causal ? launch_one<D, 8, __nv_bfloat16, true>(p, stream)
+                    : launch_one<D, 8, __nv_bfloat16, false>(p, stream);
+    return causal ? launch_one<D, 8, __half, true>(p, stream)
+                  : launch_one<D, 8, __half, false>(p, stream);
+  }
+  if (bf16_out)
+    return causal ? launch_one<D, 4, __nv_bfloat16, true>(p, stream)
+                  : launch_one<D, 4, __nv_bfloat16, false>(p, stream);
+  return causal ? launch_one<D, 4, __half, true>(p, stream)
+                : launch_one<D, 4, __half, false>(p, stream);
+}
+
+}  // namespace sage::mma

@@ -1,0 +1,21 @@
+// Asynchronous global->shared copies (cp.async, sm_80+) and their group fences.
+#pragma once
+
+#include <cstdint>
+
+namespace sage::ptx {
+
+// cp.async.cg.shared.global [dst], [src], 16 (sm_80+): 16 bytes, cached in L2 only.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem_src));
+}
+// cp.async.commit_group (sm_80+).
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// cp.async.wait_group N (sm_80+): wait until at most N committed groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+}  // namespace sage::ptx

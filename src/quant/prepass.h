@@ -1,0 +1,27 @@
+// The quantization pre-pass of the mma.sync SageAttention2 path: K/V statistics (K channel mean,
+// V channel mean and range), per-thread INT8/INT4 K with smoothing, E4M3 Vᵀ with per-channel
+// scales in the key order the P·V MMA wants, per-thread Q with optional per-block smoothing, the
+// LSE correction, and ΔS. Host interface; the kernels are in prepass.cu (sm_89+).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "attn/mma/params.h"
+#include "sage/sage.h"
+
+namespace sage::quant {
+
+struct PrepassInputs {
+  const void* q;
+  const void* k;
+  const void* v;
+  sage_dtype dtype;  // fp16 or bf16
+  sage_strides q_strides, k_strides, v_strides;
+  float scale;  // softmax scale (for the LSE correction)
+};
+
+// Runs every pre-pass kernel on `stream`, writing the workspace laid out by `plan`.
+cudaError_t run_prepass(const mma::Plan& plan, const PrepassInputs& in, uint8_t* workspace,
+                        cudaStream_t stream);
+
+}  // namespace sage::quant
