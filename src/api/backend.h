@@ -37,4 +37,9 @@ std::string describe_devices(bool* has_gpu);
 sage_status workspace_size(const api::Resolved& r, const sage_attention_args& args, size_t* bytes);
 sage_status attention(const api::Resolved& r, const sage_attention_args& args);
 
+// The two stages of a GPU call, separately (the benchmark's kernel-only figure): the pre-pass
+// writes the workspace, the kernel reads it. attention() runs both.
+constexpr int kStagePrepass = 1, kStageKernel = 2;
+sage_status attention_stages(const api::Resolved& r, const sage_attention_args& args, int stages);
+
 }  // namespace sage::cuda

@@ -113,6 +113,10 @@ sage_status workspace_size(const api::Resolved& r, const sage_attention_args& a,
 }
 
 sage_status attention(const api::Resolved& r, const sage_attention_args& a) {
+  return attention_stages(r, a, kStagePrepass | kStageKernel);
+}
+
+sage_status attention_stages(const api::Resolved& r, const sage_attention_args& a, int stages) {
   mma::Plan plan;
   SAGE_RETURN_IF_ERROR(plan_for(r, a, &plan));
   if (a.workspace_size < plan.total || (plan.total > 0 && a.workspace == nullptr))
@@ -129,8 +133,10 @@ sage_status attention(const api::Resolved& r, const sage_attention_args& a) {
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
   const ref::Problem& p = r.problem;
   const quant::PrepassInputs in{a.q, a.k, a.v, a.dtype, r.q, r.k, r.v, float(p.scale)};
-  cudaError_t e = quant::run_prepass(plan, in, ws, stream);
+  cudaError_t e = cudaSuccess;
+  if (stages & kStagePrepass) e = quant::run_prepass(plan, in, ws, stream);
   if (e != cudaSuccess) return set_error(SAGE_ERROR_CUDA, "pre-pass launch: %s", cudaGetErrorString(e));
+  if (!(stages & kStageKernel)) return SAGE_OK;
 
   auto f32 = [&](size_t off) { return reinterpret_cast<const float*>(ws + off); };
   mma::AttnParams ap{};

@@ -7,12 +7,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
+#include <type_traits>
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "api/backend.h"
 #include "common/formats.h"
+#include "bench.h"
 #include "npy.h"
 #include "ref/ablations.h"
 #include "ref/reference.h"
@@ -28,6 +32,8 @@ void usage(FILE* f) {
                "\n"
                "commands:\n"
                "  accuracy   the paper's ablations (CPU emulation vs float64), all four metrics\n"
+               "  bench      GPU speed over the standard grid (end-to-end and kernel-only TOPS) with\n"
+               "             accuracy vs float64 on sampled rows; needs a CUDA build and a GPU\n"
                "  info       version, CUDA architectures built, GPUs visible\n"
                "\n"
                "accuracy options:\n"
@@ -42,12 +48,19 @@ void usage(FILE* f) {
                "                         see src/ref/synthetic.h)\n"
                "  --causal               bottom-right causal mask\n"
                "  --threads T            CPU threads (default: all)\n"
-               "  --json                 print JSON instead of tables\n");
+               "  --json                 print JSON instead of tables\n"
+               "\n"
+               "bench options:\n"
+               "  --variants sage-8b,sage-4b  --dims 64,128  --seqs 1024,...,32768  --causal 0,1\n"
+               "  --batch B --heads H    (default 4 x 32)   --seconds S (timed per figure, 0.5)\n"
+               "  --bias                 channel-bias inputs (Q += 4·randn(H,D), K, V += 8·randn)\n"
+               "  --accuracy-rows R      sampled rows per checked head (64)\n"
+               "  --out FILE             JSON in the bench/results schema; --commit C labels it\n");
 }
 
 struct Options {
   std::map<std::string, std::string> values;
-  bool json = false, causal = false;
+  bool json = false, causal = false, bias = false;
   std::string get(const std::string& k, const std::string& def) const {
     auto it = values.find(k);
     return it == values.end() ? def : it->second;
@@ -58,12 +71,17 @@ bool parse_options(int argc, char** argv, Options* o) {
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json") { o->json = true; continue; }
-    if (a == "--causal") { o->causal = true; continue; }
+    if (a == "--causal" && (i + 1 >= argc || argv[i + 1][0] == '-')) {
+      o->causal = true;
+      continue;
+    }
+    if (a == "--bias") { o->bias = true; continue; }
     static const char* with_value[] = {"--q", "--k", "--v", "--layout", "--batch", "--heads",
                                        "--kv-heads", "--seq", "--seq-kv", "--dim", "--seed",
                                        "--q-bias", "--k-bias", "--v-bias", "--token-spread",
                                        "--q-outlier", "--k-outlier", "--outlier-channels", "--sink",
-                                       "--threads"};
+                                       "--threads", "--variants", "--dims", "--seqs", "--causal",
+                                       "--seconds", "--accuracy-rows", "--out", "--commit"};
     bool known = false;
     for (const char* w : with_value) known |= a == w;
     if (!known) {
@@ -244,6 +262,80 @@ int cmd_accuracy(const Options& o) {
   return 0;
 }
 
+template <typename T>
+std::vector<T> parse_list(const std::string& text) {
+  std::vector<T> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t end = std::min(text.find(',', start), text.size());
+    const std::string item = text.substr(start, end - start);
+    if constexpr (std::is_same_v<T, std::string>) {
+      out.push_back(item);
+    } else {
+      out.push_back(T(std::stoll(item)));
+    }
+    start = end + 1;
+  }
+  return out;
+}
+
+int cmd_bench(const Options& o) {
+  tool::BenchOptions b;
+  try {
+    if (!o.get("variants", "").empty()) b.variants = parse_list<std::string>(o.get("variants", ""));
+    if (!o.get("dims", "").empty()) b.dims = parse_list<int64_t>(o.get("dims", ""));
+    if (!o.get("seqs", "").empty()) b.seqs = parse_list<int64_t>(o.get("seqs", ""));
+    if (!o.get("causal", "").empty()) b.causal = parse_list<int>(o.get("causal", ""));
+    b.batch = std::stoll(o.get("batch", "4"));
+    b.heads = std::stoll(o.get("heads", "32"));
+    b.seconds = std::stod(o.get("seconds", "0.5"));
+    b.accuracy_rows = std::stoi(o.get("accuracy-rows", "64"));
+    b.threads = std::stoi(o.get("threads", "0"));
+  } catch (const std::exception&) {
+    std::fprintf(stderr, "sage: a bench option has a value that is not a number\n");
+    return 2;
+  }
+  for (const std::string& v : b.variants)
+    if (v != "sage-8b" && v != "sage-4b") {
+      std::fprintf(stderr, "sage: --variants takes sage-8b and/or sage-4b, not '%s'\n", v.c_str());
+      return 2;
+    }
+  if (o.bias) b.q_bias = 4, b.k_bias = 8, b.v_bias = 8;
+  std::vector<tool::BenchRow> rows;
+  if (!tool::run_bench(b, &rows)) return 1;
+  const std::string out = o.get("out", "");
+  if (out.empty()) return 0;
+  FILE* f = std::fopen(out.c_str(), "w");
+  if (!f) {
+    std::fprintf(stderr, "sage: cannot write %s\n", out.c_str());
+    return 1;
+  }
+  std::string gpu, driver, cuda_version;
+  tool::device_strings(&gpu, &driver, &cuda_version);
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y-%m-%d", std::gmtime(&now));
+  std::fprintf(f,
+               "{\"gpu\": \"%s\", \"driver\": \"%s\", \"cuda\": \"%s\", \"torch\": null, "
+               "\"commit\": \"%s\", \"date\": \"%s\", \"input\": \"%s\", \"rows\": [",
+               gpu.c_str(), driver.c_str(), cuda_version.c_str(), o.get("commit", "").c_str(), date,
+               o.bias ? "channel-bias" : "normal");
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const tool::BenchRow& r = rows[i];
+    std::fprintf(f,
+                 "%s\n  {\"impl\": \"%s\", \"head_dim\": %" PRId64 ", \"seq_len\": %" PRId64
+                 ", \"batch\": %" PRId64 ", \"heads\": %" PRId64
+                 ", \"causal\": %s, \"e2e_tops\": %.2f, \"kernel_tops\": %.2f, \"ms\": %.4f, "
+                 "\"cos\": %.7f, \"rel_l1\": %.6f, \"rmse\": %.6f, \"max_abs\": %.6f}",
+                 i ? "," : "", r.impl.c_str(), r.head_dim, r.seq_len, r.batch, r.heads,
+                 r.causal ? "true" : "false", r.e2e_tops, r.kernel_tops, r.ms, r.acc.cos,
+                 r.acc.rel_l1, r.acc.rmse, r.acc.max_abs);
+  }
+  std::fprintf(f, "\n]}\n");
+  std::fclose(f);
+  return 0;
+}
+
 int cmd_info() {
   bool has_gpu = false;
   const std::string gpus = cuda::describe_devices(&has_gpu);
@@ -265,6 +357,7 @@ int main(int argc, char** argv) {
   if (!parse_options(argc, argv, &o)) return 2;
   if (cmd == "accuracy") return cmd_accuracy(o);
   if (cmd == "info") return cmd_info();
+  if (cmd == "bench") return cmd_bench(o);
   std::fprintf(stderr, "sage: unknown command '%s'\n\n", cmd.c_str());
   usage(stderr);
   return 2;
