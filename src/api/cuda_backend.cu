@@ -97,9 +97,13 @@ sage_status plan_for(const api::Resolved& r, const sage_attention_args& a, mma::
                      "the GPU is sm_%d%d; the SageAttention2 kernels need sm_89 or newer (FP8 MMA)",
                      major, minor);
   const ref::Problem& p = r.problem;
+  // Two-level P·V accumulation guards an FP8 MMA accumulator narrower than fp32 (the paper's
+  // FP22 on sm_89). sm_90's is a true fp32 (measured, docs/fp8-accumulator.md): one level.
+  const bool two_level = major * 10 + minor != 90;
   *plan = mma::make_plan(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, D,
                          c.qk_format == SAGE_QK_INT8 ? 8 : 4, c.smooth & SAGE_SMOOTH_Q,
                          c.smooth & SAGE_SMOOTH_K, c.smooth & SAGE_SMOOTH_V);
+  plan->two_level = two_level;
   return SAGE_OK;
 }
 
@@ -159,8 +163,9 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   ap.causal_offset = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
   ap.scale_log2 = float(p.scale * 1.4426950408889634);
   const bool causal = p.mask != SAGE_MASK_NONE, bf16 = a.dtype == SAGE_DTYPE_BF16;
-  e = p.head_dim == 64 ? mma::launch_attention<64>(ap, plan.bits, bf16, causal, stream)
-                       : mma::launch_attention<128>(ap, plan.bits, bf16, causal, stream);
+  e = p.head_dim == 64
+          ? mma::launch_attention<64>(ap, plan.bits, bf16, causal, plan.two_level, stream)
+          : mma::launch_attention<128>(ap, plan.bits, bf16, causal, plan.two_level, stream);
   if (e != cudaSuccess) return set_error(SAGE_ERROR_CUDA, "attention launch: %s", cudaGetErrorString(e));
   return SAGE_OK;
 }

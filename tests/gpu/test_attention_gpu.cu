@@ -102,9 +102,10 @@ GpuRun run_gpu(const Case& c, const std::vector<uint16_t>& q, const std::vector<
   return r;
 }
 
-// The emulation config of the GPU kernel on this device: the preset, with the accumulator the
-// hardware has (docs/fp8-accumulator.md: a true fp32 on sm_90; FP22 as the paper measured on
-// sm_89).
+// The emulation config of the GPU kernel on this device: the preset, with the P·V accumulation
+// the kernel uses there. On sm_90 the FP8 MMA accumulator is a true fp32 (docs/fp8-accumulator.md)
+// and the kernel accumulates in one level: the emulation's FP32 model is exact for it. Elsewhere
+// the kernel is two-level over an accumulator assumed FP22 (the paper's Ada measurement).
 sage_quant_config emulation_config(sage_variant variant) {
   sage_quant_config c;
   sage_quant_config_init(&c, variant);
@@ -112,7 +113,7 @@ sage_quant_config emulation_config(sage_variant variant) {
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  c.accum_mantissa_bits = major * 10 + minor >= 90 ? 23 : 13;
+  if (major * 10 + minor == 90) c.pv_accum = SAGE_PV_ACCUM_FP32;
   return c;
 }
 

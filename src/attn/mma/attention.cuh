@@ -16,6 +16,7 @@
 #include "attn/mma/params.h"
 #include "ptx/async.cuh"
 #include "ptx/cvt.cuh"
+#include "ptx/ldmatrix.cuh"
 #include "ptx/math.cuh"
 #include "ptx/mma.cuh"
 
@@ -36,6 +37,14 @@ struct Tile {
 
 __device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
   return *reinterpret_cast<const uint32_t*>(p);
+}
+
+template <int kBits>
+__device__ __forceinline__ void qk_mma(int (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (kBits == 8)
+    ptx::mma_m16n8k32_s8(acc, a, b, acc);
+  else
+    ptx::mma_m16n8k64_s4(acc, a, b, acc);
 }
 
 template <typename OutT>
@@ -67,7 +76,7 @@ __device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, 
   }
 }
 
-template <int D, int kBits, typename OutT, bool kCausal>
+template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   using T = Tile<D, kBits>;
@@ -84,6 +93,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttnParams p)
   const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
   const int64_t kv_end = kCausal ? min(p.seq_kv, last_row + p.causal_offset + 1) : p.seq_kv;
   const int64_t n_blocks = kv_end > 0 ? (kv_end + kBlockK - 1) / kBlockK : 0;
+  // Blocks before this one are visible to every row of the CTA: no mask to apply there.
+  const int64_t first_row = qb * kBlockQ;
+  const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
+  const int64_t first_masked_block = min_end > 0 ? min_end / kBlockK : 0;
 
   const uint8_t* kbase = p.k + bhk * p.nk_pad * T::kRowBytes;
   const uint8_t* vbase = p.v + bhk * D * p.nk_pad;
@@ -120,34 +133,53 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttnParams p)
     const uint8_t* ks = smem + (kb % 2) * T::kStageBytes;
     const uint8_t* vs = ks + T::kKBytes;
 
-    // S = Q^·K^ᵀ (exact int32), 8 tiles of 8 keys.
+    // S = Q^·K^ᵀ (exact int32), 8 tiles of 8 keys; K fragments by ldmatrix, two k-steps a load
+    // (lane l addresses key row l%8 of the tile at byte column 16·(l/8) of the step pair).
     int acc[8][4];
     for (int nt = 0; nt < 8; ++nt) {
       acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
-      const uint8_t* krow = ks + (nt * 8 + g) * T::kKStride + 4 * t;
-      for (int s = 0; s < T::kQkSteps; ++s) {
-        const uint32_t kf[2] = {lds32(krow + s * 32), lds32(krow + s * 32 + 16)};
-        if constexpr (kBits == 8)
-          ptx::mma_m16n8k32_s8(acc[nt], qf[s], kf, acc[nt]);
-        else
-          ptx::mma_m16n8k64_s4(acc[nt], qf[s], kf, acc[nt]);
+      const uint8_t* krow = ks + (nt * 8 + lane % 8) * T::kKStride + (lane / 8) * 16;
+      for (int s = 0; s + 1 < T::kQkSteps; s += 2) {
+        uint32_t kf4[4];
+        ptx::ldmatrix_x4(kf4, krow + s * 32);
+        const uint32_t k0[2] = {kf4[0], kf4[1]}, k1[2] = {kf4[2], kf4[3]};
+        qk_mma<kBits>(acc[nt], qf[s], k0);
+        qk_mma<kBits>(acc[nt], qf[s + 1], k1);
+      }
+      if constexpr (T::kQkSteps % 2 == 1) {
+        uint32_t k0[2];
+        ptx::ldmatrix_x2(k0, krow + (T::kQkSteps - 1) * 32);
+        qk_mma<kBits>(acc[nt], qf[T::kQkSteps - 1], k0);
       }
     }
 
-    // Dequantize (one Q and one K scale per thread), add ΔS, mask; base-2 scores.
+    // Dequantize (one Q and one K scale per thread), add ΔS, mask; base-2 scores. The mask is
+    // a per-row count of visible keys in this block (the Nk edge and the causal diagonal), so
+    // the per-element test is a 32-bit compare.
     const float f = q_scale_log2 * p.k_scale[(bhk * p.k_blocks + kb) * kKGroups + t];
+    const int64_t j0 = kb * kBlockK;
+    int visible[2];
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = r == 0 ? row_a : row_b;
+      const int64_t end = kCausal ? min(p.seq_kv, row + p.causal_offset + 1) : p.seq_kv;
+      const int64_t n = end - j0;
+      visible[r] = n <= 0 ? 0 : (n >= kBlockK ? kBlockK : int(n));
+    }
+    const float* ds = delta_s ? delta_s + j0 + 2 * t : nullptr;
     float sc[8][4];
     float row_max[2] = {-INFINITY, -INFINITY};
     for (int nt = 0; nt < 8; ++nt)
       for (int e = 0; e < 4; ++e) {
-        const int64_t col = kb * kBlockK + nt * 8 + 2 * t + (e & 1);
-        const int64_t row = e < 2 ? row_a : row_b;
         float x = float(acc[nt][e]) * f;
-        if (delta_s) x = fmaf(delta_s[col], p.scale_log2, x);
-        const bool visible = col < p.seq_kv && (!kCausal || col <= row + p.causal_offset);
-        sc[nt][e] = visible ? x : -INFINITY;
-        row_max[e / 2] = fmaxf(row_max[e / 2], sc[nt][e]);
+        if (ds) x = fmaf(ds[nt * 8 + (e & 1)], p.scale_log2, x);
+        sc[nt][e] = x;
       }
+    if (kb >= first_masked_block)  // CTA-uniform: only the diagonal and Nk-edge blocks
+      for (int nt = 0; nt < 8; ++nt)
+        for (int e = 0; e < 4; ++e)
+          if (nt * 8 + 2 * t + (e & 1) >= visible[e / 2]) sc[nt][e] = -INFINITY;
+    for (int nt = 0; nt < 8; ++nt)
+      for (int e = 0; e < 4; ++e) row_max[e / 2] = fmaxf(row_max[e / 2], sc[nt][e]);
 
     // Online softmax: the 4 threads of a row (t = 0..3) agree on its max.
     float alpha[2], m_use[2];
@@ -169,27 +201,34 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttnParams p)
       o[i][0] *= alpha[0], o[i][1] *= alpha[0], o[i][2] *= alpha[1], o[i][3] *= alpha[1];
     }
 
-    // P^ = E4M3(P~ · 448) as the A operand of two m16n8k32 MMAs (keys 0-31, 32-63), then
-    // R = P^·V^ in a fresh accumulator added into the fp32 O (two-level accumulation).
-    float r_acc[kDTiles][4];
-    for (int i = 0; i < kDTiles; ++i) r_acc[i][0] = r_acc[i][1] = r_acc[i][2] = r_acc[i][3] = 0.0f;
-    for (int c = 0; c < 2; ++c) {
-      uint32_t pf[4];
+    // P^ = E4M3(P~ · 448) as the A operand of two m16n8k32 MMAs (keys 0-31, 32-63). Two-level
+    // (kTwoLevel): R = P^·V^ in a fresh accumulator added into the fp32 O, for GPUs whose FP8
+    // MMA accumulator is narrower than fp32 (the paper's FP22, sm_89); where it is a true fp32
+    // (measured on sm_90, docs/fp8-accumulator.md) the MMA accumulates into O directly.
+    uint32_t pf[2][4];
+    for (int c = 0; c < 2; ++c)
       for (int half = 0; half < 2; ++half) {  // reg 0/1: tiles 4c, 4c+1; reg 2/3: 4c+2, 4c+3
         const int n0 = 4 * c + 2 * half, n1 = n0 + 1;
-        pf[2 * half + 0] = uint32_t(ptx::cvt_e4m3x2(sc[n0][0] * 448.0f, sc[n0][1] * 448.0f)) |
-                           uint32_t(ptx::cvt_e4m3x2(sc[n1][0] * 448.0f, sc[n1][1] * 448.0f)) << 16;
-        pf[2 * half + 1] = uint32_t(ptx::cvt_e4m3x2(sc[n0][2] * 448.0f, sc[n0][3] * 448.0f)) |
-                           uint32_t(ptx::cvt_e4m3x2(sc[n1][2] * 448.0f, sc[n1][3] * 448.0f)) << 16;
+        pf[c][2 * half + 0] = uint32_t(ptx::cvt_e4m3x2(sc[n0][0] * 448.0f, sc[n0][1] * 448.0f)) |
+                              uint32_t(ptx::cvt_e4m3x2(sc[n1][0] * 448.0f, sc[n1][1] * 448.0f)) << 16;
+        pf[c][2 * half + 1] = uint32_t(ptx::cvt_e4m3x2(sc[n0][2] * 448.0f, sc[n0][3] * 448.0f)) |
+                              uint32_t(ptx::cvt_e4m3x2(sc[n1][2] * 448.0f, sc[n1][3] * 448.0f)) << 16;
       }
-      for (int i = 0; i < kDTiles; ++i) {
-        const uint8_t* vrow = vs + (i * 8 + g) * T::kVStride + c * 32 + 4 * t;
-        const uint32_t vf[2] = {lds32(vrow), lds32(vrow + 16)};
-        ptx::mma_m16n8k32_e4m3(r_acc[i], pf, vf, r_acc[i]);
+    for (int i = 0; i < kDTiles; ++i) {
+      // V fragments of channel tile i for both key chunks in one ldmatrix.x4.
+      uint32_t vf4[4];
+      ptx::ldmatrix_x4(vf4, vs + (i * 8 + lane % 8) * T::kVStride + (lane / 8) * 16);
+      const uint32_t v0[2] = {vf4[0], vf4[1]}, v1[2] = {vf4[2], vf4[3]};
+      if constexpr (kTwoLevel) {
+        float r_acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        ptx::mma_m16n8k32_e4m3(r_acc, pf[0], v0, r_acc);
+        ptx::mma_m16n8k32_e4m3(r_acc, pf[1], v1, r_acc);
+        for (int e = 0; e < 4; ++e) o[i][e] += r_acc[e];
+      } else {
+        ptx::mma_m16n8k32_e4m3(o[i], pf[0], v0, o[i]);
+        ptx::mma_m16n8k32_e4m3(o[i], pf[1], v1, o[i]);
       }
     }
-    for (int i = 0; i < kDTiles; ++i)
-      for (int e = 0; e < 4; ++e) o[i][e] += r_acc[i][e];
   }
   ptx::cp_async_wait<0>();
 
@@ -224,13 +263,14 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const AttnParams p)
 
 namespace sage::mma {
 
-// Picks the instantiation for (INT8/INT4, output dtype, mask) of one head dim and launches it.
-template <int D, int kBits, typename OutT, bool kCausal>
+// Picks the instantiation for (INT8/INT4, output dtype, mask, accumulation) of one head dim.
+template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel>
 cudaError_t launch_one(const AttnParams& p, cudaStream_t stream) {
   constexpr int kSmem = 2 * Tile<D, kBits>::kStageBytes;
-  auto kernel = attention_kernel<D, kBits, OutT, kCausal>;
+  auto kernel = attention_kernel<D, kBits, OutT, kCausal, kTwoLevel>;
   if (kSmem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     if (e != cudaSuccess) return e;
   }
   const dim3 grid(unsigned(p.q_blocks), unsigned(p.batch * p.heads_q));
@@ -238,21 +278,23 @@ cudaError_t launch_one(const AttnParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <int D, int kBits, typename OutT>
+cudaError_t launch_mask(const AttnParams& p, bool causal, bool two_level, cudaStream_t stream) {
+  if (two_level)
+    return causal ? launch_one<D, kBits, OutT, true, true>(p, stream)
+                  : launch_one<D, kBits, OutT, false, true>(p, stream);
+  return causal ? launch_one<D, kBits, OutT, true, false>(p, stream)
+                : launch_one<D, kBits, OutT, false, false>(p, stream);
+}
+
 template <int D>
 cudaError_t launch_attention(const AttnParams& p, int bits, bool bf16_out, bool causal,
-                             cudaStream_t stream) {
-  if (bits == 8) {
-    if (bf16_out)
-      return causal ? launch_one<D, 8, __nv_bfloat16, true>(p, stream)
-                    : launch_one<D, 8, __nv_bfloat16, false>(p, stream);
-    return causal ? launch_one<D, 8, __half, true>(p, stream)
-                  : launch_one<D, 8, __half, false>(p, stream);
-  }
-  if (bf16_out)
-    return causal ? launch_one<D, 4, __nv_bfloat16, true>(p, stream)
-                  : launch_one<D, 4, __nv_bfloat16, false>(p, stream);
-  return causal ? launch_one<D, 4, __half, true>(p, stream)
-                : launch_one<D, 4, __half, false>(p, stream);
+                             bool two_level, cudaStream_t stream) {
+  if (bits == 8)
+    return bf16_out ? launch_mask<D, 8, __nv_bfloat16>(p, causal, two_level, stream)
+                    : launch_mask<D, 8, __half>(p, causal, two_level, stream);
+  return bf16_out ? launch_mask<D, 4, __nv_bfloat16>(p, causal, two_level, stream)
+                  : launch_mask<D, 4, __half>(p, causal, two_level, stream);
 }
 
 }  // namespace sage::mma

@@ -2,5 +2,6 @@
 #include "attn/mma/attention.cuh"
 
 namespace sage::mma {
-template cudaError_t launch_attention<64>(const AttnParams&, int, bool, bool, cudaStream_t);
+template cudaError_t launch_attention<64>(const AttnParams&, int, bool, bool, bool,
+                                                   cudaStream_t);
 }  // namespace sage::mma

@@ -19,6 +19,7 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kQGroups = kWarps * 8;  // Q scales per 128-row block
 constexpr int kKGroups = 4;           // K scales per 64-key block
+constexpr int kStatTokens = 256;      // tokens per K/V statistics chunk (fixed-order reduction)
 
 // The key order of one 32-key chunk of Vᵀ: position kappa holds key perm(kappa), so that the
 // S accumulator a thread holds is directly the A operand of the P·V MMA (see prepass.cu).
@@ -36,6 +37,7 @@ struct Plan {
   int64_t batch = 0, heads_q = 0, heads_kv = 0, seq_q = 0, seq_kv = 0, head_dim = 0;
   int bits = 8;                 // QK format: 8 (INT8) or 4 (INT4)
   bool smooth_q = false, smooth_k = false, smooth_v = false;
+  bool two_level = true;        // P·V accumulation (false where the MMA accumulator is fp32)
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
          kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, delta_s = 0, total = 0;
@@ -54,7 +56,7 @@ inline Plan make_plan(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t 
   p.nk_pad = p.k_blocks * kBlockK;
   p.row_bytes = head_dim * bits / 8;
   // K/V statistics are reduced in fixed-size token chunks (deterministic, no atomics).
-  p.stat_chunks = (seq_kv + 1023) / 1024;
+  p.stat_chunks = (seq_kv + kStatTokens - 1) / kStatTokens;
   const int64_t bq = batch * heads_q, bk = batch * heads_kv;
   size_t off = 0;
   auto take = [&](size_t bytes) {
