@@ -566,13 +566,13 @@ TEST(ApiInfo, QuantConfigPresets) {
 
   const sage_quant_config s8 = preset(SAGE_VARIANT_SAGE2_8B);
   EXPECT_EQ(s8.qk_format, SAGE_QK_INT8);
-  EXPECT_EQ(s8.smooth, SAGE_SMOOTH_K);
+  EXPECT_EQ(s8.smooth, SAGE_SMOOTH_K | SAGE_SMOOTH_V);
   EXPECT_EQ(s8.pv_format, SAGE_PV_FP8_E4M3);
   EXPECT_EQ(s8.pv_accum, SAGE_PV_ACCUM_TWO_LEVEL);
   EXPECT_GE(s8.pv_flush_interval, 1);
   const sage_quant_config s4 = preset(SAGE_VARIANT_SAGE2_4B);
   EXPECT_EQ(s4.qk_format, SAGE_QK_INT4);
-  EXPECT_EQ(s4.smooth, SAGE_SMOOTH_Q | SAGE_SMOOTH_K);
+  EXPECT_EQ(s4.smooth, SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V);
   EXPECT_EQ(s4.pv_format, SAGE_PV_FP8_E4M3);
   EXPECT_EQ(s4.pv_accum, SAGE_PV_ACCUM_TWO_LEVEL);
   const sage_quant_config ex = preset(SAGE_VARIANT_EXACT);

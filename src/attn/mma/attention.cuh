@@ -76,8 +76,9 @@ __device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, 
   }
 }
 
+// D=64 fits two CTAs an SM in 128 registers a thread (the occupancy that hides the MMA latency).
 template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel>
-__global__ void __launch_bounds__(kThreads) attention_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   using T = Tile<D, kBits>;
   constexpr int kDTiles = D / 8;
