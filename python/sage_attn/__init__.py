@@ -1,0 +1,38 @@
+"""sage_attn: SageAttention2 quantized attention (libsage) for PyTorch and numpy.
+
+    from sage_attn import sageattn
+    o = sageattn(q, k, v, is_causal=True)                    # fp16/bf16 CUDA tensors, [B,H,N,D]
+
+    import torch.nn.functional as F, sage_attn
+    F.scaled_dot_product_attention = sage_attn.scaled_dot_product_attention   # drop-in
+
+The library is reached through its C API (ctypes); torch is needed only for the torch functions.
+`sage_attn.attention_numpy` runs the CPU reference on numpy arrays (no torch, no GPU).
+"""
+from ._lib import SageArgumentError, SageError, SageUnsupportedError, version
+
+__version__ = "0.1.0"
+
+try:
+    from ._numpy import attention as attention_numpy  # noqa: F401
+    from ._numpy import metrics  # noqa: F401
+except ImportError:  # numpy missing: the torch functions still work
+    pass
+
+try:
+    import torch  # noqa: F401
+except ImportError:
+    _torch_missing = True
+else:
+    _torch_missing = False
+    from ._torch import sageattn, scaled_dot_product_attention  # noqa: F401
+
+if _torch_missing:
+    def _needs_torch(*_args, **_kwargs):
+        raise ImportError("sage_attn.sageattn and sage_attn.scaled_dot_product_attention need "
+                          "PyTorch; sage_attn.attention_numpy works without it")
+
+    sageattn = scaled_dot_product_attention = _needs_torch
+
+__all__ = ["sageattn", "scaled_dot_product_attention", "attention_numpy", "metrics", "version",
+           "SageError", "SageArgumentError", "SageUnsupportedError"]

@@ -1,0 +1,240 @@
+"""ctypes binding of libsage's C API (include/sage/sage.h): structs, enums, loading, errors.
+
+No torch and no numpy here: the front ends (_torch.py, _numpy.py) hand in raw pointers, sizes and
+strides in elements. Every call goes through `run()`, which maps a failing status to a Python
+exception carrying the library's message (it names the argument and its value).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import threading
+
+# --- enums (values as in sage.h) -----------------------------------------------------------------
+OK, INVALID_ARGUMENT, UNSUPPORTED, CUDA_ERROR, OUT_OF_MEMORY, WORKSPACE_TOO_SMALL, INTERNAL = range(7)
+DTYPE_FP16, DTYPE_BF16, DTYPE_FP32 = 0, 1, 2
+LAYOUT_HND, LAYOUT_NHD = 0, 1
+MASK_NONE, MASK_CAUSAL_BOTTOM_RIGHT, MASK_CAUSAL_TOP_LEFT = 0, 1, 2
+BACKEND_AUTO, BACKEND_CPU, BACKEND_CUDA = 0, 1, 2
+VARIANT_AUTO, VARIANT_SAGE2_8B, VARIANT_SAGE2_4B, VARIANT_EXACT, VARIANT_CUSTOM = range(5)
+SMOOTH_Q, SMOOTH_K, SMOOTH_V = 1, 2, 4
+
+LAYOUTS = {"HND": LAYOUT_HND, "NHD": LAYOUT_NHD}
+CAUSAL_ALIGNS = {"bottom_right": MASK_CAUSAL_BOTTOM_RIGHT, "top_left": MASK_CAUSAL_TOP_LEFT}
+
+
+class SageError(RuntimeError):
+    """A libsage call failed for a reason that is not the caller's argument (CUDA, memory)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class SageArgumentError(SageError, ValueError):
+    """An argument is wrong (INVALID_ARGUMENT) or has no kernel (UNSUPPORTED): a ValueError."""
+
+
+class SageUnsupportedError(SageArgumentError):
+    """Valid arguments that no kernel/backend implements (e.g. head_dim 96 on the GPU)."""
+
+
+# --- structs (field order and types exactly as sage.h; checked against struct_size at load) -----
+class QuantConfig(ctypes.Structure):
+    _fields_ = [
+        ("qk_format", ctypes.c_int),
+        ("granularity", ctypes.c_int),
+        ("smooth", ctypes.c_uint32),
+        ("pv_format", ctypes.c_int),
+        ("v_scale", ctypes.c_int),
+        ("pv_accum", ctypes.c_int),
+        ("pv_flush_interval", ctypes.c_int32),
+        ("accum_mantissa_bits", ctypes.c_int32),
+        ("accum_chunk", ctypes.c_int32),
+        ("block_q", ctypes.c_int32),
+        ("block_k", ctypes.c_int32),
+        ("warps", ctypes.c_int32),
+    ]
+
+
+class Strides(ctypes.Structure):
+    _fields_ = [("batch", ctypes.c_int64), ("head", ctypes.c_int64), ("token", ctypes.c_int64)]
+
+
+class AttentionArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("batch", ctypes.c_int64),
+        ("heads_q", ctypes.c_int64),
+        ("heads_kv", ctypes.c_int64),
+        ("seq_q", ctypes.c_int64),
+        ("seq_kv", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("layout", ctypes.c_int),
+        ("q_strides", Strides),
+        ("k_strides", Strides),
+        ("v_strides", Strides),
+        ("o_strides", Strides),
+        ("lse_strides", Strides),
+        ("dtype", ctypes.c_int),
+        ("scale", ctypes.c_float),
+        ("mask", ctypes.c_int),
+        ("variant", ctypes.c_int),
+        ("quant", QuantConfig),
+        ("backend", ctypes.c_int),
+        ("stream", ctypes.c_void_p),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_size", ctypes.c_size_t),
+        ("num_threads", ctypes.c_int32),
+    ]
+
+
+# --- loading ---------------------------------------------------------------------------------------
+_lock = threading.Lock()
+_lib = None
+_args_template = None
+_presets: dict[int, bytes] = {}
+
+
+def _candidates():
+    env = os.environ.get("SAGE_LIBRARY")
+    if env:
+        yield pathlib.Path(env)
+        return
+    here = pathlib.Path(__file__).resolve().parent
+    yield here / "libsage.so"  # installed by `pip install .`
+    root = here.parent.parent  # a source checkout: python/sage_attn -> repository root
+    for build in ("build", "build-gpu"):
+        yield root / build / "libsage.so"
+
+
+def library() -> ctypes.CDLL:
+    """The loaded libsage (SAGE_LIBRARY, the package directory, or a source checkout's build/)."""
+    global _lib, _args_template
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        tried = []
+        for path in _candidates():
+            tried.append(str(path))
+            if path.is_file():
+                lib = ctypes.CDLL(str(path))
+                break
+        else:
+            raise ImportError("libsage not found (tried: " + ", ".join(tried) + "); build it with "
+                              "scripts/build or `pip install .`, or set SAGE_LIBRARY")
+        lib.sage_version.restype = ctypes.c_char_p
+        lib.sage_last_error.restype = ctypes.c_char_p
+        lib.sage_status_string.restype = ctypes.c_char_p
+        lib.sage_status_string.argtypes = [ctypes.c_int]
+        lib.sage_attention_args_init.argtypes = [ctypes.POINTER(AttentionArgs)]
+        lib.sage_quant_config_init.argtypes = [ctypes.POINTER(QuantConfig), ctypes.c_int]
+        lib.sage_attention_workspace_size.argtypes = [ctypes.POINTER(AttentionArgs),
+                                                      ctypes.POINTER(ctypes.c_size_t)]
+        lib.sage_attention.argtypes = [ctypes.POINTER(AttentionArgs)]
+        for f in ("sage_attention_args_init", "sage_quant_config_init",
+                  "sage_attention_workspace_size", "sage_attention"):
+            getattr(lib, f).restype = ctypes.c_int
+        template = AttentionArgs()
+        status = lib.sage_attention_args_init(ctypes.byref(template))
+        if status != OK or template.struct_size != ctypes.sizeof(AttentionArgs):
+            raise ImportError(f"{path}: sage_attention_args is {template.struct_size} bytes in the "
+                              f"library, {ctypes.sizeof(AttentionArgs)} in this binding: the "
+                              "library and the Python package come from different versions")
+        _args_template = bytes(template)
+        _lib = lib
+        return lib
+
+
+def version() -> str:
+    return library().sage_version().decode()
+
+
+def _raise(status: int, what: str):
+    lib = library()
+    msg = lib.sage_last_error().decode(errors="replace") or lib.sage_status_string(status).decode()
+    msg = f"{what}: {msg}" if what else msg
+    if status == UNSUPPORTED:
+        raise SageUnsupportedError(status, msg)
+    if status == INVALID_ARGUMENT:
+        raise SageArgumentError(status, msg)
+    if status == OUT_OF_MEMORY:
+        raise MemoryError(msg)
+    raise SageError(status, msg)
+
+
+def preset(variant: int) -> QuantConfig:
+    """The quantization config of a preset (sage_quant_config_init)."""
+    lib = library()
+    if variant not in _presets:
+        cfg = QuantConfig()
+        status = lib.sage_quant_config_init(ctypes.byref(cfg), variant)
+        if status != OK:
+            _raise(status, "sage_quant_config_init")
+        _presets[variant] = bytes(cfg)
+    return QuantConfig.from_buffer_copy(_presets[variant])
+
+
+def quant_settings(qk_bits, smooth_q, smooth_k, smooth_v, exact=False):
+    """(variant, QuantConfig) for the Python keywords. None means: what the preset does.
+
+    qk_bits 8 (or None) is SageAttn2-8b, 4 is SageAttn2-4b; the presets smooth K and V, and Q for
+    4b. Smoothing V is on by default because it costs nothing in the kernel (delta_V is added in
+    the epilogue) and cuts the error on V with a channel bias several-fold."""
+    if exact:
+        return VARIANT_EXACT, preset(VARIANT_SAGE2_8B)
+    if qk_bits is None:
+        qk_bits = 8
+    if qk_bits not in (4, 8) or isinstance(qk_bits, bool):
+        raise ValueError(f"qk_bits = {qk_bits!r}: must be 8 (INT8 Q·K, SageAttn2-8b), 4 (INT4, "
+                         "SageAttn2-4b) or None (8)")
+    base = VARIANT_SAGE2_8B if qk_bits == 8 else VARIANT_SAGE2_4B
+    cfg = preset(base)
+    flags = cfg.smooth
+    for flag, value, name in ((SMOOTH_Q, smooth_q, "smooth_q"), (SMOOTH_K, smooth_k, "smooth_k"),
+                              (SMOOTH_V, smooth_v, "smooth_v")):
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} = {value!r}: must be True, False or None")
+        flags = (flags | flag) if value else (flags & ~flag)
+    if flags == cfg.smooth:
+        return base, cfg
+    cfg.smooth = flags
+    return VARIANT_CUSTOM, cfg
+
+
+def new_args() -> AttentionArgs:
+    library()
+    return AttentionArgs.from_buffer_copy(_args_template)
+
+
+def set_strides(field: Strides, layout: int, strides4):
+    """Element strides of a 4-D [B,H,N,D] (HND) or [B,N,H,D] (NHD) tensor into a sage_strides."""
+    field.batch = strides4[0]
+    if layout == LAYOUT_HND:
+        field.head, field.token = strides4[1], strides4[2]
+    else:
+        field.token, field.head = strides4[1], strides4[2]
+
+
+def workspace_size(args: AttentionArgs) -> int:
+    n = ctypes.c_size_t(0)
+    status = library().sage_attention_workspace_size(ctypes.byref(args), ctypes.byref(n))
+    if status != OK:
+        _raise(status, "")
+    return n.value
+
+
+def run(args: AttentionArgs):
+    status = library().sage_attention(ctypes.byref(args))
+    if status != OK:
+        _raise(status, "")

@@ -1,0 +1,240 @@
+"""torch front end: `sageattn` and the SDPA drop-in, over one opaque custom op.
+
+`sage_attn::attention` is a torch.library custom op with a fake (meta) implementation, so
+torch.compile(fullgraph=True) sees one node and no graph break. The real implementation runs on
+the current CUDA stream of the tensors' device, takes its output, LSE and workspace from torch's
+allocator (so CUDA-graph capture works: no host sync, no cudaMalloc in the library), and calls
+the C API through ctypes. CPU tensors run the library's CPU reference.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from . import _lib
+
+# The real SDPA, saved before anyone replaces F.scaled_dot_product_attention with ours.
+_torch_sdpa = F.scaled_dot_product_attention
+if getattr(_torch_sdpa, "__module__", "").startswith("sage_attn"):
+    _torch_sdpa = torch._C._nn.scaled_dot_product_attention
+
+_GPU_DTYPES = (torch.float16, torch.bfloat16)
+_DTYPE_CODES = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16,
+                torch.float32: _lib.DTYPE_FP32}
+# The op's fallback argument: what to do when the library has no kernel for valid arguments.
+_RAISE, _FALLBACK_SDPA = 0, 1
+
+
+def _element_strides(x: torch.Tensor):
+    return list(x.stride())
+
+
+def _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth):
+    hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
+    a = _lib.new_args()
+    a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    a.lse = lse.data_ptr() if lse.numel() else None
+    a.batch, a.heads_q, a.heads_kv = q.shape[0], q.shape[hi], k.shape[hi]
+    a.seq_q, a.seq_kv, a.head_dim = q.shape[ni], k.shape[ni], q.shape[3]
+    a.layout = layout
+    for field, x in (("q_strides", q), ("k_strides", k), ("v_strides", v), ("o_strides", o)):
+        _lib.set_strides(getattr(a, field), layout, _element_strides(x))
+    a.dtype = _DTYPE_CODES[q.dtype]
+    a.scale = scale
+    a.mask = mask
+    # smooth: bits 0-2 = the SMOOTH_* flags to force, bits 3-5 = which of them are forced.
+    forced = lambda f: (bool(smooth & f) if smooth & (f << 3) else None)  # noqa: E731
+    a.variant, a.quant = _lib.quant_settings(qk_bits, forced(_lib.SMOOTH_Q),
+                                             forced(_lib.SMOOTH_K), forced(_lib.SMOOTH_V))
+    return a
+
+
+_warned: set = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(reason: str):
+    with _warn_lock:
+        if reason in _warned:
+            return
+        _warned.add(reason)
+    warnings.warn(f"sage_attn: {reason}; using torch.nn.functional.scaled_dot_product_attention",
+                  stacklevel=3)
+
+
+@torch.library.custom_op("sage_attn::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: int, mask: int,
+                  scale: float, qk_bits: int, smooth: int, return_lse: bool,
+                  fallback: int) -> tuple[torch.Tensor, torch.Tensor]:
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
+    lse_shape = (q.shape[0], q.shape[hi], q.shape[ni]) if return_lse else (0,)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    a = _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits or None, smooth)
+    try:
+        if q.is_cuda:
+            with torch.cuda.device(q.device):
+                a.backend = _lib.BACKEND_CUDA
+                a.stream = torch.cuda.current_stream(q.device).cuda_stream
+                nbytes = _lib.workspace_size(a)
+                ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=q.device)
+                a.workspace, a.workspace_size = ws.data_ptr(), nbytes
+                _lib.run(a)
+        else:
+            a.backend = _lib.BACKEND_CPU
+            _lib.run(a)
+    except _lib.SageUnsupportedError as e:
+        if fallback != _FALLBACK_SDPA:
+            raise
+        # Only reached from the SDPA drop-in, which asks for top-left causal in HND, no LSE.
+        _warn_once(f"no kernel for this call ({e})")
+        o.copy_(_torch_sdpa(q, k, v, is_causal=mask != _lib.MASK_NONE, scale=scale,
+                            enable_gqa=q.shape[1] != k.shape[1]))
+    return o, lse
+
+
+@_attention_op.register_fake
+def _(q, k, v, layout, mask, scale, qk_bits, smooth, return_lse, fallback):
+    hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
+    lse_shape = (q.shape[0], q.shape[hi], q.shape[ni]) if return_lse else (0,)
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(lse_shape, dtype=torch.float32, device=q.device))
+
+
+def _smooth_bits(smooth_q, smooth_k, smooth_v) -> int:
+    bits = 0
+    for flag, value, name in ((_lib.SMOOTH_Q, smooth_q, "smooth_q"),
+                              (_lib.SMOOTH_K, smooth_k, "smooth_k"),
+                              (_lib.SMOOTH_V, smooth_v, "smooth_v")):
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} = {value!r}: must be True, False or None")
+        bits |= flag << 3
+        if value:
+            bits |= flag
+    return bits
+
+
+def _check_tensors(q, k, v, layout_name):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        allowed = _GPU_DTYPES if x.is_cuda else _GPU_DTYPES + (torch.float32,)
+        if x.dtype not in allowed:
+            raise TypeError(f"{name}: dtype {x.dtype} is not supported; pass float16 or bfloat16"
+                            + ("" if x.is_cuda else " (or float32 on the CPU)"))
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device (got {q.device}, {k.device}, {v.device})")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dimensions ({'[B,H,N,D]' if layout_name == 'HND' else '[B,N,H,D]'}"
+                             f" for tensor_layout={layout_name!r}), got shape {tuple(x.shape)}")
+        if x.stride(-1) != 1 and x.shape[-1] > 1:
+            raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, got "
+                             f"strides {tuple(x.stride())}; call .contiguous() first")
+    if k.shape != v.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"k: batch {k.shape[0]} must equal q's {q.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"k: head_dim {k.shape[3]} must equal q's {q.shape[3]}")
+
+
+def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *,
+             qk_bits=None, smooth_k=True, smooth_q=None, smooth_v=None,
+             causal_align="bottom_right"):
+    """SageAttention2: INT8 (qk_bits=8, default) or INT4 (qk_bits=4) Q·Kᵀ with per-thread scales,
+    FP8 P̃·V. q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D] in HND (or [B,N,H,D] with tensor_layout="NHD");
+    Hq a multiple of Hkv (GQA/MQA); D 64 or 128 on the GPU; fp16 or bf16 (fp32 too on the CPU,
+    where the exact CPU emulation runs). is_causal masks with the alignment causal_align
+    ("bottom_right" as FlashAttention, "top_left" as torch SDPA). smooth_q None = on for 4-bit
+    only; smooth_v None = on (free in this library's kernel). Returns o, or (o, lse) with lse
+    [B,Hq,Nq] float32, the natural log of each row's softmax denominator."""
+    if tensor_layout not in _lib.LAYOUTS:
+        raise ValueError(f"tensor_layout = {tensor_layout!r}: must be 'HND' or 'NHD'")
+    if causal_align not in _lib.CAUSAL_ALIGNS:
+        raise ValueError(f"causal_align = {causal_align!r}: must be 'bottom_right' or 'top_left'")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal = {is_causal!r}: must be a bool")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse = {return_lse!r}: must be a bool")
+    if qk_bits is not None and (isinstance(qk_bits, bool) or qk_bits not in (4, 8)):
+        raise ValueError(f"qk_bits = {qk_bits!r}: must be 8, 4 or None (8)")
+    _check_tensors(q, k, v, tensor_layout)
+    layout = _lib.LAYOUTS[tensor_layout]
+    scale = _scale(sm_scale, q.shape[-1], "sm_scale")
+    mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
+    o, lse = _attention_op(q, k, v, layout, mask, scale, qk_bits or 0,
+                           _smooth_bits(smooth_q, smooth_k, smooth_v), return_lse, _RAISE)
+    return (o, lse) if return_lse else o
+
+
+def _scale(scale, head_dim, name):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} = {scale!r}: must be a number or None")
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"{name} = {scale!r}: must be positive and finite")
+    return float(scale)
+
+
+def _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
+    """Why the SDPA drop-in hands this call to torch, or None when the library takes it."""
+    for x in (query, key, value):
+        if not isinstance(x, torch.Tensor):
+            return "non-tensor inputs"
+    if attn_mask is not None:
+        return "attn_mask is not supported (only is_causal)"
+    if dropout_p != 0.0:
+        return "dropout_p > 0 is not supported"
+    if not (query.is_cuda and key.is_cuda and value.is_cuda):
+        return "non-CUDA tensors"
+    if not (query.device == key.device == value.device):
+        return "tensors on different devices"
+    if query.dtype not in _GPU_DTYPES or not (query.dtype == key.dtype == value.dtype):
+        return f"dtype {query.dtype} (only float16 and bfloat16 with one dtype for q, k, v)"
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "inputs that are not 4-D [B, H, N, D]"
+    if query.shape[-1] not in (64, 128) or key.shape[-1] != query.shape[-1] or \
+            value.shape[-1] != query.shape[-1]:
+        return f"head_dim {query.shape[-1]}/{value.shape[-1]} (supported: 64 and 128, equal for q, k, v)"
+    if key.shape != value.shape or key.shape[0] != query.shape[0]:
+        return "key/value/query shapes that do not match"
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq != hkv and (not enable_gqa or hq % hkv != 0):
+        return "query and key head counts that SDPA would reject"
+    if min(query.shape[2], key.shape[2], query.shape[0], hq) == 0:
+        return "empty inputs"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
+                                    value.requires_grad):
+        return "inputs that require grad (no backward pass yet)"
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        return f"scale = {scale!r}"
+    return None
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention with SDPA's exact semantics (causal is
+    top-left aligned; scale defaults to 1/sqrt(E); GQA only with enable_gqa), computed by
+    SageAttn2-8b where it can and by torch's SDPA otherwise (a one-time warning per reason), so
+    `F.scaled_dot_product_attention = sage_attn.scaled_dot_product_attention` is safe anywhere."""
+    reason = _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+    if reason is not None:
+        _warn_once(reason)
+        return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
+    o, _ = _attention_op(q, k, v, _lib.LAYOUT_HND, mask, s, 0, 0, False, _FALLBACK_SDPA)
+    return o

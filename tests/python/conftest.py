@@ -1,0 +1,58 @@
+"""pytest setup: import sage_attn from the source tree when it is not installed, and a float64
+attention written with plain numpy loops over heads (independent of the library)."""
+import os
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+try:
+    import sage_attn  # noqa: F401  (installed by pip)
+except ImportError:
+    sys.path.insert(0, str(ROOT / "python"))
+
+
+def naive_attention(q, k, v, layout="HND", causal=None, scale=None):
+    """float64 attention; causal None / 'bottom_right' / 'top_left'. Returns (o, lse) with o in
+    HND-or-NHD like q and lse [B, Hq, Nq] (natural log)."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    if layout == "NHD":
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    scale = 1.0 / np.sqrt(D) if scale is None else scale
+    o = np.zeros((B, Hq, Nq, D))
+    lse = np.full((B, Hq, Nq), -np.inf)
+    i = np.arange(Nq)[:, None]
+    j = np.arange(Nk)[None, :]
+    if causal == "bottom_right":
+        allowed = j <= i + (Nk - Nq)
+    elif causal == "top_left":
+        allowed = j <= i
+    else:
+        allowed = np.ones((Nq, Nk), dtype=bool)
+    for b in range(B):
+        for h in range(Hq):
+            g = h // (Hq // Hkv)
+            s = q[b, h] @ k[b, g].T * scale
+            s = np.where(allowed, s, -np.inf)
+            m = s.max(axis=1, keepdims=True)
+            live = np.isfinite(m[:, 0])
+            m = np.where(np.isfinite(m), m, 0.0)
+            p = np.exp(s - m)
+            l = p.sum(axis=1, keepdims=True)
+            o[b, h] = np.where(live[:, None], (p / np.where(l > 0, l, 1)) @ v[b, g], 0.0)
+            lse[b, h] = np.where(live, np.log(np.where(l[:, 0] > 0, l[:, 0], 1)) + m[:, 0], -np.inf)
+    if layout == "NHD":
+        o = o.transpose(0, 2, 1, 3)
+    return o, lse
+
+
+@pytest.fixture
+def rng():
+    # Fresh inputs on every run; the seed is printed on failure so a run can be repeated.
+    seed = int(os.environ.get("SAGE_TEST_SEED", np.random.SeedSequence().entropy % (2**32)))
+    print(f"SAGE_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
