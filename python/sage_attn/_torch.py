@@ -9,7 +9,6 @@ the C API through ctypes. CPU tensors run the library's CPU reference.
 from __future__ import annotations
 
 import math
-import threading
 import warnings
 
 import torch
@@ -54,14 +53,14 @@ def _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth):
 
 
 _warned: set = set()
-_warn_lock = threading.Lock()
 
 
 def _warn_once(reason: str):
-    with _warn_lock:
-        if reason in _warned:
-            return
-        _warned.add(reason)
+    # Under torch.compile the fallback is traced into the graph without the warning (dynamo
+    # cannot trace warnings); eager calls warn once per reason.
+    if torch.compiler.is_compiling() or reason in _warned:
+        return
+    _warned.add(reason)
     warnings.warn(f"sage_attn: {reason}; using torch.nn.functional.scaled_dot_product_attention",
                   stacklevel=3)
 
@@ -233,7 +232,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _warn_once(reason)
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+    # SDPA takes any strides; the kernels need a contiguous head_dim.
+    q = query if query.stride(-1) == 1 else query.contiguous()
+    k = key if key.stride(-1) == 1 else key.contiguous()
+    v = value if value.stride(-1) == 1 else value.contiguous()
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
     o, _ = _attention_op(q, k, v, _lib.LAYOUT_HND, mask, s, 0, 0, False, _FALLBACK_SDPA)

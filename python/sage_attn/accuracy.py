@@ -1,0 +1,127 @@
+"""python -m sage_attn.accuracy --q q.npy --k k.npy --v v.npy: how accurate sage is on your own
+tensors. Loads .npy or .pt ([B,H,N,D], [H,N,D] or [N,D]; HND or NHD), rounds them to fp16 (bf16
+with --dtype bf16) and prints cos / rel-L1 / RMSE / max-abs against float64 attention of those
+rounded inputs for SageAttn2-8b and -4b (with and without each smoothing) and, on a GPU, SDPA
+in the same dtype. Without a GPU the CPU reference's exact emulation of each kernel runs."""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+import sage_attn
+
+
+def load(path):
+    p = pathlib.Path(path)
+    if p.suffix == ".npy":
+        x = np.load(p)
+    elif p.suffix in (".pt", ".pth"):
+        import torch
+        x = torch.load(p, map_location="cpu", weights_only=True)
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{path}: expected one tensor, found {type(x).__name__}")
+        x = x.float().numpy()
+    else:
+        raise ValueError(f"{path}: expected a .npy or .pt file")
+    if x.ndim not in (2, 3, 4):
+        raise ValueError(f"{path}: expected [B,H,N,D], [H,N,D] or [N,D], got shape {x.shape}")
+    return x
+
+
+def to_4d(x, layout):
+    if x.ndim == 2:
+        return x[None, None] if layout == "HND" else x[None, :, None]
+    if x.ndim == 3:
+        return x[None]
+    return x
+
+
+CONFIGS = [  # label, sageattn keywords
+    ("SageAttn2-8b", {"qk_bits": 8}),
+    ("SageAttn2-8b, no smooth V", {"qk_bits": 8, "smooth_v": False}),
+    ("SageAttn2-8b, no smoothing", {"qk_bits": 8, "smooth_k": False, "smooth_v": False}),
+    ("SageAttn2-4b", {"qk_bits": 4}),
+    ("SageAttn2-4b, no smooth Q", {"qk_bits": 4, "smooth_q": False}),
+]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m sage_attn.accuracy", description=__doc__)
+    ap.add_argument("--q", required=True)
+    ap.add_argument("--k", required=True)
+    ap.add_argument("--v", required=True)
+    ap.add_argument("--layout", default="HND", choices=["HND", "NHD"])
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--causal-align", default="bottom_right", choices=["bottom_right", "top_left"])
+    ap.add_argument("--scale", type=float, default=None)
+    ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    ap.add_argument("--cpu", action="store_true", help="use the CPU reference even with a GPU")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    q, k, v = (to_4d(load(p), args.layout) for p in (args.q, args.k, args.v))
+    try:
+        import torch
+        gpu = torch.cuda.is_available() and not args.cpu
+    except ImportError:
+        torch, gpu = None, False
+    if args.dtype == "bf16" and not gpu:
+        ap.error("--dtype bf16 needs torch and a GPU (numpy has no bfloat16)")
+    results = []
+    kw = dict(tensor_layout=args.layout, is_causal=args.causal, sm_scale=args.scale,
+              causal_align=args.causal_align)
+    if gpu:
+        dt = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)).to("cuda", dt) for x in (q, k, v))
+        ref = reference(tq, tk, tv, args)
+        for label, extra in CONFIGS:
+            results.append((label, sage_attn.metrics(
+                sage_attn.sageattn(tq, tk, tv, **kw, **extra).double().cpu().numpy(), ref)))
+        if not args.causal or args.causal_align == "top_left" or q.shape[1 if args.layout == 'NHD' else 2] == k.shape[1 if args.layout == 'NHD' else 2]:
+            hnd = (lambda x: x) if args.layout == "HND" else (lambda x: x.transpose(1, 2))
+            sd = torch.nn.functional.scaled_dot_product_attention(
+                hnd(tq), hnd(tk), hnd(tv), is_causal=args.causal, scale=args.scale,
+                enable_gqa=tq.shape[1] != tk.shape[1])
+            results.append((f"SDPA {args.dtype}", sage_attn.metrics(hnd(sd).double().cpu().numpy(), ref)))
+    else:
+        q16, k16, v16 = (np.ascontiguousarray(x, dtype=np.float16) for x in (q, k, v))
+        ref = sage_attn.attention_numpy(*(x.astype(np.float32) for x in (q16, k16, v16)),
+                                        exact=True, **kw)
+        for label, extra in CONFIGS:
+            results.append((label + " (CPU emulation)",
+                            sage_attn.metrics(sage_attn.attention_numpy(q16, k16, v16, **kw, **extra), ref)))
+    if args.json:
+        print(json.dumps([{"config": label, **m} for label, m in results], indent=1))
+    else:
+        print(f"q {tuple(q.shape)} k {tuple(k.shape)} ({args.layout}), causal {args.causal}, "
+              f"{'GPU' if gpu else 'CPU reference'}; against float64 of the {args.dtype} inputs")
+        print(f"{'':34s}{'CosSim':>12s}{'RelL1':>10s}{'RMSE':>11s}{'MaxAbs':>10s}")
+        for label, m in results:
+            print(f"{label:34s}{m['cos'] * 100:11.4f}%{m['rel_l1']:10.5f}{m['rmse']:11.3e}"
+                  f"{m['max_abs']:10.4f}")
+    return 0
+
+
+def reference(tq, tk, tv, args):
+    """float64 attention of the (rounded) inputs on the GPU, as a numpy array in the input layout."""
+    from .bench import reference64
+    nhd = args.layout == "NHD"
+    hnd = (lambda x: x.transpose(1, 2)) if nhd else (lambda x: x)
+    q, k, v = hnd(tq), hnd(tk), hnd(tv)
+    top_left = args.causal_align == "top_left"
+    outs = [reference64(q[b], k[b], v[b], args.causal, args.scale, top_left=top_left)
+            for b in range(q.shape[0])]
+    o = hnd(torch_stack(outs))
+    return o.cpu().numpy()
+
+
+def torch_stack(xs):
+    import torch
+    return torch.stack(xs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The torch front end: sageattn, the SDPA drop-in, the custom op under torch.compile and CUDA
+graphs, the stream, errors. GPU tests skip themselves (with the reason) without a CUDA device;
+without torch the whole file skips."""
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import sage_attn  # noqa: E402
+from conftest import naive_attention  # noqa: E402
+
+HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU with sm_89 or newer")
+TORCH_SDPA = F.scaled_dot_product_attention
+
+
+@pytest.fixture
+def gen(rng):
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int(rng.integers(2**31)))
+    return g
+
+
+def randn(gen, shape, dtype=torch.float16, device="cuda", bias=0.0):
+    x = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if bias:
+        x = x + bias * torch.randn((1, shape[1], 1, shape[-1]), generator=gen)
+    return x.to(dtype=dtype, device=device)
+
+
+def metrics(out, ref):
+    return sage_attn.metrics(out.detach().float().cpu().numpy(),
+                             ref.detach().double().cpu().numpy())
+
+
+def ref64(q, k, v, causal=None, scale=None, layout="HND"):
+    o, lse = naive_attention(q.float().cpu().numpy(), k.float().cpu().numpy(),
+                             v.float().cpu().numpy(), layout, causal, scale)
+    return torch.from_numpy(o), torch.from_numpy(lse)
+
+
+# --- CPU tensors: the library's CPU reference through the same custom op ------------------------
+def test_cpu_tensors_run_the_reference(gen):
+    q, k, v = (randn(gen, (1, 2, 33, 64), torch.float32, "cpu") for _ in range(3))
+    o, lse = sage_attn.sageattn(q, k, v, is_causal=True, return_lse=True)
+    want = sage_attn.attention_numpy(q.numpy(), k.numpy(), v.numpy(), is_causal=True,
+                                     smooth_k=True)
+    np.testing.assert_array_equal(o.numpy(), want)
+    ref, ref_lse = ref64(q, k, v, "bottom_right")
+    assert metrics(o, ref)["cos"] > 0.999
+    assert torch.allclose(lse.double(), ref_lse, atol=0.05)
+
+
+def test_unknown_keyword_is_type_error(gen):
+    q = randn(gen, (1, 1, 8, 64), torch.float32, "cpu")
+    with pytest.raises(TypeError):
+        sage_attn.sageattn(q, q, q, smooth_k_typo=True)
+    with pytest.raises(TypeError):
+        sage_attn.scaled_dot_product_attention(q, q, q, need_weights=False)
+
+
+def test_sdpa_drop_in_on_cpu_falls_back_exactly(gen):
+    q, k, v = (randn(gen, (2, 4, 10, 32), torch.float32, "cpu") for _ in range(3))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        got = sage_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(got, TORCH_SDPA(q, k, v, is_causal=True))
+
+
+def test_patching_functional_sdpa_does_not_recurse(gen, monkeypatch):
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sage_attn.scaled_dot_product_attention)
+    q = randn(gen, (1, 2, 9, 16), torch.float32, "cpu")
+    mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        got = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    assert torch.equal(got, TORCH_SDPA(q, q, q, attn_mask=mask))
+
+
+@pytest.mark.parametrize("make,exc,words", [
+    (lambda q: (q.double(), q.double(), q.double()), TypeError, "dtype"),
+    (lambda q: (q, q.half(), q), TypeError, "one dtype"),
+    (lambda q: (q[0], q[0], q[0]), ValueError, "4 dimensions"),
+    (lambda q: (q, q[:, :, :, :32], q[:, :, :, :32]), ValueError, "head_dim"),
+    (lambda q: (q, q, q[:, :, :3]), ValueError, "v: shape"),
+    (lambda q: (q, q[:, :3], q[:, :3]), ValueError, "heads_kv"),
+    (lambda q: (q.transpose(-1, -2), q, q), ValueError, "contiguous"),
+    (lambda q: (np.zeros(3), q, q), TypeError, "q"),
+])
+def test_bad_input_cpu(gen, make, exc, words):
+    q = randn(gen, (1, 4, 64, 64), torch.float32, "cpu")
+    with pytest.raises(exc, match=words):
+        sage_attn.sageattn(*make(q))
+
+
+def test_bad_options(gen):
+    q = randn(gen, (1, 2, 8, 64), torch.float32, "cpu")
+    with pytest.raises(ValueError, match="tensor_layout"):
+        sage_attn.sageattn(q, q, q, tensor_layout="BHND")
+    with pytest.raises(ValueError, match="qk_bits"):
+        sage_attn.sageattn(q, q, q, qk_bits=2)
+    with pytest.raises(ValueError, match="causal_align"):
+        sage_attn.sageattn(q, q, q, is_causal=True, causal_align="center")
+    with pytest.raises(ValueError, match="sm_scale"):
+        sage_attn.sageattn(q, q, q, sm_scale=float("nan"))
+    with pytest.raises(TypeError, match="smooth_q"):
+        sage_attn.sageattn(q, q, q, smooth_q=1)
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+SHAPES = [  # (B, Hq, Hkv, Nq, Nk)
+    (1, 2, 2, 1, 1), (2, 2, 2, 17, 17), (1, 4, 1, 128, 128), (1, 4, 4, 1000, 1000),
+    (1, 8, 2, 300, 1000), (1, 2, 2, 1000, 77),
+]
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [None, "bottom_right", "top_left"])
+def test_gpu_matches_emulation_and_float64(gen, d, shape, causal):
+    B, Hq, Hkv, Nq, Nk = shape
+    q, k, v = randn(gen, (B, Hq, Nq, d)), randn(gen, (B, Hkv, Nk, d)), randn(gen, (B, Hkv, Nk, d))
+    o, lse = sage_attn.sageattn(q, k, v, is_causal=causal is not None,
+                                causal_align=causal or "bottom_right", return_lse=True)
+    torch.cuda.synchronize()
+    emu, emu_lse = sage_attn.attention_numpy(
+        q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(), is_causal=causal is not None,
+        causal_align=causal or "bottom_right", return_lse=True, smooth_k=True)
+    # Same arithmetic up to the kernel's exp2 approximation (a few ulp of fp32) moving an FP8
+    # rounding of P now and then: the outputs agree to well below one fp16 ulp on average.
+    m = metrics(o, torch.from_numpy(emu.astype(np.float64)))
+    assert m["rel_l1"] < 2e-3 and m["cos"] > 0.99999, m
+    ref, ref_lse = ref64(q, k, v, causal)
+    assert metrics(o, ref)["cos"] > 0.999
+    live = torch.isfinite(ref_lse)
+    assert torch.allclose(lse.cpu().double()[live], ref_lse[live], atol=2e-2)
+    assert torch.allclose(lse.cpu()[live], torch.from_numpy(emu_lse)[live], atol=1e-3)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_gpu_dtypes_layouts_strides(gen, dtype, layout):
+    base = randn(gen, (2, 6, 257, 128), dtype)  # HND storage; views below are strided
+    q, k, v = base[:, :4], base[:, 4:5, ::2], base[:, 5:6, 1::2]
+    ref, _ = ref64(q, k, v, "bottom_right")
+    if layout == "NHD":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    o = sage_attn.sageattn(q, k, v, tensor_layout=layout, is_causal=True)
+    assert o.dtype == dtype and o.shape == q.shape
+    if layout == "NHD":
+        o = o.transpose(1, 2)
+    m = metrics(o, ref)
+    assert m["cos"] > 0.999 and m["rel_l1"] < 0.06, m
+    o2 = sage_attn.sageattn(*(x.contiguous() for x in (q, k, v)), tensor_layout=layout,
+                            is_causal=True)
+    assert torch.equal(o2.transpose(1, 2) if layout == "NHD" else o2, o)
+
+
+@gpu
+def test_gpu_4bit_and_smoothing(gen):
+    q = randn(gen, (1, 4, 1024, 128), bias=4.0)
+    k = randn(gen, (1, 4, 1024, 128), bias=8.0)
+    v = randn(gen, (1, 4, 1024, 128), bias=8.0)
+    ref, _ = ref64(q, k, v)
+    m4 = metrics(sage_attn.sageattn(q, k, v, qk_bits=4), ref)
+    assert m4["cos"] > 0.995, m4
+    m8 = metrics(sage_attn.sageattn(q, k, v), ref)
+    assert m8["rel_l1"] < 0.0115, m8
+    m8_raw = metrics(sage_attn.sageattn(q, k, v, smooth_v=False), ref)
+    assert m8["rel_l1"] < m8_raw["rel_l1"]
+
+
+@gpu
+def test_gpu_deterministic_inputs_untouched_output_poison(gen):
+    q, k, v = (randn(gen, (2, 4, 700, 64)) for _ in range(3))
+    saved = [x.clone() for x in (q, k, v)]
+    first = sage_attn.sageattn(q, k, v, is_causal=True)
+    for _ in range(3):
+        # Leave a NaN-filled block of the output's size in the caching allocator for the op.
+        poison = torch.full_like(q, float("nan"))
+        del poison
+        again = sage_attn.sageattn(q, k, v, is_causal=True)
+        assert torch.equal(again, first)
+    assert not torch.isnan(first).any()
+    for x, s in zip((q, k, v), saved):
+        assert torch.equal(x, s)
+
+
+@gpu
+def test_gpu_uses_current_stream(gen):
+    q, k, v = (randn(gen, (1, 4, 512, 128)) for _ in range(3))
+    q2 = randn(gen, (1, 4, 512, 128))
+    want = sage_attn.sageattn(q2, k, v)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keeps the side stream busy: the copy below lands late
+        q.copy_(q2)
+        got = sage_attn.sageattn(q, k, v)  # on the default stream it would read the old q
+    side.synchronize()
+    assert torch.equal(got, want)
+
+
+@gpu
+def test_gpu_cuda_graph_replay_equals_eager(gen):
+    q, k, v = (randn(gen, (2, 8, 1000, 128)) for _ in range(3))
+    static = [x.clone() for x in (q, k, v)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the capture
+        sage_attn.sageattn(*static, is_causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sage_attn.sageattn(*static, is_causal=True)
+    for _ in range(2):
+        fresh = [randn(gen, x.shape) for x in static]
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, sage_attn.sageattn(*fresh, is_causal=True))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, use_sdpa):
+        super().__init__()
+        self.proj = torch.nn.Linear(128, 128, dtype=torch.float16, device="cuda")
+        self.use_sdpa = use_sdpa
+
+    def forward(self, x):  # x [B, H, N, 128]
+        q = self.proj(x)
+        if self.use_sdpa:
+            return F.scaled_dot_product_attention(q, x, x, is_causal=True)
+        return sage_attn.sageattn(q, x, x, is_causal=True, qk_bits=8)
+
+
+@gpu
+@pytest.mark.parametrize("use_sdpa", [False, True])
+def test_gpu_torch_compile_fullgraph(gen, monkeypatch, use_sdpa):
+    torch._dynamo.reset()
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sage_attn.scaled_dot_product_attention)
+    block = _Block(use_sdpa)
+    x = randn(gen, (2, 4, 333, 128))
+    with torch.no_grad():
+        eager = block(x)
+        compiled = torch.compile(block, fullgraph=True)
+        got = compiled(x)
+    m = metrics(got, eager.double())
+    assert m["rel_l1"] < 1e-3, m  # the projection may be fused differently: not always bitwise
+
+
+@gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("nq,nk", [(1000, 1000), (300, 1000), (1, 517), (128, 128)])
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_gpu_sdpa_semantics(gen, d, nq, nk, hkv):
+    q, k, v = randn(gen, (2, 4, nq, d)), randn(gen, (2, hkv, nk, d)), randn(gen, (2, hkv, nk, d))
+    gqa = hkv != 4
+    with torch.no_grad():
+        for causal in (False, True):
+            for scale in (None, 0.05):
+                got = sage_attn.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                             scale=scale, enable_gqa=gqa)
+                want = TORCH_SDPA(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+                m = metrics(got, want.double())
+                assert m["cos"] > 0.999 and m["rel_l1"] < 0.06, (causal, scale, m)
+    if gqa:  # SDPA rejects unequal heads without enable_gqa; so does the drop-in
+        with pytest.raises(RuntimeError):
+            sage_attn.scaled_dot_product_attention(q, k, v)
+
+
+@gpu
+@pytest.mark.parametrize("case", ["mask", "dropout", "head_dim", "fp32", "grad", "3d"])
+def test_gpu_sdpa_fallbacks_warn_once_and_match_torch(gen, case):
+    q, k, v = (randn(gen, (1, 2, 64, 64)) for _ in range(3))
+    kw = {}
+    if case == "mask":
+        kw["attn_mask"] = torch.randn(64, 64, device="cuda", dtype=torch.float16)
+    elif case == "head_dim":
+        q, k, v = (x[..., :48].contiguous() for x in (q, k, v))
+    elif case == "fp32":
+        q, k, v = (x.float() for x in (q, k, v))
+    elif case == "grad":
+        q.requires_grad_(True)
+    elif case == "3d":
+        q, k, v = (x[0] for x in (q, k, v))
+    sage_attn._torch._warned.clear()
+    with pytest.warns(UserWarning, match="sage_attn"):
+        if case == "dropout":
+            torch.manual_seed(0)
+            got = sage_attn.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+            torch.manual_seed(0)
+            want = TORCH_SDPA(q, k, v, dropout_p=0.5)
+        else:
+            got = sage_attn.scaled_dot_product_attention(q, k, v, **kw)
+            want = TORCH_SDPA(q, k, v, **kw)
+    assert torch.equal(got, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call of the same kind stays quiet
+        sage_attn.scaled_dot_product_attention(q, k, v, **kw)
+
+
+@gpu
+@pytest.mark.parametrize("make,exc,words", [
+    (lambda q: (q.float(), q.float(), q.float()), TypeError, "dtype"),
+    (lambda q: (q[..., :96].contiguous(),) * 3, ValueError, "head_dim"),
+    (lambda q: (q, q[:, :3], q[:, :3]), ValueError, "heads_kv"),
+    (lambda q: (q, q.cpu(), q.cpu()), ValueError, "device"),
+    (lambda q: (q.transpose(-1, -2), q, q), ValueError, "contiguous"),
+])
+def test_gpu_bad_input(gen, make, exc, words):
+    q = randn(gen, (1, 4, 128, 128))
+    with pytest.raises(exc, match=words):
+        sage_attn.sageattn(*make(q))
