@@ -209,7 +209,8 @@ def _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa
     if key.shape != value.shape or key.shape[0] != query.shape[0]:
         return "key/value/query shapes that do not match"
     hq, hkv = query.shape[1], key.shape[1]
-    if hq != hkv and (not enable_gqa or hq % hkv != 0):
+    # Unequal heads: GQA with enable_gqa, or SDPA's broadcasting of a single key/value head.
+    if hq != hkv and hkv != 1 and (not enable_gqa or hq % hkv != 0):
         return "query and key head counts that SDPA would reject"
     if min(query.shape[2], key.shape[2], query.shape[0], hq) == 0:
         return "empty inputs"

@@ -134,9 +134,11 @@ def plot(rows, path, title):
         print("matplotlib not installed: no plot", file=sys.stderr)
         return False
     dims = sorted({r["head_dim"] for r in rows})
-    fig, axes = plt.subplots(len(dims), 2, figsize=(12, 4.2 * len(dims)), squeeze=False)
+    causals = sorted({r["causal"] for r in rows})
+    fig, axes = plt.subplots(len(dims), len(causals), figsize=(6 * len(causals), 4.2 * len(dims)),
+                             squeeze=False)
     for i, d in enumerate(dims):
-        for j, causal in enumerate((False, True)):
+        for j, causal in enumerate(causals):
             ax = axes[i][j]
             for impl in IMPLS:
                 pts = sorted((r["seq_len"], r["e2e_tops"], r["kernel_tops"]) for r in rows

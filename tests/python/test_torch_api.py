@@ -138,7 +138,10 @@ def test_gpu_matches_emulation_and_float64(gen, d, shape, causal):
     ref, ref_lse = ref64(q, k, v, causal)
     assert metrics(o, ref)["cos"] > 0.999
     live = torch.isfinite(ref_lse)
-    assert torch.allclose(lse.cpu().double()[live], ref_lse[live], atol=2e-2)
+    # Against float64 the LSE carries the INT8 error of the scores (a row with one key: one
+    # score's error, a few 1e-2); against the emulation it is fp32 rounding.
+    err = (lse.cpu().double()[live] - ref_lse[live]).abs()
+    assert err.max() < 0.1 and err.mean() < 0.01, (err.max(), err.mean())
     assert torch.allclose(lse.cpu()[live], torch.from_numpy(emu_lse)[live], atol=1e-3)
 
 
@@ -146,7 +149,7 @@ def test_gpu_matches_emulation_and_float64(gen, d, shape, causal):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_gpu_dtypes_layouts_strides(gen, dtype, layout):
-    base = randn(gen, (2, 6, 257, 128), dtype)  # HND storage; views below are strided
+    base = randn(gen, (2, 6, 258, 128), dtype)  # HND storage; views below are strided
     q, k, v = base[:, :4], base[:, 4:5, ::2], base[:, 5:6, 1::2]
     ref, _ = ref64(q, k, v, "bottom_right")
     if layout == "NHD":
@@ -259,10 +262,10 @@ def test_gpu_torch_compile_fullgraph(gen, monkeypatch, use_sdpa):
 @gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("nq,nk", [(1000, 1000), (300, 1000), (1, 517), (128, 128)])
-@pytest.mark.parametrize("hkv", [4, 1])
+@pytest.mark.parametrize("hkv", [4, 2, 1])
 def test_gpu_sdpa_semantics(gen, d, nq, nk, hkv):
     q, k, v = randn(gen, (2, 4, nq, d)), randn(gen, (2, hkv, nk, d)), randn(gen, (2, hkv, nk, d))
-    gqa = hkv != 4
+    gqa = hkv == 2  # one key head (hkv 1) is plain broadcasting in SDPA, no enable_gqa needed
     with torch.no_grad():
         for causal in (False, True):
             for scale in (None, 0.05):
@@ -271,7 +274,9 @@ def test_gpu_sdpa_semantics(gen, d, nq, nk, hkv):
                 want = TORCH_SDPA(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
                 m = metrics(got, want.double())
                 assert m["cos"] > 0.999 and m["rel_l1"] < 0.06, (causal, scale, m)
-    if gqa:  # SDPA rejects unequal heads without enable_gqa; so does the drop-in
+    if gqa:  # SDPA rejects 4 query heads on 2 key heads without enable_gqa; so does the drop-in
+        with pytest.raises(RuntimeError):
+            TORCH_SDPA(q, k, v)
         with pytest.raises(RuntimeError):
             sage_attn.scaled_dot_product_attention(q, k, v)
 
