@@ -15,6 +15,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ import sage_attn
 IMPLS = ("sage-8b", "sage-4b", "sdpa-cudnn", "sdpa-flash")
 
 
-def reference64(q, k, v, causal, scale=None, rows=2048, top_left=False):
+def reference64(q, k, v, causal, scale=None, rows=None, top_left=False):
     """float64 attention of [H, N, D] tensors on their device, queries in chunks (memory bound
     by rows x Nk doubles per head); causal is bottom-right aligned unless top_left."""
     q, k, v = q.double(), k.double(), v.double()
@@ -35,6 +36,8 @@ def reference64(q, k, v, causal, scale=None, rows=2048, top_left=False):
         k = k.repeat_interleave(hq // hkv, 0)
         v = v.repeat_interleave(hq // hkv, 0)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if rows is None:  # about 2 GiB of float64 scores per chunk
+        rows = max(64, (1 << 28) // max(1, hq * nk))
     out = torch.empty_like(q)
     for r0 in range(0, nq, rows):
         s = torch.einsum("hqd,hkd->hqk", q[:, r0:r0 + rows], k) * scale
@@ -81,10 +84,12 @@ def kernel_ms(fn, name="attention_kernel", calls=3):
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the profiler's notes about its own cycles
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
     total_us = 0.0
     for e in prof.events():
         if name in e.name and str(getattr(e, "device_type", "")).endswith("CUDA"):
@@ -176,7 +181,7 @@ def main(argv=None):
     ap.add_argument("--impls", default="sage-8b,sdpa-cudnn,sdpa-flash",
                     help="comma list of " + ",".join(IMPLS))
     ap.add_argument("--inputs", default="normal", choices=["normal", "bias"])
-    ap.add_argument("--accuracy-heads", type=int, default=2,
+    ap.add_argument("--accuracy-heads", type=int, default=8,
                     help="heads of batch 0 checked against float64 (0: no accuracy columns)")
     ap.add_argument("--seconds", type=float, default=0.25, help="timed seconds per figure")
     ap.add_argument("--commit", default=None)
