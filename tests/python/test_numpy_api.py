@@ -105,3 +105,24 @@ def test_library_errors_are_value_errors(rng):
     with pytest.raises(sage_attn.SageArgumentError, match="heads_kv") as info:
         sage_attn.attention_numpy(q, k, v)
     assert isinstance(info.value, ValueError)
+
+
+def test_accuracy_tool_on_npy_files(rng, tmp_path, capsys):
+    from sage_attn import accuracy
+    q, k, v = rand(rng, (1, 2, 96, 64), np.float32), \
+        rand(rng, (1, 2, 80, 64), np.float32, bias=3.0), rand(rng, (1, 2, 80, 64), np.float32)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        np.save(tmp_path / f"{name}.npy", x[0])  # [H, N, D] files
+    assert accuracy.main(["--q", str(tmp_path / "q.npy"), "--k", str(tmp_path / "k.npy"), "--v",
+                          str(tmp_path / "v.npy"), "--causal", "--cpu", "--json"]) == 0
+    import json
+    rows = {r["config"]: r for r in json.loads(capsys.readouterr().out)}
+    # The tool's float64 reference is the library's; check its 8b figure independently here.
+    ref, _ = naive_attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16),
+                             "HND", "bottom_right")
+    o8 = sage_attn.attention_numpy(*(x.astype(np.float16) for x in (q, k, v)), is_causal=True)
+    want = sage_attn.metrics(o8, ref)
+    got = rows["SageAttn2-8b (CPU emulation)"]
+    assert abs(got["rel_l1"] - want["rel_l1"]) < 1e-4 * max(1.0, want["rel_l1"]) + 1e-3
+    assert got["cos"] > 0.999
+    assert rows["SageAttn2-8b, no smoothing (CPU emulation)"]["rel_l1"] > got["rel_l1"]

@@ -324,3 +324,23 @@ def test_gpu_bad_input(gen, make, exc, words):
     q = randn(gen, (1, 4, 128, 128))
     with pytest.raises(exc, match=words):
         sage_attn.sageattn(*make(q))
+
+
+@gpu
+def test_gpu_accuracy_tool_on_pt_files(gen, tmp_path, capsys):
+    import json
+
+    from sage_attn import accuracy
+    q, k, v = randn(gen, (1, 300, 2, 128)), randn(gen, (1, 500, 2, 128), bias=4.0), \
+        randn(gen, (1, 500, 2, 128))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        torch.save(x.cpu(), tmp_path / f"{name}.pt")
+    assert accuracy.main(["--q", str(tmp_path / "q.pt"), "--k", str(tmp_path / "k.pt"), "--v",
+                          str(tmp_path / "v.pt"), "--layout", "NHD", "--causal",
+                          "--causal-align", "top_left", "--json"]) == 0
+    rows = {r["config"]: r for r in json.loads(capsys.readouterr().out)}
+    ref, _ = ref64(q, k, v, "top_left", layout="NHD")
+    want = metrics(sage_attn.sageattn(q, k, v, tensor_layout="NHD", is_causal=True,
+                                      causal_align="top_left"), ref)
+    assert abs(rows["SageAttn2-8b"]["rel_l1"] - want["rel_l1"]) < 1e-6
+    assert rows["SDPA fp16"]["rel_l1"] < 0.01 and rows["SageAttn2-8b"]["cos"] > 0.999
