@@ -4,9 +4,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include "api/backend.h"
 #include "attn/mma/launch.h"
+#include "attn/sm90/launch.h"
 #include "common/error.h"
 #include "quant/prepass.h"
 
@@ -104,6 +107,11 @@ sage_status plan_for(const api::Resolved& r, const sage_attention_args& a, mma::
                          c.qk_format == SAGE_QK_INT8 ? 8 : 4, c.smooth & SAGE_SMOOTH_Q,
                          c.smooth & SAGE_SMOOTH_K, c.smooth & SAGE_SMOOTH_V);
   plan->two_level = two_level;
+  // sm_90: the wgmma kernel takes what it supports (8-bit, no Q smoothing). SAGE_KERNEL=mma
+  // forces the mma.sync kernel (to compare the two; the tests run both).
+  const char* force = std::getenv("SAGE_KERNEL");
+  const bool force_mma = force && std::strcmp(force, "mma") == 0;
+  plan->sm90 = major == 9 && minor == 0 && sm90::supports(*plan) && !force_mma;
   return SAGE_OK;
 }
 
@@ -163,9 +171,13 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   ap.causal_offset = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
   ap.scale_log2 = float(p.scale * 1.4426950408889634);
   const bool causal = p.mask != SAGE_MASK_NONE, bf16 = a.dtype == SAGE_DTYPE_BF16;
-  e = p.head_dim == 64
-          ? mma::launch_attention<64>(ap, plan.bits, bf16, causal, plan.two_level, stream)
-          : mma::launch_attention<128>(ap, plan.bits, bf16, causal, plan.two_level, stream);
+  if (plan.sm90)
+    e = p.head_dim == 64 ? sm90::launch_attention<64>(ap, bf16, causal, stream)
+                         : sm90::launch_attention<128>(ap, bf16, causal, stream);
+  else
+    e = p.head_dim == 64
+            ? mma::launch_attention<64>(ap, plan.bits, bf16, causal, plan.two_level, stream)
+            : mma::launch_attention<128>(ap, plan.bits, bf16, causal, plan.two_level, stream);
   if (e != cudaSuccess) return set_error(SAGE_ERROR_CUDA, "attention launch: %s", cudaGetErrorString(e));
   return SAGE_OK;
 }

@@ -38,6 +38,7 @@ struct Plan {
   int bits = 8;                 // QK format: 8 (INT8) or 4 (INT4)
   bool smooth_q = false, smooth_k = false, smooth_v = false;
   bool two_level = true;        // P·V accumulation (false where the MMA accumulator is fp32)
+  bool sm90 = false;            // run the Hopper wgmma kernel (attn/sm90) instead of mma.sync
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
          kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, delta_s = 0, total = 0;

@@ -1,0 +1,280 @@
+// SageAttention2-8b on Hopper (sm_90a): wgmma s8·s8→s32 for Q·Kᵀ and E4M3 for P̃·V, K and Vᵀ
+// tiles brought by TMA onto mbarriers, warp specialization: warpgroup 0 produces (one thread
+// issues the TMA loads, the rest give their registers back with setmaxnreg), warpgroups 1 and 2
+// consume 64 query rows each.
+//
+// It reads the same pre-pass products as the mma.sync kernel (attn/mma/params.h) and does the
+// same arithmetic: a warp owns 16 query rows (one Q scale for rows g, g+8), K scales per 64-key
+// group (a 128-key block holds two), Vᵀ keys permuted inside each 32 so the S accumulator
+// converts to the P̃ A-operand in place. So its CPU emulation is the mma kernel's configuration
+// (block_q 128, warps 8, block_k 64, per-thread mma groups), and the P·V accumulator is the
+// wgmma's own over the whole sequence (one level; measured fp32 on the H100, see
+// docs/fp8-accumulator.md).
+//
+// Budget: a consumer thread holds S (64 int32), O (64 fp32), P̃ (16), Q (16 for D=128): under the
+// 240 registers setmaxnreg gives it. Shared memory: kStages x (K tile 128 x D bytes + Vᵀ tile
+// D x 128 bytes), 1024-byte aligned for the 128-byte swizzle.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "attn/mma/params.h"
+#include "ptx/cvt.cuh"
+#include "ptx/math.cuh"
+#include "ptx/tma.cuh"
+#include "ptx/wgmma.cuh"
+
+namespace sage::sm90 {
+
+using mma::AttnParams;
+constexpr int kBlockQ = 128;  // 2 consumer warpgroups x 64 rows
+constexpr int kBlockK = 128;  // keys per block = the N of the Q·Kᵀ wgmma
+constexpr int kStages = 2;
+constexpr int kThreads = 384;
+constexpr int kConsumerWarps = 8;
+static_assert(kBlockQ == mma::kBlockQ && kBlockK == 2 * mma::kBlockK,
+              "the sm90 kernel reads the mma pre-pass layout: 128-row Q blocks, 64-key K groups");
+
+template <int D>
+struct Smem {
+  static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
+  static constexpr int kVTile = D * kBlockK;  // [D channels][128 keys], swizzled
+  static constexpr int kBytes = kStages * (kKTile + kVTile) + 1024;  // + alignment slack
+};
+
+// Everything the kernel needs besides AttnParams: the TMA descriptors of K and Vᵀ.
+struct TmaMaps {
+  CUtensorMap k;  // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
+  CUtensorMap v;  // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
+};
+
+template <typename OutT>
+__device__ __forceinline__ void store2(OutT* dst, float a, float b);
+template <>
+__device__ __forceinline__ void store2<__half>(__half* dst, float a, float b) {
+  *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
+}
+template <>
+__device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+}
+
+template <int D>
+__device__ __forceinline__ uint64_t k_desc(const uint8_t* tile) {
+  if constexpr (D == 128)
+    return ptx::wgmma_desc_sw128(tile);
+  else
+    return ptx::wgmma_desc_sw64(tile);
+}
+
+template <int D>
+__device__ __forceinline__ void qk_wgmma(int (&s)[64], const uint32_t (&q)[4], uint64_t desc,
+                                         bool acc) {
+  ptx::wgmma_m64n128k32_s8(s, q, desc, acc);
+}
+template <int D>
+__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc) {
+  if constexpr (D == 128)
+    ptx::wgmma_m64n128k32_e4m3(o, p, desc, true);
+  else
+    ptx::wgmma_m64n64k32_e4m3(o, p, desc, true);
+}
+
+template <int D, typename OutT, bool kCausal>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = Smem<D>;
+  constexpr int kQkSteps = D / 32;  // k32 steps along head_dim
+  constexpr int kOTiles = D / 8;    // 8-channel tiles of the O accumulator
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~uintptr_t(1023));
+  uint8_t* k_tiles = smem;
+  uint8_t* v_tiles = smem + kStages * S::kKTile;
+  __shared__ __align__(8) uint64_t full_k[kStages], full_v[kStages], empty_k[kStages],
+      empty_v[kStages];
+
+  // Causal: the heaviest query blocks (most keys) start first.
+  const int64_t qb = kCausal ? p.q_blocks - 1 - blockIdx.x : blockIdx.x;
+  const int64_t bh = blockIdx.y;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+  const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
+  const int64_t kv_end = kCausal ? min(p.seq_kv, last_row + p.causal_offset + 1) : p.seq_kv;
+  const int n_blocks = kv_end > 0 ? int((kv_end + kBlockK - 1) / kBlockK) : 0;
+
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(&full_k[s], 1);
+      ptx::mbar_init(&full_v[s], 1);
+      ptx::mbar_init(&empty_k[s], kConsumerWarps);
+      ptx::mbar_init(&empty_v[s], kConsumerWarps);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ---- producer ----
+    ptx::setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      for (int kb = 0; kb < n_blocks; ++kb) {
+        const int s = kb % kStages;
+        const uint32_t parity = ((kb / kStages) & 1) ^ 1;  // the first round passes at once
+        ptx::mbar_wait(&empty_k[s], parity);
+        ptx::mbar_arrive_expect_tx(&full_k[s], S::kKTile);
+        ptx::tma_load_3d(k_tiles + s * S::kKTile, &maps.k, &full_k[s], 0, kb * kBlockK, int(bhk));
+        ptx::mbar_wait(&empty_v[s], parity);
+        ptx::mbar_arrive_expect_tx(&full_v[s], S::kVTile);
+        ptx::tma_load_3d(v_tiles + s * S::kVTile, &maps.v, &full_v[s], kb * kBlockK, 0, int(bhk));
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of the block ----
+  ptx::setmaxnreg_inc<232>();
+  const int warp = threadIdx.x / 32 - 4;  // 0..7: the 16-row slab of the 128-row block
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t row_a = qb * kBlockQ + warp * 16 + g, row_b = row_a + 8;
+  const int64_t first_row = qb * kBlockQ;
+  const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
+  const int first_masked_block = min_end > 0 ? int(min_end / kBlockK) : 0;
+
+  // Q fragments of this warp's 16 rows, straight from the pre-pass output (read once).
+  uint32_t qf[kQkSteps][4];
+  {
+    const uint8_t* qa = p.q + (bh * p.nq_pad + row_a) * D + 4 * t;
+    const uint8_t* qbp = qa + 8 * D;
+    for (int s = 0; s < kQkSteps; ++s) {
+      qf[s][0] = *reinterpret_cast<const uint32_t*>(qa + s * 32);
+      qf[s][1] = *reinterpret_cast<const uint32_t*>(qbp + s * 32);
+      qf[s][2] = *reinterpret_cast<const uint32_t*>(qa + s * 32 + 16);
+      qf[s][3] = *reinterpret_cast<const uint32_t*>(qbp + s * 32 + 16);
+    }
+  }
+  const float q_scale_log2 =
+      p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g] * p.scale_log2;
+  const float* k_scale = p.k_scale + bhk * p.k_blocks * mma::kKGroups;
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float o[D / 2];
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+
+  for (int kb = 0; kb < n_blocks; ++kb) {
+    const int st = kb % kStages;
+    const uint32_t parity = (kb / kStages) & 1;
+
+    // S = Q^·K^ᵀ over 128 keys: kQkSteps wgmmas along head_dim, exact int32.
+    int sacc[64];
+    ptx::mbar_wait(&full_k[st], parity);
+    ptx::wgmma_fence();
+    {
+      const uint8_t* kt = k_tiles + st * S::kKTile;
+      for (int s = 0; s < kQkSteps; ++s)
+        qk_wgmma<D>(sacc, qf[s], k_desc<D>(kt + s * 32), /*accumulate=*/s > 0);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(sacc);
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(&empty_k[st]);  // this warp is done reading the K tile
+
+    // Dequantize (one Q scale; K scale per 64-key half), mask; base-2 scores. (No ΔS: Q
+    // smoothing runs on the mma.sync kernel.)
+    const int64_t j0 = int64_t(kb) * kBlockK;
+    const int kg0 = 2 * kb, kg1 = min(2 * kb + 1, int(p.k_blocks) - 1);
+    const float f0 = q_scale_log2 * k_scale[kg0 * mma::kKGroups + t];
+    const float f1 = q_scale_log2 * k_scale[kg1 * mma::kKGroups + t];
+    float sc[64];
+    for (int i = 0; i < 64; ++i) sc[i] = float(sacc[i]) * (i < 32 ? f0 : f1);
+    if (kb >= first_masked_block) {  // CTA-uniform: only the diagonal and the Nk edge
+      int visible[2];
+      for (int r = 0; r < 2; ++r) {
+        const int64_t row = r == 0 ? row_a : row_b;
+        const int64_t end = kCausal ? min(p.seq_kv, row + p.causal_offset + 1) : p.seq_kv;
+        const int64_t n = end - j0;
+        visible[r] = n <= 0 ? 0 : (n >= kBlockK ? kBlockK : int(n));
+      }
+      for (int i = 0; i < 64; ++i)
+        if ((i / 4) * 8 + 2 * t + (i & 1) >= visible[(i / 2) & 1]) sc[i] = -INFINITY;
+    }
+    float row_max[2] = {-INFINITY, -INFINITY};
+    for (int i = 0; i < 64; ++i) row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], sc[i]);
+
+    // Online softmax: the 4 threads of a row agree on its max.
+    float alpha[2], m_use[2];
+    for (int r = 0; r < 2; ++r) {
+      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
+      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
+      const float m_new = fmaxf(m[r], row_max[r]);
+      m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[r] = ptx::ex2(m[r] - m_use[r]);
+      m[r] = m_new;
+      l[r] *= alpha[r];
+    }
+    for (int i = 0; i < 64; ++i) {
+      sc[i] = ptx::ex2(sc[i] - m_use[(i / 2) & 1]);
+      l[(i / 2) & 1] += sc[i];
+    }
+    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
+
+    // P^ = E4M3(P~·448) in the A layout of 4 k32 steps (keys 32c..32c+31, permuted as Vᵀ is).
+    uint32_t pf[4][4];
+    for (int c = 0; c < 4; ++c)
+      for (int half = 0; half < 2; ++half) {
+        const int n0 = 4 * c + 2 * half, n1 = n0 + 1;  // 8-key tiles
+        pf[c][2 * half + 0] =
+            uint32_t(ptx::cvt_e4m3x2(sc[4 * n0 + 0] * 448.0f, sc[4 * n0 + 1] * 448.0f)) |
+            uint32_t(ptx::cvt_e4m3x2(sc[4 * n1 + 0] * 448.0f, sc[4 * n1 + 1] * 448.0f)) << 16;
+        pf[c][2 * half + 1] =
+            uint32_t(ptx::cvt_e4m3x2(sc[4 * n0 + 2] * 448.0f, sc[4 * n0 + 3] * 448.0f)) |
+            uint32_t(ptx::cvt_e4m3x2(sc[4 * n1 + 2] * 448.0f, sc[4 * n1 + 3] * 448.0f)) << 16;
+      }
+
+    // O += P^·V^ (the wgmma accumulates in fp32).
+    ptx::mbar_wait(&full_v[st], parity);
+    ptx::wgmma_fence_regs(o);
+    ptx::wgmma_fence();
+    {
+      const uint8_t* vt = v_tiles + st * S::kVTile;
+      for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32));
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(o);
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(&empty_v[st]);
+  }
+
+  // Finalize: O / l / 448 · v_scale + v_mean; LSE = (m + log2 l)·ln 2 + scale·q·k_mean.
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  const float* vsc = p.v_scale + bhk * D;
+  const float* vmean = p.v_mean + bhk * D;
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = r == 0 ? row_a : row_b;
+    if (row >= p.seq_q) continue;
+    const bool empty = !(l[r] > 0.0f);
+    const float inv = empty ? 0.0f : 1.0f / (l[r] * 448.0f);
+    OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
+    for (int i = 0; i < kOTiles; ++i) {
+      const int c = i * 8 + 2 * t;
+      const float x0 = empty ? 0.0f : o[4 * i + 2 * r] * (vsc[c] * inv) + vmean[c];
+      const float x1 = empty ? 0.0f : o[4 * i + 2 * r + 1] * (vsc[c + 1] * inv) + vmean[c + 1];
+      store2<OutT>(dst + c, x0, x1);
+    }
+    if (p.lse && t == 0)
+      p.lse[b * p.lse_batch + h * p.lse_head + row * p.lse_token] =
+          empty ? -INFINITY
+                : (m[r] + log2f(l[r])) * 0.69314718055994531f + p.lse_shift[bh * p.seq_q + row];
+  }
+#endif
+}
+
+}  // namespace sage::sm90

@@ -1,0 +1,69 @@
+// The sm90 launcher: builds the TMA descriptors of the pre-pass's K and Vᵀ (driver entry point
+// fetched through the runtime, so libsage links no libcuda) and launches one instantiation.
+#pragma once
+
+#include <cudaTypedefs.h>
+
+#include "attn/sm90/attention.cuh"
+#include "attn/sm90/launch.h"
+
+namespace sage::sm90 {
+
+inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      ptr = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// A 3-D uint8 tensor map {d0 (contiguous), d1, d2} with byte strides s1, s2 and box {b0, b1, 1}.
+inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uint64_t d1,
+                            uint64_t d2, uint64_t s1, uint64_t s2, uint32_t b0, uint32_t b1) {
+  const auto fn = encode_fn();
+  if (!fn) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {d0, d1, d2};
+  const cuuint64_t strides[2] = {s1, s2};
+  const cuuint32_t box[3] = {b0, b1, 1};
+  const cuuint32_t elem[3] = {1, 1, 1};
+  const CUtensorMapSwizzle swz =
+      b0 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims,
+                        strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, swz,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <int D, typename OutT, bool kCausal>
+cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream) {
+  constexpr int kSmem = Smem<D>::kBytes;
+  auto kernel = attention_kernel<D, OutT, kCausal>;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             kSmem);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(unsigned(p.q_blocks), unsigned(p.batch * p.heads_q));
+  kernel<<<grid, kThreads, kSmem, stream>>>(p, maps);
+  return cudaGetLastError();
+}
+
+template <int D>
+cudaError_t launch_attention(const mma::AttnParams& p, bool bf16_out, bool causal,
+                             cudaStream_t stream) {
+  TmaMaps maps;
+  const uint64_t bk = uint64_t(p.batch * p.heads_kv), nk = uint64_t(p.nk_pad);
+  cudaError_t e = make_map(&maps.k, p.k, D, nk, bk, D, nk * D, D, kBlockK);
+  if (e == cudaSuccess) e = make_map(&maps.v, p.v, nk, D, bk, nk, nk * D, kBlockK, D);
+  if (e != cudaSuccess) return e;
+  if (bf16_out)
+    return causal ? launch_one<D, __nv_bfloat16, true>(p, maps, stream)
+                  : launch_one<D, __nv_bfloat16, false>(p, maps, stream);
+  return causal ? launch_one<D, __half, true>(p, maps, stream)
+                : launch_one<D, __half, false>(p, maps, stream);
+}
+
+}  // namespace sage::sm90
