@@ -31,13 +31,12 @@ namespace sage::sm90 {
 using mma::AttnParams;
 constexpr int kBlockQ = 128;  // 2 consumer warpgroups x 64 rows
 constexpr int kBlockK = 128;  // keys per block = the N of the Q·Kᵀ wgmma
-constexpr int kStages = 2;
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 static_assert(kBlockQ == mma::kBlockQ && kBlockK == 2 * mma::kBlockK,
               "the sm90 kernel reads the mma pre-pass layout: 128-row Q blocks, 64-key K groups");
 
-template <int D>
+template <int D, int kStages>
 struct Smem {
   static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
   static constexpr int kVTile = D * kBlockK;  // [D channels][128 keys], swizzled
@@ -82,11 +81,11 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
     ptx::wgmma_m64n64k32_e4m3(o, p, desc, true);
 }
 
-template <int D, typename OutT, bool kCausal>
+template <int D, int kStages, typename OutT, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = Smem<D>;
+  using S = Smem<D, kStages>;
   constexpr int kQkSteps = D / 32;  // k32 steps along head_dim
   constexpr int kOTiles = D / 8;    // 8-channel tiles of the O accumulator
   extern __shared__ uint8_t smem_raw[];
