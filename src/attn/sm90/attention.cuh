@@ -74,14 +74,15 @@ __device__ __forceinline__ void qk_wgmma(int (&s)[64], const uint32_t (&q)[4], u
   ptx::wgmma_m64n128k32_s8(s, q, desc, acc);
 }
 template <int D>
-__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc) {
+__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc,
+                                         bool acc) {
   if constexpr (D == 128)
-    ptx::wgmma_m64n128k32_e4m3(o, p, desc, true);
+    ptx::wgmma_m64n128k32_e4m3(o, p, desc, acc);
   else
-    ptx::wgmma_m64n64k32_e4m3(o, p, desc, true);
+    ptx::wgmma_m64n64k32_e4m3(o, p, desc, acc);
 }
 
-template <int D, int kStages, typename OutT, bool kCausal>
+template <int D, int kStages, typename OutT, bool kCausal, bool kTwoLevel>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -234,17 +235,28 @@ __global__ void __launch_bounds__(kThreads, 1)
             uint32_t(ptx::cvt_e4m3x2(sc[4 * n1 + 2] * 448.0f, sc[4 * n1 + 3] * 448.0f)) << 16;
       }
 
-    // O += P^·V^ (the wgmma accumulates in fp32).
+    // O += P^·V^: in the wgmma accumulator itself (one level), or (kTwoLevel) into a fresh
+    // accumulator R per block added into the fp32 O.
     ptx::mbar_wait(&full_v[st], parity);
-    ptx::wgmma_fence_regs(o);
-    ptx::wgmma_fence();
-    {
-      const uint8_t* vt = v_tiles + st * S::kVTile;
-      for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32));
+    const uint8_t* vt = v_tiles + st * S::kVTile;
+    if constexpr (kTwoLevel) {
+      float r[D / 2];
+      ptx::wgmma_fence();
+      for (int c = 0; c < 4; ++c)
+        pv_wgmma<D>(r, pf[c], ptx::wgmma_desc_sw128(vt + c * 32), /*accumulate=*/c > 0);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(r);
+      for (int i = 0; i < D / 2; ++i) o[i] += r[i];
+    } else {
+      ptx::wgmma_fence_regs(o);
+      ptx::wgmma_fence();
+      for (int c = 0; c < 4; ++c)
+        pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32), /*accumulate=*/true);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(o);
     }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::wgmma_fence_regs(o);
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(&empty_v[st]);
   }

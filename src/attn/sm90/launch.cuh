@@ -41,7 +41,7 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uin
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int D, int kStages, typename OutT, bool kCausal>
+template <int D, int kStages, typename OutT, bool kCausal, bool kTwoLevel>
 cudaError_t launch_staged(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream);
 
 template <int D, typename OutT, bool kCausal>
@@ -51,14 +51,19 @@ cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream
     const char* e = std::getenv("SAGE_SM90_STAGES");
     return e && e[0] == '1';
   }();
-  if (one_stage) return launch_staged<D, 1, OutT, kCausal>(p, maps, stream);
-  return launch_staged<D, 2, OutT, kCausal>(p, maps, stream);
+  static const bool two_level = [] {
+    const char* e = std::getenv("SAGE_SM90_TWO_LEVEL");
+    return e && e[0] == '1';
+  }();
+  if (two_level) return launch_staged<D, 2, OutT, kCausal, true>(p, maps, stream);
+  if (one_stage) return launch_staged<D, 1, OutT, kCausal, false>(p, maps, stream);
+  return launch_staged<D, 2, OutT, kCausal, false>(p, maps, stream);
 }
 
-template <int D, int kStages, typename OutT, bool kCausal>
+template <int D, int kStages, typename OutT, bool kCausal, bool kTwoLevel>
 cudaError_t launch_staged(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream) {
   constexpr int kSmem = Smem<D, kStages>::kBytes;
-  auto kernel = attention_kernel<D, kStages, OutT, kCausal>;
+  auto kernel = attention_kernel<D, kStages, OutT, kCausal, kTwoLevel>;
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              kSmem);
   if (e != cudaSuccess) return e;
