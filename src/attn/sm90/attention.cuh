@@ -169,13 +169,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t parity = (kb / kStages) & 1;
 
     // S = Q^·K^ᵀ over 128 keys: kQkSteps wgmmas along head_dim, exact int32.
+    // (Zeroed and accumulated into: with scale-d = false on the first step the accumulator
+    // kept the previous block's S on the H100 — measured with structured inputs.)
     int sacc[64];
+    for (int i = 0; i < 64; ++i) sacc[i] = 0;
     ptx::mbar_wait(&full_k[st], parity);
+    ptx::wgmma_fence_regs(sacc);
     ptx::wgmma_fence();
     {
       const uint8_t* kt = k_tiles + st * S::kKTile;
       for (int s = 0; s < kQkSteps; ++s)
-        qk_wgmma<D>(sacc, qf[s], k_desc<D>(kt + s * 32), /*accumulate=*/s > 0);
+        qk_wgmma<D>(sacc, qf[s], k_desc<D>(kt + s * 32), /*accumulate=*/true);
     }
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
@@ -241,9 +245,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint8_t* vt = v_tiles + st * S::kVTile;
     if constexpr (kTwoLevel) {
       float r[D / 2];
+      for (int i = 0; i < D / 2; ++i) r[i] = 0.0f;
+      ptx::wgmma_fence_regs(r);
       ptx::wgmma_fence();
       for (int c = 0; c < 4; ++c)
-        pv_wgmma<D>(r, pf[c], ptx::wgmma_desc_sw128(vt + c * 32), /*accumulate=*/c > 0);
+        pv_wgmma<D>(r, pf[c], ptx::wgmma_desc_sw128(vt + c * 32), /*accumulate=*/true);
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(r);
