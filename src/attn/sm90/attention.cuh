@@ -119,7 +119,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (wg == 0) {  // ---- producer ----
+#ifndef SAGE_SM90_NO_SETMAXNREG
     ptx::setmaxnreg_dec<40>();
+#endif
     if (threadIdx.x == 0) {
       for (int kb = 0; kb < n_blocks; ++kb) {
         const int s = kb % kStages;
@@ -136,7 +138,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of the block ----
+#ifndef SAGE_SM90_NO_SETMAXNREG
   ptx::setmaxnreg_inc<232>();
+#endif
   const int warp = threadIdx.x / 32 - 4;  // 0..7: the 16-row slab of the 128-row block
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row_a = qb * kBlockQ + warp * 16 + g, row_b = row_a + 8;
