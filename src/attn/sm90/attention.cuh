@@ -11,9 +11,9 @@
 // wgmma's own over the whole sequence (one level; measured fp32 on the H100, see
 // docs/fp8-accumulator.md).
 //
-// Budget: a consumer thread holds S (64 int32), O (64 fp32), P̃ (16), Q (16 for D=128): under the
-// 240 registers setmaxnreg gives it. Shared memory: kStages x (K tile 128 x D bytes + Vᵀ tile
-// D x 128 bytes), 1024-byte aligned for the 128-byte swizzle.
+// Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the 232 registers
+// setmaxnreg gives it. Shared memory: the Q tile (128 x D bytes) and kStages x (K tile 128 x D
+// bytes + Vᵀ tile D x 128 bytes), 1024-byte aligned for the swizzle.
 #pragma once
 
 #include <cuda.h>
@@ -38,13 +38,15 @@ static_assert(kBlockQ == mma::kBlockQ && kBlockK == 2 * mma::kBlockK,
 
 template <int D, int kStages>
 struct Smem {
+  static constexpr int kQTile = kBlockQ * D;  // [128 rows][D bytes], swizzled (A of Q·Kᵀ)
   static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
   static constexpr int kVTile = D * kBlockK;  // [D channels][128 keys], swizzled
-  static constexpr int kBytes = kStages * (kKTile + kVTile) + 1024;  // + alignment slack
+  static constexpr int kBytes = kQTile + kStages * (kKTile + kVTile) + 1024;  // + align slack
 };
 
 // Everything the kernel needs besides AttnParams: the TMA descriptors of K and Vᵀ.
 struct TmaMaps {
+  CUtensorMap q;  // 3-D: {D bytes, nq_pad rows, B*Hq}, box {D, 128, 1}
   CUtensorMap k;  // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
   CUtensorMap v;  // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
 };
@@ -68,11 +70,7 @@ __device__ __forceinline__ uint64_t k_desc(const uint8_t* tile) {
     return ptx::wgmma_desc_sw64(tile);
 }
 
-template <int D>
-__device__ __forceinline__ void qk_wgmma(int (&s)[64], const uint32_t (&q)[4], uint64_t desc,
-                                         bool acc) {
-  ptx::wgmma_m64n128k32_s8(s, q, desc, acc);
-}
+
 template <int D>
 __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc,
                                          bool acc) {
@@ -92,9 +90,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                              ~uintptr_t(1023));
-  uint8_t* k_tiles = smem;
-  uint8_t* v_tiles = smem + kStages * S::kKTile;
-  __shared__ __align__(8) uint64_t full_k[kStages], full_v[kStages], empty_k[kStages],
+  uint8_t* q_tile = smem;
+  uint8_t* k_tiles = smem + S::kQTile;
+  uint8_t* v_tiles = k_tiles + kStages * S::kKTile;
+  __shared__ __align__(8) uint64_t full_q, full_k[kStages], full_v[kStages], empty_k[kStages],
       empty_v[kStages];
 
   // Causal: the heaviest query blocks (most keys) start first.
@@ -108,6 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
+    ptx::mbar_init(&full_q, 1);
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(&full_k[s], 1);
       ptx::mbar_init(&full_v[s], 1);
@@ -123,6 +123,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::setmaxnreg_dec<40>();
 #endif
     if (threadIdx.x == 0) {
+      ptx::mbar_arrive_expect_tx(&full_q, S::kQTile);
+      ptx::tma_load_3d(q_tile, &maps.q, &full_q, 0, int(qb * kBlockQ), int(bh));
       for (int kb = 0; kb < n_blocks; ++kb) {
         const int s = kb % kStages;
         const uint32_t parity = ((kb / kStages) & 1) ^ 1;  // the first round passes at once
@@ -148,18 +150,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
   const int first_masked_block = min_end > 0 ? int(min_end / kBlockK) : 0;
 
-  // Q fragments of this warp's 16 rows, straight from the pre-pass output (read once).
-  uint32_t qf[kQkSteps][4];
-  {
-    const uint8_t* qa = p.q + (bh * p.nq_pad + row_a) * D + 4 * t;
-    const uint8_t* qbp = qa + 8 * D;
-    for (int s = 0; s < kQkSteps; ++s) {
-      qf[s][0] = *reinterpret_cast<const uint32_t*>(qa + s * 32);
-      qf[s][1] = *reinterpret_cast<const uint32_t*>(qbp + s * 32);
-      qf[s][2] = *reinterpret_cast<const uint32_t*>(qa + s * 32 + 16);
-      qf[s][3] = *reinterpret_cast<const uint32_t*>(qbp + s * 32 + 16);
-    }
-  }
+  // Q (quantized by the pre-pass) arrives once by TMA; this warpgroup's 64 rows are the A
+  // operand of Q·Kᵀ straight from shared memory. (A from registers held across the loop was
+  // miscompiled at D=128: ptxas gave the P̃ fragments the Q fragments' registers.)
+  const uint8_t* q_wg = q_tile + (warp / 4) * 64 * D;
+  ptx::mbar_wait(&full_q, 0);
   const float q_scale_log2 =
       p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g] * p.scale_log2;
   const float* k_scale = p.k_scale + bhk * p.k_blocks * mma::kKGroups;
@@ -183,7 +178,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     {
       const uint8_t* kt = k_tiles + st * S::kKTile;
       for (int s = 0; s < kQkSteps; ++s)
-        qk_wgmma<D>(sacc, qf[s], k_desc<D>(kt + s * 32), /*accumulate=*/true);
+        ptx::wgmma_m64n128k32_s8_ss(sacc, k_desc<D>(q_wg + s * 32), k_desc<D>(kt + s * 32),
+                                    /*accumulate=*/true);
     }
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
