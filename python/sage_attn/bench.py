@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import pathlib
 import statistics
 import subprocess
@@ -23,7 +24,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sage_attn
 
-IMPLS = ("sage-8b", "sage-4b", "sdpa-cudnn", "sdpa-flash")
+# sage-8b is what the library picks (the wgmma kernel on sm_90); sage-8b-mma forces the mma.sync
+# kernel (SAGE_KERNEL=mma) for comparison.
+IMPLS = ("sage-8b", "sage-8b-mma", "sage-4b", "sdpa-cudnn", "sdpa-flash")
 
 
 def reference64(q, k, v, causal, scale=None, rows=None, top_left=False):
@@ -109,6 +112,14 @@ def make_inputs(b, h, n, d, kind, gen):
 def impl_fn(impl, q, k, v, causal):
     if impl == "sage-8b":
         return lambda: sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=8)
+    if impl == "sage-8b-mma":
+        def run_mma():
+            os.environ["SAGE_KERNEL"] = "mma"
+            try:
+                return sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=8)
+            finally:
+                del os.environ["SAGE_KERNEL"]
+        return run_mma
     if impl == "sage-4b":
         return lambda: sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=4)
     backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}[impl]
