@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "attn/epilogue.cuh"
 #include "attn/mma/params.h"
 #include "ptx/async.cuh"
 #include "ptx/cvt.cuh"
@@ -47,17 +48,6 @@ __device__ __forceinline__ void qk_mma(int (&acc)[4], const uint32_t (&a)[4], co
     ptx::mma_m16n8k64_s4(acc, a, b, acc);
 }
 
-template <typename OutT>
-__device__ __forceinline__ void store2(OutT* dst, float a, float b);
-template <>
-__device__ __forceinline__ void store2<__half>(__half* dst, float a, float b) {
-  *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
-}
-template <>
-__device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
-}
-
 // Issues the cp.async copies of key block `kb` (K rows and Vᵀ columns) into one stage.
 template <int D, int kBits>
 __device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, const uint8_t* v,
@@ -88,7 +78,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t row_a = qb * kBlockQ + warp * 16 + g, row_b = row_a + 8;
+  const int64_t row_a = qb * kBlockQ + warp * 16 + g;
 
   // Keys this CTA must visit: all, or up to the diagonal of its last row.
   const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
@@ -160,12 +150,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     const float f = q_scale_log2 * p.k_scale[(bhk * p.k_blocks + kb) * kKGroups + t];
     const int64_t j0 = kb * kBlockK;
     int visible[2];
-    for (int r = 0; r < 2; ++r) {
-      const int64_t row = r == 0 ? row_a : row_b;
-      const int64_t end = kCausal ? min(p.seq_kv, row + p.causal_offset + 1) : p.seq_kv;
-      const int64_t n = end - j0;
-      visible[r] = n <= 0 ? 0 : (n >= kBlockK ? kBlockK : int(n));
-    }
+    attn::visible_keys<kCausal, kBlockK>(p, row_a, j0, visible);
     const float* ds = delta_s ? delta_s + j0 + 2 * t : nullptr;
     float sc[8][4];
     float row_max[2] = {-INFINITY, -INFINITY};
@@ -182,17 +167,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     for (int nt = 0; nt < 8; ++nt)
       for (int e = 0; e < 4; ++e) row_max[e / 2] = fmaxf(row_max[e / 2], sc[nt][e]);
 
-    // Online softmax: the 4 threads of a row (t = 0..3) agree on its max.
+    // Online softmax: the 4 threads of a row agree on its max.
     float alpha[2], m_use[2];
-    for (int r = 0; r < 2; ++r) {
-      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
-      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
-      const float m_new = fmaxf(m[r], row_max[r]);
-      m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet
-      alpha[r] = ptx::ex2(m[r] - m_use[r]);
-      m[r] = m_new;
-      l[r] *= alpha[r];
-    }
+    attn::online_max(row_max, m, l, alpha, m_use);
     for (int nt = 0; nt < 8; ++nt)
       for (int e = 0; e < 4; ++e) {
         sc[nt][e] = ptx::ex2(sc[nt][e] - m_use[e / 2]);
@@ -233,30 +210,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
   }
   ptx::cp_async_wait<0>();
 
-  // Finalize: O / l / 448 · v_scale + v_mean; LSE = (m + log2 l)·ln 2 + scale·q·k_mean.
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  const float* vsc = p.v_scale + bhk * D;
-  const float* vmean = p.v_mean + bhk * D;
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = r == 0 ? row_a : row_b;
-    if (row >= p.seq_q) continue;
-    const bool empty = !(l[r] > 0.0f);
-    const float inv = empty ? 0.0f : 1.0f / (l[r] * 448.0f);
-    OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
-    for (int i = 0; i < kDTiles; ++i) {
-      const int c = i * 8 + 2 * t;
-      const float x0 = empty ? 0.0f : o[i][2 * r] * (vsc[c] * inv) + vmean[c];
-      const float x1 = empty ? 0.0f : o[i][2 * r + 1] * (vsc[c + 1] * inv) + vmean[c + 1];
-      store2<OutT>(dst + c, x0, x1);
-    }
-    if (p.lse && t == 0)
-      p.lse[b * p.lse_batch + h * p.lse_head + row * p.lse_token] =
-          empty ? -INFINITY
-                : (m[r] + log2f(l[r])) * 0.69314718055994531f + p.lse_shift[bh * p.seq_q + row];
-  }
+  attn::finalize<D, OutT>(p, [&](int i, int e) { return o[i][e]; }, m, l, b, h, bh, bhk, row_a,
+                          t);
 #endif
 }
 

@@ -20,6 +20,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "attn/epilogue.cuh"
 #include "attn/mma/params.h"
 #include "ptx/cvt.cuh"
 #include "ptx/math.cuh"
@@ -50,17 +51,6 @@ struct TmaMaps {
   CUtensorMap k;  // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
   CUtensorMap v;  // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
 };
-
-template <typename OutT>
-__device__ __forceinline__ void store2(OutT* dst, float a, float b);
-template <>
-__device__ __forceinline__ void store2<__half>(__half* dst, float a, float b) {
-  *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
-}
-template <>
-__device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
-}
 
 template <int D>
 __device__ __forceinline__ uint64_t k_desc(const uint8_t* tile) {
@@ -145,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
   const int warp = threadIdx.x / 32 - 4;  // 0..7: the 16-row slab of the 128-row block
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t row_a = qb * kBlockQ + warp * 16 + g, row_b = row_a + 8;
+  const int64_t row_a = qb * kBlockQ + warp * 16 + g;
   const int64_t first_row = qb * kBlockQ;
   const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
   const int first_masked_block = min_end > 0 ? int(min_end / kBlockK) : 0;
@@ -197,12 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 64; ++i) sc[i] = float(sacc[i]) * (i < 32 ? f0 : f1);
     if (kb >= first_masked_block) {  // CTA-uniform: only the diagonal and the Nk edge
       int visible[2];
-      for (int r = 0; r < 2; ++r) {
-        const int64_t row = r == 0 ? row_a : row_b;
-        const int64_t end = kCausal ? min(p.seq_kv, row + p.causal_offset + 1) : p.seq_kv;
-        const int64_t n = end - j0;
-        visible[r] = n <= 0 ? 0 : (n >= kBlockK ? kBlockK : int(n));
-      }
+      attn::visible_keys<kCausal, kBlockK>(p, row_a, j0, visible);
       for (int i = 0; i < 64; ++i)
         if ((i / 4) * 8 + 2 * t + (i & 1) >= visible[(i / 2) & 1]) sc[i] = -INFINITY;
     }
@@ -211,15 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // Online softmax: the 4 threads of a row agree on its max.
     float alpha[2], m_use[2];
-    for (int r = 0; r < 2; ++r) {
-      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
-      row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
-      const float m_new = fmaxf(m[r], row_max[r]);
-      m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
-      alpha[r] = ptx::ex2(m[r] - m_use[r]);
-      m[r] = m_new;
-      l[r] *= alpha[r];
-    }
+    attn::online_max(row_max, m, l, alpha, m_use);
     for (int i = 0; i < 64; ++i) {
       sc[i] = ptx::ex2(sc[i] - m_use[(i / 2) & 1]);
       l[(i / 2) & 1] += sc[i];
@@ -267,30 +244,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) ptx::mbar_arrive(&empty_v[st]);
   }
 
-  // Finalize: O / l / 448 · v_scale + v_mean; LSE = (m + log2 l)·ln 2 + scale·q·k_mean.
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  const float* vsc = p.v_scale + bhk * D;
-  const float* vmean = p.v_mean + bhk * D;
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = r == 0 ? row_a : row_b;
-    if (row >= p.seq_q) continue;
-    const bool empty = !(l[r] > 0.0f);
-    const float inv = empty ? 0.0f : 1.0f / (l[r] * 448.0f);
-    OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
-    for (int i = 0; i < kOTiles; ++i) {
-      const int c = i * 8 + 2 * t;
-      const float x0 = empty ? 0.0f : o[4 * i + 2 * r] * (vsc[c] * inv) + vmean[c];
-      const float x1 = empty ? 0.0f : o[4 * i + 2 * r + 1] * (vsc[c + 1] * inv) + vmean[c + 1];
-      store2<OutT>(dst + c, x0, x1);
-    }
-    if (p.lse && t == 0)
-      p.lse[b * p.lse_batch + h * p.lse_head + row * p.lse_token] =
-          empty ? -INFINITY
-                : (m[r] + log2f(l[r])) * 0.69314718055994531f + p.lse_shift[bh * p.seq_q + row];
-  }
+  attn::finalize<D, OutT>(p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, bhk, row_a,
+                          t);
 #endif
 }
 

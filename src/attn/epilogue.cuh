@@ -1,0 +1,86 @@
+// Pieces both SageAttention2 kernels (attn/mma, attn/sm90) share, for the accumulator layout they
+// have in common: a warp owns 16 query rows, a thread rows g and g+8 and, per 8-column tile,
+// columns 2t and 2t+1 (element e of a tile: row g + 8·(e/2), column 2t + e%2).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "attn/mma/params.h"
+#include "ptx/math.cuh"
+
+namespace sage::attn {
+
+template <typename OutT>
+__device__ __forceinline__ void store2(OutT* dst, float a, float b);
+template <>
+__device__ __forceinline__ void store2<__half>(__half* dst, float a, float b) {
+  *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
+}
+template <>
+__device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+}
+
+// How many keys of the block starting at key j0 (block_k keys) rows row_a and row_a + 8 see: the
+// Nk edge and, when causal, the diagonal (query i sees keys j <= i + causal_offset). The mask is
+// then a 32-bit compare per score.
+template <bool kCausal, int kBlockKeys>
+__device__ __forceinline__ void visible_keys(const mma::AttnParams& p, int64_t row_a, int64_t j0,
+                                             int (&visible)[2]) {
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row_a + 8 * r;
+    const int64_t end = kCausal ? min(p.seq_kv, row + p.causal_offset + 1) : p.seq_kv;
+    const int64_t n = end - j0;
+    visible[r] = n <= 0 ? 0 : (n >= kBlockKeys ? kBlockKeys : int(n));
+  }
+}
+
+// Online softmax, base 2: the 4 threads of a row agree on its block max; the running max m moves
+// up, the running sum l is rescaled by alpha (returned, for O too), and m_use is what to subtract
+// from the scores (0 for a row that has seen nothing visible yet).
+__device__ __forceinline__ void online_max(float (&row_max)[2], float (&m)[2], float (&l)[2],
+                                           float (&alpha)[2], float (&m_use)[2]) {
+  for (int r = 0; r < 2; ++r) {
+    row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
+    row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
+    const float m_new = fmaxf(m[r], row_max[r]);
+    m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
+    alpha[r] = ptx::ex2(m[r] - m_use[r]);
+    m[r] = m_new;
+    l[r] *= alpha[r];
+  }
+}
+
+// Finalize and store rows row_a, row_a + 8: O / l / 448 · v_scale + v_mean in the output dtype;
+// LSE = (m + log2 l)·ln 2 + the smoothing shift. o_at(i, e) reads element e of channel tile i.
+template <int D, typename OutT, typename OAt>
+__device__ __forceinline__ void finalize(const mma::AttnParams& p, OAt o_at, const float (&m)[2],
+                                         float (&l)[2], int64_t b, int64_t h, int64_t bh,
+                                         int64_t bhk, int64_t row_a, int t) {
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  const float* vsc = p.v_scale + bhk * D;
+  const float* vmean = p.v_mean + bhk * D;
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row_a + 8 * r;
+    if (row >= p.seq_q) continue;
+    const bool empty = !(l[r] > 0.0f);
+    const float inv = empty ? 0.0f : 1.0f / (l[r] * 448.0f);
+    OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
+    for (int i = 0; i < D / 8; ++i) {
+      const int c = i * 8 + 2 * t;
+      const float x0 = empty ? 0.0f : o_at(i, 2 * r) * (vsc[c] * inv) + vmean[c];
+      const float x1 = empty ? 0.0f : o_at(i, 2 * r + 1) * (vsc[c + 1] * inv) + vmean[c + 1];
+      store2<OutT>(dst + c, x0, x1);
+    }
+    if (p.lse && t == 0)
+      p.lse[b * p.lse_batch + h * p.lse_head + row * p.lse_token] =
+          empty ? -INFINITY
+                : (m[r] + log2f(l[r])) * 0.69314718055994531f + p.lse_shift[bh * p.seq_q + row];
+  }
+}
+
+}  // namespace sage::attn
