@@ -39,6 +39,10 @@ constexpr int kBlockK = 128;  // keys per block = the N of the Q·Kᵀ wgmma
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 constexpr int kStages = 2;  // K and Vᵀ tiles in flight
+#ifndef SAGE_SM90_PINGPONG
+#define SAGE_SM90_PINGPONG 0
+#endif
+constexpr bool kPingPong = SAGE_SM90_PINGPONG;  // measured slower on the H100 so far
 static_assert(kBlockQ == mma::kBlockQ && kBlockK == 2 * mma::kBlockK,
               "the sm90 kernel reads the mma pre-pass layout: 128-row Q blocks, 64-key K groups");
 
@@ -164,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named barriers 1, 2),
   // so one's softmax runs while the other's wgmmas occupy the tensor cores. Warpgroup 0 goes first.
   const int cwg = warp / 4;
-  if (cwg == 1 && n_blocks > 0) named_arrive(1);
+  if (kPingPong && cwg == 1 && n_blocks > 0) named_arrive(1);
 
   for (int kb = 0; kb < n_blocks; ++kb) {
     const int st = kb % kStages, pst = (kb + kStages - 1) % kStages;
@@ -177,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 64; ++i) sacc[i] = 0;
     ptx::mbar_wait(&full_k[st], parity);
     if (kb > 0) ptx::mbar_wait(&full_v[pst], pparity);
-    named_sync(1 + cwg);  // my turn on the tensor cores
+    if (kPingPong) named_sync(1 + cwg);  // my turn on the tensor cores
     ptx::wgmma_fence_regs(sacc);
     ptx::wgmma_fence_regs(o);
     ptx::wgmma_fence();
@@ -193,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32));
       ptx::wgmma_commit();
     }
-    if (cwg == 0 || kb + 1 < n_blocks) named_arrive(2 - cwg);  // the other warpgroup's turn
+    if (kPingPong && (cwg == 0 || kb + 1 < n_blocks)) named_arrive(2 - cwg);  // the other's turn
     if (kb > 0)
       ptx::wgmma_wait<1>();  // S is ready; P·V may still run
     else
