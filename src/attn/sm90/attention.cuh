@@ -1,19 +1,21 @@
 // SageAttention2-8b on Hopper (sm_90a): wgmma s8·s8→s32 for Q·Kᵀ and E4M3 for P̃·V, K and Vᵀ
 // tiles brought by TMA onto mbarriers, warp specialization: warpgroup 0 produces (one thread
 // issues the TMA loads, the rest give their registers back with setmaxnreg), warpgroups 1 and 2
-// consume 64 query rows each. The Q tile (pre-quantized) also arrives by TMA.
+// consume 64 query rows each.
 //
 // It reads the same pre-pass products as the mma.sync kernel (attn/mma/params.h) and does the
 // same arithmetic: a warp owns 16 query rows (one Q scale for rows g, g+8), K scales per 64-key
 // group (a 128-key block holds two), Vᵀ keys permuted inside each 32 so the S accumulator
 // converts to the P̃ A-operand in place. So its CPU emulation is the mma kernel's configuration
-// (block_q 128, warps 8, block_k 64, per-thread mma groups) except for the P·V accumulator,
-// the wgmma's own over the whole sequence, which keeps fewer bits than fp32 (measured so far
-// against the mma kernel, not modelled yet: docs/fp8-accumulator.md).
+// (block_q 128, warps 8, block_k 64, per-thread mma groups), and the P·V accumulator is the
+// wgmma's own over the whole sequence (one level; measured fp32 on the H100, see
+// docs/fp8-accumulator.md).
 //
-// Overlap: each consumer issues Q·Kᵀ of block j together with P̃·V of block j-1 and runs the
-// softmax of block j while that P̃·V is in flight; the two consumers take turns on the tensor
-// cores (ping-pong on named barriers), so one's softmax hides behind the other's GEMMs.
+// Tried and measured slower on the H100 (commit cee1fee): issuing P̃·V of block j-1 behind Q·Kᵀ
+// of block j (softmax under the P̃·V) with or without ping-pong of the two consumers — ptxas
+// then serializes the wgmmas (C7514: accumulator registers read inside a pipeline stage),
+// 580-594 TOPS against 639 for this plain order (D=128, N=16k). The overlap needs the S
+// accumulator of block j+1 in flight while block j's is read, i.e. two S register sets.
 //
 // Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the 232 registers
 // setmaxnreg gives it. Shared memory: the Q tile (128 x D bytes) and kStages x (K tile 128 x D
@@ -38,15 +40,10 @@ constexpr int kBlockQ = 128;  // 2 consumer warpgroups x 64 rows
 constexpr int kBlockK = 128;  // keys per block = the N of the Q·Kᵀ wgmma
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
-constexpr int kStages = 2;  // K and Vᵀ tiles in flight
-#ifndef SAGE_SM90_PINGPONG
-#define SAGE_SM90_PINGPONG 0
-#endif
-constexpr bool kPingPong = SAGE_SM90_PINGPONG;  // measured slower on the H100 so far
 static_assert(kBlockQ == mma::kBlockQ && kBlockK == 2 * mma::kBlockK,
               "the sm90 kernel reads the mma pre-pass layout: 128-row Q blocks, 64-key K groups");
 
-template <int D>
+template <int D, int kStages>
 struct Smem {
   static constexpr int kQTile = kBlockQ * D;  // [128 rows][D bytes], swizzled (A of Q·Kᵀ)
   static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
@@ -71,27 +68,21 @@ __device__ __forceinline__ uint64_t k_desc(const uint8_t* tile) {
 
 
 template <int D>
-__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc) {
+__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc,
+                                         bool acc) {
   if constexpr (D == 128)
-    ptx::wgmma_m64n128k32_e4m3(o, p, desc, /*accumulate=*/true);
+    ptx::wgmma_m64n128k32_e4m3(o, p, desc, acc);
   else
-    ptx::wgmma_m64n64k32_e4m3(o, p, desc, /*accumulate=*/true);
+    ptx::wgmma_m64n64k32_e4m3(o, p, desc, acc);
 }
 
-// Named barriers 1 and 2 (0 is __syncthreads) over the 256 consumer threads.
-__device__ __forceinline__ void named_sync(int id) {
-  asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id) {
-  asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
-}
-
-template <int D, typename OutT, bool kCausal>
+template <int D, int kStages, typename OutT, bool kCausal, bool kTwoLevel>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = Smem<D>;
+  using S = Smem<D, kStages>;
   constexpr int kQkSteps = D / 32;  // k32 steps along head_dim
+  constexpr int kOTiles = D / 8;    // 8-channel tiles of the O accumulator
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                              ~uintptr_t(1023));
@@ -124,7 +115,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (wg == 0) {  // ---- producer ----
+#ifndef SAGE_SM90_NO_SETMAXNREG
     ptx::setmaxnreg_dec<40>();
+#endif
     if (threadIdx.x == 0) {
       ptx::mbar_arrive_expect_tx(&full_q, S::kQTile);
       ptx::tma_load_3d(q_tile, &maps.q, &full_q, 0, int(qb * kBlockQ), int(bh));
@@ -143,7 +136,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of the block ----
+#ifndef SAGE_SM90_NO_SETMAXNREG
   ptx::setmaxnreg_inc<232>();
+#endif
   const int warp = threadIdx.x / 32 - 4;  // 0..7: the 16-row slab of the 128-row block
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row_a = qb * kBlockQ + warp * 16 + g;
@@ -163,27 +158,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[D / 2];
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-  uint32_t pf[4][4];  // P^ of the previous block, the A operand of its P·V (issued one block late)
-
-  // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named barriers 1, 2),
-  // so one's softmax runs while the other's wgmmas occupy the tensor cores. Warpgroup 0 goes first.
-  const int cwg = warp / 4;
-  if (kPingPong && cwg == 1 && n_blocks > 0) named_arrive(1);
 
   for (int kb = 0; kb < n_blocks; ++kb) {
-    const int st = kb % kStages, pst = (kb + kStages - 1) % kStages;
-    const uint32_t parity = (kb / kStages) & 1, pparity = ((kb - 1) / kStages) & 1;
+    const int st = kb % kStages;
+    const uint32_t parity = (kb / kStages) & 1;
 
-    // Issue S = Q^·K^ᵀ for block kb and, behind it, O += P^·V^ for block kb-1. (S is zeroed and
-    // accumulated into: with scale-d = false on the first step the H100 kept the previous
-    // block's S — measured with structured inputs.)
+    // S = Q^·K^ᵀ over 128 keys: kQkSteps wgmmas along head_dim, exact int32.
+    // (Zeroed and accumulated into: with scale-d = false on the first step the accumulator
+    // kept the previous block's S on the H100 — measured with structured inputs.)
     int sacc[64];
     for (int i = 0; i < 64; ++i) sacc[i] = 0;
     ptx::mbar_wait(&full_k[st], parity);
-    if (kb > 0) ptx::mbar_wait(&full_v[pst], pparity);
-    if (kPingPong) named_sync(1 + cwg);  // my turn on the tensor cores
     ptx::wgmma_fence_regs(sacc);
-    ptx::wgmma_fence_regs(o);
     ptx::wgmma_fence();
     {
       const uint8_t* kt = k_tiles + st * S::kKTile;
@@ -192,16 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                     /*accumulate=*/true);
     }
     ptx::wgmma_commit();
-    if (kb > 0) {
-      const uint8_t* vt = v_tiles + pst * S::kVTile;
-      for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32));
-      ptx::wgmma_commit();
-    }
-    if (kPingPong && (cwg == 0 || kb + 1 < n_blocks)) named_arrive(2 - cwg);  // the other's turn
-    if (kb > 0)
-      ptx::wgmma_wait<1>();  // S is ready; P·V may still run
-    else
-      ptx::wgmma_wait<0>();
+    ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(sacc);
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(&empty_k[st]);  // this warp is done reading the K tile
@@ -222,23 +199,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     float row_max[2] = {-INFINITY, -INFINITY};
     for (int i = 0; i < 64; ++i) row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], sc[i]);
+
+    // Online softmax: the 4 threads of a row agree on its max.
     float alpha[2], m_use[2];
     attn::online_max(row_max, m, l, alpha, m_use);
     for (int i = 0; i < 64; ++i) {
       sc[i] = ptx::ex2(sc[i] - m_use[(i / 2) & 1]);
       l[(i / 2) & 1] += sc[i];
     }
-
-    // The previous block's P·V has to land before O is rescaled and P^ overwritten.
-    if (kb > 0) {
-      ptx::wgmma_wait<0>();
-      ptx::wgmma_fence_regs(o);
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(&empty_v[pst]);
-    }
     for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
 
     // P^ = E4M3(P~·448) in the A layout of 4 k32 steps (keys 32c..32c+31, permuted as Vᵀ is).
+    uint32_t pf[4][4];
     for (int c = 0; c < 4; ++c)
       for (int half = 0; half < 2; ++half) {
         const int n0 = 4 * c + 2 * half, n1 = n0 + 1;  // 8-key tiles
@@ -249,19 +221,33 @@ __global__ void __launch_bounds__(kThreads, 1)
             uint32_t(ptx::cvt_e4m3x2(sc[4 * n0 + 2] * 448.0f, sc[4 * n0 + 3] * 448.0f)) |
             uint32_t(ptx::cvt_e4m3x2(sc[4 * n1 + 2] * 448.0f, sc[4 * n1 + 3] * 448.0f)) << 16;
       }
-  }
-  if (n_blocks > 0) {  // the last block's P·V
-    const int pst = (n_blocks - 1) % kStages;
-    ptx::mbar_wait(&full_v[pst], ((n_blocks - 1) / kStages) & 1);
-    ptx::wgmma_fence_regs(o);
-    ptx::wgmma_fence();
-    const uint8_t* vt = v_tiles + pst * S::kVTile;
-    for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32));
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::wgmma_fence_regs(o);
+
+    // O += P^·V^: in the wgmma accumulator itself (one level), or (kTwoLevel) into a fresh
+    // accumulator R per block added into the fp32 O.
+    ptx::mbar_wait(&full_v[st], parity);
+    const uint8_t* vt = v_tiles + st * S::kVTile;
+    if constexpr (kTwoLevel) {
+      float r[D / 2];
+      for (int i = 0; i < D / 2; ++i) r[i] = 0.0f;
+      ptx::wgmma_fence_regs(r);
+      ptx::wgmma_fence();
+      for (int c = 0; c < 4; ++c)
+        pv_wgmma<D>(r, pf[c], ptx::wgmma_desc_sw128(vt + c * 32), /*accumulate=*/true);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(r);
+      for (int i = 0; i < D / 2; ++i) o[i] += r[i];
+    } else {
+      ptx::wgmma_fence_regs(o);
+      ptx::wgmma_fence();
+      for (int c = 0; c < 4; ++c)
+        pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32), /*accumulate=*/true);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(o);
+    }
     __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(&empty_v[pst]);
+    if (lane == 0) ptx::mbar_arrive(&empty_v[st]);
   }
 
   attn::finalize<D, OutT>(p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, bhk, row_a,
