@@ -1,21 +1,19 @@
 // SageAttention2-8b on Hopper (sm_90a): wgmma s8·s8→s32 for Q·Kᵀ and E4M3 for P̃·V, K and Vᵀ
 // tiles brought by TMA onto mbarriers, warp specialization: warpgroup 0 produces (one thread
 // issues the TMA loads, the rest give their registers back with setmaxnreg), warpgroups 1 and 2
-// consume 64 query rows each.
+// consume 64 query rows each. The Q tile (pre-quantized) also arrives by TMA.
 //
 // It reads the same pre-pass products as the mma.sync kernel (attn/mma/params.h) and does the
 // same arithmetic: a warp owns 16 query rows (one Q scale for rows g, g+8), K scales per 64-key
 // group (a 128-key block holds two), Vᵀ keys permuted inside each 32 so the S accumulator
 // converts to the P̃ A-operand in place. So its CPU emulation is the mma kernel's configuration
-// (block_q 128, warps 8, block_k 64, per-thread mma groups), and the P·V accumulator is the
-// wgmma's own over the whole sequence (one level; measured fp32 on the H100, see
-// docs/fp8-accumulator.md).
+// (block_q 128, warps 8, block_k 64, per-thread mma groups) except for the P·V accumulator,
+// the wgmma's own over the whole sequence, which keeps fewer bits than fp32 (measured so far
+// against the mma kernel, not modelled yet: docs/fp8-accumulator.md).
 //
-// Tried and measured slower on the H100 (commit cee1fee): issuing P̃·V of block j-1 behind Q·Kᵀ
-// of block j (softmax under the P̃·V) with or without ping-pong of the two consumers — ptxas
-// then serializes the wgmmas (C7514: accumulator registers read inside a pipeline stage),
-// 580-594 TOPS against 639 for this plain order (D=128, N=16k). The overlap needs the S
-// accumulator of block j+1 in flight while block j's is read, i.e. two S register sets.
+// Overlap: each consumer issues Q·Kᵀ of block j together with P̃·V of block j-1 and runs the
+// softmax of block j while that P̃·V is in flight. (Block 0 is peeled: with the first iteration's
+// conditional GEMMs inside the loop ptxas serialized every wgmma, C7514, and it ran slower.)
 //
 // Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the 232 registers
 // setmaxnreg gives it. Shared memory: the Q tile (128 x D bytes) and kStages x (K tile 128 x D
@@ -40,10 +38,11 @@ constexpr int kBlockQ = 128;  // 2 consumer warpgroups x 64 rows
 constexpr int kBlockK = 128;  // keys per block = the N of the Q·Kᵀ wgmma
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
+constexpr int kStages = 2;  // K and Vᵀ tiles in flight
 static_assert(kBlockQ == mma::kBlockQ && kBlockK == 2 * mma::kBlockK,
               "the sm90 kernel reads the mma pre-pass layout: 128-row Q blocks, 64-key K groups");
 
-template <int D, int kStages>
+template <int D>
 struct Smem {
   static constexpr int kQTile = kBlockQ * D;  // [128 rows][D bytes], swizzled (A of Q·Kᵀ)
   static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
@@ -68,21 +67,20 @@ __device__ __forceinline__ uint64_t k_desc(const uint8_t* tile) {
 
 
 template <int D>
-__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc,
-                                         bool acc) {
+__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc) {
   if constexpr (D == 128)
-    ptx::wgmma_m64n128k32_e4m3(o, p, desc, acc);
+    ptx::wgmma_m64n128k32_e4m3(o, p, desc, /*accumulate=*/true);
   else
-    ptx::wgmma_m64n64k32_e4m3(o, p, desc, acc);
+    ptx::wgmma_m64n64k32_e4m3(o, p, desc, /*accumulate=*/true);
 }
 
-template <int D, int kStages, typename OutT, bool kCausal, bool kTwoLevel>
+
+template <int D, typename OutT, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = Smem<D, kStages>;
+  using S = Smem<D>;
   constexpr int kQkSteps = D / 32;  // k32 steps along head_dim
-  constexpr int kOTiles = D / 8;    // 8-channel tiles of the O accumulator
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                              ~uintptr_t(1023));
@@ -115,9 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (wg == 0) {  // ---- producer ----
-#ifndef SAGE_SM90_NO_SETMAXNREG
     ptx::setmaxnreg_dec<40>();
-#endif
     if (threadIdx.x == 0) {
       ptx::mbar_arrive_expect_tx(&full_q, S::kQTile);
       ptx::tma_load_3d(q_tile, &maps.q, &full_q, 0, int(qb * kBlockQ), int(bh));
@@ -136,9 +132,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of the block ----
-#ifndef SAGE_SM90_NO_SETMAXNREG
   ptx::setmaxnreg_inc<232>();
-#endif
   const int warp = threadIdx.x / 32 - 4;  // 0..7: the 16-row slab of the 128-row block
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row_a = qb * kBlockQ + warp * 16 + g;
@@ -158,38 +152,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[D / 2];
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+  uint32_t pf[4][4];  // P^ of the previous block, the A operand of its P·V (issued one block late)
 
-  for (int kb = 0; kb < n_blocks; ++kb) {
-    const int st = kb % kStages;
-    const uint32_t parity = (kb / kStages) & 1;
 
-    // S = Q^·K^ᵀ over 128 keys: kQkSteps wgmmas along head_dim, exact int32.
-    // (Zeroed and accumulated into: with scale-d = false on the first step the accumulator
-    // kept the previous block's S on the H100 — measured with structured inputs.)
-    int sacc[64];
-    for (int i = 0; i < 64; ++i) sacc[i] = 0;
-    ptx::mbar_wait(&full_k[st], parity);
-    ptx::wgmma_fence_regs(sacc);
-    ptx::wgmma_fence();
-    {
-      const uint8_t* kt = k_tiles + st * S::kKTile;
-      for (int s = 0; s < kQkSteps; ++s)
-        ptx::wgmma_m64n128k32_s8_ss(sacc, k_desc<D>(q_wg + s * 32), k_desc<D>(kt + s * 32),
-                                    /*accumulate=*/true);
-    }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::wgmma_fence_regs(sacc);
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(&empty_k[st]);  // this warp is done reading the K tile
-
-    // Dequantize (one Q scale; K scale per 64-key half), mask; base-2 scores. (No ΔS: Q
-    // smoothing runs on the mma.sync kernel.)
+  // Scores of block kb (in sacc, exact int32) to exp2'd P~ in sc, with the online max/sum;
+  // alpha rescales O. pack_p turns sc into the P^ A-operand (after the previous P·V has read pf).
+  float sc[64];
+  auto softmax_block = [&](int (&sacc)[64], int kb, float (&alpha)[2]) {
     const int64_t j0 = int64_t(kb) * kBlockK;
     const int kg0 = 2 * kb, kg1 = min(2 * kb + 1, int(p.k_blocks) - 1);
     const float f0 = q_scale_log2 * k_scale[kg0 * mma::kKGroups + t];
     const float f1 = q_scale_log2 * k_scale[kg1 * mma::kKGroups + t];
-    float sc[64];
     for (int i = 0; i < 64; ++i) sc[i] = float(sacc[i]) * (i < 32 ? f0 : f1);
     if (kb >= first_masked_block) {  // CTA-uniform: only the diagonal and the Nk edge
       int visible[2];
@@ -199,18 +172,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     float row_max[2] = {-INFINITY, -INFINITY};
     for (int i = 0; i < 64; ++i) row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], sc[i]);
-
-    // Online softmax: the 4 threads of a row agree on its max.
-    float alpha[2], m_use[2];
+    float m_use[2];
     attn::online_max(row_max, m, l, alpha, m_use);
     for (int i = 0; i < 64; ++i) {
       sc[i] = ptx::ex2(sc[i] - m_use[(i / 2) & 1]);
       l[(i / 2) & 1] += sc[i];
     }
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
-
-    // P^ = E4M3(P~·448) in the A layout of 4 k32 steps (keys 32c..32c+31, permuted as Vᵀ is).
-    uint32_t pf[4][4];
+  };
+  auto pack_p = [&]() {
     for (int c = 0; c < 4; ++c)
       for (int half = 0; half < 2; ++half) {
         const int n0 = 4 * c + 2 * half, n1 = n0 + 1;  // 8-key tiles
@@ -221,33 +190,73 @@ __global__ void __launch_bounds__(kThreads, 1)
             uint32_t(ptx::cvt_e4m3x2(sc[4 * n0 + 2] * 448.0f, sc[4 * n0 + 3] * 448.0f)) |
             uint32_t(ptx::cvt_e4m3x2(sc[4 * n1 + 2] * 448.0f, sc[4 * n1 + 3] * 448.0f)) << 16;
       }
-
-    // O += P^·V^: in the wgmma accumulator itself (one level), or (kTwoLevel) into a fresh
-    // accumulator R per block added into the fp32 O.
-    ptx::mbar_wait(&full_v[st], parity);
-    const uint8_t* vt = v_tiles + st * S::kVTile;
-    if constexpr (kTwoLevel) {
-      float r[D / 2];
-      for (int i = 0; i < D / 2; ++i) r[i] = 0.0f;
-      ptx::wgmma_fence_regs(r);
-      ptx::wgmma_fence();
-      for (int c = 0; c < 4; ++c)
-        pv_wgmma<D>(r, pf[c], ptx::wgmma_desc_sw128(vt + c * 32), /*accumulate=*/true);
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-      ptx::wgmma_fence_regs(r);
-      for (int i = 0; i < D / 2; ++i) o[i] += r[i];
-    } else {
-      ptx::wgmma_fence_regs(o);
-      ptx::wgmma_fence();
-      for (int c = 0; c < 4; ++c)
-        pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32), /*accumulate=*/true);
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-      ptx::wgmma_fence_regs(o);
-    }
+  };
+  auto issue_qk = [&](int (&sacc)[64], int st) {
+    const uint8_t* kt = k_tiles + st * S::kKTile;
+    for (int s = 0; s < kQkSteps; ++s)
+      ptx::wgmma_m64n128k32_s8_ss(sacc, k_desc<D>(q_wg + s * 32), k_desc<D>(kt + s * 32),
+                                  /*accumulate=*/true);
+    ptx::wgmma_commit();
+  };
+  auto release = [&](uint64_t* bar) {
     __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(&empty_v[st]);
+    if (lane == 0) ptx::mbar_arrive(bar);
+  };
+
+  // Block 0: S alone.
+  if (n_blocks > 0) {
+    int sacc[64];
+    for (int i = 0; i < 64; ++i) sacc[i] = 0;
+    ptx::mbar_wait(&full_k[0], 0);
+    ptx::wgmma_fence_regs(sacc);
+    ptx::wgmma_fence();
+    issue_qk(sacc, 0);
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(sacc);
+    release(&empty_k[0]);
+    float alpha[2];
+    softmax_block(sacc, 0, alpha);
+    pack_p();
+  }
+  // Block kb: S(kb) and, behind it, P·V(kb-1); the softmax of kb runs while P·V(kb-1) does.
+  for (int kb = 1; kb < n_blocks; ++kb) {
+    const int st = kb % kStages, pst = (kb - 1) % kStages;
+    int sacc[64];
+    for (int i = 0; i < 64; ++i) sacc[i] = 0;
+    ptx::mbar_wait(&full_k[st], (kb / kStages) & 1);
+    ptx::mbar_wait(&full_v[pst], ((kb - 1) / kStages) & 1);
+    ptx::wgmma_fence_regs(sacc);
+    ptx::wgmma_fence_regs(o);
+    ptx::wgmma_fence();
+    issue_qk(sacc, st);
+    {
+      const uint8_t* vt = v_tiles + pst * S::kVTile;
+      for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32));
+      ptx::wgmma_commit();
+    }
+    ptx::wgmma_wait<1>();  // S(kb) is ready; P·V(kb-1) may still run
+    ptx::wgmma_fence_regs(sacc);
+    release(&empty_k[st]);
+    float alpha[2];
+    softmax_block(sacc, kb, alpha);
+    ptx::wgmma_wait<0>();  // P·V(kb-1) landed: O may be rescaled, pf rewritten
+    ptx::wgmma_fence_regs(o);
+    release(&empty_v[pst]);
+    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
+    pack_p();
+  }
+  if (n_blocks > 0) {  // the last block's P·V
+    const int pst = (n_blocks - 1) % kStages;
+    ptx::mbar_wait(&full_v[pst], ((n_blocks - 1) / kStages) & 1);
+    ptx::wgmma_fence_regs(o);
+    ptx::wgmma_fence();
+    const uint8_t* vt = v_tiles + pst * S::kVTile;
+    for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32));
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(o);
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(&empty_v[pst]);
   }
 
   attn::finalize<D, OutT>(p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, bhk, row_a,

@@ -4,7 +4,6 @@
 
 #include <cudaTypedefs.h>
 
-#include <cstdlib>
 
 #include "attn/sm90/attention.cuh"
 #include "attn/sm90/launch.h"
@@ -41,29 +40,10 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uin
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-template <int D, int kStages, typename OutT, bool kCausal, bool kTwoLevel>
-cudaError_t launch_staged(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream);
-
 template <int D, typename OutT, bool kCausal>
 cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream) {
-  // SAGE_SM90_STAGES=1 (debugging) runs a single-buffered pipeline.
-  static const bool one_stage = [] {
-    const char* e = std::getenv("SAGE_SM90_STAGES");
-    return e && e[0] == '1';
-  }();
-  static const bool two_level = [] {
-    const char* e = std::getenv("SAGE_SM90_TWO_LEVEL");
-    return e && e[0] == '1';
-  }();
-  if (two_level) return launch_staged<D, 2, OutT, kCausal, true>(p, maps, stream);
-  if (one_stage) return launch_staged<D, 1, OutT, kCausal, false>(p, maps, stream);
-  return launch_staged<D, 2, OutT, kCausal, false>(p, maps, stream);
-}
-
-template <int D, int kStages, typename OutT, bool kCausal, bool kTwoLevel>
-cudaError_t launch_staged(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream) {
-  constexpr int kSmem = Smem<D, kStages>::kBytes;
-  auto kernel = attention_kernel<D, kStages, OutT, kCausal, kTwoLevel>;
+  constexpr int kSmem = Smem<D>::kBytes;
+  auto kernel = attention_kernel<D, OutT, kCausal>;
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              kSmem);
   if (e != cudaSuccess) return e;
