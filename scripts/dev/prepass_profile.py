@@ -13,7 +13,9 @@ for n in (1024, 4096, 16384):
     tot = {}
     for e in prof.events():
         if str(getattr(e, "device_type", "")).endswith("CUDA"):
-            name = e.name.split("<")[0].split("(")[0].replace("void ", "")
+            import re
+            m = re.search(r"(\w+_kernel)", e.name)
+            name = m.group(1) if m else e.name[:40]
             tot[name] = tot.get(name, 0.0) + e.time_range.elapsed_us() / 5
     mb = 3 * q.numel() * 2 / 1e6
     print(f"N={n} (Q+K+V fp16 = {mb:.0f} MB):", ", ".join(f"{k} {v:.1f} us" for k, v in sorted(tot.items(), key=lambda x: -x[1])))
