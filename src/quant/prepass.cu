@@ -222,8 +222,11 @@ __global__ void __launch_bounds__(256) quant_v_kernel(const T* v, sage_strides v
   const int64_t bh = blockIdx.y, kb = blockIdx.x, b = bh / heads_kv, h = bh % heads_kv;
   const float* vm = v_mean + bh * D;
   const float* vi = v_inv + bh * D;
+  // A warp takes 32 consecutive keys of one 8-channel slice: its byte stores into a tile row
+  // then land in 8 words (4 bytes each), not 16 rows of one bank (a 16-way conflict when a warp
+  // walked along the channels of two keys).
   for (int i = threadIdx.x; i < mma::kBlockK * D / 8; i += 256) {
-    const int key = i / (D / 8), d0 = (i % (D / 8)) * 8;
+    const int key = i % mma::kBlockK, d0 = (i / mma::kBlockK) * 8;
     const int64_t n = kb * mma::kBlockK + key;
     float x[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     if (n < seq_kv) load8(row_ptr(v, vs, b, h, n), d0, x);
