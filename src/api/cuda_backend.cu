@@ -72,8 +72,7 @@ sage_status plan_for(const api::Resolved& r, const sage_attention_args& a, mma::
   const bool kernel_shape = c.granularity == SAGE_GRANULARITY_PER_THREAD_MMA &&
                             c.block_q == mma::kBlockQ && c.warps == mma::kWarps &&
                             c.block_k == mma::kBlockK;
-  const bool kernel_pv = c.pv_format == SAGE_PV_FP8_E4M3 &&
-                         c.v_scale == SAGE_V_SCALE_PER_CHANNEL &&
+  const bool kernel_pv = c.pv_format == SAGE_PV_FP8_E4M3 && c.v_scale == SAGE_V_SCALE_PER_CHANNEL &&
                          c.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL && c.pv_flush_interval == 1;
   if ((c.qk_format != SAGE_QK_INT8 && c.qk_format != SAGE_QK_INT4) || !kernel_shape || !kernel_pv)
     return set_error(SAGE_ERROR_UNSUPPORTED,
@@ -132,9 +131,10 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   mma::Plan plan;
   SAGE_RETURN_IF_ERROR(plan_for(r, a, &plan));
   if (a.workspace_size < plan.total || (plan.total > 0 && a.workspace == nullptr))
-    return set_error(SAGE_ERROR_WORKSPACE_TOO_SMALL,
-                     "workspace_size = %zu, this call needs %zu bytes (sage_attention_workspace_size)",
-                     a.workspace_size, plan.total);
+    return set_error(
+        SAGE_ERROR_WORKSPACE_TOO_SMALL,
+        "workspace_size = %zu, this call needs %zu bytes (sage_attention_workspace_size)",
+        a.workspace_size, plan.total);
   if (reinterpret_cast<uintptr_t>(a.workspace) % 256 != 0)
     return set_error(SAGE_ERROR_INVALID_ARGUMENT, "workspace = %p must be 256-byte aligned",
                      a.workspace);
@@ -147,7 +147,8 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   const quant::PrepassInputs in{a.q, a.k, a.v, a.dtype, r.q, r.k, r.v, float(p.scale)};
   cudaError_t e = cudaSuccess;
   if (stages & kStagePrepass) e = quant::run_prepass(plan, in, ws, stream);
-  if (e != cudaSuccess) return set_error(SAGE_ERROR_CUDA, "pre-pass launch: %s", cudaGetErrorString(e));
+  if (e != cudaSuccess)
+    return set_error(SAGE_ERROR_CUDA, "pre-pass launch: %s", cudaGetErrorString(e));
   if (!(stages & kStageKernel)) return SAGE_OK;
 
   auto f32 = [&](size_t off) { return reinterpret_cast<const float*>(ws + off); };
@@ -178,7 +179,8 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
     e = p.head_dim == 64
             ? mma::launch_attention<64>(ap, plan.bits, bf16, causal, plan.two_level, stream)
             : mma::launch_attention<128>(ap, plan.bits, bf16, causal, plan.two_level, stream);
-  if (e != cudaSuccess) return set_error(SAGE_ERROR_CUDA, "attention launch: %s", cudaGetErrorString(e));
+  if (e != cudaSuccess)
+    return set_error(SAGE_ERROR_CUDA, "attention launch: %s", cudaGetErrorString(e));
   return SAGE_OK;
 }
 

@@ -30,8 +30,12 @@ struct KvStat {
 };
 static_assert(sizeof(KvStat) == 24, "the plan reserves 24 bytes per statistic");
 
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) {
+  return __half2float(x);
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 
 template <typename T>
 __device__ __forceinline__ const T* row_ptr(const T* base, const sage_strides& s, int64_t b,
@@ -71,10 +75,9 @@ __device__ __forceinline__ void store8(uint8_t* row, int64_t d0, const int (&v)[
 // threads: D/8 lanes cover a token's channels 8 at a time, the rest split the tokens; partial
 // results are combined in a fixed order (deterministic).
 template <typename T, int D>
-__global__ void __launch_bounds__(256) kv_stats_kernel(const T* k, const T* v, sage_strides ks,
-                                                       sage_strides vs, int64_t heads_kv,
-                                                       int64_t seq_kv, int64_t chunks,
-                                                       KvStat* out) {
+__global__ void __launch_bounds__(256)
+    kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t heads_kv,
+                    int64_t seq_kv, int64_t chunks, KvStat* out) {
   constexpr int kLanes = D / 8, kTokenLanes = 256 / kLanes;
   __shared__ double red_d[kTokenLanes][D];
   __shared__ float red_f[kTokenLanes][D];
@@ -107,12 +110,18 @@ __global__ void __launch_bounds__(256) kv_stats_kernel(const T* k, const T* v, s
       if (round < 2) {
         double s = 0;
         for (int t = 0; t < kTokenLanes; ++t) s += red_d[t][c];
-        if (round == 0) dst[c].sum_k = s; else dst[c].sum_v = s;
+        if (round == 0)
+          dst[c].sum_k = s;
+        else
+          dst[c].sum_v = s;
       } else {
         float m = red_f[0][c];
         for (int t = 1; t < kTokenLanes; ++t)
           m = round == 2 ? fmaxf(m, red_f[t][c]) : fminf(m, red_f[t][c]);
-        if (round == 2) dst[c].max_v = m; else dst[c].min_v = m;
+        if (round == 2)
+          dst[c].max_v = m;
+        else
+          dst[c].min_v = m;
       }
     }
     __syncthreads();
@@ -120,9 +129,9 @@ __global__ void __launch_bounds__(256) kv_stats_kernel(const T* k, const T* v, s
 }
 
 // k_mean, v_mean (zero without smoothing), and the E4M3 scale of V - v_mean per channel.
-__global__ void kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t dim,
-                                   int64_t chunks, bool smooth_k, bool smooth_v, float* k_mean,
-                                   float* v_mean, float* v_scale, float* v_inv) {
+__global__ void kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t dim, int64_t chunks,
+                                   bool smooth_k, bool smooth_v, float* k_mean, float* v_mean,
+                                   float* v_scale, float* v_inv) {
   const int64_t bh = blockIdx.x;
   for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
     double sk = 0, sv = 0;
@@ -183,11 +192,10 @@ __device__ __forceinline__ void store_row_part(uint8_t* dst, int part, const Row
 
 // One CTA (256 threads, 4 a key) per 64-key block; the 4 groups are keys {8i+2t, 8i+2t+1}.
 template <typename T, int D, int kBits>
-__global__ void __launch_bounds__(256) quant_k_kernel(const T* k, sage_strides ks,
-                                                      int64_t heads_kv, int64_t seq_kv,
-                                                      const float* k_mean, int64_t nk_pad,
-                                                      int64_t k_blocks, uint8_t* kq,
-                                                      float* k_scale) {
+__global__ void __launch_bounds__(256)
+    quant_k_kernel(const T* k, sage_strides ks, int64_t heads_kv, int64_t seq_kv,
+                   const float* k_mean, int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
+                   float* k_scale) {
   constexpr int qmax = kBits == 8 ? kInt8Max : kInt4Max;
   __shared__ float group_max[8][4];
   const int64_t bh = blockIdx.y, kb = blockIdx.x, b = bh / heads_kv, h = bh % heads_kv;
@@ -196,8 +204,9 @@ __global__ void __launch_bounds__(256) quant_k_kernel(const T* k, sage_strides k
   const bool valid = key < seq_kv;
   RowPart<D> rp;
   float amax = 0.0f;
-  if (valid) load_row_part<T, D>(row_ptr(k, ks, b, h, key), k_mean + bh * D, part, &rp, &amax,
-                                 nullptr, nullptr);
+  if (valid)
+    load_row_part<T, D>(row_ptr(k, ks, b, h, key), k_mean + bh * D, part, &rp, &amax, nullptr,
+                        nullptr);
   // The 4 parts of a key, then its pair key (j ^ 1 is 4 lanes away): one group in this warp.
   for (int m : {1, 2, 4}) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
   const int t = (j % 8) / 2;
@@ -214,10 +223,9 @@ __global__ void __launch_bounds__(256) quant_k_kernel(const T* k, sage_strides k
 // One CTA per 64-key block: E4M3 of (V - v_mean) / v_scale, written transposed ([channel][key])
 // with the keys of each 32-chunk in MMA operand order (v_position_of_key).
 template <typename T, int D>
-__global__ void __launch_bounds__(256) quant_v_kernel(const T* v, sage_strides vs,
-                                                      int64_t heads_kv, int64_t seq_kv,
-                                                      const float* v_mean, const float* v_inv,
-                                                      int64_t nk_pad, uint8_t* vq) {
+__global__ void __launch_bounds__(256)
+    quant_v_kernel(const T* v, sage_strides vs, int64_t heads_kv, int64_t seq_kv,
+                   const float* v_mean, const float* v_inv, int64_t nk_pad, uint8_t* vq) {
   __shared__ __align__(16) uint8_t tile[D * mma::kBlockK];  // [channel][position]
   const int64_t bh = blockIdx.y, kb = blockIdx.x, b = bh / heads_kv, h = bh % heads_kv;
   const float* vm = v_mean + bh * D;
@@ -252,10 +260,10 @@ __global__ void __launch_bounds__(256) quant_v_kernel(const T* v, sage_strides v
 // One CTA (512 threads, 4 a row) per 128-row Q block: optional block mean, the LSE correction
 // scale·q·k_mean, then per-thread groups (rows {g, g+8} of each 16-row warp slice).
 template <typename T, int D, int kBits>
-__global__ void __launch_bounds__(512) quant_q_kernel(
-    const T* q, sage_strides qs, int64_t heads_q, int64_t heads_kv, int64_t seq_q, bool smooth_q,
-    float scale, const float* k_mean, int64_t nq_pad, int64_t q_blocks, uint8_t* qq,
-    float* q_scale, float* q_mean, float* lse_shift) {
+__global__ void __launch_bounds__(512)
+    quant_q_kernel(const T* q, sage_strides qs, int64_t heads_q, int64_t heads_kv, int64_t seq_q,
+                   bool smooth_q, float scale, const float* k_mean, int64_t nq_pad,
+                   int64_t q_blocks, uint8_t* qq, float* q_scale, float* q_mean, float* lse_shift) {
   constexpr int qmax = kBits == 8 ? kInt8Max : kInt4Max;
   __shared__ float mean[D];
   __shared__ float row_max[mma::kBlockQ];
@@ -300,11 +308,10 @@ __global__ void __launch_bounds__(512) quant_q_kernel(
 // a thread keeps its key's smoothed row (in shared memory, padded against bank conflicts) and
 // walks the Q blocks, whose means every thread reads at the same address (a broadcast).
 template <typename T, int D>
-__global__ void __launch_bounds__(64) delta_s_kernel(const T* k, sage_strides ks, int64_t heads_q,
-                                                     int64_t heads_kv, int64_t seq_kv,
-                                                     const float* k_mean, const float* q_mean,
-                                                     int64_t q_blocks, int64_t nk_pad,
-                                                     float* delta_s) {
+__global__ void __launch_bounds__(64)
+    delta_s_kernel(const T* k, sage_strides ks, int64_t heads_q, int64_t heads_kv, int64_t seq_kv,
+                   const float* k_mean, const float* q_mean, int64_t q_blocks, int64_t nk_pad,
+                   float* delta_s) {
   __shared__ float rows[64][D + 1];
   const int64_t bhk = blockIdx.y, b = bhk / heads_kv, hk = bhk % heads_kv;
   const int64_t key = blockIdx.x * 64 + threadIdx.x;  // nk_pad is a multiple of 64
@@ -355,12 +362,12 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
     qk(std::integral_constant<int, 8>{});
   else
     qk(std::integral_constant<int, 4>{});
-  quant_v_kernel<T, D><<<kgrid, 256, 0, st>>>(v, in.v_strides, p.heads_kv, p.seq_kv,
-                                              f32(p.v_mean), f32(p.v_inv), p.nk_pad, ws + p.v);
+  quant_v_kernel<T, D><<<kgrid, 256, 0, st>>>(v, in.v_strides, p.heads_kv, p.seq_kv, f32(p.v_mean),
+                                              f32(p.v_inv), p.nk_pad, ws + p.v);
   if (p.smooth_q)
     delta_s_kernel<T, D><<<dim3(unsigned(p.nk_pad / 64), bk), 64, 0, st>>>(
-        k, in.k_strides, p.heads_q, p.heads_kv, p.seq_kv, f32(p.k_mean), f32(p.q_mean),
-        p.q_blocks, p.nk_pad, f32(p.delta_s));
+        k, in.k_strides, p.heads_q, p.heads_kv, p.seq_kv, f32(p.k_mean), f32(p.q_mean), p.q_blocks,
+        p.nk_pad, f32(p.delta_s));
   return cudaGetLastError();
 }
 

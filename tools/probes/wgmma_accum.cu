@@ -17,8 +17,8 @@
 namespace {
 
 // mode 0: all steps in one group; 1: wait after each step; 2: fresh accumulator per step + FADD.
-__global__ void __launch_bounds__(128) probe_kernel(uint8_t a_code, uint8_t b_code, float c0,
-                                                    int steps, int mode, float* out) {
+__global__ void __launch_bounds__(128)
+    probe_kernel(uint8_t a_code, uint8_t b_code, float c0, int steps, int mode, float* out) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __shared__ __align__(1024) uint8_t tile[64 * 128];
   for (int i = threadIdx.x; i < 64 * 128; i += 128) tile[i] = b_code;
@@ -93,7 +93,8 @@ int main(int argc, char** argv) {
   if (json) std::fprintf(json, "{\"product\": %.10g, \"rows\": [\n", p);
   bool first = true;
   for (int mode = 0; mode < 3; ++mode) {
-    std::printf("%s: steps of P = 2^-7 added to c = 2^m; kept = (D - c) / (steps·P)\n", modes[mode]);
+    std::printf("%s: steps of P = 2^-7 added to c = 2^m; kept = (D - c) / (steps·P)\n",
+                modes[mode]);
     for (int steps : {4, 16}) {
       std::printf("  steps %2d  m:", steps);
       for (int m = 0; m <= 20; m += 2) {
@@ -108,8 +109,10 @@ int main(int argc, char** argv) {
         const double kept = (double(h[0]) - double(c0)) / (steps * p);
         std::printf(" %d:%.3g%s", m, kept, h[1] != 0.0f ? "!" : "");
         if (json)
-          std::fprintf(json, "%s  {\"mode\": \"%s\", \"steps\": %d, \"m\": %d, \"d\": %.10g, \"kept\": %.6g}",
-                       first ? "" : ",\n", modes[mode], steps, m, double(h[0]), kept);
+          std::fprintf(
+              json,
+              "%s  {\"mode\": \"%s\", \"steps\": %d, \"m\": %d, \"d\": %.10g, \"kept\": %.6g}",
+              first ? "" : ",\n", modes[mode], steps, m, double(h[0]), kept);
         first = false;
       }
       std::printf("\n");

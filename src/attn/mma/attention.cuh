@@ -41,7 +41,8 @@ __device__ __forceinline__ uint32_t lds32(const uint8_t* p) {
 }
 
 template <int kBits>
-__device__ __forceinline__ void qk_mma(int (&acc)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+__device__ __forceinline__ void qk_mma(int (&acc)[4], const uint32_t (&a)[4],
+                                       const uint32_t (&b)[2]) {
   if constexpr (kBits == 8)
     ptx::mma_m16n8k32_s8(acc, a, b, acc);
   else
@@ -188,9 +189,11 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
       for (int half = 0; half < 2; ++half) {  // reg 0/1: tiles 4c, 4c+1; reg 2/3: 4c+2, 4c+3
         const int n0 = 4 * c + 2 * half, n1 = n0 + 1;
         pf[c][2 * half + 0] = uint32_t(ptx::cvt_e4m3x2(sc[n0][0] * 448.0f, sc[n0][1] * 448.0f)) |
-                              uint32_t(ptx::cvt_e4m3x2(sc[n1][0] * 448.0f, sc[n1][1] * 448.0f)) << 16;
+                              uint32_t(ptx::cvt_e4m3x2(sc[n1][0] * 448.0f, sc[n1][1] * 448.0f))
+                                  << 16;
         pf[c][2 * half + 1] = uint32_t(ptx::cvt_e4m3x2(sc[n0][2] * 448.0f, sc[n0][3] * 448.0f)) |
-                              uint32_t(ptx::cvt_e4m3x2(sc[n1][2] * 448.0f, sc[n1][3] * 448.0f)) << 16;
+                              uint32_t(ptx::cvt_e4m3x2(sc[n1][2] * 448.0f, sc[n1][3] * 448.0f))
+                                  << 16;
       }
     for (int i = 0; i < kDTiles; ++i) {
       // V fragments of channel tile i for both key chunks in one ldmatrix.x4.
@@ -210,8 +213,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
   }
   ptx::cp_async_wait<0>();
 
-  attn::finalize<D, OutT>(p, [&](int i, int e) { return o[i][e]; }, m, l, b, h, bh, bhk, row_a,
-                          t);
+  attn::finalize<D, OutT>(
+      p, [&](int i, int e) { return o[i][e]; }, m, l, b, h, bh, bhk, row_a, t);
 #endif
 }
 

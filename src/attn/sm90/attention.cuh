@@ -65,7 +65,6 @@ __device__ __forceinline__ uint64_t k_desc(const uint8_t* tile) {
     return ptx::wgmma_desc_sw64(tile);
 }
 
-
 template <int D>
 __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc) {
   if constexpr (D == 128)
@@ -74,7 +73,6 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
     ptx::wgmma_m64n64k32_e4m3(o, p, desc, /*accumulate=*/true);
 }
 
-
 template <int D, typename OutT, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
@@ -82,8 +80,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   using S = Smem<D>;
   constexpr int kQkSteps = D / 32;  // k32 steps along head_dim
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                             ~uintptr_t(1023));
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* q_tile = smem;
   uint8_t* k_tiles = smem + S::kQTile;
   uint8_t* v_tiles = k_tiles + kStages * S::kKTile;
@@ -154,11 +152,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   uint32_t pf[4][4];  // P^ of the previous block, the A operand of its P·V (issued one block late)
 
-
   // Scores of block kb (in sacc, exact int32) to exp2'd P~ in sc, with the online max/sum;
   // alpha rescales O. pack_p turns sc into the P^ A-operand (after the previous P·V has read pf).
   float sc[64];
-  auto softmax_block = [&](int (&sacc)[64], int kb, float (&alpha)[2]) {
+  auto softmax_block = [&](int(&sacc)[64], int kb, float(&alpha)[2]) {
     const int64_t j0 = int64_t(kb) * kBlockK;
     const int kg0 = 2 * kb, kg1 = min(2 * kb + 1, int(p.k_blocks) - 1);
     const float f0 = q_scale_log2 * k_scale[kg0 * mma::kKGroups + t];
@@ -191,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             uint32_t(ptx::cvt_e4m3x2(sc[4 * n1 + 2] * 448.0f, sc[4 * n1 + 3] * 448.0f)) << 16;
       }
   };
-  auto issue_qk = [&](int (&sacc)[64], int st) {
+  auto issue_qk = [&](int(&sacc)[64], int st) {
     const uint8_t* kt = k_tiles + st * S::kKTile;
     for (int s = 0; s < kQkSteps; ++s)
       ptx::wgmma_m64n128k32_s8_ss(sacc, k_desc<D>(q_wg + s * 32), k_desc<D>(kt + s * 32),
@@ -259,8 +256,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) ptx::mbar_arrive(&empty_v[pst]);
   }
 
-  attn::finalize<D, OutT>(p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, bhk, row_a,
-                          t);
+  attn::finalize<D, OutT>(
+      p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, bhk, row_a, t);
 #endif
 }
 

@@ -16,7 +16,6 @@ template <int D>
 cudaError_t launch_attention(const mma::AttnParams& p, bool bf16_out, bool causal,
                              cudaStream_t stream);
 extern template cudaError_t launch_attention<64>(const mma::AttnParams&, bool, bool, cudaStream_t);
-extern template cudaError_t launch_attention<128>(const mma::AttnParams&, bool, bool,
-                                                  cudaStream_t);
+extern template cudaError_t launch_attention<128>(const mma::AttnParams&, bool, bool, cudaStream_t);
 
 }  // namespace sage::sm90
