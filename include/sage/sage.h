@@ -104,7 +104,11 @@ typedef enum sage_v_scale {
 typedef enum sage_pv_accum {
   SAGE_PV_ACCUM_FP32 = 0,     /* a true fp32 accumulator */
   SAGE_PV_ACCUM_HW = 1,       /* the MMA's own accumulator over the whole sequence (FP22-like) */
-  SAGE_PV_ACCUM_TWO_LEVEL = 2 /* MMA accumulator for pv_flush_interval key blocks, then fp32 */
+  SAGE_PV_ACCUM_TWO_LEVEL = 2, /* MMA accumulator for pv_flush_interval key blocks, then fp32 */
+  SAGE_PV_ACCUM_ALIGNED = 3    /* the MMA accumulator over the whole sequence, each product of an
+                                  MMA step (accum_chunk keys) aligned to the step's largest addend
+                                  and truncated to accum_mantissa_bits: the sm_90 wgmma E4M3 model
+                                  (docs/fp8-accumulator.md); CPU reference only */
 } sage_pv_accum;
 
 /* Smoothing flags (SPEC.md §2.1, §2.2, §2.10). */

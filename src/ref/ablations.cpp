@@ -60,7 +60,9 @@ std::vector<AblationRow> paper_ablations() {
                      {"FP22 only + smooth V", SAGE_PV_ACCUM_HW, 1, SAGE_SMOOTH_V},
                      {"two-level, flush every 16 blocks", SAGE_PV_ACCUM_TWO_LEVEL, 16, 0},
                      {"two-level, flush every 4 blocks", SAGE_PV_ACCUM_TWO_LEVEL, 4, 0},
-                     {"two-level, flush every block", SAGE_PV_ACCUM_TWO_LEVEL, 1, 0}};
+                     {"two-level, flush every block", SAGE_PV_ACCUM_TWO_LEVEL, 1, 0},
+                     {"aligned per product (wgmma model)", SAGE_PV_ACCUM_ALIGNED, 1, 0},
+                     {"aligned per product + smooth V", SAGE_PV_ACCUM_ALIGNED, 1, SAGE_SMOOTH_V}};
   for (const Acc& a : acc) {
     sage_quant_config c = b8;
     c.pv_accum = a.accum;

@@ -59,6 +59,28 @@ double truncate_mantissa(double x, int bits) {
   return std::ldexp(std::trunc(std::ldexp(f, bits + 1)), e - (bits + 1));
 }
 
+}  // namespace
+
+double mma_aligned_step(double acc, const double* products, int n, int bits) {
+  int e_max = std::numeric_limits<int>::min();
+  auto exponent_of = [&](double x) {
+    if (x == 0.0) return;
+    int e = 0;
+    std::frexp(x, &e);
+    e_max = std::max(e_max, e);
+  };
+  exponent_of(acc);
+  for (int i = 0; i < n; ++i) exponent_of(products[i]);
+  if (e_max == std::numeric_limits<int>::min()) return 0.0;
+  // The largest addend keeps its leading bit and `bits` more; the others are cut to that grid.
+  const double quantum = std::ldexp(1.0, e_max - 1 - bits);
+  double sum = std::trunc(acc / quantum) * quantum;  // exact: multiples of quantum, few bits
+  for (int i = 0; i < n; ++i) sum += std::trunc(products[i] / quantum) * quantum;
+  return double(float(sum));  // the accumulator register is fp32
+}
+
+namespace {
+
 // How P~ and V are stored for the P·V product.
 struct PvFormat {
   sage_pv_format format;
@@ -213,6 +235,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     std::vector<int> pending(size_t(rows), 0);  // key blocks in R since the last flush
     std::vector<Real> s(static_cast<size_t>(bk)), phat(static_cast<size_t>(bk));
     std::vector<double> chunk(dims);
+    std::vector<double> step(size_t(std::max(1, cfg.accum_chunk)));  // one MMA step's products
     int64_t visible_max = 0;
     for (int64_t r = 0; r < rows; ++r) visible_max = std::max(visible_max, p.visible_keys(r0 + r));
 
@@ -266,6 +289,13 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
           }
           if (cfg.pv_accum == SAGE_PV_ACCUM_FP32) {  // rounded to Real: fp32 for the emulation
             for (int64_t d = 0; d < D; ++d) acc[d] = double(Real(acc[d] + chunk[size_t(d)]));
+          } else if (cfg.pv_accum == SAGE_PV_ACCUM_ALIGNED) {  // product by product (wgmma)
+            for (int64_t d = 0; d < D; ++d) {
+              int64_t n = 0;
+              for (int64_t j = c0; j < c1; ++j)
+                step[size_t(n++)] = double(phat[size_t(j - j0)]) * double(kp.v[size_t(j * D + d)]);
+              acc[d] = mma_aligned_step(acc[d], step.data(), int(n), cfg.accum_mantissa_bits);
+            }
           } else {
             for (int64_t d = 0; d < D; ++d)
               acc[d] = truncate_mantissa(acc[d] + chunk[size_t(d)], cfg.accum_mantissa_bits);

@@ -57,7 +57,7 @@ std::string quant_config_error(const sage_quant_config& c) {
       enum_value(c.v_scale) > SAGE_V_SCALE_PER_BLOCK_CHANNEL)
     return bad("v_scale", enum_value(c.v_scale));
   if (enum_value(c.pv_accum) < SAGE_PV_ACCUM_FP32 ||
-      enum_value(c.pv_accum) > SAGE_PV_ACCUM_TWO_LEVEL)
+      enum_value(c.pv_accum) > SAGE_PV_ACCUM_ALIGNED)
     return bad("pv_accum", enum_value(c.pv_accum));
   if (c.block_q < 1 || c.block_q > 1024) return bad("block_q (1..1024)", c.block_q);
   if (c.block_k < 1 || c.block_k > 1024) return bad("block_k (1..1024)", c.block_k);
@@ -81,9 +81,10 @@ std::string quant_config_error(const sage_quant_config& c) {
     return "quant.v_scale per (block, channel) needs the accumulator flushed every key block "
            "(pv_flush_interval = " +
            std::to_string(c.pv_flush_interval) + ", pv_accum = " + std::to_string(c.pv_accum) + ")";
-  if (c.v_scale == SAGE_V_SCALE_PER_BLOCK_CHANNEL && c.pv_accum == SAGE_PV_ACCUM_HW)
-    return "quant.v_scale per (block, channel) cannot be used with pv_accum = HW (the hardware "
-           "accumulator is never flushed, so block scales cannot be applied)";
+  if (c.v_scale == SAGE_V_SCALE_PER_BLOCK_CHANNEL &&
+      (c.pv_accum == SAGE_PV_ACCUM_HW || c.pv_accum == SAGE_PV_ACCUM_ALIGNED))
+    return "quant.v_scale per (block, channel) cannot be used with pv_accum = HW or ALIGNED (the "
+           "hardware accumulator is never flushed, so block scales cannot be applied)";
   return {};
 }
 

@@ -103,6 +103,12 @@ GroupLayout q_group_layout(const sage_quant_config& cfg);
 GroupLayout k_group_layout(const sage_quant_config& cfg);
 
 // Accuracy of `x` against `ref` (SPEC.md §5), over n elements.
+// One step of the sm_90 wgmma E4M3 accumulator as measured (docs/fp8-accumulator.md): the
+// running value and the step's products are each cut, toward zero, to the grid of the largest of
+// them with `bits` bits after its leading one, summed exactly, and held in fp32.
+// (SAGE_PV_ACCUM_ALIGNED; accum_chunk products a step.)
+double mma_aligned_step(double acc, const double* products, int n, int bits);
+
 struct Metrics {
   double cos = 0, rel_l1 = 0, rmse = 0, max_abs = 0;
 };

@@ -937,7 +937,7 @@ TEST_F(ApiErrors, InvalidCustomQuantConfig) {
       enum_case("pv_format", &sage_quant_config::pv_format, -1),
       enum_case("v_scale", &sage_quant_config::v_scale, 2),
       enum_case("v_scale", &sage_quant_config::v_scale, -1),
-      enum_case("pv_accum", &sage_quant_config::pv_accum, 3),
+      enum_case("pv_accum", &sage_quant_config::pv_accum, 4),
       enum_case("pv_accum", &sage_quant_config::pv_accum, -1),
       {"smooth unknown bit", [](sage_quant_config& q) { q.smooth = 8; }, {"smooth"}},
       {"block_q 0", [](sage_quant_config& q) { q.block_q = 0; }, {"block_q"}},

@@ -274,6 +274,62 @@ TEST(Accumulator, MantissaBitsAndFlushIntervalAreMonotone) {
   EXPECT_LE(err(SAGE_PV_ACCUM_TWO_LEVEL, 13, 8), err(SAGE_PV_ACCUM_HW, 13, 1));
 }
 
+// The wgmma accumulator model against what the H100 probe measured
+// (bench/results/probes/2026-11-22-h100-wgmma_accum.txt): 32 products of 2^-12 per step added to
+// c = 2^m survive at m = 0 and are lost from m = 2 on when chained in the accumulator; a fresh
+// accumulator per step followed by an fp32 add keeps them up to m = 16 (fp32's limit).
+TEST(Accumulator, AlignedStepReproducesTheWgmmaProbe) {
+  const std::vector<double> prods(32, std::ldexp(1.0, -12));
+  const double step_sum = 32 * std::ldexp(1.0, -12);
+  for (int m = 0; m <= 20; m += 2) {
+    SCOPED_TRACE("m = " + std::to_string(m));
+    const double c = std::ldexp(1.0, m);
+    double chained = c, fresh = c;
+    for (int s = 0; s < 16; ++s) {
+      chained = mma_aligned_step(chained, prods.data(), 32, 13);
+      fresh = double(float(fresh + mma_aligned_step(0.0, prods.data(), 32, 13)));
+    }
+    EXPECT_EQ(chained, m == 0 ? c + 16 * step_sum : c);
+    EXPECT_EQ(fresh, m <= 16 ? c + 16 * step_sum : c);
+  }
+  // Exact when everything fits the window; zero stays zero; signs truncate toward zero.
+  const double mixed[3] = {0.75, -0.25, 0.125};
+  EXPECT_EQ(mma_aligned_step(1.0, mixed, 3, 13), 1.625);
+  EXPECT_EQ(mma_aligned_step(0.0, nullptr, 0, 13), 0.0);
+  const double tiny[1] = {-std::ldexp(1.0, -30)};
+  EXPECT_EQ(mma_aligned_step(1.0, tiny, 1, 13), 1.0);
+}
+
+// Wired into the emulation: against the same config with an fp32 accumulator, the aligned model
+// loses more than exact-sum 13-bit truncation over a flat, long row (each small product is cut
+// on its own), and a 23-bit window is close to fp32.
+TEST(Accumulator, AlignedModelInTheEmulation) {
+  std::mt19937_64 rng(test::fresh_seed());
+  const Fp16Tensor q = test::random_tensor(rng, 1, 1, 64, 64);
+  const Fp16Tensor k = test::random_tensor(rng, 1, 1, 2048, 64);
+  const Fp16Tensor v = test::random_tensor(rng, 1, 1, 2048, 64, 8.0f);
+  const Problem p{1, 1, 1, 64, 2048, 64, 0.02, SAGE_MASK_NONE};  // small scale: flat rows
+  sage_quant_config cfg = quant_preset(SAGE_VARIANT_SAGE2_8B);
+  cfg.smooth = SAGE_SMOOTH_K;
+  cfg.pv_accum = SAGE_PV_ACCUM_FP32;
+  std::vector<float> base(size_t(p.out_elems()));
+  attention_quant(p, cfg, q.view(), k.view(), v.view(), base.data(), nullptr);
+  const std::vector<double> based(base.begin(), base.end());
+  auto err = [&](sage_pv_accum accum, int bits) {
+    cfg.pv_accum = accum;
+    cfg.accum_mantissa_bits = bits;
+    std::vector<float> o(base.size());
+    attention_quant(p, cfg, q.view(), k.view(), v.view(), o.data(), nullptr);
+    return compare(based.data(), o.data(), p.out_elems()).rel_l1;
+  };
+  EXPECT_GT(err(SAGE_PV_ACCUM_ALIGNED, 13), err(SAGE_PV_ACCUM_HW, 13));
+  EXPECT_LT(err(SAGE_PV_ACCUM_ALIGNED, 23), 1e-5);
+  // Block V scales need a flushed accumulator; ALIGNED is never flushed.
+  cfg.pv_accum = SAGE_PV_ACCUM_ALIGNED;
+  cfg.v_scale = SAGE_V_SCALE_PER_BLOCK_CHANNEL;
+  EXPECT_NE(quant_config_error(cfg).find("v_scale"), std::string::npos);
+}
+
 // The paper's orderings on the built-in outlier problem (fresh seed each run).
 class PaperOrderings : public ::testing::Test {
  protected:
