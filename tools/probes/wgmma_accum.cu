@@ -18,10 +18,16 @@ namespace {
 
 // mode 0: all steps in one group; 1: wait after each step; 2: fresh accumulator per step + FADD.
 __global__ void __launch_bounds__(128)
-    probe_kernel(uint8_t a_code, uint8_t b_code, float c0, int steps, int mode, float* out) {
+    probe_kernel(uint8_t a_code, uint8_t b_code, float c0, int steps, int mode, float* out,
+                 bool single = false) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __shared__ __align__(1024) uint8_t tile[64 * 128];
-  for (int i = threadIdx.x; i < 64 * 128; i += 128) tile[i] = b_code;
+  // single: only byte k = 0 of each B row (logical column 0 of the K-major tile) holds b, so a
+  // step adds one product a·b; the 128-byte swizzle puts that byte at chunk (row % 8).
+  for (int i = threadIdx.x; i < 64 * 128; i += 128) {
+    const int row = i / 128, byte = i % 128;
+    tile[i] = !single ? b_code : (byte == ((row % 8) * 16) ? b_code : uint8_t(0));
+  }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma reads
   __syncthreads();
   const uint32_t a4 = uint32_t(a_code) * 0x01010101u;
@@ -97,7 +103,7 @@ int main(int argc, char** argv) {
                 modes[mode]);
     for (int steps : {4, 16}) {
       std::printf("  steps %2d  m:", steps);
-      for (int m = 0; m <= 20; m += 2) {
+      for (int m = 0; m <= 20; ++m) {
         const float c0 = std::ldexp(1.0f, m);
         float h[2] = {0.0f, 0.0f};
         cudaMemcpy(out, h, sizeof(h), cudaMemcpyHostToDevice);
@@ -118,6 +124,21 @@ int main(int argc, char** argv) {
       std::printf("\n");
     }
   }
+  // The window: one product 2^e (a = 2^-6, b = 2^(e+6)) added to c = 1 four times; kept while
+  // the product is on the grid of c's leading bit minus the window (13 bits: down to 2^-13).
+  std::printf("window: one product 2^e added to c = 1 (4 steps, one group); kept =");
+  for (int e = -10; e >= -15; --e) {
+    float h[2] = {0.0f, 0.0f};
+    cudaMemcpy(out, h, sizeof(h), cudaMemcpyHostToDevice);
+    probe_kernel<<<1, 128>>>(a, e4m3_pow2(e + 6), 1.0f, 4, 0, out, true);
+    cudaMemcpy(h, out, sizeof(h), cudaMemcpyDeviceToHost);
+    const double kept = (double(h[0]) - 1.0) / (4 * std::ldexp(1.0, e));
+    std::printf(" 2^%d:%.3g%s", e, kept, h[1] != 0.0f ? "!" : "");
+    if (json)
+      std::fprintf(json, ",\n  {\"mode\": \"window\", \"e\": %d, \"d\": %.10g, \"kept\": %.6g}", e,
+                   double(h[0]), kept);
+  }
+  std::printf("\n");
   if (json) {
     std::fprintf(json, "\n]}\n");
     std::fclose(json);
