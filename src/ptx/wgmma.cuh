@@ -1,9 +1,9 @@
-// wgmma wrappers (Hopper warpgroup MMA, sm_90a). A comes from registers (the per-warp 16-row
-// fragments of mma.sync m16n8k32: reg0 row g k 4t.., reg1 row g+8, reg2 row g k 16+4t.., reg3
-// row g+8), B from shared memory through a matrix descriptor; both K-major (8-bit types have no
-// transpose). The accumulator of m64nNk32 per warp w of the warpgroup: rows 16w+g (+8), d[4i+e]
-// at column 8i+2t+(e&1), row +8 for e>=2 — the mma.sync C layout repeated over N/8 tiles.
-// Operand lists are spelled out (generated once; asm needs every register named).
+// wgmma wrappers (Hopper warpgroup MMA, sm_90a). E4M3 with A from registers (the per-warp
+// 16-row fragments of mma.sync m16n8k32: reg0 row g k 4t.., reg1 row g+8, reg2 row g k 16+4t..,
+// reg3 row g+8); s8 with A and B from shared memory through matrix descriptors; all K-major
+// (8-bit types have no transpose). The accumulator of m64nNk32 per warp w of the warpgroup: rows
+// 16w+g (+8), d[4i+e] at column 8i+2t+(e&1), row +8 for e>=2 — the mma.sync C layout repeated over
+// N/8 tiles. Operand lists are spelled out (generated once; asm needs every register named).
 #pragma once
 
 #include <cstdint>
@@ -14,26 +14,18 @@ namespace sage::ptx {
 #define SAGE_WGMMA_OK 1
 #endif
 
-// Shared-memory matrix descriptor for a K-major tile written by TMA with 128-byte swizzle:
-// rows of 128 bytes, 8-row (1024-byte) swizzle atoms stacked along M/N (stride byte offset
-// 1024), tile base 1024-byte aligned; a k-step inside the row advances the start address.
-__device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* smem) {
+// Shared-memory matrix descriptor of a K-major tile written by TMA with a swizzle as wide as its
+// rows (kRowBytes = 128 or 64): 8-row swizzle atoms (8·kRowBytes bytes) stacked along M/N, tile
+// base aligned to the atom; a k-step inside the row advances the start address.
+template <int kRowBytes>
+__device__ __forceinline__ uint64_t wgmma_desc(const void* smem) {
+  static_assert(kRowBytes == 128 || kRowBytes == 64, "128- or 64-byte swizzled rows");
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   uint64_t d = 0;
-  d |= uint64_t((addr & 0x3FFFF) >> 4);  // start address >> 4
-  d |= uint64_t(1) << 16;                // leading byte offset (unused when swizzled)
-  d |= uint64_t(1024 >> 4) << 32;        // stride byte offset
-  d |= uint64_t(1) << 62;                // layout: 128-byte swizzle
-  return d;
-}
-// Same for 64-byte rows (64-byte swizzle: 8-row atoms of 512 bytes).
-__device__ __forceinline__ uint64_t wgmma_desc_sw64(const void* smem) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  uint64_t d = 0;
-  d |= uint64_t((addr & 0x3FFFF) >> 4);
-  d |= uint64_t(1) << 16;
-  d |= uint64_t(512 >> 4) << 32;
-  d |= uint64_t(2) << 62;  // layout: 64-byte swizzle
+  d |= uint64_t((addr & 0x3FFFF) >> 4);           // start address >> 4
+  d |= uint64_t(1) << 16;                         // leading byte offset (unused)
+  d |= uint64_t(8 * kRowBytes >> 4) << 32;        // stride byte offset: one atom
+  d |= uint64_t(kRowBytes == 128 ? 1 : 2) << 62;  // layout: 128- or 64-byte swizzle
   return d;
 }
 
@@ -77,25 +69,6 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 #endif
 }
 
-// wgmma.mma_async m64n64k32 .s32.s8.s8, A in registers: d (+)= a·b (exact int32).
-__device__ __forceinline__ void wgmma_m64n64k32_s8(int (&d)[32], const uint32_t (&a)[4],
-                                                   uint64_t b_desc, bool accumulate) {
-#ifdef SAGE_WGMMA_OK
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%"
-      "25,%26,%27,%28,%29,%30,%31}, "
-      "{%32,%33,%34,%35}, %36, p;\n}"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
-        "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
-        "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]),
-        "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]),
-        "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)));
-#endif
-}
-
 // wgmma.mma_async m64n64k32 .f32.e4m3.e4m3, A in registers: d (+)= a·b.
 __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], const uint32_t (&a)[4],
                                                      uint64_t b_desc, bool accumulate) {
@@ -111,31 +84,6 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], const uint3
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
         "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
         "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)));
-#endif
-}
-
-// wgmma.mma_async m64n128k32 .s32.s8.s8, A in registers: d (+)= a·b (exact int32).
-__device__ __forceinline__ void wgmma_m64n128k32_s8(int (&d)[64], const uint32_t (&a)[4],
-                                                    uint64_t b_desc, bool accumulate) {
-#ifdef SAGE_WGMMA_OK
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%"
-      "25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%"
-      "48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "{%64,%65,%66,%67}, %68, p;\n}"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
-        "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
-        "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]),
-        "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]),
-        "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]),
-        "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]),
-        "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]),
-        "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
-        "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]),
-        "+r"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)));
 #endif
 }

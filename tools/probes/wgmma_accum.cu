@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(128)
   __syncthreads();
   const uint32_t a4 = uint32_t(a_code) * 0x01010101u;
   const uint32_t a[4] = {a4, a4, a4, a4};
-  const uint64_t desc = sage::ptx::wgmma_desc_sw128(tile);
+  const uint64_t desc = sage::ptx::wgmma_desc<128>(tile);
   float d[32];
   for (int i = 0; i < 32; ++i) d[i] = c0;
   if (mode == 0) {

@@ -50,20 +50,12 @@ struct Smem {
   static constexpr int kBytes = kQTile + kStages * (kKTile + kVTile) + 1024;  // + align slack
 };
 
-// Everything the kernel needs besides AttnParams: the TMA descriptors of K and Vᵀ.
+// Everything the kernel needs besides AttnParams: the TMA descriptors of Q, K and Vᵀ.
 struct TmaMaps {
   CUtensorMap q;  // 3-D: {D bytes, nq_pad rows, B*Hq}, box {D, 128, 1}
   CUtensorMap k;  // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
   CUtensorMap v;  // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
 };
-
-template <int D>
-__device__ __forceinline__ uint64_t k_desc(const uint8_t* tile) {
-  if constexpr (D == 128)
-    return ptx::wgmma_desc_sw128(tile);
-  else
-    return ptx::wgmma_desc_sw64(tile);
-}
 
 template <int D>
 __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc) {
@@ -191,7 +183,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto issue_qk = [&](int(&sacc)[64], int st) {
     const uint8_t* kt = k_tiles + st * S::kKTile;
     for (int s = 0; s < kQkSteps; ++s)
-      ptx::wgmma_m64n128k32_s8_ss(sacc, k_desc<D>(q_wg + s * 32), k_desc<D>(kt + s * 32),
+      ptx::wgmma_m64n128k32_s8_ss(sacc, ptx::wgmma_desc<D>(q_wg + s * 32),
+                                  ptx::wgmma_desc<D>(kt + s * 32),
                                   /*accumulate=*/true);
     ptx::wgmma_commit();
   };
@@ -228,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     issue_qk(sacc, st);
     {
       const uint8_t* vt = v_tiles + pst * S::kVTile;
-      for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32));
+      for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc<128>(vt + c * 32));
       ptx::wgmma_commit();
     }
     ptx::wgmma_wait<1>();  // S(kb) is ready; P·V(kb-1) may still run
@@ -248,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::wgmma_fence_regs(o);
     ptx::wgmma_fence();
     const uint8_t* vt = v_tiles + pst * S::kVTile;
-    for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc_sw128(vt + c * 32));
+    for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc<128>(vt + c * 32));
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(o);
