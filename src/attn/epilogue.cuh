@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include "attn/mma/params.h"
+#include "ptx/cvt.cuh"
 #include "ptx/math.cuh"
 
 namespace sage::attn {
@@ -50,6 +51,23 @@ __device__ __forceinline__ void online_max(float (&row_max)[2], float (&m)[2], f
     m[r] = m_new;
     l[r] *= alpha[r];
   }
+}
+
+// P^ = E4M3(P~ · 448) as the A operand of kChunks k32 MMA steps (keys 32c..32c+31 in the order
+// the pre-pass gives Vᵀ): reg 0/1 of chunk c take 8-key tiles 4c, 4c+1 of rows g / g+8, reg 2/3
+// tiles 4c+2, 4c+3. p_at(tile, e) reads element e of a tile of P~.
+template <int kChunks, typename PAt>
+__device__ __forceinline__ void pack_p_e4m3(uint32_t (&pf)[kChunks][4], PAt p_at) {
+  for (int c = 0; c < kChunks; ++c)
+    for (int half = 0; half < 2; ++half) {
+      const int n0 = 4 * c + 2 * half, n1 = n0 + 1;
+      pf[c][2 * half + 0] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 0) * 448.0f, p_at(n0, 1) * 448.0f)) |
+                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 0) * 448.0f, p_at(n1, 1) * 448.0f))
+                                << 16;
+      pf[c][2 * half + 1] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 2) * 448.0f, p_at(n0, 3) * 448.0f)) |
+                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 2) * 448.0f, p_at(n1, 3) * 448.0f))
+                                << 16;
+    }
 }
 
 // Finalize and store rows row_a, row_a + 8: O / l / 448 · v_scale + v_mean in the output dtype;

@@ -185,16 +185,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     // MMA accumulator is narrower than fp32 (the paper's FP22, sm_89); where it is a true fp32
     // (measured on sm_90, docs/fp8-accumulator.md) the MMA accumulates into O directly.
     uint32_t pf[2][4];
-    for (int c = 0; c < 2; ++c)
-      for (int half = 0; half < 2; ++half) {  // reg 0/1: tiles 4c, 4c+1; reg 2/3: 4c+2, 4c+3
-        const int n0 = 4 * c + 2 * half, n1 = n0 + 1;
-        pf[c][2 * half + 0] = uint32_t(ptx::cvt_e4m3x2(sc[n0][0] * 448.0f, sc[n0][1] * 448.0f)) |
-                              uint32_t(ptx::cvt_e4m3x2(sc[n1][0] * 448.0f, sc[n1][1] * 448.0f))
-                                  << 16;
-        pf[c][2 * half + 1] = uint32_t(ptx::cvt_e4m3x2(sc[n0][2] * 448.0f, sc[n0][3] * 448.0f)) |
-                              uint32_t(ptx::cvt_e4m3x2(sc[n1][2] * 448.0f, sc[n1][3] * 448.0f))
-                                  << 16;
-      }
+    attn::pack_p_e4m3(pf, [&](int n, int e) { return sc[n][e]; });
     for (int i = 0; i < kDTiles; ++i) {
       // V fragments of channel tile i for both key chunks in one ldmatrix.x4.
       uint32_t vf4[4];

@@ -168,18 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       l[(i / 2) & 1] += sc[i];
     }
   };
-  auto pack_p = [&]() {
-    for (int c = 0; c < 4; ++c)
-      for (int half = 0; half < 2; ++half) {
-        const int n0 = 4 * c + 2 * half, n1 = n0 + 1;  // 8-key tiles
-        pf[c][2 * half + 0] =
-            uint32_t(ptx::cvt_e4m3x2(sc[4 * n0 + 0] * 448.0f, sc[4 * n0 + 1] * 448.0f)) |
-            uint32_t(ptx::cvt_e4m3x2(sc[4 * n1 + 0] * 448.0f, sc[4 * n1 + 1] * 448.0f)) << 16;
-        pf[c][2 * half + 1] =
-            uint32_t(ptx::cvt_e4m3x2(sc[4 * n0 + 2] * 448.0f, sc[4 * n0 + 3] * 448.0f)) |
-            uint32_t(ptx::cvt_e4m3x2(sc[4 * n1 + 2] * 448.0f, sc[4 * n1 + 3] * 448.0f)) << 16;
-      }
-  };
+  auto pack_p = [&]() { attn::pack_p_e4m3(pf, [&](int n, int e) { return sc[4 * n + e]; }); };
   auto issue_qk = [&](int(&sacc)[64], int st) {
     const uint8_t* kt = k_tiles + st * S::kKTile;
     for (int s = 0; s < kQkSteps; ++s)
