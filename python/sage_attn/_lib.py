@@ -183,6 +183,12 @@ def preset(variant: int) -> QuantConfig:
     return QuantConfig.from_buffer_copy(_presets[variant])
 
 
+def check_flag(name, value):
+    """A smoothing keyword: True, False or None (the preset); anything else is a TypeError."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} = {value!r}: must be True, False or None")
+
+
 def quant_settings(qk_bits, smooth_q, smooth_k, smooth_v, exact=False):
     """(variant, QuantConfig) for the Python keywords. None means: what the preset does.
 
@@ -201,11 +207,9 @@ def quant_settings(qk_bits, smooth_q, smooth_k, smooth_v, exact=False):
     flags = cfg.smooth
     for flag, value, name in ((SMOOTH_Q, smooth_q, "smooth_q"), (SMOOTH_K, smooth_k, "smooth_k"),
                               (SMOOTH_V, smooth_v, "smooth_v")):
-        if value is None:
-            continue
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} = {value!r}: must be True, False or None")
-        flags = (flags | flag) if value else (flags & ~flag)
+        check_flag(name, value)
+        if value is not None:
+            flags = (flags | flag) if value else (flags & ~flag)
     if flags == cfg.smooth:
         return base, cfg
     cfg.smooth = flags

@@ -9,6 +9,7 @@ the C API through ctypes. CPU tensors run the library's CPU reference.
 from __future__ import annotations
 
 import math
+from typing import Optional
 import warnings
 
 import torch
@@ -28,11 +29,7 @@ _DTYPE_CODES = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16,
 _RAISE, _FALLBACK_SDPA = 0, 1
 
 
-def _element_strides(x: torch.Tensor):
-    return list(x.stride())
-
-
-def _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth):
+def _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v):
     hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
     a = _lib.new_args()
     a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
@@ -41,14 +38,11 @@ def _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth):
     a.seq_q, a.seq_kv, a.head_dim = q.shape[ni], k.shape[ni], q.shape[3]
     a.layout = layout
     for field, x in (("q_strides", q), ("k_strides", k), ("v_strides", v), ("o_strides", o)):
-        _lib.set_strides(getattr(a, field), layout, _element_strides(x))
+        _lib.set_strides(getattr(a, field), layout, list(x.stride()))
     a.dtype = _DTYPE_CODES[q.dtype]
     a.scale = scale
     a.mask = mask
-    # smooth: bits 0-2 = the SMOOTH_* flags to force, bits 3-5 = which of them are forced.
-    forced = lambda f: (bool(smooth & f) if smooth & (f << 3) else None)  # noqa: E731
-    a.variant, a.quant = _lib.quant_settings(qk_bits, forced(_lib.SMOOTH_Q),
-                                             forced(_lib.SMOOTH_K), forced(_lib.SMOOTH_V))
+    a.variant, a.quant = _lib.quant_settings(qk_bits, smooth_q, smooth_k, smooth_v)
     return a
 
 
@@ -67,13 +61,14 @@ def _warn_once(reason: str):
 
 @torch.library.custom_op("sage_attn::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: int, mask: int,
-                  scale: float, qk_bits: int, smooth: int, return_lse: bool,
+                  scale: float, qk_bits: Optional[int], smooth_q: Optional[bool],
+                  smooth_k: Optional[bool], smooth_v: Optional[bool], return_lse: bool,
                   fallback: int) -> tuple[torch.Tensor, torch.Tensor]:
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
     lse_shape = (q.shape[0], q.shape[hi], q.shape[ni]) if return_lse else (0,)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    a = _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits or None, smooth)
+    a = _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v)
     try:
         if q.is_cuda:
             with torch.cuda.device(q.device):
@@ -97,26 +92,11 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: int
 
 
 @_attention_op.register_fake
-def _(q, k, v, layout, mask, scale, qk_bits, smooth, return_lse, fallback):
+def _(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse, fallback):
     hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
     lse_shape = (q.shape[0], q.shape[hi], q.shape[ni]) if return_lse else (0,)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=torch.float32, device=q.device))
-
-
-def _smooth_bits(smooth_q, smooth_k, smooth_v) -> int:
-    bits = 0
-    for flag, value, name in ((_lib.SMOOTH_Q, smooth_q, "smooth_q"),
-                              (_lib.SMOOTH_K, smooth_k, "smooth_k"),
-                              (_lib.SMOOTH_V, smooth_v, "smooth_v")):
-        if value is None:
-            continue
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} = {value!r}: must be True, False or None")
-        bits |= flag << 3
-        if value:
-            bits |= flag
-    return bits
 
 
 def _check_tensors(q, k, v, layout_name):
@@ -171,8 +151,10 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     layout = _lib.LAYOUTS[tensor_layout]
     scale = _scale(sm_scale, q.shape[-1], "sm_scale")
     mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
-    o, lse = _attention_op(q, k, v, layout, mask, scale, qk_bits or 0,
-                           _smooth_bits(smooth_q, smooth_k, smooth_v), return_lse, _RAISE)
+    for name, value in (("smooth_q", smooth_q), ("smooth_k", smooth_k), ("smooth_v", smooth_v)):
+        _lib.check_flag(name, value)
+    o, lse = _attention_op(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
+                           return_lse, _RAISE)
     return (o, lse) if return_lse else o
 
 
@@ -239,5 +221,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     v = value if value.stride(-1) == 1 else value.contiguous()
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
-    o, _ = _attention_op(q, k, v, _lib.LAYOUT_HND, mask, s, 0, 0, False, _FALLBACK_SDPA)
+    o, _ = _attention_op(q, k, v, _lib.LAYOUT_HND, mask, s, None, None, None, None, False,
+                         _FALLBACK_SDPA)
     return o
