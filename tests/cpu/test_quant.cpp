@@ -70,7 +70,8 @@ TEST(Quantizer, Fp8GroupsKeepRelativeErrorOfE4M3) {
   for (size_t i = 0; i < x.size(); ++i) {
     const float back = qz.values[i] * qz.scale[0];
     // Normal E4M3 numbers carry 3 mantissa bits: relative error <= 2^-4; subnormals 2^-10 * amax.
-    EXPECT_LE(std::fabs(back - x[i]), std::max(std::fabs(x[i]) / 16.0f, qz.scale[0] / 512.0f) * 1.001f);
+    EXPECT_LE(std::fabs(back - x[i]),
+              std::max(std::fabs(x[i]) / 16.0f, qz.scale[0] / 512.0f) * 1.001f);
   }
 }
 
@@ -195,7 +196,8 @@ TEST(Emulation, BlockingDoesNotChangeTheResult) {
   const Fp16Tensor q = test::random_tensor(rng, 1, 2, 77, 64, 2.0f);
   const Fp16Tensor k = test::random_tensor(rng, 1, 1, 201, 64, 5.0f);
   const Fp16Tensor v = test::random_tensor(rng, 1, 1, 201, 64, 2.0f);
-  for (sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
+  for (sage_mask mask :
+       {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
     const Problem p{1, 2, 1, 77, 201, 64, 0.125, mask};
     std::vector<double> want(size_t(p.out_elems())), want_lse(size_t(p.lse_elems()));
     attention_exact(p, q.view(), k.view(), v.view(), want.data(), want_lse.data());
@@ -248,26 +250,45 @@ TEST(Accumulator, TwoLevelBeatsFp22Only) {
             compare(exact.data(), fp22.data(), p.out_elems()).rel_l1);
 }
 
+// The accumulator's own error: SageAttn2-8b (smooth K only, so V's bias makes the sums large) with
+// a given P·V accumulator against the same config with a true fp32 one, on fresh inputs.
+class AccumulatorError {
+ public:
+  AccumulatorError(int64_t rows, int64_t keys, double scale)
+      : rng_(test::fresh_seed()),
+        q_(test::random_tensor(rng_, 1, 1, rows, 64)),
+        k_(test::random_tensor(rng_, 1, 1, keys, 64)),
+        v_(test::random_tensor(rng_, 1, 1, keys, 64, 8.0f)),
+        p_{1, 1, 1, rows, keys, 64, scale, SAGE_MASK_NONE},
+        cfg_(quant_preset(SAGE_VARIANT_SAGE2_8B)) {
+    cfg_.smooth = SAGE_SMOOTH_K;
+    const std::vector<float> base = run(SAGE_PV_ACCUM_FP32, cfg_.accum_mantissa_bits, 1);
+    base_.assign(base.begin(), base.end());
+  }
+  double operator()(sage_pv_accum accum, int bits, int flush = 1) {
+    const std::vector<float> o = run(accum, bits, flush);
+    return compare(base_.data(), o.data(), p_.out_elems()).rel_l1;
+  }
+  sage_quant_config& config() { return cfg_; }
+
+ private:
+  std::vector<float> run(sage_pv_accum accum, int bits, int flush) {
+    cfg_.pv_accum = accum;
+    cfg_.accum_mantissa_bits = bits;
+    cfg_.pv_flush_interval = flush;
+    std::vector<float> o(size_t(p_.out_elems()));
+    attention_quant(p_, cfg_, q_.view(), k_.view(), v_.view(), o.data(), nullptr);
+    return o;
+  }
+  std::mt19937_64 rng_;
+  Fp16Tensor q_, k_, v_;
+  Problem p_;
+  sage_quant_config cfg_;
+  std::vector<double> base_;
+};
+
 TEST(Accumulator, MantissaBitsAndFlushIntervalAreMonotone) {
-  std::mt19937_64 rng(test::fresh_seed());
-  const Fp16Tensor q = test::random_tensor(rng, 1, 1, 128, 64);
-  const Fp16Tensor k = test::random_tensor(rng, 1, 1, 2048, 64);
-  const Fp16Tensor v = test::random_tensor(rng, 1, 1, 2048, 64, 8.0f);
-  const Problem p{1, 1, 1, 128, 2048, 64, 0.125, SAGE_MASK_NONE};
-  sage_quant_config cfg = quant_preset(SAGE_VARIANT_SAGE2_8B);
-  cfg.smooth = SAGE_SMOOTH_K;
-  cfg.pv_accum = SAGE_PV_ACCUM_FP32;
-  std::vector<float> base(size_t(p.out_elems()));
-  attention_quant(p, cfg, q.view(), k.view(), v.view(), base.data(), nullptr);
-  const std::vector<double> based(base.begin(), base.end());
-  auto err = [&](sage_pv_accum accum, int bits, int flush) {
-    cfg.pv_accum = accum;
-    cfg.accum_mantissa_bits = bits;
-    cfg.pv_flush_interval = flush;
-    std::vector<float> o(base.size());
-    attention_quant(p, cfg, q.view(), k.view(), v.view(), o.data(), nullptr);
-    return compare(based.data(), o.data(), p.out_elems()).rel_l1;
-  };
+  AccumulatorError err(128, 2048, 0.125);
   EXPECT_LT(err(SAGE_PV_ACCUM_HW, 23, 1), 1e-6);  // a 23-bit truncating accumulator ~ fp32
   EXPECT_LT(err(SAGE_PV_ACCUM_HW, 16, 1), err(SAGE_PV_ACCUM_HW, 10, 1));
   EXPECT_LE(err(SAGE_PV_ACCUM_TWO_LEVEL, 13, 1), err(SAGE_PV_ACCUM_TWO_LEVEL, 13, 8));
@@ -304,27 +325,11 @@ TEST(Accumulator, AlignedStepReproducesTheWgmmaProbe) {
 // loses more than exact-sum 13-bit truncation over a flat, long row (each small product is cut
 // on its own), and a 23-bit window is close to fp32.
 TEST(Accumulator, AlignedModelInTheEmulation) {
-  std::mt19937_64 rng(test::fresh_seed());
-  const Fp16Tensor q = test::random_tensor(rng, 1, 1, 64, 64);
-  const Fp16Tensor k = test::random_tensor(rng, 1, 1, 2048, 64);
-  const Fp16Tensor v = test::random_tensor(rng, 1, 1, 2048, 64, 8.0f);
-  const Problem p{1, 1, 1, 64, 2048, 64, 0.02, SAGE_MASK_NONE};  // small scale: flat rows
-  sage_quant_config cfg = quant_preset(SAGE_VARIANT_SAGE2_8B);
-  cfg.smooth = SAGE_SMOOTH_K;
-  cfg.pv_accum = SAGE_PV_ACCUM_FP32;
-  std::vector<float> base(size_t(p.out_elems()));
-  attention_quant(p, cfg, q.view(), k.view(), v.view(), base.data(), nullptr);
-  const std::vector<double> based(base.begin(), base.end());
-  auto err = [&](sage_pv_accum accum, int bits) {
-    cfg.pv_accum = accum;
-    cfg.accum_mantissa_bits = bits;
-    std::vector<float> o(base.size());
-    attention_quant(p, cfg, q.view(), k.view(), v.view(), o.data(), nullptr);
-    return compare(based.data(), o.data(), p.out_elems()).rel_l1;
-  };
+  AccumulatorError err(64, 2048, 0.02);  // small scale: flat rows
   EXPECT_GT(err(SAGE_PV_ACCUM_ALIGNED, 13), err(SAGE_PV_ACCUM_HW, 13));
   EXPECT_LT(err(SAGE_PV_ACCUM_ALIGNED, 23), 1e-5);
   // Block V scales need a flushed accumulator; ALIGNED is never flushed.
+  sage_quant_config cfg = err.config();
   cfg.pv_accum = SAGE_PV_ACCUM_ALIGNED;
   cfg.v_scale = SAGE_V_SCALE_PER_BLOCK_CHANNEL;
   EXPECT_NE(quant_config_error(cfg).find("v_scale"), std::string::npos);
@@ -353,8 +358,8 @@ class PaperOrderings : public ::testing::Test {
       if (key.rfind(table_prefix, 0) == 0 && key.substr(key.find('/') + 1) == label) {
         const Problem p = inputs_->problem();
         std::vector<float> o(exact_->size());
-        attention_quant(p, cfg, inputs_->q_view(), inputs_->k_view(), inputs_->v_view(),
-                        o.data(), nullptr);
+        attention_quant(p, cfg, inputs_->q_view(), inputs_->k_view(), inputs_->v_view(), o.data(),
+                        nullptr);
         return compare(exact_->data(), o.data(), p.out_elems());
       }
     ADD_FAILURE() << "no ablation row " << table_prefix << " / " << label;
