@@ -107,6 +107,8 @@ def main(argv=None):
 
 def reference(tq, tk, tv, args):
     """float64 attention of the (rounded) inputs on the GPU, as a numpy array in the input layout."""
+    import torch
+
     from .bench import reference64
     nhd = args.layout == "NHD"
     hnd = (lambda x: x.transpose(1, 2)) if nhd else (lambda x: x)
@@ -114,13 +116,8 @@ def reference(tq, tk, tv, args):
     top_left = args.causal_align == "top_left"
     outs = [reference64(q[b], k[b], v[b], args.causal, args.scale, top_left=top_left)
             for b in range(q.shape[0])]
-    o = hnd(torch_stack(outs))
+    o = hnd(torch.stack(outs))
     return o.cpu().numpy()
-
-
-def torch_stack(xs):
-    import torch
-    return torch.stack(xs)
 
 
 if __name__ == "__main__":

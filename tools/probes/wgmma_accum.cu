@@ -35,31 +35,25 @@ __global__ void __launch_bounds__(128)
   const uint64_t desc = sage::ptx::wgmma_desc<128>(tile);
   float d[32];
   for (int i = 0; i < 32; ++i) d[i] = c0;
-  if (mode == 0) {
-    sage::ptx::wgmma_fence_regs(d);
+  // `n` wgmmas into acc in one commit group, then wait for them.
+  auto group = [&](float(&acc)[32], int n) {
+    sage::ptx::wgmma_fence_regs(acc);
     sage::ptx::wgmma_fence();
-    for (int s = 0; s < steps; ++s) sage::ptx::wgmma_m64n64k32_e4m3(d, a, desc, true);
+    for (int s = 0; s < n; ++s) sage::ptx::wgmma_m64n64k32_e4m3(acc, a, desc, true);
     sage::ptx::wgmma_commit();
     sage::ptx::wgmma_wait<0>();
-    sage::ptx::wgmma_fence_regs(d);
+    sage::ptx::wgmma_fence_regs(acc);
+  };
+  if (mode == 0) {
+    group(d, steps);
   } else {
     for (int s = 0; s < steps; ++s) {
       if (mode == 1) {
-        sage::ptx::wgmma_fence_regs(d);
-        sage::ptx::wgmma_fence();
-        sage::ptx::wgmma_m64n64k32_e4m3(d, a, desc, true);
-        sage::ptx::wgmma_commit();
-        sage::ptx::wgmma_wait<0>();
-        sage::ptx::wgmma_fence_regs(d);
+        group(d, 1);
       } else {
         float r[32];
         for (int i = 0; i < 32; ++i) r[i] = 0.0f;
-        sage::ptx::wgmma_fence_regs(r);
-        sage::ptx::wgmma_fence();
-        sage::ptx::wgmma_m64n64k32_e4m3(r, a, desc, true);
-        sage::ptx::wgmma_commit();
-        sage::ptx::wgmma_wait<0>();
-        sage::ptx::wgmma_fence_regs(r);
+        group(r, 1);
         for (int i = 0; i < 32; ++i) d[i] += r[i];
       }
     }
