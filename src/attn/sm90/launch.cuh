@@ -1,4 +1,4 @@
-// The sm90 launcher: builds the TMA descriptors of the pre-pass's K and Vᵀ (driver entry point
+// The sm90 launcher: builds the TMA descriptors of the pre-pass's Q, K and Vᵀ (driver entry point
 // fetched through the runtime, so libsage links no libcuda) and launches one instantiation.
 #pragma once
 
