@@ -53,26 +53,28 @@ __device__ __forceinline__ void online_max(float (&row_max)[2], float (&m)[2], f
   }
 }
 
-// P^ = E4M3(P~ · 448) as the A operand of kChunks k32 MMA steps (keys 32c..32c+31 in the order
-// the pre-pass gives Vᵀ): reg 0/1 of chunk c take 8-key tiles 4c, 4c+1 of rows g / g+8, reg 2/3
-// tiles 4c+2, 4c+3. p_at(tile, e) reads element e of a tile of P~.
+// P^ = E4M3(p) as the A operand of kChunks k32 MMA steps (keys 32c..32c+31 in the order the
+// pre-pass gives Vᵀ): reg 0/1 of chunk c take 8-key tiles 4c, 4c+1 of rows g / g+8, reg 2/3 tiles
+// 4c+2, 4c+3. p_at(tile, e) gives element e of a tile already scaled to E4M3 range (P~ · 448).
 template <int kChunks, typename PAt>
 __device__ __forceinline__ void pack_p_e4m3(uint32_t (&pf)[kChunks][4], PAt p_at) {
   for (int c = 0; c < kChunks; ++c)
     for (int half = 0; half < 2; ++half) {
       const int n0 = 4 * c + 2 * half, n1 = n0 + 1;
-      pf[c][2 * half + 0] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 0) * 448.0f, p_at(n0, 1) * 448.0f)) |
-                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 0) * 448.0f, p_at(n1, 1) * 448.0f))
+      pf[c][2 * half + 0] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 0), p_at(n0, 1))) |
+                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 0), p_at(n1, 1)))
                                 << 16;
-      pf[c][2 * half + 1] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 2) * 448.0f, p_at(n0, 3) * 448.0f)) |
-                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 2) * 448.0f, p_at(n1, 3) * 448.0f))
+      pf[c][2 * half + 1] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 2), p_at(n0, 3))) |
+                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 2), p_at(n1, 3)))
                                 << 16;
     }
 }
 
 // Finalize and store rows row_a, row_a + 8: O / l / 448 · v_scale + v_mean in the output dtype;
 // LSE = (m + log2 l)·ln 2 + the smoothing shift. o_at(i, e) reads element e of channel tile i.
-template <int D, typename OutT, typename OAt>
+// kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 when it sums the
+// E4M3-range values P~ · 448 the kernel computed directly.
+template <int D, typename OutT, int kLUnit, typename OAt>
 __device__ __forceinline__ void finalize(const mma::AttnParams& p, OAt o_at, const float (&m)[2],
                                          float (&l)[2], int64_t b, int64_t h, int64_t bh,
                                          int64_t bhk, int64_t row_a, int t) {
@@ -86,7 +88,7 @@ __device__ __forceinline__ void finalize(const mma::AttnParams& p, OAt o_at, con
     const int64_t row = row_a + 8 * r;
     if (row >= p.seq_q) continue;
     const bool empty = !(l[r] > 0.0f);
-    const float inv = empty ? 0.0f : 1.0f / (l[r] * 448.0f);
+    const float inv = empty ? 0.0f : 1.0f / (l[r] * (448.0f / kLUnit));
     OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
     for (int i = 0; i < D / 8; ++i) {
       const int c = i * 8 + 2 * t;
@@ -97,7 +99,8 @@ __device__ __forceinline__ void finalize(const mma::AttnParams& p, OAt o_at, con
     if (p.lse && t == 0)
       p.lse[b * p.lse_batch + h * p.lse_head + row * p.lse_token] =
           empty ? -INFINITY
-                : (m[r] + log2f(l[r])) * 0.69314718055994531f + p.lse_shift[bh * p.seq_q + row];
+                : (m[r] + log2f(l[r] * (1.0f / kLUnit))) * 0.69314718055994531f +
+                      p.lse_shift[bh * p.seq_q + row];
   }
 }
 

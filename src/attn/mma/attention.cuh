@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     // MMA accumulator is narrower than fp32 (the paper's FP22, sm_89); where it is a true fp32
     // (measured on sm_90, docs/fp8-accumulator.md) the MMA accumulates into O directly.
     uint32_t pf[2][4];
-    attn::pack_p_e4m3(pf, [&](int n, int e) { return sc[n][e]; });
+    attn::pack_p_e4m3(pf, [&](int n, int e) { return sc[n][e] * 448.0f; });
     for (int i = 0; i < kDTiles; ++i) {
       // V fragments of channel tile i for both key chunks in one ldmatrix.x4.
       uint32_t vf4[4];
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
   }
   ptx::cp_async_wait<0>();
 
-  attn::finalize<D, OutT>(
+  attn::finalize<D, OutT, 1>(
       p, [&](int i, int e) { return o[i][e]; }, m, l, b, h, bh, bhk, row_a, t);
 #endif
 }

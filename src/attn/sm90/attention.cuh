@@ -144,29 +144,61 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   uint32_t pf[4][4];  // P^ of the previous block, the A operand of its P·V (issued one block late)
 
-  // Scores of block kb (in sacc, exact int32) to exp2'd P~ in sc, with the online max/sum;
-  // alpha rescales O. pack_p turns sc into the P^ A-operand (after the previous P·V has read pf).
+  // The S accumulator starts at the bits of 1.5·2^23 (kMagic), so the exact int32 score x
+  // (|x| < 2^21 for int8 at D <= 128) comes out of the wgmma as the bits of the float
+  // 1.5·2^23 + x: the int -> float conversion costs nothing, the max can be taken on the bits,
+  // and the softmax of a visible score is one FFMA and one EX2:
+  //   P~ · 448 = 2^(x·f - m + log2 448) = 2^(y·f - bias),  y = 1.5·2^23 + x,
+  //   bias = 1.5·2^23·f + m - log2 448,
+  // where f = q_scale · k_scale · scale · log2 e. Rounding bias costs at most 0.75·f in the
+  // exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). So sc holds
+  // P~ · 448, the E4M3-range values P^ is packed from, and l sums them (finalize's kLUnit 448).
+  constexpr int kMagic = 0x4B400000;
+  constexpr float kMagicF = 12582912.0f;
+  constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
   float sc[64];
-  auto softmax_block = [&](int(&sacc)[64], int kb, float(&alpha)[2]) {
-    const int64_t j0 = int64_t(kb) * kBlockK;
-    const int kg0 = 2 * kb, kg1 = min(2 * kb + 1, int(p.k_blocks) - 1);
-    const float f0 = q_scale_log2 * k_scale[kg0 * mma::kKGroups + t];
-    const float f1 = q_scale_log2 * k_scale[kg1 * mma::kKGroups + t];
-    for (int i = 0; i < 64; ++i) sc[i] = float(sacc[i]) * (i < 32 ? f0 : f1);
-    if (kb >= first_masked_block) {  // CTA-uniform: only the diagonal and the Nk edge
-      int visible[2];
-      attn::visible_keys<kCausal, kBlockK>(p, row_a, j0, visible);
-      for (int i = 0; i < 64; ++i)
-        if ((i / 4) * 8 + 2 * t + (i & 1) >= visible[(i / 2) & 1]) sc[i] = -INFINITY;
+  auto scales = [&](int kb, float(&f)[2]) {  // f of keys 0-63 and 64-127 of block kb
+    f[0] = q_scale_log2 * k_scale[(2 * kb) * mma::kKGroups + t];
+    f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * mma::kKGroups + t];
+  };
+  auto softmax_block = [&](int(&sacc)[64], int kb, const float(&f)[2], float(&alpha)[2]) {
+    float row_max[2], m_use[2];
+    if (kb < first_masked_block) {  // every key visible to every row (CTA-uniform)
+      int mx[2][2];
+      for (int r = 0; r < 2; ++r)
+        for (int h = 0; h < 2; ++h) mx[r][h] = sacc[32 * h + 2 * r];
+      for (int i = 0; i < 64; ++i) mx[(i / 2) & 1][i / 32] = max(mx[(i / 2) & 1][i / 32], sacc[i]);
+      for (int r = 0; r < 2; ++r)
+        row_max[r] = fmaxf((__int_as_float(mx[r][0]) - kMagicF) * f[0],
+                           (__int_as_float(mx[r][1]) - kMagicF) * f[1]);
+      attn::online_max(row_max, m, l, alpha, m_use);
+      float bias[2][2];
+      for (int r = 0; r < 2; ++r)
+        for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
+      float part[2][4] = {};  // four partial sums per row: short FADD chains
+      for (int i = 0; i < 64; ++i) {
+        sc[i] = ptx::ex2(fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]));
+        part[(i / 2) & 1][i / 16] += sc[i];
+      }
+      for (int r = 0; r < 2; ++r) l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
+      return;
     }
-    float row_max[2] = {-INFINITY, -INFINITY};
-    for (int i = 0; i < 64; ++i) row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], sc[i]);
-    float m_use[2];
-    attn::online_max(row_max, m, l, alpha, m_use);
+    // The diagonal and the Nk edge: scores as floats, hidden ones -inf.
+    int visible[2];
+    attn::visible_keys<kCausal, kBlockK>(p, row_a, int64_t(kb) * kBlockK, visible);
     for (int i = 0; i < 64; ++i) {
-      sc[i] = ptx::ex2(sc[i] - m_use[(i / 2) & 1]);
-      l[(i / 2) & 1] += sc[i];
+      const bool hidden = (i / 4) * 8 + 2 * t + (i & 1) >= visible[(i / 2) & 1];
+      sc[i] = hidden ? -INFINITY : (__int_as_float(sacc[i]) - kMagicF) * f[i / 32];
     }
+    row_max[0] = row_max[1] = -INFINITY;
+    for (int i = 0; i < 64; ++i) row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], sc[i]);
+    attn::online_max(row_max, m, l, alpha, m_use);
+    float part[2][4] = {};
+    for (int i = 0; i < 64; ++i) {
+      sc[i] = ptx::ex2(sc[i] - (m_use[(i / 2) & 1] - kLog2E4m3Max));
+      part[(i / 2) & 1][i / 16] += sc[i];
+    }
+    for (int r = 0; r < 2; ++r) l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
   };
   auto pack_p = [&]() { attn::pack_p_e4m3(pf, [&](int n, int e) { return sc[4 * n + e]; }); };
   auto issue_qk = [&](int(&sacc)[64], int st) {
@@ -185,7 +217,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Block 0: S alone.
   if (n_blocks > 0) {
     int sacc[64];
-    for (int i = 0; i < 64; ++i) sacc[i] = 0;
+    for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
+    float f[2];
+    scales(0, f);
     ptx::mbar_wait(&full_k[0], 0);
     ptx::wgmma_fence_regs(sacc);
     ptx::wgmma_fence();
@@ -194,14 +228,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::wgmma_fence_regs(sacc);
     release(&empty_k[0]);
     float alpha[2];
-    softmax_block(sacc, 0, alpha);
+    softmax_block(sacc, 0, f, alpha);
     pack_p();
   }
   // Block kb: S(kb) and, behind it, P·V(kb-1); the softmax of kb runs while P·V(kb-1) does.
   for (int kb = 1; kb < n_blocks; ++kb) {
     const int st = kb % kStages, pst = (kb - 1) % kStages;
     int sacc[64];
-    for (int i = 0; i < 64; ++i) sacc[i] = 0;
+    for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
+    float f[2];
+    scales(kb, f);  // loaded before the waits: the wgmma asm orders memory, the loads hide behind
     ptx::mbar_wait(&full_k[st], (kb / kStages) & 1);
     ptx::mbar_wait(&full_v[pst], ((kb - 1) / kStages) & 1);
     ptx::wgmma_fence_regs(sacc);
@@ -217,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::wgmma_fence_regs(sacc);
     release(&empty_k[st]);
     float alpha[2];
-    softmax_block(sacc, kb, alpha);
+    softmax_block(sacc, kb, f, alpha);
     ptx::wgmma_wait<0>();  // P·V(kb-1) landed: O may be rescaled, pf rewritten
     ptx::wgmma_fence_regs(o);
     release(&empty_v[pst]);
@@ -238,7 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) ptx::mbar_arrive(&empty_v[pst]);
   }
 
-  attn::finalize<D, OutT>(
+  attn::finalize<D, OutT, 448>(
       p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, bhk, row_a, t);
 #endif
 }
