@@ -38,11 +38,10 @@ constexpr int kBlockQ = 128;  // 2 consumer warpgroups x 64 rows
 constexpr int kBlockK = 128;  // keys per block = the N of the Q·Kᵀ wgmma
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
-constexpr int kStages = 2;  // K and Vᵀ tiles in flight
 static_assert(kBlockQ == mma::kBlockQ && kBlockK == 2 * mma::kBlockK,
               "the sm90 kernel reads the mma pre-pass layout: 128-row Q blocks, 64-key K groups");
 
-template <int D>
+template <int D, int kStages>  // kStages: K and Vᵀ tiles in flight
 struct Smem {
   static constexpr int kQTile = kBlockQ * D;  // [128 rows][D bytes], swizzled (A of Q·Kᵀ)
   static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
@@ -65,11 +64,22 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
     ptx::wgmma_m64n64k32_e4m3(o, p, desc, /*accumulate=*/true);
 }
 
-template <int D, typename OutT, bool kCausal>
+// Ping-pong between the two consumers (kPingPong): named barrier 1 + c is consumer c's turn to
+// issue its GEMMs; it passes the turn to the other as soon as they are issued, so one consumer's
+// GEMMs run on the tensor cores while the other's softmax has the MUFU (else both reach their
+// softmax together and contend for the 16 EX2 / SM / clock). Consumer 1 starts by passing.
+__device__ __forceinline__ void named_bar_sync(int id) {
+  asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id) {
+  asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
+}
+
+template <int D, typename OutT, bool kCausal, bool kPingPong, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = Smem<D>;
+  using S = Smem<D, kStages>;
   constexpr int kQkSteps = D / 32;  // k32 steps along head_dim
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -124,6 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of the block ----
   ptx::setmaxnreg_inc<232>();
   const int warp = threadIdx.x / 32 - 4;  // 0..7: the 16-row slab of the 128-row block
+  const int consumer = warp / 4;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row_a = qb * kBlockQ + warp * 16 + g;
   const int64_t first_row = qb * kBlockQ;
@@ -209,13 +220,21 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   /*accumulate=*/true);
     ptx::wgmma_commit();
   };
+  auto take_turn = [&] {
+    if (kPingPong) named_bar_sync(1 + consumer);
+  };
+  auto pass_turn = [&] {
+    if (kPingPong) named_bar_arrive(2 - consumer);
+  };
   auto release = [&](uint64_t* bar) {
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(bar);
   };
 
-  // Block 0: S alone.
+  // Block 0: S alone. (Consumer 1 lets consumer 0 go first; each then takes and passes the turn
+  // n_blocks + 1 times, consumer 1 not passing its last, so both barriers end balanced.)
   if (n_blocks > 0) {
+    if (consumer == 1) pass_turn();
     int sacc[64];
     for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
     float f[2];
@@ -223,7 +242,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::mbar_wait(&full_k[0], 0);
     ptx::wgmma_fence_regs(sacc);
     ptx::wgmma_fence();
+    take_turn();
     issue_qk(sacc, 0);
+    pass_turn();
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(sacc);
     release(&empty_k[0]);
@@ -243,12 +264,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::wgmma_fence_regs(sacc);
     ptx::wgmma_fence_regs(o);
     ptx::wgmma_fence();
+    take_turn();
     issue_qk(sacc, st);
     {
       const uint8_t* vt = v_tiles + pst * S::kVTile;
       for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc<128>(vt + c * 32));
       ptx::wgmma_commit();
     }
+    pass_turn();
     ptx::wgmma_wait<1>();  // S(kb) is ready; P·V(kb-1) may still run
     ptx::wgmma_fence_regs(sacc);
     release(&empty_k[st]);
@@ -266,8 +289,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::wgmma_fence_regs(o);
     ptx::wgmma_fence();
     const uint8_t* vt = v_tiles + pst * S::kVTile;
+    take_turn();
     for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc<128>(vt + c * 32));
     ptx::wgmma_commit();
+    if (consumer == 0) pass_turn();
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(o);
     __syncwarp();

@@ -4,6 +4,8 @@
 
 #include <cudaTypedefs.h>
 
+#include <cstdlib>
+
 #include "attn/sm90/attention.cuh"
 #include "attn/sm90/launch.h"
 
@@ -38,10 +40,21 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uin
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// Development switches, read once: SAGE_SM90_PINGPONG=0 turns the consumers' ping-pong off,
+// SAGE_SM90_STAGES=3 gives the K/Vᵀ ring three stages instead of two (for measuring each).
+inline bool env_is(const char* name, char value) {
+  const char* env = std::getenv(name);
+  return env && env[0] == value;
+}
+
 template <int D, typename OutT, bool kCausal>
 cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream) {
-  constexpr int kSmem = Smem<D>::kBytes;
-  auto kernel = attention_kernel<D, OutT, kCausal>;
+  static const bool pp = !env_is("SAGE_SM90_PINGPONG", '0'), three = env_is("SAGE_SM90_STAGES", '3');
+  auto kernel = pp ? (three ? attention_kernel<D, OutT, kCausal, true, 3>
+                            : attention_kernel<D, OutT, kCausal, true, 2>)
+                   : (three ? attention_kernel<D, OutT, kCausal, false, 3>
+                            : attention_kernel<D, OutT, kCausal, false, 2>);
+  const int kSmem = three ? Smem<D, 3>::kBytes : Smem<D, 2>::kBytes;
   const cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (e != cudaSuccess) return e;
