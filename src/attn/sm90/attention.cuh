@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (wg == 0) {  // ---- producer ----
-    ptx::setmaxnreg_dec<40>();
+    ptx::setmaxnreg_dec<24>();
     if (threadIdx.x == 0) {
       ptx::mbar_arrive_expect_tx(&full_q, S::kQTile);
       ptx::tma_load_3d(q_tile, &maps.q, &full_q, 0, int(qb * kBlockQ), int(bh));
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of the block ----
-  ptx::setmaxnreg_inc<232>();
+  ptx::setmaxnreg_inc<240>();
   const int warp = threadIdx.x / 32 - 4;  // 0..7: the 16-row slab of the 128-row block
   const int consumer = warp / 4;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -162,18 +162,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   //   P~ · 448 = 2^(x·f - m + log2 448) = 2^(y·f - bias),  y = 1.5·2^23 + x,
   //   bias = 1.5·2^23·f + m - log2 448,
   // where f = q_scale · k_scale · scale · log2 e. Rounding bias costs at most 0.75·f in the
-  // exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). So sc holds
-  // P~ · 448, the E4M3-range values P^ is packed from, and l sums them (finalize's kLUnit 448).
+  // exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). The softmax
+  // writes P~ · 448 (the E4M3-range values P^ is packed from) over the scores, as float bits,
+  // and l sums them (finalize's kLUnit 448).
   constexpr int kMagic = 0x4B400000;
   constexpr float kMagicF = 12582912.0f;
   constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
-  float sc[64];
   auto scales = [&](int kb, float(&f)[2]) {  // f of keys 0-63 and 64-127 of block kb
     f[0] = q_scale_log2 * k_scale[(2 * kb) * mma::kKGroups + t];
     f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * mma::kKGroups + t];
   };
   auto softmax_block = [&](int(&sacc)[64], int kb, const float(&f)[2], float(&alpha)[2]) {
     float row_max[2], m_use[2];
+    float part[2][4] = {};  // four partial sums per row: short FADD chains
     if (kb < first_masked_block) {  // every key visible to every row (CTA-uniform)
       int mx[2][2];
       for (int r = 0; r < 2; ++r)
@@ -186,117 +187,126 @@ __global__ void __launch_bounds__(kThreads, 1)
       float bias[2][2];
       for (int r = 0; r < 2; ++r)
         for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
-      float part[2][4] = {};  // four partial sums per row: short FADD chains
       for (int i = 0; i < 64; ++i) {
-        sc[i] = ptx::ex2(fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]));
-        part[(i / 2) & 1][i / 16] += sc[i];
+        const float e =
+            ptx::ex2(fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]));
+        part[(i / 2) & 1][i / 16] += e;
+        sacc[i] = __float_as_int(e);
       }
-      for (int r = 0; r < 2; ++r) l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
-      return;
-    }
-    // The diagonal and the Nk edge: scores as floats, hidden ones -inf.
-    int visible[2];
-    attn::visible_keys<kCausal, kBlockK>(p, row_a, int64_t(kb) * kBlockK, visible);
-    for (int i = 0; i < 64; ++i) {
-      const bool hidden = (i / 4) * 8 + 2 * t + (i & 1) >= visible[(i / 2) & 1];
-      sc[i] = hidden ? -INFINITY : (__int_as_float(sacc[i]) - kMagicF) * f[i / 32];
-    }
-    row_max[0] = row_max[1] = -INFINITY;
-    for (int i = 0; i < 64; ++i) row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], sc[i]);
-    attn::online_max(row_max, m, l, alpha, m_use);
-    float part[2][4] = {};
-    for (int i = 0; i < 64; ++i) {
-      sc[i] = ptx::ex2(sc[i] - (m_use[(i / 2) & 1] - kLog2E4m3Max));
-      part[(i / 2) & 1][i / 16] += sc[i];
+    } else {  // the diagonal and the Nk edge: scores as floats, hidden ones -inf
+      int visible[2];
+      attn::visible_keys<kCausal, kBlockK>(p, row_a, int64_t(kb) * kBlockK, visible);
+      row_max[0] = row_max[1] = -INFINITY;
+      for (int i = 0; i < 64; ++i) {
+        const bool hidden = (i / 4) * 8 + 2 * t + (i & 1) >= visible[(i / 2) & 1];
+        const float x = hidden ? -INFINITY : (__int_as_float(sacc[i]) - kMagicF) * f[i / 32];
+        row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], x);
+        sacc[i] = __float_as_int(x);
+      }
+      attn::online_max(row_max, m, l, alpha, m_use);
+      for (int i = 0; i < 64; ++i) {
+        const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[(i / 2) & 1] - kLog2E4m3Max));
+        part[(i / 2) & 1][i / 16] += e;
+        sacc[i] = __float_as_int(e);
+      }
     }
     for (int r = 0; r < 2; ++r) l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
   };
-  auto pack_p = [&]() { attn::pack_p_e4m3(pf, [&](int n, int e) { return sc[4 * n + e]; }); };
-  auto issue_qk = [&](int(&sacc)[64], int st) {
-    const uint8_t* kt = k_tiles + st * S::kKTile;
-    for (int s = 0; s < kQkSteps; ++s)
-      ptx::wgmma_m64n128k32_s8_ss(sacc, ptx::wgmma_desc<D>(q_wg + s * 32),
-                                  ptx::wgmma_desc<D>(kt + s * 32),
-                                  /*accumulate=*/true);
-    ptx::wgmma_commit();
+  auto pack_p = [&](const int(&pe)[64]) {
+    attn::pack_p_e4m3(pf, [&](int n, int e) { return __int_as_float(pe[4 * n + e]); });
   };
+  // O *= alpha, skipped when no row of the warp saw its max move (most blocks after the first
+  // few): a warp-uniform branch outside any wgmma's flight.
+  auto rescale_o = [&](const float(&alpha)[2]) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
+      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
+  };
+
   auto take_turn = [&] {
     if (kPingPong) named_bar_sync(1 + consumer);
   };
   auto pass_turn = [&] {
     if (kPingPong) named_bar_arrive(2 - consumer);
   };
+  // Descriptors: computed once, a stage and a k-step add (bytes >> 4) to the start address.
+  const uint64_t q_desc = ptx::wgmma_desc<D>(q_wg);
+  const uint64_t k_desc = ptx::wgmma_desc<D>(k_tiles);
+  const uint64_t v_desc = ptx::wgmma_desc<128>(v_tiles);
+  // Q·Kᵀ of block kb into sacc (seeded with kMagic), and its scales into f.
+  auto issue_qk = [&](int(&sacc)[64], float(&f)[2], int kb) {
+    const int st = kb % kStages;
+    for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
+    scales(kb, f);  // loaded before the wait: the wgmma asm orders memory, the load hides behind
+    ptx::mbar_wait(&full_k[st], (kb / kStages) & 1);
+    ptx::wgmma_fence_regs(sacc);
+    ptx::wgmma_fence();
+    take_turn();
+    for (int s = 0; s < kQkSteps; ++s)
+      ptx::wgmma_m64n128k32_s8_ss(sacc, q_desc + uint64_t(s * 32 >> 4),
+                                  k_desc + uint64_t((st * S::kKTile + s * 32) >> 4),
+                                  /*accumulate=*/true);
+    ptx::wgmma_commit();
+    pass_turn();
+  };
+  // P·V of block kb (A = pf).
+  auto issue_pv = [&](int kb, bool last) {
+    const int st = kb % kStages;
+    ptx::mbar_wait(&full_v[st], (kb / kStages) & 1);
+    ptx::wgmma_fence_regs(o);
+    ptx::wgmma_fence();
+    take_turn();
+    for (int c = 0; c < 4; ++c)
+      pv_wgmma<D>(o, pf[c], v_desc + uint64_t((st * S::kVTile + c * 32) >> 4));
+    ptx::wgmma_commit();
+    if (!last || consumer == 0) pass_turn();
+  };
   auto release = [&](uint64_t* bar) {
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(bar);
   };
 
-  // Block 0: S alone. (Consumer 1 lets consumer 0 go first; each then takes and passes the turn
-  // n_blocks + 1 times, consumer 1 not passing its last, so both barriers end balanced.)
-  if (n_blocks > 0) {
-    if (consumer == 1) pass_turn();
+  // Step kb (kb >= 1), on entry pf = P^(kb-1): issue Q·Kᵀ(kb), then P·V(kb-1) behind it; wait
+  // for Q·Kᵀ(kb) only and run the softmax of kb while P·V(kb-1) is on the tensor cores; wait for
+  // it, O *= alpha, pf = P^(kb). Every wgmma of the loop is issued unconditionally (a
+  // conditional GEMM in the loop made ptxas serialize them all, C7514: block 0 is peeled).
+  // (Two S register sets, Q·Kᵀ(kb+1) in flight during softmax(kb), need more than the 240
+  // registers a consumer gets: ptxas spilled ~1.2 KB.)
+  auto step = [&](int kb) {
     int sacc[64];
-    for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
     float f[2];
-    scales(0, f);
-    ptx::mbar_wait(&full_k[0], 0);
+    issue_qk(sacc, f, kb);
+    issue_pv(kb - 1, false);
+    ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P·V(kb-1) may still run
     ptx::wgmma_fence_regs(sacc);
-    ptx::wgmma_fence();
-    take_turn();
-    issue_qk(sacc, 0);
-    pass_turn();
-    ptx::wgmma_wait<0>();
-    ptx::wgmma_fence_regs(sacc);
-    release(&empty_k[0]);
-    float alpha[2];
-    softmax_block(sacc, 0, f, alpha);
-    pack_p();
-  }
-  // Block kb: S(kb) and, behind it, P·V(kb-1); the softmax of kb runs while P·V(kb-1) does.
-  for (int kb = 1; kb < n_blocks; ++kb) {
-    const int st = kb % kStages, pst = (kb - 1) % kStages;
-    int sacc[64];
-    for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
-    float f[2];
-    scales(kb, f);  // loaded before the waits: the wgmma asm orders memory, the loads hide behind
-    ptx::mbar_wait(&full_k[st], (kb / kStages) & 1);
-    ptx::mbar_wait(&full_v[pst], ((kb - 1) / kStages) & 1);
-    ptx::wgmma_fence_regs(sacc);
-    ptx::wgmma_fence_regs(o);
-    ptx::wgmma_fence();
-    take_turn();
-    issue_qk(sacc, st);
-    {
-      const uint8_t* vt = v_tiles + pst * S::kVTile;
-      for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc<128>(vt + c * 32));
-      ptx::wgmma_commit();
-    }
-    pass_turn();
-    ptx::wgmma_wait<1>();  // S(kb) is ready; P·V(kb-1) may still run
-    ptx::wgmma_fence_regs(sacc);
-    release(&empty_k[st]);
+    release(&empty_k[kb % kStages]);
     float alpha[2];
     softmax_block(sacc, kb, f, alpha);
     ptx::wgmma_wait<0>();  // P·V(kb-1) landed: O may be rescaled, pf rewritten
     ptx::wgmma_fence_regs(o);
-    release(&empty_v[pst]);
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
-    pack_p();
-  }
-  if (n_blocks > 0) {  // the last block's P·V
-    const int pst = (n_blocks - 1) % kStages;
-    ptx::mbar_wait(&full_v[pst], ((n_blocks - 1) / kStages) & 1);
-    ptx::wgmma_fence_regs(o);
-    ptx::wgmma_fence();
-    const uint8_t* vt = v_tiles + pst * S::kVTile;
-    take_turn();
-    for (int c = 0; c < 4; ++c) pv_wgmma<D>(o, pf[c], ptx::wgmma_desc<128>(vt + c * 32));
-    ptx::wgmma_commit();
-    if (consumer == 0) pass_turn();
+    release(&empty_v[(kb - 1) % kStages]);
+    rescale_o(alpha);
+    pack_p(sacc);
+  };
+
+  // (Consumer 1 lets consumer 0 go first; each then takes and passes the turn once per GEMM
+  // issue, consumer 1 not passing after its last, so both barriers end balanced.)
+  if (n_blocks > 0) {
+    if (consumer == 1) pass_turn();
+    {
+      int sacc[64];
+      float f[2], alpha[2];
+      issue_qk(sacc, f, 0);
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(sacc);
+      release(&empty_k[0]);
+      softmax_block(sacc, 0, f, alpha);
+      pack_p(sacc);
+    }
+    for (int kb = 1; kb < n_blocks; ++kb) step(kb);
+    issue_pv(n_blocks - 1, true);  // the last block's P·V
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(o);
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(&empty_v[pst]);
+    release(&empty_v[(n_blocks - 1) % kStages]);
   }
 
   attn::finalize<D, OutT, 448>(
