@@ -75,10 +75,35 @@ __device__ __forceinline__ void named_bar_arrive(int id) {
   asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
 }
 
-template <int D, typename OutT, bool kCausal, bool kPingPong, int kStages>
+// Schedule choices that are measured against each other (launch.cuh picks one per call):
+// kPingPong: consumers take turns issuing GEMMs; kPolyExp: one score in four takes 2^x from a
+// degree-3 polynomial on the FMA pipe instead of MUFU.EX2 (16 / SM / clock, the softmax's
+// bottleneck); kStages: depth of the K/Vᵀ ring.
+template <bool PingPong, bool PolyExp, int Stages>
+struct Tuning {
+  static constexpr bool kPingPong = PingPong, kPolyExp = PolyExp;
+  static constexpr int kStages = Stages;
+};
+
+// 2^x for x <= 9 (in [-125, 9] exactly enough; below, a value under 2^-125 that E4M3 and the row
+// sum cannot see), on the FMA and integer pipes: x = n + r with n = round(x), |r| <= 1/2;
+// 2^r by a degree-3 polynomial fitted for relative error (max 1.0e-4); n added to the exponent.
+__device__ __forceinline__ float exp2_poly(float x) {
+  x = fmaxf(x, -125.0f);
+  const float t = x + 12582912.0f;  // 1.5·2^23 + n: the low bits of t hold n
+  const float r = x - (t - 12582912.0f);
+  float q = fmaf(0.0550089331f, r, 0.242210972f);
+  q = fmaf(q, r, 0.693282928f);
+  q = fmaf(q, r, 1.0f);
+  return __int_as_float(__float_as_int(q) + (__float_as_int(t) << 23));
+}
+
+template <int D, typename OutT, bool kCausal, typename Tune>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kPingPong = Tune::kPingPong;
+  constexpr int kStages = Tune::kStages;
   using S = Smem<D, kStages>;
   constexpr int kQkSteps = D / 32;  // k32 steps along head_dim
   extern __shared__ uint8_t smem_raw[];
@@ -178,8 +203,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kb < first_masked_block) {  // every key visible to every row (CTA-uniform)
       int mx[2][2];
       for (int r = 0; r < 2; ++r)
-        for (int h = 0; h < 2; ++h) mx[r][h] = sacc[32 * h + 2 * r];
-      for (int i = 0; i < 64; ++i) mx[(i / 2) & 1][i / 32] = max(mx[(i / 2) & 1][i / 32], sacc[i]);
+        for (int h = 0; h < 2; ++h) {  // a tree over the 16 scores of (row r, key half h)
+          int v[16];
+          for (int j = 0; j < 16; ++j) v[j] = sacc[32 * h + 4 * (j / 2) + 2 * r + (j & 1)];
+          for (int w = 16; w > 1; w /= 2)
+            for (int j = 0; j < w / 2; ++j) v[j] = max(v[j], v[j + w / 2]);
+          mx[r][h] = v[0];
+        }
       for (int r = 0; r < 2; ++r)
         row_max[r] = fmaxf((__int_as_float(mx[r][0]) - kMagicF) * f[0],
                            (__int_as_float(mx[r][1]) - kMagicF) * f[1]);
@@ -188,8 +218,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int r = 0; r < 2; ++r)
         for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
       for (int i = 0; i < 64; ++i) {
-        const float e =
-            ptx::ex2(fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]));
+        const float x = fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
+        const float e = Tune::kPolyExp && i % 4 == 3 ? exp2_poly(x) : ptx::ex2(x);
         part[(i / 2) & 1][i / 16] += e;
         sacc[i] = __float_as_int(e);
       }

@@ -40,8 +40,9 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uin
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Development switches, read once: SAGE_SM90_PINGPONG=0 turns the consumers' ping-pong off,
-// SAGE_SM90_STAGES=3 gives the K/Vᵀ ring three stages instead of two (for measuring each).
+// Development switches, read once, for measuring the schedule choices (attention.cuh Tuning):
+// SAGE_SM90_PINGPONG=1 turns the consumers' ping-pong on, SAGE_SM90_POLY=0 turns the polynomial
+// share of 2^x off.
 inline bool env_is(const char* name, char value) {
   const char* env = std::getenv(name);
   return env && env[0] == value;
@@ -49,12 +50,12 @@ inline bool env_is(const char* name, char value) {
 
 template <int D, typename OutT, bool kCausal>
 cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream) {
-  static const bool pp = !env_is("SAGE_SM90_PINGPONG", '0'), three = env_is("SAGE_SM90_STAGES", '3');
-  auto kernel = pp ? (three ? attention_kernel<D, OutT, kCausal, true, 3>
-                            : attention_kernel<D, OutT, kCausal, true, 2>)
-                   : (three ? attention_kernel<D, OutT, kCausal, false, 3>
-                            : attention_kernel<D, OutT, kCausal, false, 2>);
-  const int kSmem = three ? Smem<D, 3>::kBytes : Smem<D, 2>::kBytes;
+  static const bool pp = env_is("SAGE_SM90_PINGPONG", '1'), poly = !env_is("SAGE_SM90_POLY", '0');
+  auto kernel = pp ? (poly ? attention_kernel<D, OutT, kCausal, Tuning<true, true, 2>>
+                           : attention_kernel<D, OutT, kCausal, Tuning<true, false, 2>>)
+                   : (poly ? attention_kernel<D, OutT, kCausal, Tuning<false, true, 2>>
+                           : attention_kernel<D, OutT, kCausal, Tuning<false, false, 2>>);
+  const int kSmem = Smem<D, 2>::kBytes;
   const cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (e != cudaSuccess) return e;
