@@ -76,13 +76,14 @@ __device__ __forceinline__ void named_bar_arrive(int id) {
 }
 
 // Schedule choices that are measured against each other (launch.cuh picks one per call):
-// kPingPong: consumers take turns issuing GEMMs; kPolyExp: one score in four takes 2^x from a
-// degree-3 polynomial on the FMA pipe instead of MUFU.EX2 (16 / SM / clock, the softmax's
-// bottleneck); kStages: depth of the K/Vᵀ ring.
-template <bool PingPong, bool PolyExp, int Stages>
+// kPingPong: consumers take turns issuing GEMMs; kPolyEvery: one score in kPolyEvery takes 2^x
+// from a degree-3 polynomial on the FMA pipe instead of MUFU.EX2 (16 / SM / clock, the
+// softmax's bottleneck), 0 for none; kStages: depth of the K/Vᵀ ring. kAblate (measurement
+// only, wrong results): 1 = no 2^x at all, 2 = no softmax at all (P^ from the raw S bits).
+template <bool PingPong, int PolyEvery, int Stages, int Ablate = 0>
 struct Tuning {
-  static constexpr bool kPingPong = PingPong, kPolyExp = PolyExp;
-  static constexpr int kStages = Stages;
+  static constexpr bool kPingPong = PingPong;
+  static constexpr int kPolyEvery = PolyEvery, kStages = Stages, kAblate = Ablate;
 };
 
 // 2^x for x <= 9 (in [-125, 9] exactly enough; below, a value under 2^-125 that E4M3 and the row
@@ -198,6 +199,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * mma::kKGroups + t];
   };
   auto softmax_block = [&](int(&sacc)[64], int kb, const float(&f)[2], float(&alpha)[2]) {
+    if constexpr (Tune::kAblate == 2) {
+      alpha[0] = alpha[1] = 1.0f;
+      return;
+    }
     float row_max[2], m_use[2];
     float part[2][4] = {};  // four partial sums per row: short FADD chains
     if (kb < first_masked_block) {  // every key visible to every row (CTA-uniform)
@@ -219,7 +224,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
       for (int i = 0; i < 64; ++i) {
         const float x = fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
-        const float e = Tune::kPolyExp && i % 4 == 3 ? exp2_poly(x) : ptx::ex2(x);
+        const float e = Tune::kAblate == 1 ? x
+                        : Tune::kPolyEvery && i % (Tune::kPolyEvery | !Tune::kPolyEvery) ==
+                                                  Tune::kPolyEvery - 1
+                            ? exp2_poly(x)
+                            : ptx::ex2(x);
         part[(i / 2) & 1][i / 16] += e;
         sacc[i] = __float_as_int(e);
       }

@@ -5,6 +5,7 @@
 #include <cudaTypedefs.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "attn/sm90/attention.cuh"
 #include "attn/sm90/launch.h"
@@ -40,21 +41,21 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uin
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Development switches, read once, for measuring the schedule choices (attention.cuh Tuning):
-// SAGE_SM90_PINGPONG=1 turns the consumers' ping-pong on, SAGE_SM90_POLY=0 turns the polynomial
-// share of 2^x off.
-inline bool env_is(const char* name, char value) {
-  const char* env = std::getenv(name);
-  return env && env[0] == value;
-}
-
+// Development switch, read once, for measuring the schedule choices (attention.cuh Tuning):
+// SAGE_SM90_VARIANT = one of the names below (default "np-p4").
 template <int D, typename OutT, bool kCausal>
 cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream) {
-  static const bool pp = env_is("SAGE_SM90_PINGPONG", '1'), poly = !env_is("SAGE_SM90_POLY", '0');
-  auto kernel = pp ? (poly ? attention_kernel<D, OutT, kCausal, Tuning<true, true, 2>>
-                           : attention_kernel<D, OutT, kCausal, Tuning<true, false, 2>>)
-                   : (poly ? attention_kernel<D, OutT, kCausal, Tuning<false, true, 2>>
-                           : attention_kernel<D, OutT, kCausal, Tuning<false, false, 2>>);
+  using Kernel = void (*)(const mma::AttnParams, const TmaMaps);
+  static const Kernel kernel = [] {
+    const char* env = std::getenv("SAGE_SM90_VARIANT");
+    const std::string v = env ? env : "np-p4";
+    if (v == "np-p0") return attention_kernel<D, OutT, kCausal, Tuning<false, 0, 2>>;
+    if (v == "np-p2") return attention_kernel<D, OutT, kCausal, Tuning<false, 2, 2>>;
+    if (v == "pp-p4") return attention_kernel<D, OutT, kCausal, Tuning<true, 4, 2>>;
+    if (v == "np-a1") return attention_kernel<D, OutT, kCausal, Tuning<false, 0, 2, 1>>;
+    if (v == "np-a2") return attention_kernel<D, OutT, kCausal, Tuning<false, 0, 2, 2>>;
+    return attention_kernel<D, OutT, kCausal, Tuning<false, 4, 2>>;
+  }();
   const int kSmem = Smem<D, 2>::kBytes;
   const cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
