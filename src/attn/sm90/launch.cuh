@@ -54,6 +54,8 @@ cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream
     if (v == "pp-p4") return attention_kernel<D, OutT, kCausal, Tuning<true, 4, 2>>;
     if (v == "np-a1") return attention_kernel<D, OutT, kCausal, Tuning<false, 0, 2, 1>>;
     if (v == "np-a2") return attention_kernel<D, OutT, kCausal, Tuning<false, 0, 2, 2>>;
+    if (v == "p4-a3") return attention_kernel<D, OutT, kCausal, Tuning<false, 4, 2, 3>>;
+    if (v == "p4-a4") return attention_kernel<D, OutT, kCausal, Tuning<false, 4, 2, 4>>;
     return attention_kernel<D, OutT, kCausal, Tuning<false, 4, 2>>;
   }();
   const int kSmem = Smem<D, 2>::kBytes;
