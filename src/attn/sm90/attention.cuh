@@ -9,15 +9,22 @@
 // converts to the P̃ A-operand in place. So its CPU emulation is the mma kernel's configuration
 // (block_q 128, warps 8, block_k 64, per-thread mma groups) except for the P·V accumulator,
 // the wgmma's own over the whole sequence, which keeps fewer bits than fp32 (measured so far
-// against the mma kernel, not modelled yet: docs/fp8-accumulator.md).
+// against the mma kernel, not modelled yet: docs/fp8-accumulator.md), and for 2^x on a quarter
+// of the scores (a polynomial, relative error 1e-4 instead of 2^-22).
 //
 // Overlap: each consumer issues Q·Kᵀ of block j together with P̃·V of block j-1 and runs the
 // softmax of block j while that P̃·V is in flight. (Block 0 is peeled: with the first iteration's
 // conditional GEMMs inside the loop ptxas serialized every wgmma, C7514, and it ran slower.)
+// What bounds it (H100, docs/sm90-kernel.md): the softmax's instruction issue, not the tensor
+// cores nor memory — without the softmax the same loop runs > 2800 TOPS. Hence the softmax is
+// cut to about seven instructions per score: S seeded so scores come out as floats, one FFMA
+// and one 2^x per score (a quarter of them as a polynomial off the MUFU pipe), the max on the
+// bits, O rescaled only when a row's max moved. Ping-pong between the consumers (named
+// barriers) measured 6-8 % slower and was removed.
 //
-// Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the 232 registers
-// setmaxnreg gives it. Shared memory: the Q tile (128 x D bytes) and kStages x (K tile 128 x D
-// bytes + Vᵀ tile D x 128 bytes), 1024-byte aligned for the swizzle.
+// Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the 240 registers
+// setmaxnreg gives it (the producer keeps 24). Shared memory: the Q tile (128 x D bytes) and
+// kStages x (K tile 128 x D bytes + Vᵀ tile D x 128 bytes), 1024-byte aligned for the swizzle.
 #pragma once
 
 #include <cuda.h>
@@ -43,7 +50,9 @@ constexpr int kConsumerWarps = 8;
 static_assert(kBlockQ == mma::kBlockQ && kBlockK == 2 * mma::kBlockK,
               "the sm90 kernel reads the mma pre-pass layout: 128-row Q blocks, 64-key K groups");
 
-template <int D, int kStages>  // kStages: K and Vᵀ tiles in flight
+constexpr int kStages = 2;  // K and Vᵀ tiles in flight
+
+template <int D>
 struct Smem {
   static constexpr int kQTile = kBlockQ * D;  // [128 rows][D bytes], swizzled (A of Q·Kᵀ)
   static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
@@ -66,28 +75,10 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
     ptx::wgmma_m64n64k32_e4m3(o, p, desc, /*accumulate=*/true);
 }
 
-// Ping-pong between the two consumers (kPingPong): named barrier 1 + c is consumer c's turn to
-// issue its GEMMs; it passes the turn to the other as soon as they are issued, so one consumer's
-// GEMMs run on the tensor cores while the other's softmax has the MUFU (else both reach their
-// softmax together and contend for the 16 EX2 / SM / clock). Consumer 1 starts by passing.
-__device__ __forceinline__ void named_bar_sync(int id) {
-  asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id) {
-  asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
-}
-
-// Schedule choices that are measured against each other (launch.cuh picks one per call):
-// kPingPong: consumers take turns issuing GEMMs; kPolyEvery: one score in kPolyEvery takes 2^x
-// from a degree-3 polynomial on the FMA pipe instead of MUFU.EX2 (16 / SM / clock, the
-// softmax's bottleneck), 0 for none; kStages: depth of the K/Vᵀ ring. kAblate (measurement
-// only, wrong results): 1 = no 2^x at all, 2 = no softmax at all (P^ from the raw S bits),
-// 3 = no row sum, 4 = S not seeded with kMagic.
-template <bool PingPong, int PolyEvery, int Stages, int Ablate = 0>
-struct Tuning {
-  static constexpr bool kPingPong = PingPong;
-  static constexpr int kPolyEvery = PolyEvery, kStages = Stages, kAblate = Ablate;
-};
+// One score in kPolyEvery takes 2^x from a degree-3 polynomial on the FMA pipe (exp2_poly)
+// instead of MUFU.EX2, whose 16 results / SM / clock bound the softmax (measured: 25 % beat 0 %
+// and 50 %; docs/sm90-kernel.md).
+constexpr int kPolyEvery = 4;
 
 // 2^x for x <= 9 (in [-125, 9] exactly enough; below, a value under 2^-125 that E4M3 and the row
 // sum cannot see), on the FMA and integer pipes: x = n + r with n = round(x), |r| <= 1/2;
@@ -102,13 +93,11 @@ __device__ __forceinline__ float exp2_poly(float x) {
   return __int_as_float(__float_as_int(q) + (__float_as_int(t) << 23));
 }
 
-template <int D, typename OutT, bool kCausal, typename Tune>
+template <int D, typename OutT, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool kPingPong = Tune::kPingPong;
-  constexpr int kStages = Tune::kStages;
-  using S = Smem<D, kStages>;
+  using S = Smem<D>;
   constexpr int kQkSteps = D / 32;  // k32 steps along head_dim
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -163,7 +152,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of the block ----
   ptx::setmaxnreg_inc<240>();
   const int warp = threadIdx.x / 32 - 4;  // 0..7: the 16-row slab of the 128-row block
-  const int consumer = warp / 4;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row_a = qb * kBlockQ + warp * 16 + g;
   const int64_t first_row = qb * kBlockQ;
@@ -202,10 +190,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * mma::kKGroups + t];
   };
   auto softmax_block = [&](int(&sacc)[64], int kb, const float(&f)[2], float(&alpha)[2]) {
-    if constexpr (Tune::kAblate == 2) {
-      alpha[0] = alpha[1] = 1.0f;
-      return;
-    }
     float row_max[2], m_use[2];
     float part[2][4] = {};  // four partial sums per row: short FADD chains
     if (kb < first_masked_block) {  // every key visible to every row (CTA-uniform)
@@ -227,12 +211,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
       for (int i = 0; i < 64; ++i) {
         const float x = fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
-        const float e = Tune::kAblate == 1 ? x
-                        : Tune::kPolyEvery && i % (Tune::kPolyEvery | !Tune::kPolyEvery) ==
-                                                  Tune::kPolyEvery - 1
-                            ? exp2_poly(x)
-                            : ptx::ex2(x);
-        if (Tune::kAblate != 3) part[(i / 2) & 1][i / 16] += e;
+        const float e = i % kPolyEvery == kPolyEvery - 1 ? exp2_poly(x) : ptx::ex2(x);
+        part[(i / 2) & 1][i / 16] += e;
         sacc[i] = __float_as_int(e);
       }
     } else {  // the diagonal and the Nk edge: scores as floats, hidden ones -inf
@@ -264,12 +244,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
   };
 
-  auto take_turn = [&] {
-    if (kPingPong) named_bar_sync(1 + consumer);
-  };
-  auto pass_turn = [&] {
-    if (kPingPong) named_bar_arrive(2 - consumer);
-  };
   // Descriptors: computed once, a stage and a k-step add (bytes >> 4) to the start address.
   const uint64_t q_desc = ptx::wgmma_desc<D>(q_wg);
   const uint64_t k_desc = ptx::wgmma_desc<D>(k_tiles);
@@ -283,31 +257,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Q·Kᵀ of block kb (in stage st) into sacc (seeded with kMagic), and its scales into f.
   auto issue_qk = [&](auto stage, int(&sacc)[64], float(&f)[2], int kb) {
     constexpr int st = decltype(stage)::value;
-    if (Tune::kAblate != 4)
-      for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
+    for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
     scales(kb, f);  // loaded before the wait: the wgmma asm orders memory, the load hides behind
     ptx::mbar_wait(&full_k[st], (kb >> 1) & 1);
     ptx::wgmma_fence_regs(sacc);
     ptx::wgmma_fence();
-    take_turn();
     for (int s = 0; s < kQkSteps; ++s)
       ptx::wgmma_m64n128k32_s8_ss(sacc, q_desc + uint64_t(s * 32 >> 4),
                                   k_desc + uint64_t((st * S::kKTile + s * 32) >> 4),
                                   /*accumulate=*/true);
     ptx::wgmma_commit();
-    pass_turn();
   };
   // P·V of block kb (in stage st; A = pf).
-  auto issue_pv = [&](auto stage, int kb, bool last) {
+  auto issue_pv = [&](auto stage, int kb) {
     constexpr int st = decltype(stage)::value;
     ptx::mbar_wait(&full_v[st], (kb >> 1) & 1);
     ptx::wgmma_fence_regs(o);
     ptx::wgmma_fence();
-    take_turn();
     for (int c = 0; c < 4; ++c)
       pv_wgmma<D>(o, pf[c], v_desc + uint64_t((st * S::kVTile + c * 32) >> 4));
     ptx::wgmma_commit();
-    if (!last || consumer == 0) pass_turn();
   };
   auto release = [&](uint64_t* bar) {
     __syncwarp();
@@ -327,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int sacc[64];
     float f[2];
     issue_qk(stage, sacc, f, kb);
-    issue_pv(Prev{}, kb - 1, false);
+    issue_pv(Prev{}, kb - 1);
     ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P·V(kb-1) may still run
     ptx::wgmma_fence_regs(sacc);
     release(&empty_k[st]);
@@ -340,10 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     pack_p(sacc);
   };
 
-  // (Consumer 1 lets consumer 0 go first; each then takes and passes the turn once per GEMM
-  // issue, consumer 1 not passing after its last, so both barriers end balanced.)
   if (n_blocks > 0) {
-    if (consumer == 1) pass_turn();
     {
       int sacc[64];
       float f[2], alpha[2];
@@ -362,9 +328,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kb < n_blocks) step(Stage1{}, kb);
     // The last block's P·V.
     if ((n_blocks - 1) & 1)
-      issue_pv(Stage1{}, n_blocks - 1, true);
+      issue_pv(Stage1{}, n_blocks - 1);
     else
-      issue_pv(Stage0{}, n_blocks - 1, true);
+      issue_pv(Stage0{}, n_blocks - 1);
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(o);
     release(&empty_v[(n_blocks - 1) % kStages]);

@@ -4,9 +4,6 @@
 
 #include <cudaTypedefs.h>
 
-#include <cstdlib>
-#include <string>
-
 #include "attn/sm90/attention.cuh"
 #include "attn/sm90/launch.h"
 
@@ -41,24 +38,10 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uin
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// Development switch, read once, for measuring the schedule choices (attention.cuh Tuning):
-// SAGE_SM90_VARIANT = one of the names below (default "np-p4").
 template <int D, typename OutT, bool kCausal>
 cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream) {
-  using Kernel = void (*)(const mma::AttnParams, const TmaMaps);
-  static const Kernel kernel = [] {
-    const char* env = std::getenv("SAGE_SM90_VARIANT");
-    const std::string v = env ? env : "np-p4";
-    if (v == "np-p0") return attention_kernel<D, OutT, kCausal, Tuning<false, 0, 2>>;
-    if (v == "np-p2") return attention_kernel<D, OutT, kCausal, Tuning<false, 2, 2>>;
-    if (v == "pp-p4") return attention_kernel<D, OutT, kCausal, Tuning<true, 4, 2>>;
-    if (v == "np-a1") return attention_kernel<D, OutT, kCausal, Tuning<false, 0, 2, 1>>;
-    if (v == "np-a2") return attention_kernel<D, OutT, kCausal, Tuning<false, 0, 2, 2>>;
-    if (v == "p4-a3") return attention_kernel<D, OutT, kCausal, Tuning<false, 4, 2, 3>>;
-    if (v == "p4-a4") return attention_kernel<D, OutT, kCausal, Tuning<false, 4, 2, 4>>;
-    return attention_kernel<D, OutT, kCausal, Tuning<false, 4, 2>>;
-  }();
-  const int kSmem = Smem<D, 2>::kBytes;
+  constexpr int kSmem = Smem<D>::kBytes;
+  auto kernel = attention_kernel<D, OutT, kCausal>;
   const cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (e != cudaSuccess) return e;
