@@ -111,7 +111,6 @@ sage_status plan_for(const api::Resolved& r, const sage_attention_args& a, mma::
   const char* force = std::getenv("SAGE_KERNEL");
   const bool force_mma = force && std::strcmp(force, "mma") == 0;
   plan->sm90 = major == 9 && minor == 0 && sm90::supports(*plan) && !force_mma;
-  plan->q_in_kernel = plan->sm90;
   return SAGE_OK;
 }
 
@@ -172,12 +171,6 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   ap.q_blocks = plan.q_blocks, ap.k_blocks = plan.k_blocks;
   ap.causal_offset = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
   ap.scale_log2 = float(p.scale * 1.4426950408889634);
-  if (plan.q_in_kernel) {
-    ap.q_in = a.q;
-    ap.q_in_batch = r.q.batch, ap.q_in_head = r.q.head, ap.q_in_token = r.q.token;
-    ap.k_mean = f32(plan.k_mean);
-    ap.scale = float(p.scale);
-  }
   const bool causal = p.mask != SAGE_MASK_NONE, bf16 = a.dtype == SAGE_DTYPE_BF16;
   if (plan.sm90)
     e = p.head_dim == 64 ? sm90::launch_attention<64>(ap, bf16, causal, stream)

@@ -6,8 +6,7 @@
 //                + 4 scales per 64 keys
 //   quant_v      reads V (2 B/elem), writes E4M3 Vᵀ (1 B)
 //   quant_q      reads Q (2 B/elem; again from L2 for the mean with Q smoothing), writes
-//                INT8/INT4 Q + scales + the LSE correction (4 B/row); skipped when the Hopper
-//                kernel reads and quantizes Q itself (Plan::q_in_kernel)
+//                INT8/INT4 Q + scales + the LSE correction (4 B/row)
 //   delta_s      (Q smoothing only) reads K (2 B/elem), writes 4 B per (Q block, key)
 // Per call: Q 2 B read, K and V 4 B each read, ~1 + 1 + 1 (+0.5) B written per element.
 // K and V are thus read twice from DRAM (stats, then quantize); issue "GPU kernels II" fuses.
@@ -19,7 +18,6 @@
 #include "common/formats.h"
 #include "ptx/cvt.cuh"
 #include "quant/prepass.h"
-#include "quant/row_io.cuh"
 
 namespace sage::quant {
 namespace {
@@ -32,10 +30,30 @@ struct KvStat {
 };
 static_assert(sizeof(KvStat) == 24, "the plan reserves 24 bytes per statistic");
 
+__device__ __forceinline__ float to_float(__half x) {
+  return __half2float(x);
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
 template <typename T>
 __device__ __forceinline__ const T* row_ptr(const T* base, const sage_strides& s, int64_t b,
                                             int64_t h, int64_t n) {
   return base + b * s.batch + h * s.head + n * s.token;
+}
+
+// Elements d0..d0+7 of a row as float: one 16-byte load when the row allows it, else eight.
+template <typename T>
+__device__ __forceinline__ void load8(const T* row, int64_t d0, float (&x)[8]) {
+  const T* p = row + d0;
+  if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+    const uint4 w = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&w);
+    for (int i = 0; i < 8; ++i) x[i] = to_float(e[i]);
+  } else {
+    for (int i = 0; i < 8; ++i) x[i] = to_float(p[i]);
+  }
 }
 
 // Stores 8 quantized values of a row starting at element d0: INT8 one per byte, INT4 two per
@@ -335,8 +353,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
     quant_k_kernel<T, D, kBits><<<kgrid, 256, 0, st>>>(k, in.k_strides, p.heads_kv, p.seq_kv,
                                                        f32(p.k_mean), p.nk_pad, p.k_blocks,
                                                        ws + p.k, f32(p.k_scale));
-    if (!p.q_in_kernel)  // else the Hopper kernel reads and quantizes Q itself
-      quant_q_kernel<T, D, kBits><<<dim3(unsigned(p.q_blocks), bq), 512, 0, st>>>(
+    quant_q_kernel<T, D, kBits><<<dim3(unsigned(p.q_blocks), bq), 512, 0, st>>>(
         q, in.q_strides, p.heads_q, p.heads_kv, p.seq_q, p.smooth_q, in.scale, f32(p.k_mean),
         p.nq_pad, p.q_blocks, ws + p.q, f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr,
         f32(p.lse_shift));

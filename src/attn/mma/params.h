@@ -39,7 +39,6 @@ struct Plan {
   bool smooth_q = false, smooth_k = false, smooth_v = false;
   bool two_level = true;        // P·V accumulation (false where the MMA accumulator is fp32)
   bool sm90 = false;            // run the Hopper wgmma kernel (attn/sm90) instead of mma.sync
-  bool q_in_kernel = false;     // the attention kernel quantizes Q itself (no quant_q pass)
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
          kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, delta_s = 0, total = 0;
@@ -103,13 +102,6 @@ struct AttnParams {
   int64_t seq_q, seq_kv, nq_pad, nk_pad, q_blocks, k_blocks;
   int64_t causal_offset;   // query i sees keys j <= i + causal_offset
   float scale_log2;        // softmax scale * log2(e)
-  // Q as the caller passed it (fp16/bf16, strides in elements), for a kernel that quantizes Q
-  // itself (Plan::q_in_kernel): then q and q_scale are unused, and the kernel writes lse_shift
-  // (= scale · q · k_mean) when lse is requested.
-  const void* q_in;
-  int64_t q_in_batch, q_in_head, q_in_token;
-  const float* k_mean;  // [B*Hkv][D]
-  float scale;          // softmax scale
 };
 
 }  // namespace sage::mma

@@ -1,7 +1,7 @@
 // SageAttention2-8b on Hopper (sm_90a): wgmma s8·s8→s32 for Q·Kᵀ and E4M3 for P̃·V, K and Vᵀ
 // tiles brought by TMA onto mbarriers, warp specialization: warpgroup 0 produces (one thread
 // issues the TMA loads, the rest give their registers back with setmaxnreg), warpgroups 1 and 2
-// consume 64 query rows each and quantize their Q rows themselves (no pre-pass over Q).
+// consume 64 query rows each. The Q tile (pre-quantized) also arrives by TMA.
 //
 // It reads the same pre-pass products as the mma.sync kernel (attn/mma/params.h) and does the
 // same arithmetic: a warp owns 16 query rows (one Q scale for rows g, g+8), K scales per 64-key
@@ -35,12 +35,10 @@
 
 #include "attn/epilogue.cuh"
 #include "attn/mma/params.h"
-#include "common/formats.h"
 #include "ptx/cvt.cuh"
 #include "ptx/math.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
-#include "quant/row_io.cuh"
 
 namespace sage::sm90 {
 
@@ -62,8 +60,9 @@ struct Smem {
   static constexpr int kBytes = kQTile + kStages * (kKTile + kVTile) + 1024;  // + align slack
 };
 
-// Everything the kernel needs besides AttnParams: the TMA descriptors of K and Vᵀ.
+// Everything the kernel needs besides AttnParams: the TMA descriptors of Q, K and Vᵀ.
 struct TmaMaps {
+  CUtensorMap q;  // 3-D: {D bytes, nq_pad rows, B*Hq}, box {D, 128, 1}
   CUtensorMap k;  // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
   CUtensorMap v;  // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
 };
@@ -80,11 +79,6 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
 // instead of MUFU.EX2, whose 16 results / SM / clock bound the softmax (measured: 25 % beat 0 %
 // and 50 %; docs/sm90-kernel.md).
 constexpr int kPolyEvery = 4;
-
-// bar.sync on a named barrier (ids 1, 2: one per consumer warpgroup; 0 is __syncthreads).
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 
 // 2^x for x <= 9 (in [-125, 9] exactly enough; below, a value under 2^-125 that E4M3 and the row
 // sum cannot see), on the FMA and integer pipes: x = n + r with n = round(x), |r| <= 1/2;
@@ -111,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* q_tile = smem;
   uint8_t* k_tiles = smem + S::kQTile;
   uint8_t* v_tiles = k_tiles + kStages * S::kKTile;
-  __shared__ __align__(8) uint64_t full_k[kStages], full_v[kStages], empty_k[kStages],
+  __shared__ __align__(8) uint64_t full_q, full_k[kStages], full_v[kStages], empty_k[kStages],
       empty_v[kStages];
 
   // Causal: the heaviest query blocks (most keys) start first.
@@ -125,6 +119,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
+    ptx::mbar_init(&full_q, 1);
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(&full_k[s], 1);
       ptx::mbar_init(&full_v[s], 1);
@@ -138,6 +133,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {  // ---- producer ----
     ptx::setmaxnreg_dec<24>();
     if (threadIdx.x == 0) {
+      ptx::mbar_arrive_expect_tx(&full_q, S::kQTile);
+      ptx::tma_load_3d(q_tile, &maps.q, &full_q, 0, int(qb * kBlockQ), int(bh));
       for (int kb = 0; kb < n_blocks; ++kb) {
         const int s = kb % kStages;
         const uint32_t parity = ((kb / kStages) & 1) ^ 1;  // the first round passes at once
@@ -161,72 +158,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
   const int first_masked_block = min_end > 0 ? int(min_end / kBlockK) : 0;
 
-  // Q: each warp reads its 16 rows once from the caller's fp16/bf16 tensor and quantizes them
-  // here, as the pre-pass's quant_q would (same loads, same order of operations, bit for bit):
-  // a thread holds channels 8-chunks t, t+4, ... of rows g and g+8, its group; the group's
-  // scale is the max over the quad. The INT8 rows go to this warpgroup's half of the Q tile in
-  // the 128-byte (D=128) or 64-byte (D=64) swizzle, the A operand of Q·Kᵀ straight from shared
-  // memory. (A from registers held across the loop was miscompiled at D=128: ptxas gave the P̃
-  // fragments the Q fragments' registers.) With an LSE asked for, the kernel also writes the
-  // smoothing shift scale · q · k_mean.
+  // Q (quantized by the pre-pass) arrives once by TMA; this warpgroup's 64 rows are the A
+  // operand of Q·Kᵀ straight from shared memory. (A from registers held across the loop was
+  // miscompiled at D=128: ptxas gave the P̃ fragments the Q fragments' registers.)
   const uint8_t* q_wg = q_tile + (warp / 4) * 64 * D;
-  float q_scale_log2;
-  {
-    constexpr int kChunks = D / 32;
-    const OutT* q_in = static_cast<const OutT*>(p.q_in) + b * p.q_in_batch + h * p.q_in_head;
-    const float* km = p.k_mean + bhk * D;
-    float x[2][kChunks][8];
-    float amax = 0.0f;
-    double shift[2] = {0.0, 0.0};
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t row = row_a + 8 * r;
-      #pragma unroll
-      for (int ci = 0; ci < kChunks; ++ci) {
-        const int d0 = (ci * 4 + t) * 8;
-        float raw[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        if (row < p.seq_q) quant::load8(q_in + row * p.q_in_token, d0, raw);
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (p.lse) shift[r] += double(raw[i]) * double(km[d0 + i]);
-          x[r][ci][i] = __fsub_rn(raw[i], 0.0f);  // (no Q smoothing: the mean is 0)
-          amax = fmaxf(amax, fabsf(x[r][ci][i]));
-        }
-      }
-    }
-    #pragma unroll
-    for (int mask : {1, 2}) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, mask));
-      #pragma unroll
-      for (int r = 0; r < 2; ++r) shift[r] += __shfl_xor_sync(0xffffffffu, shift[r], mask);
-    }
-    const QuantScale qs = make_quant_scale(amax, float(kInt8Max));
-    q_scale_log2 = qs.scale * p.scale_log2;
-    if (p.lse && t == 0)
-      #pragma unroll
-      for (int r = 0; r < 2; ++r)
-        if (row_a + 8 * r < p.seq_q)
-          const_cast<float*>(p.lse_shift)[bh * p.seq_q + row_a + 8 * r] =
-              float(double(p.scale) * shift[r]);
-    constexpr uint32_t kSwizzle = D == 128 ? 7 : 3;  // 16-byte unit ^= (offset >> 7) & mask
-    #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const uint32_t row_local = warp * 16 + g + 8 * r;
-      #pragma unroll
-      for (int ci = 0; ci < kChunks; ++ci) {
-        uint32_t w[2] = {0u, 0u};
-        #pragma unroll
-        for (int i = 0; i < 8; ++i)
-          w[i / 4] |= (uint32_t(quantize_int(x[r][ci][i], qs.inv, kInt8Max)) & 0xFFu)
-                      << (8 * (i % 4));
-        const uint32_t off = row_local * D + (ci * 4 + t) * 8;
-        *reinterpret_cast<uint2*>(q_tile + (off ^ (((off >> 7) & kSwizzle) << 4))) =
-            make_uint2(w[0], w[1]);
-      }
-    }
-    ptx::fence_proxy_async_shared();  // generic-proxy stores, then wgmma reads them
-    named_bar_sync(1 + warp / 4, 128);
-  }
+  ptx::mbar_wait(&full_q, 0);
+  const float q_scale_log2 =
+      p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g] * p.scale_log2;
   const float* k_scale = p.k_scale + bhk * p.k_blocks * mma::kKGroups;
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};

@@ -1,4 +1,4 @@
-// The sm90 launcher: builds the TMA descriptors of the pre-pass's K and Vᵀ (driver entry point
+// The sm90 launcher: builds the TMA descriptors of the pre-pass's Q, K and Vᵀ (driver entry point
 // fetched through the runtime, so libsage links no libcuda) and launches one instantiation.
 #pragma once
 
@@ -55,7 +55,9 @@ cudaError_t launch_attention(const mma::AttnParams& p, bool bf16_out, bool causa
                              cudaStream_t stream) {
   TmaMaps maps;
   const uint64_t bk = uint64_t(p.batch * p.heads_kv), nk = uint64_t(p.nk_pad);
-  cudaError_t e = make_map(&maps.k, p.k, D, nk, bk, D, nk * D, D, kBlockK);
+  const uint64_t bq = uint64_t(p.batch * p.heads_q), nq = uint64_t(p.nq_pad);
+  cudaError_t e = make_map(&maps.q, p.q, D, nq, bq, D, nq * D, D, kBlockQ);
+  if (e == cudaSuccess) e = make_map(&maps.k, p.k, D, nk, bk, D, nk * D, D, kBlockK);
   if (e == cudaSuccess) e = make_map(&maps.v, p.v, nk, D, bk, nk, nk * D, kBlockK, D);
   if (e != cudaSuccess) return e;
   if (bf16_out)
