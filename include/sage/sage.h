@@ -131,8 +131,8 @@ typedef struct sage_quant_config {
   int32_t warps;               /* warps sharing block_q (per-warp / per-thread MMA groups) */
   int32_t l_from_pv;           /* 0: the softmax denominator l sums P~ in fp32 (mma.sync kernel);
                                   1: l is one more P^·V column, V = 1, summed by the P·V MMA like
-                                  the output and added into fp32 after every key block (the sm_90
-                                  wgmma kernel): numerator and denominator share P^'s rounding */
+                                  the output (the sm_90 wgmma kernel): numerator and denominator
+                                  then share P^'s rounding */
 } sage_quant_config;
 
 /* Strides in elements for the batch, head and token dimensions; the last (head_dim, or nothing for

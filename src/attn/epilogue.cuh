@@ -67,9 +67,11 @@ __device__ __forceinline__ void pack_p_e4m3(uint32_t (&pf)[kChunks][4], PAt p_at
     for (int half = 0; half < 2; ++half) {
       const int n0 = 4 * c + 2 * half, n1 = n0 + 1;
       pf[c][2 * half + 0] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 0), p_at(n0, 1))) |
-                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 0), p_at(n1, 1))) << 16;
+                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 0), p_at(n1, 1)))
+                                << 16;
       pf[c][2 * half + 1] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 2), p_at(n0, 3))) |
-                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 2), p_at(n1, 3))) << 16;
+                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 2), p_at(n1, 3)))
+                                << 16;
     }
 }
 

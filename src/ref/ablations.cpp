@@ -11,10 +11,8 @@ std::vector<AblationRow> paper_ablations() {
   const sage_quant_config b8 = quant_preset(SAGE_VARIANT_SAGE2_8B);
 
   const std::string t4 = "Smoothing, INT4 per-thread Q,K, E4M3 P,V (paper Table 4)";
-  const std::pair<const char*, uint32_t> smooth[] = {{"none", 0u},
-                                                     {"K", SAGE_SMOOTH_K},
-                                                     {"Q", SAGE_SMOOTH_Q},
-                                                     {"Q+K", SAGE_SMOOTH_Q | SAGE_SMOOTH_K}};
+  const std::pair<const char*, uint32_t> smooth[] = {
+      {"none", 0u}, {"K", SAGE_SMOOTH_K}, {"Q", SAGE_SMOOTH_Q}, {"Q+K", SAGE_SMOOTH_Q | SAGE_SMOOTH_K}};
   for (const auto& [label, flags] : smooth) {
     sage_quant_config c = b4;
     c.smooth = flags;

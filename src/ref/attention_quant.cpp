@@ -90,50 +90,41 @@ struct PvFormat {
   template <typename Real>
   Real quantize(Real x) const {
     switch (format) {
-      case SAGE_PV_FP16:
-        return Real(round_fp16(float(x)));
-      case SAGE_PV_FP8_E4M3:
-        return Real(round_float(kE4M3, float(x)));
-      case SAGE_PV_FP8_E5M2:
-        return Real(round_float(kE5M2, float(x)));
-      case SAGE_PV_INT8:
-        return Real(quantize_int(float(x), 1.0f, kInt8Max));
-      default:
-        return x;
+      case SAGE_PV_FP16: return Real(round_fp16(float(x)));
+      case SAGE_PV_FP8_E4M3: return Real(round_float(kE4M3, float(x)));
+      case SAGE_PV_FP8_E5M2: return Real(round_float(kE5M2, float(x)));
+      case SAGE_PV_INT8: return Real(quantize_int(float(x), 1.0f, kInt8Max));
+      default: return x;
     }
   }
 };
 
 PvFormat pv_format_of(sage_pv_format f) {
   switch (f) {
-    case SAGE_PV_FP8_E4M3:
-      return {f, kE4M3Max, kE4M3Max};
-    case SAGE_PV_FP8_E5M2:
-      return {f, kE5M2Max, kE5M2Max};
-    case SAGE_PV_INT8:
-      return {f, float(kInt8Max), float(kInt8Max)};
-    default:
-      return {f, 1.0f, 0.0f};  // fp16 or full precision: no scales
+    case SAGE_PV_FP8_E4M3: return {f, kE4M3Max, kE4M3Max};
+    case SAGE_PV_FP8_E5M2: return {f, kE5M2Max, kE5M2Max};
+    case SAGE_PV_INT8: return {f, float(kInt8Max), float(kInt8Max)};
+    default: return {f, 1.0f, 0.0f};  // fp16 or full precision: no scales
   }
 }
 
 // K, V of one (batch, kv head) after the pre-pass.
 template <typename Real>
 struct KvPrep {
-  std::vector<Real> k_mean;    // [D], zeros without K smoothing
-  std::vector<Real> k_smooth;  // K - k_mean, [Nk][D] (for ΔS)
-  QuantizedGroups<Real> k;     // quantized K - k_mean
-  std::vector<Real> v_mean;    // [D], zeros without V smoothing
-  std::vector<Real> v;         // quantized V - v_mean, [Nk][D]
-  std::vector<Real> v_scale;   // [scale rows][D]: one row (per channel) or one per key block
+  std::vector<Real> k_mean;       // [D], zeros without K smoothing
+  std::vector<Real> k_smooth;     // K - k_mean, [Nk][D] (for ΔS)
+  QuantizedGroups<Real> k;        // quantized K - k_mean
+  std::vector<Real> v_mean;       // [D], zeros without V smoothing
+  std::vector<Real> v;            // quantized V - v_mean, [Nk][D]
+  std::vector<Real> v_scale;      // [scale rows][D]: one row (per channel) or one per key block
 };
 
 // Q of one (batch, q head) after the pre-pass.
 template <typename Real>
 struct QPrep {
-  std::vector<Real> q_mean;     // [Q blocks][D], zeros without Q smoothing
-  QuantizedGroups<Real> q;      // quantized Q - q_mean of its block
-  std::vector<Real> lse_shift;  // [Nq]: scale * q_i·k_mean, added back to the LSE
+  std::vector<Real> q_mean;       // [Q blocks][D], zeros without Q smoothing
+  QuantizedGroups<Real> q;        // quantized Q - q_mean of its block
+  std::vector<Real> lse_shift;    // [Nq]: scale * q_i·k_mean, added back to the LSE
 };
 
 template <typename Real>
@@ -239,9 +230,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     // Online-softmax state per row: running max m (base 2), sum l, output O, and the MMA
     // accumulator R (a double holding exactly what the hardware register holds).
     // With l_from_pv, channel D of O and R is the row sum: P^ times a V column of ones, through
-    // the same accumulator as the output, added into fp32 after every key block (kept across
-    // blocks, the growing sum of positive terms would push each block's P^ off the accumulator's
-    // grid: measured on the wgmma's, rel-L1 0.26 at N = 16k).
+    // the same accumulator as the output.
     const bool l_pv = cfg.l_from_pv != 0;
     const int64_t DC = D + (l_pv ? 1 : 0);
     std::vector<Real> m(size_t(rows), neg_inf<Real>()), l(size_t(rows), Real(0));
@@ -319,13 +308,9 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
               acc[d] = truncate_mantissa(acc[d] + chunk[size_t(d)], cfg.accum_mantissa_bits);
           }
         }
-        if (l_pv) {  // the row sum leaves the MMA accumulator every block (into fp32)
-          o[D] += Real(acc[D]);
-          acc[D] = 0.0;
-        }
-        const bool flush =
-            cfg.pv_accum == SAGE_PV_ACCUM_FP32 || (cfg.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL &&
-                                                   ++pending[size_t(r)] == cfg.pv_flush_interval);
+        const bool flush = cfg.pv_accum == SAGE_PV_ACCUM_FP32 ||
+                           (cfg.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL &&
+                            ++pending[size_t(r)] == cfg.pv_flush_interval);
         if (flush) {
           for (int64_t d = 0; d < DC; ++d) {
             o[d] += flush_scale && d < D ? Real(acc[d]) * flush_scale[d] : Real(acc[d]);
@@ -357,8 +342,9 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
         dst[d] = o * (vs / denom) + kp.v_mean[size_t(d)];
       }
       if (lse)
-        lse[bh * Nq + i] = Real((double(m[size_t(r)]) + std::log2(double(l_row))) * kLn2) +
-                           pr.lse_shift[size_t(i)];
+        lse[bh * Nq + i] =
+            Real((double(m[size_t(r)]) + std::log2(double(l_row))) * kLn2) +
+            pr.lse_shift[size_t(i)];
     }
   });
 }

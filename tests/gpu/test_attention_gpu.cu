@@ -40,9 +40,9 @@ struct Case {
 std::string name(const Case& c) {
   char buf[200];
   std::snprintf(buf, sizeof(buf), "B%lld_Hq%lld_Hkv%lld_Nq%lld_Nk%lld_D%lld_mask%d_%s_%s_%s_bias%g",
-                (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.Nq, (long long)c.Nk,
-                (long long)c.D, int(c.mask), c.layout == SAGE_LAYOUT_HND ? "HND" : "NHD",
-                c.dtype == SAGE_DTYPE_BF16 ? "bf16" : "fp16",
+                (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.Nq,
+                (long long)c.Nk, (long long)c.D, int(c.mask),
+                c.layout == SAGE_LAYOUT_HND ? "HND" : "NHD", c.dtype == SAGE_DTYPE_BF16 ? "bf16" : "fp16",
                 c.variant == SAGE_VARIANT_SAGE2_4B ? "4b" : "8b", double(c.bias));
   return buf;
 }
@@ -52,8 +52,7 @@ std::vector<uint16_t> to_dtype(const std::vector<uint16_t>& fp16, sage_dtype dty
   if (dtype == SAGE_DTYPE_FP16) return fp16;
   std::vector<uint16_t> out(fp16.size());
   for (size_t i = 0; i < fp16.size(); ++i)
-    out[i] =
-        uint16_t(sage::encode_float(sage::kBf16, sage::decode_float(sage::kFp16, fp16[i]), false));
+    out[i] = uint16_t(sage::encode_float(sage::kBf16, sage::decode_float(sage::kFp16, fp16[i]), false));
   return out;
 }
 
@@ -120,7 +119,8 @@ sage_quant_config emulation_config(sage_variant variant) {
     // The wgmma kernel (8-bit without Q smoothing, unless SAGE_KERNEL=mma) sums l with P^.
     const char* force = std::getenv("SAGE_KERNEL");
     const bool mma_forced = force && std::string(force) == "mma";
-    if (c.qk_format == SAGE_QK_INT8 && !(c.smooth & SAGE_SMOOTH_Q) && !mma_forced) c.l_from_pv = 1;
+    if (c.qk_format == SAGE_QK_INT8 && !(c.smooth & SAGE_SMOOTH_Q) && !mma_forced)
+      c.l_from_pv = 1;
   }
   return c;
 }
@@ -136,12 +136,12 @@ TEST_P(GpuVsEmulation, MatchesEmulationAndFloat64) {
   auto strides = [&](int64_t H, int64_t N) {
     return sage::ref::contiguous_strides(c.layout, H, N, c.D);
   };
-  const Fp16Tensor q =
-      sage::test::random_tensor(rng, c.B, c.Hq, c.Nq, c.D, strides(c.Hq, c.Nq), 0.5f * c.bias);
-  const Fp16Tensor k =
-      sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D, strides(c.Hkv, c.Nk), c.bias);
-  const Fp16Tensor v =
-      sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D, strides(c.Hkv, c.Nk), c.bias);
+  const Fp16Tensor q = sage::test::random_tensor(rng, c.B, c.Hq, c.Nq, c.D, strides(c.Hq, c.Nq),
+                                                 0.5f * c.bias);
+  const Fp16Tensor k = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D, strides(c.Hkv, c.Nk),
+                                                 c.bias);
+  const Fp16Tensor v = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D, strides(c.Hkv, c.Nk),
+                                                 c.bias);
   const std::vector<uint16_t> qd = to_dtype(q.data, c.dtype), kd = to_dtype(k.data, c.dtype),
                               vd = to_dtype(v.data, c.dtype);
   const GpuRun g = run_gpu(c, qd, kd, vd);
@@ -150,11 +150,9 @@ TEST_P(GpuVsEmulation, MatchesEmulationAndFloat64) {
   // CPU: the emulation of the same kernel, and float64, from the same dtype-rounded inputs.
   const sage::ref::TensorView qv{qd.data(), c.dtype, q.strides}, kv{kd.data(), c.dtype, k.strides},
       vv{vd.data(), c.dtype, v.strides};
-  const sage::ref::Problem p{c.B,   c.Hq, c.Hkv, c.Nq, c.Nk, c.D, 1.0 / std::sqrt(double(c.D)),
-                             c.mask};
+  const sage::ref::Problem p{c.B, c.Hq, c.Hkv, c.Nq, c.Nk, c.D, 1.0 / std::sqrt(double(c.D)), c.mask};
   std::vector<float> emu(size_t(p.out_elems())), emu_lse(size_t(p.lse_elems()));
-  sage::ref::attention_quant(p, emulation_config(c.variant), qv, kv, vv, emu.data(),
-                             emu_lse.data());
+  sage::ref::attention_quant(p, emulation_config(c.variant), qv, kv, vv, emu.data(), emu_lse.data());
   std::vector<double> exact(emu.size());
   sage::ref::attention_exact(p, qv, kv, vv, exact.data(), nullptr);
 
@@ -168,8 +166,7 @@ TEST_P(GpuVsEmulation, MatchesEmulationAndFloat64) {
       for (int64_t i = 0; i < c.Nq; ++i)
         for (int64_t d = 0; d < c.D; ++d) {
           const size_t at = size_t(((b * c.Hq + h) * c.Nq + i) * c.D + d);
-          got[at] =
-              sage::decode_float(fmt, g.o[size_t(b * os.batch + h * os.head + i * os.token + d)]);
+          got[at] = sage::decode_float(fmt, g.o[size_t(b * os.batch + h * os.head + i * os.token + d)]);
           ASSERT_TRUE(std::isfinite(got[at])) << "output (" << b << "," << h << "," << i << "," << d
                                               << ") not written or not finite";
           emu_max = std::max(emu_max, std::fabs(double(emu[at])));
@@ -187,7 +184,8 @@ TEST_P(GpuVsEmulation, MatchesEmulationAndFloat64) {
   const sage::ref::Metrics vs_exact = sage::ref::compare(exact.data(), got.data(), p.out_elems());
   // (4-bit on unbiased N(0,1) inputs sits at cos ~0.980 with a spread of a few 1e-3 over seeds,
   // so its floor there is 0.97; with channel bias it is above 0.9998.)
-  EXPECT_GT(vs_exact.cos, c.variant == SAGE_VARIANT_SAGE2_4B ? (c.bias == 0 ? 0.97 : 0.98) : 0.995);
+  EXPECT_GT(vs_exact.cos,
+            c.variant == SAGE_VARIANT_SAGE2_4B ? (c.bias == 0 ? 0.97 : 0.98) : 0.995);
   // LSE: same rows empty (-inf), the rest within 1e-3 of the emulation.
   for (size_t i = 0; i < emu_lse.size(); ++i) {
     if (std::isinf(emu_lse[i])) {
@@ -209,18 +207,19 @@ constexpr sage_variant k8 = SAGE_VARIANT_SAGE2_8B, k4 = SAGE_VARIANT_SAGE2_4B;
 
 INSTANTIATE_TEST_SUITE_P(
     Sweep, GpuVsEmulation,
-    ::testing::Values(Case{1, 2, 2, 1, 1, 128, kNone, kHND, kF16, k8, 0},
-                      Case{1, 2, 2, 17, 17, 64, kNone, kHND, kF16, k8, 4},
-                      Case{2, 2, 2, 128, 128, 128, kNone, kNHD, kBF16, k8, 4},
-                      Case{1, 4, 1, 1000, 1000, 128, kBR, kHND, kF16, k8, 8},  // MQA
-                      Case{1, 4, 1, 1000, 1000, 64, kTL, kNHD, kBF16, k4, 8},
-                      Case{1, 8, 2, 4097, 4097, 128, kNone, kHND, kF16, k8, 8},  // GQA 4:1
-                      Case{1, 2, 2, 4097, 4097, 64, kBR, kNHD, kF16, k4, 8},
-                      Case{1, 2, 2, 1, 4097, 128, kBR, kHND, kBF16, k8, 4},  // decode-like Nq = 1
-                      Case{1, 2, 2, 300, 77, 128, kBR, kHND, kF16, k8, 4},   // Nq > Nk: empty rows
-                      Case{1, 2, 2, 300, 77, 64, kTL, kNHD, kF16, k4, 4},
-                      Case{1, 2, 1, 77, 300, 128, kTL, kHND, kBF16, k4, 8},
-                      Case{2, 2, 2, 129, 1000, 64, kNone, kNHD, kF16, k4, 0}),
+    ::testing::Values(
+        Case{1, 2, 2, 1, 1, 128, kNone, kHND, kF16, k8, 0},
+        Case{1, 2, 2, 17, 17, 64, kNone, kHND, kF16, k8, 4},
+        Case{2, 2, 2, 128, 128, 128, kNone, kNHD, kBF16, k8, 4},
+        Case{1, 4, 1, 1000, 1000, 128, kBR, kHND, kF16, k8, 8},   // MQA
+        Case{1, 4, 1, 1000, 1000, 64, kTL, kNHD, kBF16, k4, 8},
+        Case{1, 8, 2, 4097, 4097, 128, kNone, kHND, kF16, k8, 8}, // GQA 4:1
+        Case{1, 2, 2, 4097, 4097, 64, kBR, kNHD, kF16, k4, 8},
+        Case{1, 2, 2, 1, 4097, 128, kBR, kHND, kBF16, k8, 4},     // decode-like Nq = 1
+        Case{1, 2, 2, 300, 77, 128, kBR, kHND, kF16, k8, 4},      // Nq > Nk: empty rows
+        Case{1, 2, 2, 300, 77, 64, kTL, kNHD, kF16, k4, 4},
+        Case{1, 2, 1, 77, 300, 128, kTL, kHND, kBF16, k4, 8},
+        Case{2, 2, 2, 129, 1000, 64, kNone, kNHD, kF16, k4, 0}),
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
 TEST(GpuAttention, DeterministicAndStridedOutputPaddingUntouched) {

@@ -57,8 +57,8 @@ struct Smem {
   static constexpr int kQTile = kBlockQ * D;  // [128 rows][D bytes], swizzled (A of Q·Kᵀ)
   static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
   static constexpr int kVTile = D * kBlockK;  // [D channels][128 keys], swizzled (by TMA)
-  // A stage of the Vᵀ ring: the tile, then one 8-row swizzle atom of ones (E4M3 1.0), the B
-  // operand of the m64n8k32 wgmmas that sum P^ per row.
+  // A stage of the Vᵀ ring: the tile, then one 8-row swizzle atom of ones (E4M3 1.0), the
+  // channels D..D+7 of the P·V wgmma, whose accumulator columns are the row sums of P^.
   static constexpr int kVStage = kVTile + 8 * kBlockK;
   static constexpr int kBytes = kQTile + kStages * (kKTile + kVStage) + 1024;  // + align slack
 };
@@ -71,11 +71,12 @@ struct TmaMaps {
 };
 
 template <int D>
-__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc) {
+__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2 + 4], const uint32_t (&p)[4],
+                                         uint64_t desc) {
   if constexpr (D == 128)
-    ptx::wgmma_m64n128k32_e4m3(o, p, desc, /*accumulate=*/true);
+    ptx::wgmma_m64n136k32_e4m3(o, p, desc, /*accumulate=*/true);
   else
-    ptx::wgmma_m64n64k32_e4m3(o, p, desc, /*accumulate=*/true);
+    ptx::wgmma_m64n72k32_e4m3(o, p, desc, /*accumulate=*/true);
 }
 
 // One score in kPolyEvery takes 2^x from a degree-3 polynomial on the FMA pipe (exp2_poly)
@@ -175,16 +176,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g] * p.scale_log2;
   const float* k_scale = p.k_scale + bhk * p.k_blocks * mma::kKGroups;
 
-  // Row sums by the tensor cores: behind each block's P·V, four m64n8k32 wgmmas multiply the
-  // same P^ by the atom of ones stored after the Vᵀ tile, into a fresh accumulator (lsum), added
-  // into l in fp32 after the block. Numerator and denominator share P^'s rounding and the
-  // softmax has no row-sum adds (emulation: quant.l_from_pv = 1). (Kept in O's accumulator as
-  // columns D..D+7 instead, the growing positive sum pushed later blocks off the wgmma
-  // accumulator's grid: rel-L1 0.26 at N = 16k; zeroing them each block spilled at D=128.)
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  float o[D / 2];
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-  float lsum[4];  // the block's row sums: sum P^ of rows g (lsum[0]) and g+8 (lsum[2])
+  // O and, in its last 4 registers (accumulator columns D..D+7), the row sums l = sum P^ of
+  // rows g (o[D/2]) and g+8 (o[D/2 + 2]): the ones atom after each Vᵀ tile makes the P·V wgmma
+  // sum P^ with the output's own accumulator and rescaling, so numerator and denominator share
+  // P^'s rounding and the softmax has no row-sum adds (emulation: quant.l_from_pv = 1).
+  float m[2] = {-INFINITY, -INFINITY};
+  float o[D / 2 + 4];
+  for (int i = 0; i < D / 2 + 4; ++i) o[i] = 0.0f;
   {  // the ones atoms: 8 bytes per consumer thread, made visible to the wgmma (async proxy)
     const int i = threadIdx.x - 128;  // 0..255
     const int st = i / 128, at = (i % 128) * 8;
@@ -208,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kMagic = 0x4B400000;
   constexpr float kMagicF = 12582912.0f;
   constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
-  auto scales = [&](int kb, float(&f)[2]) {             // f of keys 0-63 and 64-127 of block kb
+  auto scales = [&](int kb, float(&f)[2]) {  // f of keys 0-63 and 64-127 of block kb
     f[0] = q_scale_log2 * k_scale[(2 * kb) * mma::kKGroups + t];
     f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * mma::kKGroups + t];
   };
@@ -259,9 +257,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // O *= alpha, skipped when no row of the warp saw its max move (most blocks after the first
   // few): a warp-uniform branch outside any wgmma's flight.
   auto rescale_o = [&](const float(&alpha)[2]) {
-    for (int r = 0; r < 2; ++r) l[r] = (l[r] + lsum[2 * r]) * alpha[r];
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
-      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
+      for (int i = 0; i < D / 2 + 4; ++i) o[i] *= alpha[(i / 2) & 1];
   };
 
   // Descriptors: computed once, a stage and a k-step add (bytes >> 4) to the start address.
@@ -293,14 +290,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     constexpr int st = decltype(stage)::value;
     ptx::mbar_wait(&full_v[st], (kb >> 1) & 1);
     ptx::wgmma_fence_regs(o);
-    ptx::wgmma_fence_regs(lsum);
     ptx::wgmma_fence();
     for (int c = 0; c < 4; ++c)
       pv_wgmma<D>(o, pf[c], v_desc + uint64_t((st * S::kVStage + c * 32) >> 4));
-    for (int c = 0; c < 4; ++c)  // the row sums, in a fresh accumulator per block
-      ptx::wgmma_m64n8k32_e4m3(lsum, pf[c],
-                               v_desc + uint64_t((st * S::kVStage + S::kVTile + c * 32) >> 4),
-                               /*accumulate=*/c > 0);
     ptx::wgmma_commit();
   };
   auto release = [&](uint64_t* bar) {
@@ -329,7 +321,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     softmax_block(sacc, kb, f, alpha);
     ptx::wgmma_wait<0>();  // P·V(kb-1) landed: O may be rescaled, pf rewritten
     ptx::wgmma_fence_regs(o);
-    ptx::wgmma_fence_regs(lsum);
     release(&empty_v[1 - st]);
     rescale_o(alpha);
     pack_p(sacc);
@@ -359,11 +350,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_pv(Stage0{}, n_blocks - 1);
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(o);
-    ptx::wgmma_fence_regs(lsum);
     release(&empty_v[(n_blocks - 1) % kStages]);
   }
 
-  for (int r = 0; r < 2; ++r) l[r] += lsum[2 * r];  // the last block's sums
+  float l[2] = {o[D / 2], o[D / 2 + 2]};  // already the whole row's sum
   attn::finalize<D, OutT, 448, /*kLReduced=*/true>(
       p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, bhk, row_a, t);
 #endif
