@@ -129,10 +129,6 @@ typedef struct sage_quant_config {
   int32_t block_q;             /* query rows a CTA owns (softmax tile, Q smoothing, per-block) */
   int32_t block_k;             /* keys per streamed block */
   int32_t warps;               /* warps sharing block_q (per-warp / per-thread MMA groups) */
-  int32_t l_from_pv;           /* 0: the softmax denominator l sums P~ in fp32 (mma.sync kernel);
-                                  1: l is one more P^·V column, V = 1, summed by the P·V MMA like
-                                  the output (the sm_90 wgmma kernel): numerator and denominator
-                                  then share P^'s rounding */
 } sage_quant_config;
 
 /* Strides in elements for the batch, head and token dimensions; the last (head_dim, or nothing for

@@ -55,7 +55,6 @@ class QuantConfig(ctypes.Structure):
         ("block_q", ctypes.c_int32),
         ("block_k", ctypes.c_int32),
         ("warps", ctypes.c_int32),
-        ("l_from_pv", ctypes.c_int32),
     ]
 
 

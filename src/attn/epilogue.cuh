@@ -38,10 +38,10 @@ __device__ __forceinline__ void visible_keys(const mma::AttnParams& p, int64_t r
 }
 
 // Online softmax, base 2: the 4 threads of a row agree on its block max; the running max m moves
-// up, alpha (returned) rescales what was summed so far (O, and l where the caller keeps it), and
-// m_use is what to subtract from the scores (0 for a row that has seen nothing visible yet).
-__device__ __forceinline__ void online_max(float (&row_max)[2], float (&m)[2], float (&alpha)[2],
-                                           float (&m_use)[2]) {
+// up, the running sum l is rescaled by alpha (returned, for O too), and m_use is what to subtract
+// from the scores (0 for a row that has seen nothing visible yet).
+__device__ __forceinline__ void online_max(float (&row_max)[2], float (&m)[2], float (&l)[2],
+                                           float (&alpha)[2], float (&m_use)[2]) {
   for (int r = 0; r < 2; ++r) {
     row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
     row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
@@ -49,13 +49,8 @@ __device__ __forceinline__ void online_max(float (&row_max)[2], float (&m)[2], f
     m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
     alpha[r] = ptx::ex2(m[r] - m_use[r]);
     m[r] = m_new;
+    l[r] *= alpha[r];
   }
-}
-// The same with the running sum l rescaled here.
-__device__ __forceinline__ void online_max(float (&row_max)[2], float (&m)[2], float (&l)[2],
-                                           float (&alpha)[2], float (&m_use)[2]) {
-  online_max(row_max, m, alpha, m_use);
-  for (int r = 0; r < 2; ++r) l[r] *= alpha[r];
 }
 
 // P^ = E4M3(p) as the A operand of kChunks k32 MMA steps (keys 32c..32c+31 in the order the
@@ -78,17 +73,15 @@ __device__ __forceinline__ void pack_p_e4m3(uint32_t (&pf)[kChunks][4], PAt p_at
 // Finalize and store rows row_a, row_a + 8: O / l / 448 · v_scale + v_mean in the output dtype;
 // LSE = (m + log2 l)·ln 2 + the smoothing shift. o_at(i, e) reads element e of channel tile i.
 // kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 when it sums the
-// E4M3-range values P~ · 448 the kernel computed directly. kLReduced: l is already the row's
-// sum (else each of the 4 threads of a row holds a part).
-template <int D, typename OutT, int kLUnit, bool kLReduced, typename OAt>
+// E4M3-range values P~ · 448 the kernel computed directly.
+template <int D, typename OutT, int kLUnit, typename OAt>
 __device__ __forceinline__ void finalize(const mma::AttnParams& p, OAt o_at, const float (&m)[2],
                                          float (&l)[2], int64_t b, int64_t h, int64_t bh,
                                          int64_t bhk, int64_t row_a, int t) {
-  if constexpr (!kLReduced)
-    for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
   const float* vsc = p.v_scale + bhk * D;
   const float* vmean = p.v_mean + bhk * D;
   for (int r = 0; r < 2; ++r) {

@@ -80,10 +80,6 @@ std::vector<AblationRow> paper_ablations() {
   sage_quant_config w8v = w8;
   w8v.v_scale = SAGE_V_SCALE_PER_BLOCK_CHANNEL;
   rows.push_back({tv, "SageAttn2-8b (wgmma, per-block V scale)", w8v});
-  sage_quant_config h8 = b8;  // what the sm_90 kernel runs: wgmma accumulator, l from P^
-  h8.pv_accum = SAGE_PV_ACCUM_ALIGNED;
-  h8.l_from_pv = 1;
-  rows.push_back({tv, "SageAttn2-8b (sm90 kernel: aligned accumulator, l = sum P^)", h8});
   rows.push_back({tv, "SageAttn2-4b (mma, 128x64)", b4});
   return rows;
 }

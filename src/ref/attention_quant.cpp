@@ -229,16 +229,12 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
 
     // Online-softmax state per row: running max m (base 2), sum l, output O, and the MMA
     // accumulator R (a double holding exactly what the hardware register holds).
-    // With l_from_pv, channel D of O and R is the row sum: P^ times a V column of ones, through
-    // the same accumulator as the output.
-    const bool l_pv = cfg.l_from_pv != 0;
-    const int64_t DC = D + (l_pv ? 1 : 0);
     std::vector<Real> m(size_t(rows), neg_inf<Real>()), l(size_t(rows), Real(0));
-    std::vector<Real> O(size_t(rows * DC), Real(0));
-    std::vector<double> R(size_t(rows * DC), 0.0);
+    std::vector<Real> O(size_t(rows * D), Real(0));
+    std::vector<double> R(size_t(rows * D), 0.0);
     std::vector<int> pending(size_t(rows), 0);  // key blocks in R since the last flush
     std::vector<Real> s(static_cast<size_t>(bk)), phat(static_cast<size_t>(bk));
-    std::vector<double> chunk(static_cast<size_t>(DC));
+    std::vector<double> chunk(dims);
     std::vector<double> step(size_t(std::max(1, cfg.accum_chunk)));  // one MMA step's products
     int64_t visible_max = 0;
     for (int64_t r = 0; r < rows; ++r) visible_max = std::max(visible_max, p.visible_keys(r0 + r));
@@ -275,16 +271,12 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
         }
         m[size_t(r)] = m_new;
         l[size_t(r)] = l[size_t(r)] * alpha + row_sum;
-        Real* o = &O[size_t(r * DC)];
-        double* acc = &R[size_t(r * DC)];
-        for (int64_t d = 0; d < DC; ++d) {
+        Real* o = &O[size_t(r * D)];
+        double* acc = &R[size_t(r * D)];
+        for (int64_t d = 0; d < D; ++d) {
           o[d] *= alpha;
           acc[d] = double(Real(acc[d]) * alpha);
         }
-        // V value of key j, channel d (channel D: the ones column of l_from_pv).
-        auto vval = [&](int64_t j, int64_t d) {
-          return d < D ? double(kp.v[size_t(j * D + d)]) : 1.0;
-        };
         // P^·V^ one MMA at a time: exact sum of accum_chunk products, then one accumulator add.
         for (int64_t c0 = j0; c0 < j1; c0 += cfg.accum_chunk) {
           const int64_t c1 = std::min(j1, c0 + int64_t(cfg.accum_chunk));
@@ -292,19 +284,20 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
           for (int64_t j = c0; j < c1; ++j) {
             const double pj = double(phat[size_t(j - j0)]);
             if (pj == 0.0) continue;
-            for (int64_t d = 0; d < DC; ++d) chunk[size_t(d)] += pj * vval(j, d);
+            const Real* vj = &kp.v[size_t(j * D)];
+            for (int64_t d = 0; d < D; ++d) chunk[size_t(d)] += pj * double(vj[d]);
           }
           if (cfg.pv_accum == SAGE_PV_ACCUM_FP32) {  // rounded to Real: fp32 for the emulation
-            for (int64_t d = 0; d < DC; ++d) acc[d] = double(Real(acc[d] + chunk[size_t(d)]));
+            for (int64_t d = 0; d < D; ++d) acc[d] = double(Real(acc[d] + chunk[size_t(d)]));
           } else if (cfg.pv_accum == SAGE_PV_ACCUM_ALIGNED) {  // product by product (wgmma)
-            for (int64_t d = 0; d < DC; ++d) {
+            for (int64_t d = 0; d < D; ++d) {
               int64_t n = 0;
               for (int64_t j = c0; j < c1; ++j)
-                step[size_t(n++)] = double(phat[size_t(j - j0)]) * vval(j, d);
+                step[size_t(n++)] = double(phat[size_t(j - j0)]) * double(kp.v[size_t(j * D + d)]);
               acc[d] = mma_aligned_step(acc[d], step.data(), int(n), cfg.accum_mantissa_bits);
             }
           } else {
-            for (int64_t d = 0; d < DC; ++d)
+            for (int64_t d = 0; d < D; ++d)
               acc[d] = truncate_mantissa(acc[d] + chunk[size_t(d)], cfg.accum_mantissa_bits);
           }
         }
@@ -312,8 +305,8 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
                            (cfg.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL &&
                             ++pending[size_t(r)] == cfg.pv_flush_interval);
         if (flush) {
-          for (int64_t d = 0; d < DC; ++d) {
-            o[d] += flush_scale && d < D ? Real(acc[d]) * flush_scale[d] : Real(acc[d]);
+          for (int64_t d = 0; d < D; ++d) {
+            o[d] += flush_scale ? Real(acc[d]) * flush_scale[d] : Real(acc[d]);
             acc[d] = 0.0;
           }
           pending[size_t(r)] = 0;
@@ -331,19 +324,16 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
         continue;
       }
       const Real* flush_scale = block_v_scale ? &kp.v_scale[size_t((n - 1) / bk * D)] : nullptr;
-      // l_from_pv: the ones column holds sum P^ = p_scale * l.
-      const Real sum_phat = l_pv ? O[size_t(r * DC + D)] + Real(R[size_t(r * DC + D)]) : Real(0);
-      const Real denom = l_pv ? sum_phat : l[size_t(r)] * Real(pv.p_scale);
-      const Real l_row = l_pv ? sum_phat / Real(pv.p_scale) : l[size_t(r)];
+      const Real denom = l[size_t(r)] * Real(pv.p_scale);
       for (int64_t d = 0; d < D; ++d) {
-        const Real acc = Real(R[size_t(r * DC + d)]);
-        const Real o = O[size_t(r * DC + d)] + (flush_scale ? acc * flush_scale[d] : acc);
+        const Real acc = Real(R[size_t(r * D + d)]);
+        const Real o = O[size_t(r * D + d)] + (flush_scale ? acc * flush_scale[d] : acc);
         const Real vs = block_v_scale ? Real(1) : kp.v_scale[size_t(d)];
         dst[d] = o * (vs / denom) + kp.v_mean[size_t(d)];
       }
       if (lse)
         lse[bh * Nq + i] =
-            Real((double(m[size_t(r)]) + std::log2(double(l_row))) * kLn2) +
+            Real((double(m[size_t(r)]) + std::log2(double(l[size_t(r)]))) * kLn2) +
             pr.lse_shift[size_t(i)];
     }
   });

@@ -23,7 +23,6 @@ sage_quant_config quant_preset(sage_variant variant) {
   c.block_q = 128;  // the mma.sync kernel's tile: 8 warps of 16 rows, 64-key blocks
   c.block_k = 64;
   c.warps = 8;
-  c.l_from_pv = 0;
   switch (variant) {
     case SAGE_VARIANT_SAGE2_4B:
       c.qk_format = SAGE_QK_INT4;
@@ -68,7 +67,6 @@ std::string quant_config_error(const sage_quant_config& c) {
   if (c.accum_mantissa_bits < 1 || c.accum_mantissa_bits > 23)
     return bad("accum_mantissa_bits (1..23)", c.accum_mantissa_bits);
   if (c.accum_chunk < 1) return bad("accum_chunk (>= 1)", c.accum_chunk);
-  if (c.l_from_pv != 0 && c.l_from_pv != 1) return bad("l_from_pv (0 or 1)", c.l_from_pv);
   if (c.granularity == SAGE_GRANULARITY_PER_THREAD_MMA && (c.block_q / c.warps) % 16 != 0)
     return bad("block_q (per-thread MMA groups need block_q / warps to be a multiple of 16)",
                c.block_q);

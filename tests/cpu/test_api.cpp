@@ -458,8 +458,7 @@ bool same_quant(const sage_quant_config& a, const sage_quant_config& b) {
          a.pv_format == b.pv_format && a.v_scale == b.v_scale && a.pv_accum == b.pv_accum &&
          a.pv_flush_interval == b.pv_flush_interval &&
          a.accum_mantissa_bits == b.accum_mantissa_bits && a.accum_chunk == b.accum_chunk &&
-         a.block_q == b.block_q && a.block_k == b.block_k && a.warps == b.warps &&
-         a.l_from_pv == b.l_from_pv;
+         a.block_q == b.block_q && a.block_k == b.block_k && a.warps == b.warps;
 }
 
 sage_quant_config preset(sage_variant v) {
@@ -962,7 +961,6 @@ TEST_F(ApiErrors, InvalidCustomQuantConfig) {
        [](sage_quant_config& q) { q.accum_mantissa_bits = 24; },
        {"accum_mantissa_bits"}},
       {"accum_chunk 0", [](sage_quant_config& q) { q.accum_chunk = 0; }, {"accum_chunk"}},
-      {"l_from_pv 2", [](sage_quant_config& q) { q.l_from_pv = 2; }, {"l_from_pv"}},
       // Per-thread MMA groups: block_q / warps must be a multiple of 16; block_k of 8.
       {"per-thread MMA, 8 rows a warp", [](sage_quant_config& q) { q.warps = 16; }, {"block_q"}},
       {"per-thread WGMMA, block_q 40",

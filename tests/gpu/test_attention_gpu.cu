@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -114,14 +113,7 @@ sage_quant_config emulation_config(sage_variant variant) {
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  if (major * 10 + minor == 90) {
-    c.pv_accum = SAGE_PV_ACCUM_FP32;
-    // The wgmma kernel (8-bit without Q smoothing, unless SAGE_KERNEL=mma) sums l with P^.
-    const char* force = std::getenv("SAGE_KERNEL");
-    const bool mma_forced = force && std::string(force) == "mma";
-    if (c.qk_format == SAGE_QK_INT8 && !(c.smooth & SAGE_SMOOTH_Q) && !mma_forced)
-      c.l_from_pv = 1;
-  }
+  if (major * 10 + minor == 90) c.pv_accum = SAGE_PV_ACCUM_FP32;
   return c;
 }
 

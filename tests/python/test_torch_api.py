@@ -360,11 +360,11 @@ def test_gpu_accuracy_tool_on_pt_files(gen, tmp_path, capsys):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_sm90_against_mma(gen, monkeypatch, d, causal):
-    """The wgmma kernel does the mma kernel's arithmetic (same pre-pass, scales, P̃ rounding)
-    except the FP8 accumulator and the softmax denominator, which it sums from the rounded P̂
-    (quant.l_from_pv): the two agree to a few 1e-3 with peaked attention (any layout or pairing
-    error moves them by O(1)) and to ~1% with flat attention (the wgmma's accumulator, measured,
-    docs/fp8-accumulator.md); against float64 the wgmma kernel is as accurate as the mma one."""
+    """The wgmma kernel does the mma kernel's arithmetic (same pre-pass, scales, P̃ rounding);
+    only the FP8 accumulator differs. With peaked attention (few keys carry P̃) the two agree to
+    output rounding, so any layout or pairing error shows; with flat attention the wgmma's
+    accumulator differs by up to ~1% (measured, docs/fp8-accumulator.md), and its accuracy
+    against float64 stays that of the mma kernel."""
     q, k, v = (randn(gen, (2, 4, 700, d)) for _ in range(3))
     out = {}
     for scale in (1.0, None):
@@ -372,12 +372,9 @@ def test_gpu_sm90_against_mma(gen, monkeypatch, d, causal):
             monkeypatch.setenv("SAGE_KERNEL", kern)
             out[kern, scale] = sage_attn.sageattn(q, k, v, is_causal=causal, sm_scale=scale)
     peaked = metrics(out["sm90", 1.0], out["mma", 1.0].double())
-    assert peaked["rel_l1"] < 1e-2, peaked
+    assert peaked["rel_l1"] < 3e-3, peaked
     flat = metrics(out["sm90", None], out["mma", None].double())
     assert flat["rel_l1"] < 2e-2, flat
     ref, _ = ref64(q, k, v, "bottom_right" if causal else None)
     e90, emma = metrics(out["sm90", None], ref), metrics(out["mma", None], ref)
     assert e90["rel_l1"] < 1.03 * emma["rel_l1"] + 1e-4, (e90, emma)
-    ref1, _ = ref64(q, k, v, "bottom_right" if causal else None, scale=1.0)
-    p90, pmma = metrics(out["sm90", 1.0], ref1), metrics(out["mma", 1.0], ref1)
-    assert p90["rel_l1"] < 1.03 * pmma["rel_l1"] + 1e-4, (p90, pmma)

@@ -56,11 +56,8 @@ template <int D>
 struct Smem {
   static constexpr int kQTile = kBlockQ * D;  // [128 rows][D bytes], swizzled (A of Q·Kᵀ)
   static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
-  static constexpr int kVTile = D * kBlockK;  // [D channels][128 keys], swizzled (by TMA)
-  // A stage of the Vᵀ ring: the tile, then one 8-row swizzle atom of ones (E4M3 1.0), the
-  // channels D..D+7 of the P·V wgmma, whose accumulator columns are the row sums of P^.
-  static constexpr int kVStage = kVTile + 8 * kBlockK;
-  static constexpr int kBytes = kQTile + kStages * (kKTile + kVStage) + 1024;  // + align slack
+  static constexpr int kVTile = D * kBlockK;  // [D channels][128 keys], swizzled
+  static constexpr int kBytes = kQTile + kStages * (kKTile + kVTile) + 1024;  // + align slack
 };
 
 // Everything the kernel needs besides AttnParams: the TMA descriptors of Q, K and Vᵀ.
@@ -71,23 +68,17 @@ struct TmaMaps {
 };
 
 template <int D>
-__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2 + 4], const uint32_t (&p)[4],
-                                         uint64_t desc) {
+__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc) {
   if constexpr (D == 128)
-    ptx::wgmma_m64n136k32_e4m3(o, p, desc, /*accumulate=*/true);
+    ptx::wgmma_m64n128k32_e4m3(o, p, desc, /*accumulate=*/true);
   else
-    ptx::wgmma_m64n72k32_e4m3(o, p, desc, /*accumulate=*/true);
+    ptx::wgmma_m64n64k32_e4m3(o, p, desc, /*accumulate=*/true);
 }
 
 // One score in kPolyEvery takes 2^x from a degree-3 polynomial on the FMA pipe (exp2_poly)
 // instead of MUFU.EX2, whose 16 results / SM / clock bound the softmax (measured: 25 % beat 0 %
 // and 50 %; docs/sm90-kernel.md).
 constexpr int kPolyEvery = 4;
-
-// bar.sync on a named barrier (id 1: the two consumer warpgroups; 0 is __syncthreads).
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 
 // 2^x for x <= 9 (in [-125, 9] exactly enough; below, a value under 2^-125 that E4M3 and the row
 // sum cannot see), on the FMA and integer pipes: x = n + r with n = round(x), |r| <= 1/2;
@@ -152,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         ptx::tma_load_3d(k_tiles + s * S::kKTile, &maps.k, &full_k[s], 0, kb * kBlockK, int(bhk));
         ptx::mbar_wait(&empty_v[s], parity);
         ptx::mbar_arrive_expect_tx(&full_v[s], S::kVTile);
-        ptx::tma_load_3d(v_tiles + s * S::kVStage, &maps.v, &full_v[s], kb * kBlockK, 0, int(bhk));
+        ptx::tma_load_3d(v_tiles + s * S::kVTile, &maps.v, &full_v[s], kb * kBlockK, 0, int(bhk));
       }
     }
     return;
@@ -176,21 +167,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g] * p.scale_log2;
   const float* k_scale = p.k_scale + bhk * p.k_blocks * mma::kKGroups;
 
-  // O and, in its last 4 registers (accumulator columns D..D+7), the row sums l = sum P^ of
-  // rows g (o[D/2]) and g+8 (o[D/2 + 2]): the ones atom after each Vᵀ tile makes the P·V wgmma
-  // sum P^ with the output's own accumulator and rescaling, so numerator and denominator share
-  // P^'s rounding and the softmax has no row-sum adds (emulation: quant.l_from_pv = 1).
-  float m[2] = {-INFINITY, -INFINITY};
-  float o[D / 2 + 4];
-  for (int i = 0; i < D / 2 + 4; ++i) o[i] = 0.0f;
-  {  // the ones atoms: 8 bytes per consumer thread, made visible to the wgmma (async proxy)
-    const int i = threadIdx.x - 128;  // 0..255
-    const int st = i / 128, at = (i % 128) * 8;
-    *reinterpret_cast<uint2*>(v_tiles + st * S::kVStage + S::kVTile + at) =
-        make_uint2(0x38383838u, 0x38383838u);
-    ptx::fence_proxy_async_shared();
-    named_bar_sync(1, 256);
-  }
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float o[D / 2];
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   uint32_t pf[4][4];  // P^ of the previous block, the A operand of its P·V (issued one block late)
 
   // The S accumulator starts at the bits of 1.5·2^23 (kMagic), so the exact int32 score x
@@ -212,6 +191,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   auto softmax_block = [&](int(&sacc)[64], int kb, const float(&f)[2], float(&alpha)[2]) {
     float row_max[2], m_use[2];
+    float part[2][4] = {};  // four partial sums per row: short FADD chains
     if (kb < first_masked_block) {  // every key visible to every row (CTA-uniform)
       int mx[2][2];
       for (int r = 0; r < 2; ++r)
@@ -225,13 +205,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int r = 0; r < 2; ++r)
         row_max[r] = fmaxf((__int_as_float(mx[r][0]) - kMagicF) * f[0],
                            (__int_as_float(mx[r][1]) - kMagicF) * f[1]);
-      attn::online_max(row_max, m, alpha, m_use);
+      attn::online_max(row_max, m, l, alpha, m_use);
       float bias[2][2];
       for (int r = 0; r < 2; ++r)
         for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
       for (int i = 0; i < 64; ++i) {
         const float x = fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
         const float e = i % kPolyEvery == kPolyEvery - 1 ? exp2_poly(x) : ptx::ex2(x);
+        part[(i / 2) & 1][i / 16] += e;
         sacc[i] = __float_as_int(e);
       }
     } else {  // the diagonal and the Nk edge: scores as floats, hidden ones -inf
@@ -244,12 +225,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], x);
         sacc[i] = __float_as_int(x);
       }
-      attn::online_max(row_max, m, alpha, m_use);
+      attn::online_max(row_max, m, l, alpha, m_use);
       for (int i = 0; i < 64; ++i) {
         const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[(i / 2) & 1] - kLog2E4m3Max));
+        part[(i / 2) & 1][i / 16] += e;
         sacc[i] = __float_as_int(e);
       }
     }
+    for (int r = 0; r < 2; ++r) l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
   };
   auto pack_p = [&](const int(&pe)[64]) {
     attn::pack_p_e4m3(pf, [&](int n, int e) { return __int_as_float(pe[4 * n + e]); });
@@ -258,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // few): a warp-uniform branch outside any wgmma's flight.
   auto rescale_o = [&](const float(&alpha)[2]) {
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
-      for (int i = 0; i < D / 2 + 4; ++i) o[i] *= alpha[(i / 2) & 1];
+      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
   };
 
   // Descriptors: computed once, a stage and a k-step add (bytes >> 4) to the start address.
@@ -292,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::wgmma_fence_regs(o);
     ptx::wgmma_fence();
     for (int c = 0; c < 4; ++c)
-      pv_wgmma<D>(o, pf[c], v_desc + uint64_t((st * S::kVStage + c * 32) >> 4));
+      pv_wgmma<D>(o, pf[c], v_desc + uint64_t((st * S::kVTile + c * 32) >> 4));
     ptx::wgmma_commit();
   };
   auto release = [&](uint64_t* bar) {
@@ -353,8 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     release(&empty_v[(n_blocks - 1) % kStages]);
   }
 
-  float l[2] = {o[D / 2], o[D / 2 + 2]};  // already the whole row's sum
-  attn::finalize<D, OutT, 448, /*kLReduced=*/true>(
+  attn::finalize<D, OutT, 448>(
       p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, bhk, row_a, t);
 #endif
 }
