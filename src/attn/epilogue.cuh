@@ -62,28 +62,26 @@ __device__ __forceinline__ void pack_p_e4m3(uint32_t (&pf)[kChunks][4], PAt p_at
     for (int half = 0; half < 2; ++half) {
       const int n0 = 4 * c + 2 * half, n1 = n0 + 1;
       pf[c][2 * half + 0] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 0), p_at(n0, 1))) |
-                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 0), p_at(n1, 1)))
-                                << 16;
+                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 0), p_at(n1, 1))) << 16;
       pf[c][2 * half + 1] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 2), p_at(n0, 3))) |
-                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 2), p_at(n1, 3)))
-                                << 16;
+                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 2), p_at(n1, 3))) << 16;
     }
 }
 
 // Finalize and store rows row_a, row_a + 8: O / l / 448 · v_scale + v_mean in the output dtype;
 // LSE = (m + log2 l)·ln 2 + the smoothing shift. o_at(i, e) reads element e of channel tile i.
 // kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 when it sums the
-// E4M3-range values P~ · 448 the kernel computed directly.
+// E4M3-range values P~ · 448 the kernel computed directly. vsc / vmean: this head's V scales
+// and means (D floats each), from global memory or staged in shared memory by the caller.
 template <int D, typename OutT, int kLUnit, typename OAt>
 __device__ __forceinline__ void finalize(const mma::AttnParams& p, OAt o_at, const float (&m)[2],
                                          float (&l)[2], int64_t b, int64_t h, int64_t bh,
-                                         int64_t bhk, int64_t row_a, int t) {
+                                         int64_t row_a, int t, const float* vsc,
+                                         const float* vmean) {
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
-  const float* vsc = p.v_scale + bhk * D;
-  const float* vmean = p.v_mean + bhk * D;
   for (int r = 0; r < 2; ++r) {
     const int64_t row = row_a + 8 * r;
     if (row >= p.seq_q) continue;

@@ -205,7 +205,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
   ptx::cp_async_wait<0>();
 
   attn::finalize<D, OutT, 1>(
-      p, [&](int i, int e) { return o[i][e]; }, m, l, b, h, bh, bhk, row_a, t);
+      p, [&](int i, int e) { return o[i][e]; }, m, l, b, h, bh, row_a, t, p.v_scale + bhk * D,
+      p.v_mean + bhk * D);
 #endif
 }
 

@@ -35,6 +35,7 @@
 
 #include "attn/epilogue.cuh"
 #include "attn/mma/params.h"
+#include "ptx/async.cuh"
 #include "ptx/cvt.cuh"
 #include "ptx/math.cuh"
 #include "ptx/tma.cuh"
@@ -80,6 +81,11 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
 // and 50 %; docs/sm90-kernel.md).
 constexpr int kPolyEvery = 4;
 
+// bar.sync on a named barrier (ids 1, 2: one per consumer warpgroup; 0 is __syncthreads).
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // 2^x for x <= 9 (in [-125, 9] exactly enough; below, a value under 2^-125 that E4M3 and the row
 // sum cannot see), on the FMA and integer pipes: x = n + r with n = round(x), |r| <= 1/2;
 // 2^r by a degree-3 polynomial fitted for relative error (max 1.0e-4); n added to the exponent.
@@ -105,6 +111,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* q_tile = smem;
   uint8_t* k_tiles = smem + S::kQTile;
   uint8_t* v_tiles = k_tiles + kStages * S::kKTile;
+  __shared__ float v_stat[2][2][D];  // per consumer warpgroup: V scales, V means
   __shared__ __align__(8) uint64_t full_q, full_k[kStages], full_v[kStages], empty_k[kStages],
       empty_v[kStages];
 
@@ -166,6 +173,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float q_scale_log2 =
       p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g] * p.scale_log2;
   const float* k_scale = p.k_scale + bhk * p.k_blocks * mma::kKGroups;
+  // The epilogue's V scales and means, copied now into this warpgroup's shared copy (cp.async:
+  // nothing waits until the epilogue). Read from global there, their load latency sat exposed
+  // in every CTA's epilogue: 25-30 % of the warp stall samples at N = 1k.
+  for (int j = threadIdx.x % 128; j < 2 * D; j += 128)
+    ptx::cp_async_4(&v_stat[warp / 4][j / D][j % D],
+                    (j < D ? p.v_scale : p.v_mean) + bhk * D + j % D);
+  ptx::cp_async_commit();
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[D / 2];
@@ -185,13 +199,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kMagic = 0x4B400000;
   constexpr float kMagicF = 12582912.0f;
   constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
-  auto scales = [&](int kb, float(&f)[2]) {  // f of keys 0-63 and 64-127 of block kb
+  auto scales = [&](int kb, float(&f)[2]) {             // f of keys 0-63 and 64-127 of block kb
     f[0] = q_scale_log2 * k_scale[(2 * kb) * mma::kKGroups + t];
     f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * mma::kKGroups + t];
   };
   auto softmax_block = [&](int(&sacc)[64], int kb, const float(&f)[2], float(&alpha)[2]) {
     float row_max[2], m_use[2];
-    float part[2][4] = {};  // four partial sums per row: short FADD chains
+    float part[2][4] = {};          // four partial sums per row: short FADD chains
     if (kb < first_masked_block) {  // every key visible to every row (CTA-uniform)
       int mx[2][2];
       for (int r = 0; r < 2; ++r)
@@ -336,8 +350,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     release(&empty_v[(n_blocks - 1) % kStages]);
   }
 
+  ptx::cp_async_wait<0>();  // this warpgroup's copy of the V scales and means has landed
+  named_bar_sync(1 + warp / 4, 128);
   attn::finalize<D, OutT, 448>(
-      p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, bhk, row_a, t);
+      p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, row_a, t, v_stat[warp / 4][0],
+      v_stat[warp / 4][1]);
 #endif
 }
 
