@@ -127,6 +127,7 @@ struct Smem {
   } u;
   float k_mean[D], v_mean[D], v_inv[D];
   unsigned long long ticket;
+  int64_t stats_head;  // kv head whose k_mean/v_mean/v_inv are in k_mean.. (-1: none)
   int last;
 };
 
@@ -153,7 +154,7 @@ __device__ void stat_item(const Args& a, Smem<D>& sm, int64_t bh, int64_t chunk)
     double sum[8] = {};
     float mx[8], mn[8];
     for (int i = 0; i < 8; ++i) mx[i] = -INFINITY, mn[i] = INFINITY;
-#pragma unroll 2
+#pragma unroll 8
     for (int64_t n = n0; n < n1; n += kTokenLanes) {
       float e[8];
       load8(row_ptr(x, xs, b, h, n), d0, e);
@@ -223,11 +224,12 @@ __device__ void stat_item(const Args& a, Smem<D>& sm, int64_t bh, int64_t chunk)
 // through L2: another CTA of this grid wrote them).
 template <int D>
 __device__ void wait_stats(const Args& a, Smem<D>& sm, int64_t bh) {
+  if (sm.stats_head == bh) return;  // uniform: read after the item's opening barrier
   const Plan& p = a.p;
   const unsigned* ready =
       reinterpret_cast<const unsigned*>(a.ws + p.sync + sizeof(Sync)) + p.batch * p.heads_kv;
   if (threadIdx.x == 0) {
-    while (ld_acquire(&ready[bh]) == 0u) __nanosleep(256);
+    while (ld_acquire(&ready[bh]) == 0u) __nanosleep(200);
   }
   __syncthreads();
   auto f32 = [&](size_t off) { return reinterpret_cast<const float*>(a.ws + off) + bh * D; };
@@ -237,6 +239,7 @@ __device__ void wait_stats(const Args& a, Smem<D>& sm, int64_t bh) {
     sm.v_inv[c] = __ldcg(f32(p.v_inv) + c);
   }
   __syncthreads();
+  if (threadIdx.x == 0) sm.stats_head = bh;  // read by all after the next item's barrier
 }
 
 // A row held by 4 threads (part p holds 8-channel chunks p, p+4, ...), kept in registers
@@ -278,10 +281,9 @@ __device__ __forceinline__ void store_row_part(uint8_t* dst, int part, const Row
 // {8i+2t, 8i+2t+1}. V: E4M3 of (V - v_mean) / v_scale, written transposed ([channel][key]) with
 // the keys of each 32-chunk in MMA operand order (v_position_of_key).
 template <typename T, int D, int kBits>
-__device__ void kv_item(const Args& a, Smem<D>& sm, int64_t bh, int64_t kb) {
+__device__ void kv_block(const Args& a, Smem<D>& sm, int64_t bh, int64_t kb) {
   constexpr int qmax = kBits == 8 ? kInt8Max : kInt4Max;
   const Plan& p = a.p;
-  wait_stats(a, sm, bh);
   const int64_t b = bh / p.heads_kv, h = bh % p.heads_kv;
   {
     const T* k = static_cast<const T*>(a.k);
@@ -312,7 +314,11 @@ __device__ void kv_item(const Args& a, Smem<D>& sm, int64_t bh, int64_t kb) {
     uint8_t* tile = sm.u.kv.tile;
     // A warp takes 32 consecutive keys of one 8-channel slice: its byte stores into a tile row
     // then land in 8 words (4 bytes each), not 16 rows of one bank.
-    for (int i = threadIdx.x; i < mma::kBlockK * D / 8; i += kThreads) {
+    constexpr int kIters = mma::kBlockK * D / 8 / kThreads;
+    static_assert(kIters * kThreads == mma::kBlockK * D / 8, "whole iterations");
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = threadIdx.x + it * kThreads;
       const int key = i % mma::kBlockK, d0 = (i / mma::kBlockK) * 8;
       const int64_t n = kb * mma::kBlockK + key;
       float x[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -336,6 +342,20 @@ __device__ void kv_item(const Args& a, Smem<D>& sm, int64_t bh, int64_t kb) {
       *reinterpret_cast<uint4*>(vq + (bh * D + c) * p.nk_pad + kb * mma::kBlockK + part * 16) =
           *reinterpret_cast<const uint4*>(tile + c * mma::kBlockK + part * 16);
     }
+  }
+}
+
+// kKvItemBlocks consecutive 64-key blocks of kv head bh.
+constexpr int kKvItemBlocks = 2;
+
+template <typename T, int D, int kBits>
+__device__ void kv_item(const Args& a, Smem<D>& sm, int64_t bh, int64_t item) {
+  wait_stats(a, sm, bh);
+  for (int i = 0; i < kKvItemBlocks; ++i) {
+    const int64_t kb = item * kKvItemBlocks + i;
+    if (kb >= a.p.k_blocks) break;
+    if (i > 0) __syncthreads();  // the tile and group maxima are reused
+    kv_block<T, D, kBits>(a, sm, bh, kb);
   }
 }
 
@@ -397,19 +417,25 @@ __global__ void __launch_bounds__(kThreads, 2) prepass_kernel(const Args a) {
   __shared__ Smem<D> sm;
   const Plan& p = a.p;
   const int64_t heads = p.batch * p.heads_kv, ratio = p.heads_q / p.heads_kv;
-  const int64_t ls = p.stat_chunks, lq = p.k_blocks + ratio * p.q_blocks;
+  const int64_t kv_items = (p.k_blocks + kKvItemBlocks - 1) / kKvItemBlocks;
+  const int64_t ls = p.stat_chunks, lq = kv_items + ratio * p.q_blocks;
   const int64_t lag = min(a.lag, heads);
   // Ticket layout: steps 0 .. lag-1 hold stat items only; steps lag .. heads-1 hold the stat
   // items of head i then the kv/q items of head i - lag; the last lag steps kv/q items only.
   const int64_t t_head = lag * ls, t_mid = t_head + (heads - lag) * (ls + lq);
   const int64_t total = t_mid + lag * lq;
   auto* sync = reinterpret_cast<Sync*>(a.ws + p.sync);
+  // Thread 0 claims the next ticket while the current item runs (its latency off the path).
+  unsigned long long next = 0;
+  if (threadIdx.x == 0) {
+    sm.ticket = atomicAdd(&sync->ticket, 1ull);
+    sm.stats_head = -1;
+  }
   for (;;) {
-    __syncthreads();  // the previous item is done with shared memory
-    if (threadIdx.x == 0) sm.ticket = atomicAdd(&sync->ticket, 1ull);
-    __syncthreads();
+    __syncthreads();  // the previous item is done with shared memory; sm.ticket is set
     const int64_t t = int64_t(sm.ticket);
     if (t >= total) break;
+    if (threadIdx.x == 0) next = atomicAdd(&sync->ticket, 1ull);
     int64_t stat_head = -1, work_head = -1, r = 0;
     if (t < t_head) {
       stat_head = t / ls, r = t % ls;
@@ -425,13 +451,15 @@ __global__ void __launch_bounds__(kThreads, 2) prepass_kernel(const Args a) {
     }
     if (stat_head >= 0) {
       stat_item<T, D>(a, sm, stat_head, r);
-    } else if (r < p.k_blocks) {
+    } else if (r < kv_items) {
       kv_item<T, D, kBits>(a, sm, work_head, r);
     } else {
-      r -= p.k_blocks;
+      r -= kv_items;
       const int64_t b = work_head / p.heads_kv, hk = work_head % p.heads_kv;
       q_item<T, D, kBits>(a, sm, b * p.heads_q + hk * ratio + r / p.q_blocks, r % p.q_blocks);
     }
+    __syncthreads();  // everyone has read sm.ticket
+    if (threadIdx.x == 0) sm.ticket = next;
   }
 }
 
@@ -501,7 +529,8 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
     // Lag: enough items between a head's stat items and its kv items that the former are done
     // when the latter start (about two rounds of the grid), but no more heads of K and V in
     // flight than about 24 MB of L2 holds.
-    const int64_t per_head = p.stat_chunks + p.k_blocks + (p.heads_q / p.heads_kv) * p.q_blocks;
+    const int64_t per_head = p.stat_chunks + (p.k_blocks + kKvItemBlocks - 1) / kKvItemBlocks +
+                             (p.heads_q / p.heads_kv) * p.q_blocks;
     const int64_t head_bytes = 2 * p.seq_kv * D * int64_t(sizeof(T));
     int64_t lag = (2 * ctas + per_head - 1) / per_head;
     lag = std::min(lag, std::max<int64_t>(1, (int64_t(24) << 20) / std::max<int64_t>(1, head_bytes) - 1));
