@@ -416,14 +416,17 @@ template <typename T, int D, int kBits>
 __global__ void __launch_bounds__(kThreads, 2) prepass_kernel(const Args a) {
   __shared__ Smem<D> sm;
   const Plan& p = a.p;
-  const int64_t heads = p.batch * p.heads_kv, ratio = p.heads_q / p.heads_kv;
+  const int64_t heads = p.batch * p.heads_kv;
   const int64_t kv_items = (p.k_blocks + kKvItemBlocks - 1) / kKvItemBlocks;
-  const int64_t ls = p.stat_chunks, lq = kv_items + ratio * p.q_blocks;
+  const int64_t ls = p.stat_chunks, lk = kv_items;
   const int64_t lag = min(a.lag, heads);
-  // Ticket layout: steps 0 .. lag-1 hold stat items only; steps lag .. heads-1 hold the stat
-  // items of head i then the kv/q items of head i - lag; the last lag steps kv/q items only.
-  const int64_t t_head = lag * ls, t_mid = t_head + (heads - lag) * (ls + lq);
-  const int64_t total = t_mid + lag * lq;
+  // Ticket layout. K/V phase: steps 0 .. lag-1 hold stat items only; steps lag .. heads-1 the
+  // stat items of head i then the kv items of head i - lag; the last lag steps kv items only.
+  // Then the Q items (every kv head's statistics are done or nearly by then; Q traffic kept out
+  // of the window in which K and V must stay in L2).
+  const int64_t t_head = lag * ls, t_mid = t_head + (heads - lag) * (ls + lk);
+  const int64_t t_q = t_mid + lag * lk;
+  const int64_t total = t_q + p.batch * p.heads_q * p.q_blocks;
   auto* sync = reinterpret_cast<Sync*>(a.ws + p.sync);
   // Thread 0 claims the next ticket while the current item runs (its latency off the path).
   unsigned long long next = 0;
@@ -436,27 +439,18 @@ __global__ void __launch_bounds__(kThreads, 2) prepass_kernel(const Args a) {
     const int64_t t = int64_t(sm.ticket);
     if (t >= total) break;
     if (threadIdx.x == 0) next = atomicAdd(&sync->ticket, 1ull);
-    int64_t stat_head = -1, work_head = -1, r = 0;
     if (t < t_head) {
-      stat_head = t / ls, r = t % ls;
+      stat_item<T, D>(a, sm, t / ls, t % ls);
     } else if (t < t_mid) {
-      const int64_t i = lag + (t - t_head) / (ls + lq);
-      r = (t - t_head) % (ls + lq);
+      const int64_t i = lag + (t - t_head) / (ls + lk), r = (t - t_head) % (ls + lk);
       if (r < ls)
-        stat_head = i;
+        stat_item<T, D>(a, sm, i, r);
       else
-        work_head = i - lag, r -= ls;
+        kv_item<T, D, kBits>(a, sm, i - lag, r - ls);
+    } else if (t < t_q) {
+      kv_item<T, D, kBits>(a, sm, heads - lag + (t - t_mid) / lk, (t - t_mid) % lk);
     } else {
-      work_head = heads - lag + (t - t_mid) / lq, r = (t - t_mid) % lq;
-    }
-    if (stat_head >= 0) {
-      stat_item<T, D>(a, sm, stat_head, r);
-    } else if (r < kv_items) {
-      kv_item<T, D, kBits>(a, sm, work_head, r);
-    } else {
-      r -= kv_items;
-      const int64_t b = work_head / p.heads_kv, hk = work_head % p.heads_kv;
-      q_item<T, D, kBits>(a, sm, b * p.heads_q + hk * ratio + r / p.q_blocks, r % p.q_blocks);
+      q_item<T, D, kBits>(a, sm, (t - t_q) / p.q_blocks, (t - t_q) % p.q_blocks);
     }
     __syncthreads();  // everyone has read sm.ticket
     if (threadIdx.x == 0) sm.ticket = next;
@@ -526,16 +520,16 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
     int ctas = 0;
     const cudaError_t oe = resident_ctas<T, D, kBits>(&ctas);
     if (oe != cudaSuccess) return oe;
-    // Lag: enough items between a head's stat items and its kv items that the former are done
-    // when the latter start (about two rounds of the grid), but no more heads of K and V in
-    // flight than about 24 MB of L2 holds.
-    const int64_t per_head = p.stat_chunks + (p.k_blocks + kKvItemBlocks - 1) / kKvItemBlocks +
-                             (p.heads_q / p.heads_kv) * p.q_blocks;
-    const int64_t head_bytes = 2 * p.seq_kv * D * int64_t(sizeof(T));
-    int64_t lag = (2 * ctas + per_head - 1) / per_head;
-    lag = std::min(lag, std::max<int64_t>(1, (int64_t(24) << 20) / std::max<int64_t>(1, head_bytes) - 1));
+    // Lag: about one round of the grid between a head's stat items and its kv items (so the
+    // former are done when the latter start), but at most ~12 MB of K/V traffic in between (read
+    // by the stat items, read again and written by the kv items), which L2 keeps.
+    const int64_t kv_items = (p.k_blocks + kKvItemBlocks - 1) / kKvItemBlocks;
+    const int64_t per_head = p.stat_chunks + kv_items;
+    const int64_t head_traffic = p.seq_kv * D * (4 * int64_t(sizeof(T)) + 2);
+    const int64_t lag = std::min((ctas + per_head - 1) / per_head,
+                                 (int64_t(12) << 20) / std::max<int64_t>(1, head_traffic));
     a.lag = std::max<int64_t>(1, lag);
-    const int64_t items = heads * per_head;
+    const int64_t items = heads * per_head + p.batch * p.heads_q * p.q_blocks;
     const unsigned grid = unsigned(std::min<int64_t>(ctas, items));
     prepass_kernel<T, D, kBits><<<grid, kThreads, 0, st>>>(a);
     return cudaGetLastError();
