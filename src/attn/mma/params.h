@@ -41,8 +41,7 @@ struct Plan {
   bool sm90 = false;            // run the Hopper wgmma kernel (attn/sm90) instead of mma.sync
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
-         kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, delta_s = 0, sync = 0,
-         total = 0;
+         kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, delta_s = 0, total = 0;
 };
 
 inline Plan make_plan(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q,
@@ -80,9 +79,6 @@ inline Plan make_plan(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t 
   p.v_scale = take(size_t(bk * head_dim) * 4);
   p.v_inv = take(size_t(bk * head_dim) * 4);
   p.delta_s = take(smooth_q ? size_t(bq * p.q_blocks * p.nk_pad) * 4 : 0);
-  // The fused pre-pass kernel's work ticket and, per kv head, an arrival count and a ready flag
-  // (zeroed before each call).
-  p.sync = take(16 + size_t(bk) * 8);
   p.total = off;
   return p;
 }
