@@ -87,7 +87,6 @@ __global__ void __launch_bounds__(256)
   float mx[8], mn[8];
   for (int i = 0; i < 8; ++i) mx[i] = -INFINITY, mn[i] = INFINITY;
   const int64_t n1 = min(seq_kv, (chunk + 1) * mma::kStatTokens);
-#pragma unroll 4  // loads in flight; each lane still sums its tokens in order
   for (int64_t n = chunk * mma::kStatTokens + tl; n < n1; n += kTokenLanes) {
     float kx[8], vx[8];
     load8(row_ptr(k, ks, b, h, n), d0, kx);
