@@ -14,6 +14,7 @@
 
 #include "ptx/cvt.cuh"
 #include "ptx/math.cuh"
+#include "probe_util.h"
 
 namespace {
 
@@ -65,15 +66,6 @@ __global__ void rate_kernel(float seed, float* out, long long* cycles) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = s;
   if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
 }
-
-#define CUDA_OK(call)                                                  \
-  do {                                                                 \
-    cudaError_t e_ = (call);                                           \
-    if (e_ != cudaSuccess) {                                           \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                    \
-    }                                                                  \
-  } while (0)
 
 template <int kOp>
 double measure(int sms, int threads, float* out, long long* cycles) {

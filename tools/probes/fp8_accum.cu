@@ -14,6 +14,7 @@
 
 #include "common/formats.h"
 #include "ptx/mma.cuh"
+#include "probe_util.h"
 
 namespace {
 
@@ -39,15 +40,6 @@ __global__ void probe_kernel(uint8_t a_bits, const uint32_t* b, const float* c_i
   }
 #endif
 }
-
-#define CUDA_OK(call)                                                                  \
-  do {                                                                                 \
-    cudaError_t e_ = (call);                                                           \
-    if (e_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));                 \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
 
 struct Experiment {
   std::string name;
