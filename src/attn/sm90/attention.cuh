@@ -86,13 +86,18 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// 1.5·2^23: a float whose unit in the last place is 1, so adding it rounds to an integer held in
+// the low mantissa bits (exp2_poly), and its bits plus an int32 x are the float 1.5·2^23 + x (the
+// S accumulator's seed, kMagic below).
+constexpr float kMagicF = 12582912.0f;
+
 // 2^x for x <= 9 (in [-125, 9] exactly enough; below, a value under 2^-125 that E4M3 and the row
 // sum cannot see), on the FMA and integer pipes: x = n + r with n = round(x), |r| <= 1/2;
 // 2^r by a degree-3 polynomial fitted for relative error (max 1.0e-4); n added to the exponent.
 __device__ __forceinline__ float exp2_poly(float x) {
   x = fmaxf(x, -125.0f);
-  const float t = x + 12582912.0f;  // 1.5·2^23 + n: the low bits of t hold n
-  const float r = x - (t - 12582912.0f);
+  const float t = x + kMagicF;  // 1.5·2^23 + n: the low bits of t hold n
+  const float r = x - (t - kMagicF);
   float q = fmaf(0.0550089331f, r, 0.242210972f);
   q = fmaf(q, r, 0.693282928f);
   q = fmaf(q, r, 1.0f);
@@ -196,8 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). The softmax
   // writes P~ · 448 (the E4M3-range values P^ is packed from) over the scores, as float bits,
   // and l sums them (finalize's kLUnit 448).
-  constexpr int kMagic = 0x4B400000;
-  constexpr float kMagicF = 12582912.0f;
+  constexpr int kMagic = 0x4B400000;  // the bits of kMagicF
   constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
   auto scales = [&](int kb, float(&f)[2]) {             // f of keys 0-63 and 64-127 of block kb
     f[0] = q_scale_log2 * k_scale[(2 * kb) * mma::kKGroups + t];
