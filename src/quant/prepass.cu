@@ -2,14 +2,25 @@
 // emulation (src/ref/attention_quant.cpp), with the same float operations in the same order where
 // the result is quantized. Bytes moved (B·H·N·D elements of 2 bytes each for Q, K, V):
 //   kv_stats     reads K and V (2+2 B/elem), writes 24 B per (head, 256-token chunk, channel)
-//   quant_k      reads K (2 B/elem, kept in registers), writes INT8 (1 B) or INT4 (0.5 B) K
-//                + 4 scales per 64 keys
-//   quant_v      reads V (2 B/elem), writes E4M3 Vᵀ (1 B)
+//   kv_finalize  reads those statistics, writes 16 B per (head, channel)
+//   quant_kv     reads K and V (2+2 B/elem, kept in registers), writes INT8 (1 B) or INT4
+//                (0.5 B) K + 4 scales per 64 keys, and E4M3 Vᵀ (1 B)
 //   quant_q      reads Q (2 B/elem; again from L2 for the mean with Q smoothing), writes
 //                INT8/INT4 Q + scales + the LSE correction (4 B/row)
 //   delta_s      (Q smoothing only) reads K (2 B/elem), writes 4 B per (Q block, key)
 // Per call: Q 2 B read, K and V 4 B each read, ~1 + 1 + 1 (+0.5) B written per element.
 // K and V are thus read twice from DRAM (stats, then quantize); issue "GPU kernels II" fuses.
+//
+// Throughput notes (the kernels are memory-bound only if nothing else is slower):
+// - A thread issues every load of its rows before it uses any (16-byte non-coherent loads when
+//   every row of the tensor is 16-byte aligned, decided once on the host: kVec).
+// - No fp32→fp64 conversion instruction on the hot paths (F2F.F64 issues at a small fraction of
+//   the FP64 rate). The sums of kv_stats and the LSE dot product of quant_q need each fp16/bf16
+//   value x as a double: its sign, exponent and mantissa bits placed in a double's fields give
+//   exactly x·2^-kScaleExp (subnormals included), a power-of-two multiply (or, for sums, the
+//   scale invariance of the rounding) gives x itself. Inf/NaN inputs break that and take the
+//   original converting path (detected per chunk or per thread).
+// - Integer quantization rounds with the 1.5·2^23 addition instead of FRND + F2I.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -37,10 +48,79 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) {
   return __bfloat162float(x);
 }
 
+// Bit-level facts of the 16-bit input formats. scaled_double(x) is the double whose fields hold
+// x's sign, exponent and mantissa: exactly x·2^-kScaleExp for every finite x (a subnormal x lands
+// on a double subnormal of the same value times 2^-kScaleExp), never for Inf/NaN. kExp2 masks
+// the exponent of both halves of a 32-bit word, kExpOne2 is the exponent's lowest bit in both.
+template <typename T>
+struct Bits;
+template <>
+struct Bits<__half> {
+  static constexpr int kShift = 10;        // fp16 bits 14..0 -> double hi-word bits 24..10
+  static constexpr double kUnscale = 0x1p1008;  // 2^(1023-15)
+  static constexpr uint32_t kExp2 = 0x7C007C00u, kExpOne2 = 0x04000400u;
+  __device__ static float to_float(uint32_t h) { return __half2float(__ushort_as_half(uint16_t(h))); }
+};
+template <>
+struct Bits<__nv_bfloat16> {
+  static constexpr int kShift = 13;        // bf16 bits 14..0 -> double hi-word bits 27..13
+  static constexpr double kUnscale = 0x1p896;   // 2^(1023-127)
+  static constexpr uint32_t kExp2 = 0x7F807F80u, kExpOne2 = 0x00800080u;
+  __device__ static float to_float(uint32_t h) { return __uint_as_float(h << 16); }
+};
+
+template <typename T>
+__device__ __forceinline__ double scaled_double(uint32_t h) {
+  return __hiloint2double(int(((h & 0x8000u) << 16) | ((h & 0x7FFFu) << Bits<T>::kShift)), 0);
+}
+
+// Non-zero when either element of a word of two has an all-ones exponent (Inf or NaN): adding
+// the exponent's lowest bit to the masked exponent carries into the element's sign position.
+template <typename T>
+__device__ __forceinline__ uint32_t special2(uint32_t w) {
+  return ((w & Bits<T>::kExp2) + Bits<T>::kExpOne2) & 0x80008000u;
+}
+
+// Element i (0..7) of 8 raw elements, as its 16 bits (element 0 in the low half of w.x).
+__device__ __forceinline__ uint32_t elem_bits(const uint4& w, int i) {
+  const uint32_t word = i < 2 ? w.x : i < 4 ? w.y : i < 6 ? w.z : w.w;
+  return (i % 2) ? word >> 16 : word & 0xFFFFu;
+}
+template <typename T>
+__device__ __forceinline__ float elem_float(const uint4& w, int i) {
+  return Bits<T>::to_float(elem_bits(w, i));
+}
+
 template <typename T>
 __device__ __forceinline__ const T* row_ptr(const T* base, const sage_strides& s, int64_t b,
                                             int64_t h, int64_t n) {
   return base + b * s.batch + h * s.head + n * s.token;
+}
+
+// True when every row of the tensor starts 16-byte aligned (base and strides), so every 8-element
+// chunk of a row is one 16-byte load.
+bool rows_aligned16(const void* base, const sage_strides& s) {
+  const uint64_t bytes = uint64_t(s.batch) | uint64_t(s.head) | uint64_t(s.token);  // ×2 below
+  return ((reinterpret_cast<uintptr_t>(base) | (bytes << 1)) & 15u) == 0;
+}
+
+// Elements p[0..7] as raw bits: one 16-byte read-only load (not kept in L1: every input byte is
+// read once per kernel) when kVec, else eight 2-byte loads (rows need only 2-byte alignment).
+template <bool kVec, typename T>
+__device__ __forceinline__ uint4 load_raw8(const T* p) {
+  uint4 w;
+  if constexpr (kVec) {
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+        : "l"(p));
+  } else {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(p);
+    w.x = s[0] | (uint32_t(s[1]) << 16);
+    w.y = s[2] | (uint32_t(s[3]) << 16);
+    w.z = s[4] | (uint32_t(s[5]) << 16);
+    w.w = s[6] | (uint32_t(s[7]) << 16);
+  }
+  return w;
 }
 
 // Elements d0..d0+7 of a row as float: one 16-byte load when the row allows it, else eight.
@@ -56,92 +136,148 @@ __device__ __forceinline__ void load8(const T* row, int64_t d0, float (&x)[8]) {
   }
 }
 
-// Stores 8 quantized values of a row starting at element d0: INT8 one per byte, INT4 two per
-// byte with the lower element in the low nibble (the MMA operand order).
+// quantize_int (formats.h) without FRND/F2I: the product clamped to [-qmax, qmax] plus 1.5·2^23
+// is rounded to the nearest integer, ties to even (the ulp there is 1), which then sits in the
+// low mantissa bits in two's complement: the low byte (nibble) of the returned bits is the
+// INT8 (INT4) value. A NaN product gives 0, as cvt.rni does.
+__device__ __forceinline__ uint32_t quantize_bits(float x, float inv, float qmax) {
+  const float y = __fmul_rn(x, inv);
+  const float c = fminf(fmaxf(y, -qmax), qmax);
+  const uint32_t r = __float_as_uint(__fadd_rn(c, 12582912.0f));
+  return y != y ? 0u : r;
+}
+
+// Stores 8 quantized values (quantize_bits results) of a row starting at element d0: INT8 one per
+// byte, INT4 two per byte with the lower element in the low nibble (the MMA operand order).
 template <int kBits>
-__device__ __forceinline__ void store8(uint8_t* row, int64_t d0, const int (&v)[8]) {
+__device__ __forceinline__ void store8(uint8_t* row, int64_t d0, const uint32_t (&q)[8]) {
   if constexpr (kBits == 8) {
     uint32_t w[2] = {0u, 0u};
-    for (int i = 0; i < 8; ++i) w[i / 4] |= (uint32_t(v[i]) & 0xFFu) << (8 * (i % 4));
+    for (int i = 0; i < 8; ++i) w[i / 4] |= (q[i] & 0xFFu) << (8 * (i % 4));
     *reinterpret_cast<uint2*>(row + d0) = make_uint2(w[0], w[1]);
   } else {
     uint32_t w = 0u;
-    for (int i = 0; i < 8; ++i) w |= (uint32_t(v[i]) & 0xFu) << (4 * i);
+    for (int i = 0; i < 8; ++i) w |= (q[i] & 0xFu) << (4 * i);
     *reinterpret_cast<uint32_t*>(row + d0 / 2) = w;
   }
 }
 
 // Per (kv head, chunk of kStatTokens tokens, channel): Σk, Σv (double), max v, min v. 256
-// threads: D/8 lanes cover a token's channels 8 at a time, the rest split the tokens; partial
-// results are combined in a fixed order (deterministic).
-template <typename T, int D>
-__global__ void __launch_bounds__(256)
-    kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t heads_kv,
+// threads: D/8 lanes cover a token's channels 8 at a time, the rest split the tokens (token lane
+// tl takes tokens tl, tl + 256/(D/8), ... of the chunk, summed in that order); partial results
+// are combined in a fixed order (deterministic). The loads of kBatch tokens are issued before
+// their sums. The sums run on scaled_double values: every partial sum is x·2^-kScaleExp of the
+// converting sum's value (fp16 sums of a chunk are exact either way; for bf16 a result is either
+// exact in both or a normal double in both, and rounding commutes with a power of two), so one
+// exact multiply per sum at the end gives the same bits. A chunk holding Inf/NaN redoes its sums
+// with conversions (any thread seeing one sends the whole CTA there).
+template <typename T, int D, bool kVec>
+__global__ void __launch_bounds__(256, 2)
+    kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int heads_kv,
                     int64_t seq_kv, int64_t chunks, KvStat* out) {
   constexpr int kLanes = D / 8, kTokenLanes = 256 / kLanes;
-  __shared__ double red_d[kTokenLanes][D];
-  __shared__ float red_f[kTokenLanes][D];
-  const int64_t bh = blockIdx.y, chunk = blockIdx.x, b = bh / heads_kv, h = bh % heads_kv;
+  constexpr int kPerLane = mma::kStatTokens / kTokenLanes, kBatch = 4;
+  static_assert(kPerLane % kBatch == 0, "whole batches per token lane");
+  // Σk and Σv partials of every token lane, then (reused) their max and min.
+  __shared__ double red[2][kTokenLanes][D];
+  const int bh = blockIdx.y, b = bh / heads_kv, h = bh % heads_kv;
+  const int64_t chunk = blockIdx.x;
   const int lane = threadIdx.x % kLanes, tl = threadIdx.x / kLanes, d0 = lane * 8;
   double sk[8] = {}, sv[8] = {};
   float mx[8], mn[8];
   for (int i = 0; i < 8; ++i) mx[i] = -INFINITY, mn[i] = INFINITY;
+  uint32_t bad = 0u;
+  const int64_t n0 = chunk * mma::kStatTokens + tl;
   const int64_t n1 = min(seq_kv, (chunk + 1) * mma::kStatTokens);
-  for (int64_t n = chunk * mma::kStatTokens + tl; n < n1; n += kTokenLanes) {
-    float kx[8], vx[8];
-    load8(row_ptr(k, ks, b, h, n), d0, kx);
-    load8(row_ptr(v, vs, b, h, n), d0, vx);
-    for (int i = 0; i < 8; ++i) {
-      sk[i] += double(kx[i]), sv[i] += double(vx[i]);
-      mx[i] = fmaxf(mx[i], vx[i]), mn[i] = fminf(mn[i], vx[i]);
-    }
-  }
-  KvStat* dst = out + (bh * chunks + chunk) * D;
-  // Four rounds through shared memory, each summed over the token lanes in order.
-  for (int round = 0; round < 4; ++round) {
-    for (int i = 0; i < 8; ++i) {
-      if (round == 0) red_d[tl][d0 + i] = sk[i];
-      if (round == 1) red_d[tl][d0 + i] = sv[i];
-      if (round == 2) red_f[tl][d0 + i] = mx[i];
-      if (round == 3) red_f[tl][d0 + i] = mn[i];
-    }
-    __syncthreads();
-    for (int c = threadIdx.x; c < D; c += 256) {
-      if (round < 2) {
-        double s = 0;
-        for (int t = 0; t < kTokenLanes; ++t) s += red_d[t][c];
-        if (round == 0)
-          dst[c].sum_k = s;
-        else
-          dst[c].sum_v = s;
-      } else {
-        float m = red_f[0][c];
-        for (int t = 1; t < kTokenLanes; ++t)
-          m = round == 2 ? fmaxf(m, red_f[t][c]) : fminf(m, red_f[t][c]);
-        if (round == 2)
-          dst[c].max_v = m;
-        else
-          dst[c].min_v = m;
+#pragma unroll 1
+  for (int t0 = 0; t0 < kPerLane; t0 += kBatch) {
+    uint4 kr[kBatch], vr[kBatch];
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t n = n0 + int64_t(t0 + u) * kTokenLanes;
+      kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (n < n1) {
+        kr[u] = load_raw8<kVec>(row_ptr(k, ks, b, h, n) + d0);
+        vr[u] = load_raw8<kVec>(row_ptr(v, vs, b, h, n) + d0);
       }
     }
-    __syncthreads();
+    for (int u = 0; u < kBatch; ++u) {
+      if (n0 + int64_t(t0 + u) * kTokenLanes >= n1) continue;
+      bad |= special2<T>(kr[u].x) | special2<T>(kr[u].y) | special2<T>(kr[u].z) |
+             special2<T>(kr[u].w) | special2<T>(vr[u].x) | special2<T>(vr[u].y) |
+             special2<T>(vr[u].z) | special2<T>(vr[u].w);
+      for (int i = 0; i < 8; ++i) {
+        sk[i] += scaled_double<T>(elem_bits(kr[u], i));
+        sv[i] += scaled_double<T>(elem_bits(vr[u], i));
+        const float x = elem_float<T>(vr[u], i);
+        mx[i] = fmaxf(mx[i], x), mn[i] = fminf(mn[i], x);
+      }
+    }
+  }
+  if (__syncthreads_or(bad != 0u)) {
+    // Inf or NaN in the chunk: the sums as the emulation writes them, converting each value.
+    for (int i = 0; i < 8; ++i) sk[i] = 0.0, sv[i] = 0.0;
+    for (int64_t n = n0; n < n1; n += kTokenLanes) {
+      float kx[8], vx[8];
+      load8(row_ptr(k, ks, b, h, n), d0, kx);
+      load8(row_ptr(v, vs, b, h, n), d0, vx);
+      for (int i = 0; i < 8; ++i) sk[i] += double(kx[i]), sv[i] += double(vx[i]);
+    }
+  } else {
+    for (int i = 0; i < 8; ++i)
+      sk[i] = __dmul_rn(sk[i], Bits<T>::kUnscale), sv[i] = __dmul_rn(sv[i], Bits<T>::kUnscale);
+  }
+  KvStat* dst = out + (int64_t(bh) * chunks + chunk) * D;
+  // Two rounds through shared memory (sums, then max/min), each reduced over the token lanes in
+  // order by 2·D threads (one per channel and quantity).
+  for (int i = 0; i < 8; ++i) red[0][tl][d0 + i] = sk[i], red[1][tl][d0 + i] = sv[i];
+  __syncthreads();
+  for (int c2 = threadIdx.x; c2 < 2 * D; c2 += 256) {
+    const int q = c2 / D, c = c2 % D;
+    double s = 0;
+    for (int t = 0; t < kTokenLanes; ++t) s += red[q][t][c];
+    if (q == 0)
+      dst[c].sum_k = s;
+    else
+      dst[c].sum_v = s;
+  }
+  __syncthreads();
+  float(*red_f)[kTokenLanes][D] = reinterpret_cast<float(*)[kTokenLanes][D]>(&red[0][0][0]);
+  for (int i = 0; i < 8; ++i) red_f[0][tl][d0 + i] = mx[i], red_f[1][tl][d0 + i] = mn[i];
+  __syncthreads();
+  for (int c2 = threadIdx.x; c2 < 2 * D; c2 += 256) {
+    const int q = c2 / D, c = c2 % D;
+    float m = red_f[q][0][c];
+    for (int t = 1; t < kTokenLanes; ++t)
+      m = q == 0 ? fmaxf(m, red_f[0][t][c]) : fminf(m, red_f[1][t][c]);
+    if (q == 0)
+      dst[c].max_v = m;
+    else
+      dst[c].min_v = m;
   }
 }
 
-// k_mean, v_mean (zero without smoothing), and the E4M3 scale of V - v_mean per channel.
-__global__ void kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t dim, int64_t chunks,
-                                   bool smooth_k, bool smooth_v, float* k_mean, float* v_mean,
-                                   float* v_scale, float* v_inv) {
+// k_mean, v_mean (zero without smoothing), and the E4M3 scale of V - v_mean per channel. The
+// chunks are summed in order; the statistics of kBatch chunks are loaded before their sums.
+__global__ void __launch_bounds__(128)
+    kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t dim, int64_t chunks,
+                       bool smooth_k, bool smooth_v, float* k_mean, float* v_mean, float* v_scale,
+                       float* v_inv) {
+  constexpr int kBatch = 8;
   const int64_t bh = blockIdx.x;
   for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
     double sk = 0, sv = 0;
     float mx = -INFINITY, mn = INFINITY;
-    for (int64_t i = 0; i < chunks; ++i) {
-      const KvStat s = stats[(bh * chunks + i) * dim + c];
-      sk += s.sum_k;
-      sv += s.sum_v;
-      mx = fmaxf(mx, s.max_v);
-      mn = fminf(mn, s.min_v);
+    for (int64_t i0 = 0; i0 < chunks; i0 += kBatch) {
+      KvStat s[kBatch];
+      for (int u = 0; u < kBatch; ++u)
+        if (i0 + u < chunks) s[u] = stats[(bh * chunks + i0 + u) * dim + c];
+      for (int u = 0; u < kBatch; ++u) {
+        if (i0 + u >= chunks) break;
+        sk += s[u].sum_k;
+        sv += s[u].sum_v;
+        mx = fmaxf(mx, s[u].max_v);
+        mn = fminf(mn, s[u].min_v);
+      }
     }
     const float km = smooth_k ? float(sk / double(seq_kv)) : 0.0f;
     const float vm = smooth_v ? float(sv / double(seq_kv)) : 0.0f;
@@ -155,153 +291,183 @@ __global__ void kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t 
   }
 }
 
-// A row held by 4 threads (part p holds 8-channel chunks p, p+4, ...), kept in registers
-// between the max pass and the quantize pass: one DRAM read per element.
-template <int D>
-struct RowPart {
-  static constexpr int kChunks = D / 32;
-  float x[kChunks][8];
-};
-
-template <typename T, int D>
-__device__ __forceinline__ void load_row_part(const T* row, const float* mean, int part,
-                                              RowPart<D>* rp, float* amax, double* dot_with,
-                                              const float* other) {
-  for (int ci = 0; ci < RowPart<D>::kChunks; ++ci) {
-    const int d0 = (ci * 4 + part) * 8;
-    float raw[8];
-    load8(row, d0, raw);
-    for (int i = 0; i < 8; ++i) {
-      if (dot_with) *dot_with += double(raw[i]) * double(other[d0 + i]);
-      rp->x[ci][i] = __fsub_rn(raw[i], mean[d0 + i]);
-      *amax = fmaxf(*amax, fabsf(rp->x[ci][i]));
-    }
-  }
-}
-
-template <int D, int kBits>
-__device__ __forceinline__ void store_row_part(uint8_t* dst, int part, const RowPart<D>& rp,
-                                               float inv, bool valid) {
-  constexpr int qmax = kBits == 8 ? kInt8Max : kInt4Max;
-  for (int ci = 0; ci < RowPart<D>::kChunks; ++ci) {
-    int vals[8];
-    for (int i = 0; i < 8; ++i) vals[i] = valid ? quantize_int(rp.x[ci][i], inv, qmax) : 0;
-    store8<kBits>(dst, (ci * 4 + part) * 8, vals);
-  }
-}
-
-// One CTA (256 threads, 4 a key) per 64-key block; the 4 groups are keys {8i+2t, 8i+2t+1}.
-template <typename T, int D, int kBits>
-__global__ void __launch_bounds__(256)
-    quant_k_kernel(const T* k, sage_strides ks, int64_t heads_kv, int64_t seq_kv,
-                   const float* k_mean, int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
-                   float* k_scale) {
-  constexpr int qmax = kBits == 8 ? kInt8Max : kInt4Max;
+// One CTA (256 threads) per 64-key block, K and V together (the loads of both in flight at once).
+// K: 4 threads a key (part p holds 8-channel chunks p, p+4, ...), kept in registers between the
+// max pass and the quantize pass; the 4 groups are keys {8i+2t, 8i+2t+1}. V: E4M3 of
+// (V - v_mean) / v_scale, written transposed ([channel][key]) with the keys of each 32-chunk in
+// MMA operand order (v_position_of_key); a thread takes the same (key, 8-channel slice) items as
+// a loop i = tid, tid + 256, ... over the block's 64·D/8 slices.
+template <typename T, int D, int kBits, bool kVec>
+__global__ void __launch_bounds__(256, 3)
+    quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int heads_kv,
+                    int64_t seq_kv, const float* k_mean, const float* v_mean, const float* v_inv,
+                    int64_t nk_pad, int64_t k_blocks, uint8_t* kq, float* k_scale, uint8_t* vq) {
+  constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
+  constexpr int kChunks = D / 32, kVItems = mma::kBlockK * D / 8 / 256;
   __shared__ float group_max[8][4];
-  const int64_t bh = blockIdx.y, kb = blockIdx.x, b = bh / heads_kv, h = bh % heads_kv;
+  __shared__ float km[D], vm[D], vi[D];
+  __shared__ __align__(16) uint8_t tile[D * mma::kBlockK];  // Vᵀ: [channel][position]
+  const int bh = blockIdx.y, b = bh / heads_kv, h = bh % heads_kv;
+  const int64_t kb = blockIdx.x;
   const int j = threadIdx.x / 4, part = threadIdx.x % 4, warp = threadIdx.x / 32;
   const int64_t key = kb * mma::kBlockK + j;
   const bool valid = key < seq_kv;
-  RowPart<D> rp;
+  // Every load of the thread first: its K row part, then its V slices.
+  uint4 kr[kChunks], vr[kVItems];
+  for (int ci = 0; ci < kChunks; ++ci) {
+    kr[ci] = make_uint4(0u, 0u, 0u, 0u);
+    if (valid) kr[ci] = load_raw8<kVec>(row_ptr(k, ks, b, h, key) + (ci * 4 + part) * 8);
+  }
+  for (int it = 0; it < kVItems; ++it) {
+    const int i = threadIdx.x + 256 * it, vkey = i % mma::kBlockK, d0 = (i / mma::kBlockK) * 8;
+    const int64_t n = kb * mma::kBlockK + vkey;
+    vr[it] = make_uint4(0u, 0u, 0u, 0u);
+    if (n < seq_kv) vr[it] = load_raw8<kVec>(row_ptr(v, vs, b, h, n) + d0);
+  }
+  for (int c = threadIdx.x; c < D; c += 256) {
+    km[c] = k_mean[int64_t(bh) * D + c];
+    vm[c] = v_mean[int64_t(bh) * D + c];
+    vi[c] = v_inv[int64_t(bh) * D + c];
+  }
+  __syncthreads();
+
+  // K: max |k - k_mean| of the part, then over the 4 parts of a key and its pair key (j ^ 1 is
+  // 4 lanes away): one group in this warp.
   float amax = 0.0f;
   if (valid)
-    load_row_part<T, D>(row_ptr(k, ks, b, h, key), k_mean + bh * D, part, &rp, &amax, nullptr,
-                        nullptr);
-  // The 4 parts of a key, then its pair key (j ^ 1 is 4 lanes away): one group in this warp.
+    for (int ci = 0; ci < kChunks; ++ci)
+      for (int e = 0; e < 8; ++e) {
+        const int c = (ci * 4 + part) * 8 + e;
+        amax = fmaxf(amax, fabsf(__fsub_rn(elem_float<T>(kr[ci], e), km[c])));
+      }
   for (int m : {1, 2, 4}) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
   const int t = (j % 8) / 2;
   if (threadIdx.x % 8 == 0) group_max[warp][t] = amax;
-  __syncthreads();
-  amax = 0.0f;
-  for (int w = 0; w < 8; ++w) amax = fmaxf(amax, group_max[w][t]);
-  const QuantScale s = make_quant_scale(amax, float(qmax));
-  if (threadIdx.x < 32 && threadIdx.x % 8 == 0)
-    k_scale[(bh * k_blocks + kb) * mma::kKGroups + t] = s.scale;
-  store_row_part<D, kBits>(kq + (bh * nk_pad + key) * (D * kBits / 8), part, rp, s.inv, valid);
-}
 
-// One CTA per 64-key block: E4M3 of (V - v_mean) / v_scale, written transposed ([channel][key])
-// with the keys of each 32-chunk in MMA operand order (v_position_of_key).
-template <typename T, int D>
-__global__ void __launch_bounds__(256)
-    quant_v_kernel(const T* v, sage_strides vs, int64_t heads_kv, int64_t seq_kv,
-                   const float* v_mean, const float* v_inv, int64_t nk_pad, uint8_t* vq) {
-  __shared__ __align__(16) uint8_t tile[D * mma::kBlockK];  // [channel][position]
-  const int64_t bh = blockIdx.y, kb = blockIdx.x, b = bh / heads_kv, h = bh % heads_kv;
-  const float* vm = v_mean + bh * D;
-  const float* vi = v_inv + bh * D;
-  // A warp takes 32 consecutive keys of one 8-channel slice: its byte stores into a tile row
-  // then land in 8 words (4 bytes each), not 16 rows of one bank (a 16-way conflict when a warp
-  // walked along the channels of two keys).
-  for (int i = threadIdx.x; i < mma::kBlockK * D / 8; i += 256) {
-    const int key = i % mma::kBlockK, d0 = (i / mma::kBlockK) * 8;
-    const int64_t n = kb * mma::kBlockK + key;
-    float x[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (n < seq_kv) load8(row_ptr(v, vs, b, h, n), d0, x);
-    const int pos = (key / 32) * 32 + mma::v_position_of_key(key % 32);
+  // V: a warp takes 32 consecutive keys of one 8-channel slice: its byte stores into a tile row
+  // then land in 8 words (4 bytes each), not 16 rows of one bank.
+  for (int it = 0; it < kVItems; ++it) {
+    const int i = threadIdx.x + 256 * it, vkey = i % mma::kBlockK, d0 = (i / mma::kBlockK) * 8;
+    const bool vvalid = kb * mma::kBlockK + vkey < seq_kv;
+    const int pos = (vkey / 32) * 32 + mma::v_position_of_key(vkey % 32);
     for (int e = 0; e < 8; e += 2) {
       const int c = d0 + e;
       const uint16_t pair =
-          n < seq_kv ? ptx::cvt_e4m3x2(__fmul_rn(__fsub_rn(x[e], vm[c]), vi[c]),
-                                       __fmul_rn(__fsub_rn(x[e + 1], vm[c + 1]), vi[c + 1]))
-                     : uint16_t(0);
+          vvalid ? ptx::cvt_e4m3x2(__fmul_rn(__fsub_rn(elem_float<T>(vr[it], e), vm[c]), vi[c]),
+                                   __fmul_rn(__fsub_rn(elem_float<T>(vr[it], e + 1), vm[c + 1]),
+                                             vi[c + 1]))
+                 : uint16_t(0);
       tile[c * mma::kBlockK + pos] = uint8_t(pair & 0xFFu);
       tile[(c + 1) * mma::kBlockK + pos] = uint8_t(pair >> 8);
     }
   }
   __syncthreads();
+
+  amax = 0.0f;
+  for (int w = 0; w < 8; ++w) amax = fmaxf(amax, group_max[w][t]);
+  const QuantScale s = make_quant_scale(amax, qmax);
+  if (threadIdx.x < 32 && threadIdx.x % 8 == 0)
+    k_scale[(int64_t(bh) * k_blocks + kb) * mma::kKGroups + t] = s.scale;
+  uint8_t* kdst = kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8);
+  for (int ci = 0; ci < kChunks; ++ci) {
+    const int d0 = (ci * 4 + part) * 8;
+    uint32_t qv[8];
+    for (int e = 0; e < 8; ++e)
+      qv[e] = valid ? quantize_bits(__fsub_rn(elem_float<T>(kr[ci], e), km[d0 + e]), s.inv, qmax)
+                    : 0u;
+    store8<kBits>(kdst, d0, qv);
+  }
   for (int i = threadIdx.x; i < D * 4; i += 256) {  // rows of 64 bytes, 16 bytes a thread
-    const int c = i / 4, part = i % 4;
-    *reinterpret_cast<uint4*>(vq + (bh * D + c) * nk_pad + kb * mma::kBlockK + part * 16) =
-        *reinterpret_cast<const uint4*>(tile + c * mma::kBlockK + part * 16);
+    const int c = i / 4, p = i % 4;
+    *reinterpret_cast<uint4*>(vq + (int64_t(bh) * D + c) * nk_pad + kb * mma::kBlockK + p * 16) =
+        *reinterpret_cast<const uint4*>(tile + c * mma::kBlockK + p * 16);
   }
 }
 
 // One CTA (512 threads, 4 a row) per 128-row Q block: optional block mean, the LSE correction
-// scale·q·k_mean, then per-thread groups (rows {g, g+8} of each 16-row warp slice).
-template <typename T, int D, int kBits>
-__global__ void __launch_bounds__(512)
-    quant_q_kernel(const T* q, sage_strides qs, int64_t heads_q, int64_t heads_kv, int64_t seq_q,
+// scale·q·k_mean, then per-thread groups (rows {g, g+8} of each 16-row warp slice). A thread's
+// row loads are issued first (in flight during the mean); q·k_mean is summed in double in
+// channel order of the part, with each q value from scaled_double (one exact multiply by 2^s)
+// and k_mean from a double copy in shared memory; a part holding Inf/NaN converts instead.
+template <typename T, int D, int kBits, bool kVec>
+__global__ void __launch_bounds__(512, 2)
+    quant_q_kernel(const T* q, sage_strides qs, int heads_q, int heads_kv, int64_t seq_q,
                    bool smooth_q, float scale, const float* k_mean, int64_t nq_pad,
                    int64_t q_blocks, uint8_t* qq, float* q_scale, float* q_mean, float* lse_shift) {
-  constexpr int qmax = kBits == 8 ? kInt8Max : kInt4Max;
+  constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
+  constexpr int kChunks = D / 32;
   __shared__ float mean[D];
+  __shared__ double km_d[D];
   __shared__ float row_max[mma::kBlockQ];
-  const int64_t bh = blockIdx.y, qb = blockIdx.x, b = bh / heads_q, h = bh % heads_q;
+  const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
+  const int64_t qb = blockIdx.x;
   const int64_t r0 = qb * mma::kBlockQ, r1 = min(seq_q, r0 + mma::kBlockQ);
-  const float* km = k_mean + (b * heads_kv + h / (heads_q / heads_kv)) * D;
+  const float* km = k_mean + (int64_t(b) * heads_kv + h / (heads_q / heads_kv)) * D;
+  const int r = threadIdx.x / 4, part = threadIdx.x % 4;
+  const int64_t row = r0 + r;
+  const bool valid = row < seq_q;
+  uint4 raw[kChunks];
+  for (int ci = 0; ci < kChunks; ++ci) {
+    raw[ci] = make_uint4(0u, 0u, 0u, 0u);
+    if (valid) raw[ci] = load_raw8<kVec>(row_ptr(q, qs, b, h, row) + (ci * 4 + part) * 8);
+  }
   for (int c = threadIdx.x; c < D; c += blockDim.x) {
     float m = 0.0f;
     if (smooth_q) {
       double s = 0;
-      for (int64_t r = r0; r < r1; ++r) s += double(to_float(row_ptr(q, qs, b, h, r)[c]));
+      for (int64_t rr = r0; rr < r1; ++rr) s += double(to_float(row_ptr(q, qs, b, h, rr)[c]));
       m = float(s / double(r1 - r0));
-      q_mean[(bh * q_blocks + qb) * D + c] = m;
+      q_mean[(int64_t(bh) * q_blocks + qb) * D + c] = m;
     }
     mean[c] = m;
+    km_d[c] = double(km[c]);
   }
   __syncthreads();
-  const int r = threadIdx.x / 4, part = threadIdx.x % 4;
-  const int64_t row = r0 + r;
-  const bool valid = row < seq_q;
-  RowPart<D> rp;
   float amax = 0.0f;
   double shift = 0;
-  if (valid) load_row_part<T, D>(row_ptr(q, qs, b, h, row), mean, part, &rp, &amax, &shift, km);
+  if (valid) {
+    uint32_t bad = 0u;
+    for (int ci = 0; ci < kChunks; ++ci) {
+      const int d0 = (ci * 4 + part) * 8;
+      bad |= special2<T>(raw[ci].x) | special2<T>(raw[ci].y) | special2<T>(raw[ci].z) |
+             special2<T>(raw[ci].w);
+      for (int e = 0; e < 8; ++e)
+        amax = fmaxf(amax, fabsf(__fsub_rn(elem_float<T>(raw[ci], e), mean[d0 + e])));
+    }
+    if (bad == 0u) {
+      for (int ci = 0; ci < kChunks; ++ci)
+        for (int e = 0; e < 8; ++e) {
+          const double x = __dmul_rn(scaled_double<T>(elem_bits(raw[ci], e)), Bits<T>::kUnscale);
+          shift = __fma_rn(x, km_d[(ci * 4 + part) * 8 + e], shift);  // x·k_mean is exact
+        }
+    } else {
+      for (int ci = 0; ci < kChunks; ++ci)
+        for (int e = 0; e < 8; ++e)
+          shift += double(elem_float<T>(raw[ci], e)) * double(km[(ci * 4 + part) * 8 + e]);
+    }
+  }
   for (int m : {1, 2}) {
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
     shift += __shfl_xor_sync(0xffffffffu, shift, m);
   }
   if (part == 0) {
     row_max[r] = amax;
-    if (valid) lse_shift[bh * seq_q + row] = float(double(scale) * shift);
+    if (valid) lse_shift[int64_t(bh) * seq_q + row] = float(double(scale) * shift);
   }
   __syncthreads();
   amax = fmaxf(row_max[r], row_max[r ^ 8]);  // the group: rows {g, g+8} of a 16-row slice
-  const QuantScale s = make_quant_scale(amax, float(qmax));
+  const QuantScale s = make_quant_scale(amax, qmax);
   if (part == 0 && r % 16 < 8)
-    q_scale[(bh * q_blocks + qb) * mma::kQGroups + (r / 16) * 8 + r % 8] = s.scale;
-  store_row_part<D, kBits>(qq + (bh * nq_pad + row) * (D * kBits / 8), part, rp, s.inv, valid);
+    q_scale[(int64_t(bh) * q_blocks + qb) * mma::kQGroups + (r / 16) * 8 + r % 8] = s.scale;
+  uint8_t* dst = qq + (int64_t(bh) * nq_pad + row) * (D * kBits / 8);
+  for (int ci = 0; ci < kChunks; ++ci) {
+    const int d0 = (ci * 4 + part) * 8;
+    uint32_t qv[8];
+    for (int e = 0; e < 8; ++e)
+      qv[e] = valid ? quantize_bits(__fsub_rn(elem_float<T>(raw[ci], e), mean[d0 + e]), s.inv, qmax)
+                    : 0u;
+    store8<kBits>(dst, d0, qv);
+  }
 }
 
 // ΔS[Q block][key] = q_mean · (k - k_mean) for every Q block of the query heads of a KV head;
@@ -340,30 +506,47 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
   const T* k = static_cast<const T*>(in.k);
   const T* v = static_cast<const T*>(in.v);
   const unsigned bk = unsigned(p.batch * p.heads_kv), bq = unsigned(p.batch * p.heads_q);
+  const int heads_q = int(p.heads_q), heads_kv = int(p.heads_kv);  // ≤ 65535 (grid y)
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
   KvStat* stats = reinterpret_cast<KvStat*>(ws + p.kv_stats);
+  const bool vec_kv = rows_aligned16(k, in.k_strides) && rows_aligned16(v, in.v_strides);
+  const bool vec_q = rows_aligned16(q, in.q_strides);
 
-  kv_stats_kernel<T, D><<<dim3(unsigned(p.stat_chunks), bk), 256, 0, st>>>(
-      k, v, in.k_strides, in.v_strides, p.heads_kv, p.seq_kv, p.stat_chunks, stats);
+  auto stats_kernel = [&](auto vec) {
+    constexpr bool kVec = decltype(vec)::value;
+    kv_stats_kernel<T, D, kVec><<<dim3(unsigned(p.stat_chunks), bk), 256, 0, st>>>(
+        k, v, in.k_strides, in.v_strides, heads_kv, p.seq_kv, p.stat_chunks, stats);
+  };
+  if (vec_kv)
+    stats_kernel(std::true_type{});
+  else
+    stats_kernel(std::false_type{});
   kv_finalize_kernel<<<bk, D, 0, st>>>(stats, p.seq_kv, D, p.stat_chunks, p.smooth_k, p.smooth_v,
                                        f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv));
-  const dim3 kgrid(unsigned(p.k_blocks), bk);
-  auto qk = [&](auto bits) {
+  auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
-    quant_k_kernel<T, D, kBits><<<kgrid, 256, 0, st>>>(k, in.k_strides, p.heads_kv, p.seq_kv,
-                                                       f32(p.k_mean), p.nk_pad, p.k_blocks,
-                                                       ws + p.k, f32(p.k_scale));
-    quant_q_kernel<T, D, kBits><<<dim3(unsigned(p.q_blocks), bq), 512, 0, st>>>(
-        q, in.q_strides, p.heads_q, p.heads_kv, p.seq_q, p.smooth_q, in.scale, f32(p.k_mean),
+    quant_kv_kernel<T, D, kBits, decltype(vkv)::value><<<dim3(unsigned(p.k_blocks), bk), 256, 0, st>>>(
+        k, v, in.k_strides, in.v_strides, heads_kv, p.seq_kv, f32(p.k_mean), f32(p.v_mean),
+        f32(p.v_inv), p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale), ws + p.v);
+    quant_q_kernel<T, D, kBits, decltype(vq)::value><<<dim3(unsigned(p.q_blocks), bq), 512, 0, st>>>(
+        q, in.q_strides, heads_q, heads_kv, p.seq_q, p.smooth_q, in.scale, f32(p.k_mean),
         p.nq_pad, p.q_blocks, ws + p.q, f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr,
         f32(p.lse_shift));
   };
+  auto with_vec = [&](auto bits) {
+    if (vec_kv && vec_q)
+      quant(bits, std::true_type{}, std::true_type{});
+    else if (vec_kv)
+      quant(bits, std::true_type{}, std::false_type{});
+    else if (vec_q)
+      quant(bits, std::false_type{}, std::true_type{});
+    else
+      quant(bits, std::false_type{}, std::false_type{});
+  };
   if (p.bits == 8)
-    qk(std::integral_constant<int, 8>{});
+    with_vec(std::integral_constant<int, 8>{});
   else
-    qk(std::integral_constant<int, 4>{});
-  quant_v_kernel<T, D><<<kgrid, 256, 0, st>>>(v, in.v_strides, p.heads_kv, p.seq_kv, f32(p.v_mean),
-                                              f32(p.v_inv), p.nk_pad, ws + p.v);
+    with_vec(std::integral_constant<int, 4>{});
   if (p.smooth_q)
     delta_s_kernel<T, D><<<dim3(unsigned(p.nk_pad / 64), bk), 64, 0, st>>>(
         k, in.k_strides, p.heads_q, p.heads_kv, p.seq_kv, f32(p.k_mean), f32(p.q_mean), p.q_blocks,
