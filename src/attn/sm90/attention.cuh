@@ -19,8 +19,9 @@
 // cores nor memory — without the softmax the same loop runs > 2800 TOPS. Hence the softmax is
 // cut to about seven instructions per score: S seeded so scores come out as floats, one FFMA
 // and one 2^x per score (a quarter of them as a polynomial off the MUFU pipe), the max on the
-// bits, O rescaled only when a row's max moved. Ping-pong between the consumers (named
-// barriers) measured 6-8 % slower and was removed.
+// bits, O rescaled only when a row's max moved. The consumers take turns to issue their GEMMs
+// (a turn passes when the issuer's Q·Kᵀ has landed): issuing both at once overfilled the tensor
+// cores' wgmma queue and stalled the second issuer (see take_turn below).
 //
 // Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the 240 registers
 // setmaxnreg gives it (the producer keeps 24). Shared memory: the Q tile (128 x D bytes) and
@@ -81,15 +82,38 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
 // and 50 %; docs/sm90-kernel.md).
 constexpr int kPolyEvery = 4;
 
-// bar.sync on a named barrier (ids 1, 2: one per consumer warpgroup; 0 is __syncthreads).
+// Named barriers: 0 is __syncthreads; 1, 2 sync one consumer warpgroup (the epilogue); 3, 4 are
+// the consumers' turns to issue their GEMMs (kTurnBar + c: consumer c's turn).
+constexpr int kTurnBar = 3;
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+
 
 // 1.5·2^23: a float whose unit in the last place is 1, so adding it rounds to an integer held in
 // the low mantissa bits (exp2_poly), and its bits plus an int32 x are the float 1.5·2^23 + x (the
 // S accumulator's seed, kMagic below).
 constexpr float kMagicF = 12582912.0f;
+
+// Phase trace (a development build only: -DSAGE_SM90_TRACE): lane 0 of every consumer warp of
+// the first kTraceCtas CTAs of row blockIdx.y == 0 writes the SM clock at seven points of each of
+// its first kTraceBlocks key blocks (trace_event below); the launcher prints per-phase means.
+// The stores perturb the schedule by a few per cent.
+#ifdef SAGE_SM90_TRACE
+constexpr int kTraceCtas = 4, kTraceBlocks = 48, kTraceEvents = 7;
+static __device__ uint32_t g_trace[kTraceCtas][kConsumerWarps][kTraceBlocks][kTraceEvents];
+#endif
+__device__ __forceinline__ void trace_event(int kb, int ev) {
+#ifdef SAGE_SM90_TRACE
+  if (blockIdx.y == 0 && blockIdx.x < kTraceCtas && threadIdx.x % 32 == 0 && kb < kTraceBlocks) {
+    uint32_t c;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(c)::"memory");
+    g_trace[blockIdx.x][threadIdx.x / 32 - 4][kb][ev] = c;
+  }
+#else
+  (void)kb, (void)ev;
+#endif
+}
 
 // 2^x for x <= 9 (in [-125, 9] exactly enough; below, a value under 2^-125 that E4M3 and the row
 // sum cannot see), on the FMA and integer pipes: x = n + r with n = round(x), |r| <= 1/2;
@@ -262,6 +286,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
   };
 
+  // Turns (a soft ping-pong): a consumer waits for its turn before issuing Q·Kᵀ(kb) (and
+  // P·V(kb-1) behind it) and passes the turn once its Q·Kᵀ has landed, so the other consumer's
+  // GEMMs enter the tensor cores' queue after this one's Q·Kᵀ instead of beside it. The queue
+  // takes about eight m64n128k32 wgmmas per SM before wgmma issue blocks the warp
+  // (tools/probes/wgmma_issue.cu: 16 back to back take 625 cycles to issue, 8 take 103), so
+  // with both consumers issuing their eight at once the second stalled ~500 cycles in issue.
+  // Measured (H100, D=128): kernel-only 4k 699 -> 728, 16k 799 -> 821 TOPS; passing the turn
+  // right after the issue (the other consumer then issues into a full queue) or serializing
+  // the softmaxes instead was slower (docs/sm90-kernel.md). Consumer 0 goes first.
+  const int consumer = warp / 4;
+  // (The barrier id is derived from %tid.x inside the asm each time: held in a register across
+  // the loop, ptxas spilled it. Consumer c = (tid >> 8): tid 128..255 -> 0, 256..383 -> 1.)
+  auto take_turn = [] {
+    asm volatile(
+        "{\n.reg .u32 t;\nmov.u32 t, %%tid.x;\nshr.u32 t, t, 8;\nadd.u32 t, t, %0;\n"
+        "bar.sync t, 256;\n}" ::"n"(kTurnBar)
+        : "memory");
+  };
+  auto pass_turn = [] {
+    asm volatile(
+        "{\n.reg .u32 t;\nmov.u32 t, %%tid.x;\nshr.u32 t, t, 8;\nsub.u32 t, %0, t;\n"
+        "bar.arrive t, 256;\n}" ::"n"(kTurnBar + 1)
+        : "memory");
+  };
+  if (consumer == 1) pass_turn();
   // Descriptors: computed once, a stage and a k-step add (bytes >> 4) to the start address.
   const uint64_t q_desc = ptx::wgmma_desc<D>(q_wg);
   const uint64_t k_desc = ptx::wgmma_desc<D>(k_tiles);
@@ -277,6 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     constexpr int st = decltype(stage)::value;
     for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
     scales(kb, f);  // loaded before the wait: the wgmma asm orders memory, the load hides behind
+    take_turn();
     ptx::mbar_wait(&full_k[st], (kb >> 1) & 1);
     ptx::wgmma_fence_regs(sacc);
     ptx::wgmma_fence();
@@ -313,18 +363,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     using Prev = std::integral_constant<int, 1 - st>;
     int sacc[64];
     float f[2];
+    trace_event(kb, 0);
     issue_qk(stage, sacc, f, kb);
+    trace_event(kb, 1);
     issue_pv(Prev{}, kb - 1);
+    trace_event(kb, 2);
     ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P·V(kb-1) may still run
     ptx::wgmma_fence_regs(sacc);
+    pass_turn();
+    trace_event(kb, 3);
     release(&empty_k[st]);
     float alpha[2];
     softmax_block(sacc, kb, f, alpha);
+    trace_event(kb, 4);
     ptx::wgmma_wait<0>();  // P·V(kb-1) landed: O may be rescaled, pf rewritten
     ptx::wgmma_fence_regs(o);
+    trace_event(kb, 5);
     release(&empty_v[1 - st]);
     rescale_o(alpha);
     pack_p(sacc);
+    trace_event(kb, 6);
   };
 
   if (n_blocks > 0) {
@@ -334,6 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue_qk(Stage0{}, sacc, f, 0);
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(sacc);
+      pass_turn();
       release(&empty_k[0]);
       softmax_block(sacc, 0, f, alpha);
       pack_p(sacc);
@@ -344,13 +403,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       step(Stage0{}, kb + 1);
     }
     if (kb < n_blocks) step(Stage1{}, kb);
-    // The last block's P·V.
+    // The last block's P·V (in turn, like every GEMM issue: both consumers take and pass the
+    // turn n_blocks + 1 times; the arrival consumer 1 began with is left over at exit).
+    take_turn();
     if ((n_blocks - 1) & 1)
       issue_pv(Stage1{}, n_blocks - 1);
     else
       issue_pv(Stage0{}, n_blocks - 1);
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(o);
+    pass_turn();
     release(&empty_v[(n_blocks - 1) % kStages]);
   }
 

@@ -4,6 +4,9 @@
 
 #include <cudaTypedefs.h>
 
+#include <algorithm>
+#include <cstdio>
+
 #include "attn/sm90/attention.cuh"
 #include "attn/sm90/launch.h"
 
@@ -38,6 +41,40 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uin
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+#ifdef SAGE_SM90_TRACE
+// Per-phase mean cycles of the traced warps (blocks 4 .. the last traced), printed on the third
+// launch of each (D, mask) so the caches and clocks are warm; then one warp pair's raw timeline.
+inline void print_trace(int d, bool causal, int64_t seq_kv) {
+  static int calls[2][2] = {};
+  if (++calls[d == 128][causal] != 3) return;
+  static uint32_t t[kTraceCtas][kConsumerWarps][kTraceBlocks][kTraceEvents];
+  if (cudaDeviceSynchronize() != cudaSuccess || cudaMemcpyFromSymbol(t, g_trace, sizeof t) != cudaSuccess) return;
+  const int nb = int(std::min<int64_t>(kTraceBlocks, (seq_kv + kBlockK - 1) / kBlockK - 1));
+  const char* names[7] = {"seed+wait K+QK issue", "wait V+PV issue", "wait QK", "softmax", "wait PV", "rescale+pack", "step"};
+  double sum[7] = {};
+  int n = 0;
+  for (int c = 0; c < kTraceCtas; ++c)
+    for (int w = 0; w < kConsumerWarps; ++w)
+      for (int kb = 4; kb < nb; ++kb, ++n) {
+        const uint32_t* e = t[c][w][kb];
+        for (int i = 0; i < 6; ++i) sum[i] += double(e[i + 1] - e[i]);
+        sum[6] += double(e[6] - e[0]);
+      }
+  std::fprintf(stderr, "[trace] D=%d causal=%d Nk=%lld, mean cycles over %d warp-blocks:", d, int(causal),
+               (long long)seq_kv, n);
+  for (int i = 0; i < 7; ++i) std::fprintf(stderr, " %s %.0f;", names[i], n ? sum[i] / n : 0.0);
+  std::fprintf(stderr, "\n[trace] CTA 0, warps 0 and 4 (one per consumer warpgroup), blocks 8-13, cycles from block 8's start:\n");
+  for (int w : {0, 4}) {
+    const uint32_t t0 = t[0][0][8][0];
+    for (int kb = 8; kb < std::min(nb, 14); ++kb) {
+      std::fprintf(stderr, "[trace]  w%d b%d:", w, kb);
+      for (int i = 0; i < 7; ++i) std::fprintf(stderr, " %6d", int(t[0][w][kb][i] - t0));
+      std::fprintf(stderr, "\n");
+    }
+  }
+}
+#endif
+
 template <int D, typename OutT, bool kCausal>
 cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream) {
   constexpr int kSmem = Smem<D>::kBytes;
@@ -47,6 +84,9 @@ cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream
   if (e != cudaSuccess) return e;
   const dim3 grid(unsigned(p.q_blocks), unsigned(p.batch * p.heads_q));
   kernel<<<grid, kThreads, kSmem, stream>>>(p, maps);
+#ifdef SAGE_SM90_TRACE
+  print_trace(D, kCausal, p.seq_kv);
+#endif
   return cudaGetLastError();
 }
 
