@@ -1,4 +1,5 @@
-// Asynchronous global->shared copies (cp.async, sm_80+) and their group fences.
+// Asynchronous global->shared copies (cp.async, sm_80+) and their group fences; the wait of a
+// programmatic dependent launch (sm_90+).
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,15 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// griddepcontrol.wait (sm_90+): wait until the grids this one depends on (programmatic dependent
+// launch) have completed and their memory is visible; returns at once in a grid launched without
+// the attribute. Compiles to nothing below sm_90.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 }  // namespace sage::ptx

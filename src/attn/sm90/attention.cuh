@@ -1,7 +1,12 @@
 // SageAttention2-8b on Hopper (sm_90a): wgmma s8·s8→s32 for Q·Kᵀ and E4M3 for P̃·V, K and Vᵀ
 // tiles brought by TMA onto mbarriers, warp specialization: warpgroup 0 produces (one thread
 // issues the TMA loads, the rest give their registers back with setmaxnreg), warpgroups 1 and 2
-// consume 64 query rows each. The Q tile (pre-quantized) also arrives by TMA.
+// consume 64 query rows each. The Q tile (pre-quantized) also arrives by TMA. Persistent (the
+// non-causal launch; causal launches one CTA per tile, launch.cuh): one CTA per SM walks its
+// tiles (query block, head); the producer loads the next tile's Q (double buffered) and first
+// K/Vᵀ blocks while the consumers finish the current one, so a tile's load latency and
+// epilogue no longer sit between tiles. Launched as a programmatic dependent of the
+// pre-pass (griddepcontrol.wait before the first global read).
 //
 // It reads the same pre-pass products as the mma.sync kernel (attn/mma/params.h) and does the
 // same arithmetic: a warp owns 16 query rows (one Q scale for rows g, g+8), K scales per 64-key
@@ -24,7 +29,7 @@
 // cores' wgmma queue and stalled the second issuer (see take_turn below).
 //
 // Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the 240 registers
-// setmaxnreg gives it (the producer keeps 24). Shared memory: the Q tile (128 x D bytes) and
+// setmaxnreg gives it (the producer keeps 24). Shared memory: two Q tiles (128 x D bytes) and
 // kStages x (K tile 128 x D bytes + Vᵀ tile D x 128 bytes), 1024-byte aligned for the swizzle.
 #pragma once
 
@@ -59,7 +64,8 @@ struct Smem {
   static constexpr int kQTile = kBlockQ * D;  // [128 rows][D bytes], swizzled (A of Q·Kᵀ)
   static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
   static constexpr int kVTile = D * kBlockK;  // [D channels][128 keys], swizzled
-  static constexpr int kBytes = kQTile + kStages * (kKTile + kVTile) + 1024;  // + align slack
+  // Two Q tiles: the next tile's Q lands while this one's last blocks run.
+  static constexpr int kBytes = 2 * kQTile + kStages * (kKTile + kVTile) + 1024;  // + align slack
 };
 
 // Everything the kernel needs besides AttnParams: the TMA descriptors of Q, K and Vᵀ.
@@ -88,7 +94,6 @@ constexpr int kTurnBar = 3;
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
-
 
 // 1.5·2^23: a float whose unit in the last place is 1, so adding it rounds to an integer held in
 // the low mantissa bits (exp2_poly), and its bits plus an int32 x are the float 1.5·2^23 + x (the
@@ -137,25 +142,47 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  uint8_t* q_tile = smem;
-  uint8_t* k_tiles = smem + S::kQTile;
+  uint8_t* q_tiles = smem;  // two buffers: tile i of this CTA uses buffer i & 1
+  uint8_t* k_tiles = smem + 2 * S::kQTile;
   uint8_t* v_tiles = k_tiles + kStages * S::kKTile;
-  __shared__ float v_stat[2][2][D];  // per consumer warpgroup: V scales, V means
-  __shared__ __align__(8) uint64_t full_q, full_k[kStages], full_v[kStages], empty_k[kStages],
-      empty_v[kStages];
+  __shared__ float v_stat[2][2][2][D];  // [tile parity][consumer warpgroup]: V scales, V means
+  __shared__ __align__(8) uint64_t full_q[2], empty_q[2], full_k[kStages], full_v[kStages],
+      empty_k[kStages], empty_v[kStages];
 
-  // Causal: the heaviest query blocks (most keys) start first.
-  const int64_t qb = kCausal ? p.q_blocks - 1 - blockIdx.x : blockIdx.x;
-  const int64_t bh = blockIdx.y;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
-  const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
-  const int64_t kv_end = kCausal ? min(p.seq_kv, last_row + p.causal_offset + 1) : p.seq_kv;
-  const int n_blocks = kv_end > 0 ? int((kv_end + kBlockK - 1) / kBlockK) : 0;
+  // Persistent: tiles (query block, batch·head) are numbered head-major, so a head's K and V stay
+  // in L2 while the grid works on it (numbered across heads, the causal tiles put ~130 heads' K
+  // and V in flight: 16k causal fell from 795 to 650 TOPS); causal: each head's heaviest query
+  // blocks (most keys) first. CTA c takes one tile per round of gridDim.x, c in even rounds and
+  // gridDim.x - 1 - c in odd ones (a snake): with causal tile sizes, plain round-robin gave one
+  // CTA up to 1.37x the mean work at 1k (B=4, H=32), the snake <= 1.03x at every N.
+  const int64_t bhq = p.batch * p.heads_q, tiles = p.q_blocks * bhq;
+  auto tile_of = [&](int round) {
+    return int64_t(round) * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+  };
+  auto tile_at = [&](int64_t tile, int64_t& qb, int64_t& bh, int& n_blocks) {
+    bh = tile / p.q_blocks;
+    qb = kCausal ? p.q_blocks - 1 - tile % p.q_blocks : tile % p.q_blocks;
+    const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
+    const int64_t kv_end = kCausal ? min(p.seq_kv, last_row + p.causal_offset + 1) : p.seq_kv;
+    n_blocks = kv_end > 0 ? int((kv_end + kBlockK - 1) / kBlockK) : 0;
+  };
+  auto kv_head = [&](int64_t bh) {
+    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+    return b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+  };
+  // Barrier phases across tiles: a tile's blocks use stages 0, 1, 0, ... from stage 0, so stage s
+  // is used ceil(n/2) (s = 0) or floor(n/2) times; bit s of `base` flips with that parity, and
+  // block kb's phase on stage kb & 1 is bit 1 of kb xor that bit.
+  auto next_base = [](uint32_t base, int n_blocks) {
+    return base ^ uint32_t(((n_blocks + 1) >> 1) & 1) ^ (uint32_t((n_blocks >> 1) & 1) << 1);
+  };
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
-    ptx::mbar_init(&full_q, 1);
+    for (int i = 0; i < 2; ++i) {
+      ptx::mbar_init(&full_q[i], 1);
+      ptx::mbar_init(&empty_q[i], kConsumerWarps);
+    }
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(&full_k[s], 1);
       ptx::mbar_init(&full_v[s], 1);
@@ -165,127 +192,46 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::fence_barrier_init();
   }
   __syncthreads();
+  // Programmatic dependent launch: everything above overlapped the pre-pass's tail; nothing is
+  // read from global memory before the kernels this one depends on have finished.
+  ptx::grid_dependency_wait();
 
   if (wg == 0) {  // ---- producer ----
     ptx::setmaxnreg_dec<24>();
     if (threadIdx.x == 0) {
-      ptx::mbar_arrive_expect_tx(&full_q, S::kQTile);
-      ptx::tma_load_3d(q_tile, &maps.q, &full_q, 0, int(qb * kBlockQ), int(bh));
-      for (int kb = 0; kb < n_blocks; ++kb) {
-        const int s = kb % kStages;
-        const uint32_t parity = ((kb / kStages) & 1) ^ 1;  // the first round passes at once
-        ptx::mbar_wait(&empty_k[s], parity);
-        ptx::mbar_arrive_expect_tx(&full_k[s], S::kKTile);
-        ptx::tma_load_3d(k_tiles + s * S::kKTile, &maps.k, &full_k[s], 0, kb * kBlockK, int(bhk));
-        ptx::mbar_wait(&empty_v[s], parity);
-        ptx::mbar_arrive_expect_tx(&full_v[s], S::kVTile);
-        ptx::tma_load_3d(v_tiles + s * S::kVTile, &maps.v, &full_v[s], kb * kBlockK, 0, int(bhk));
+      uint32_t base = 0;
+      for (int it = 0; tile_of(it) < tiles; ++it) {
+        const int64_t tile = tile_of(it);
+        int64_t qb, bh;
+        int n_blocks;
+        tile_at(tile, qb, bh, n_blocks);
+        const int64_t bhk = kv_head(bh);
+        const int qbuf = it & 1;
+        ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
+        ptx::mbar_arrive_expect_tx(&full_q[qbuf], S::kQTile);
+        ptx::tma_load_3d(q_tiles + qbuf * S::kQTile, &maps.q, &full_q[qbuf], 0, int(qb * kBlockQ),
+                         int(bh));
+        for (int kb = 0; kb < n_blocks; ++kb) {
+          const int s = kb % kStages;
+          const uint32_t parity = ((kb >> 1) & 1) ^ ((base >> s) & 1) ^ 1;
+          ptx::mbar_wait(&empty_k[s], parity);
+          ptx::mbar_arrive_expect_tx(&full_k[s], S::kKTile);
+          ptx::tma_load_3d(k_tiles + s * S::kKTile, &maps.k, &full_k[s], 0, kb * kBlockK, int(bhk));
+          ptx::mbar_wait(&empty_v[s], parity);
+          ptx::mbar_arrive_expect_tx(&full_v[s], S::kVTile);
+          ptx::tma_load_3d(v_tiles + s * S::kVTile, &maps.v, &full_v[s], kb * kBlockK, 0, int(bhk));
+        }
+        base = next_base(base, n_blocks);
       }
     }
     return;
   }
 
-  // ---- consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of the block ----
+  // ---- consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of each tile ----
   ptx::setmaxnreg_inc<240>();
   const int warp = threadIdx.x / 32 - 4;  // 0..7: the 16-row slab of the 128-row block
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t row_a = qb * kBlockQ + warp * 16 + g;
-  const int64_t first_row = qb * kBlockQ;
-  const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
-  const int first_masked_block = min_end > 0 ? int(min_end / kBlockK) : 0;
-
-  // Q (quantized by the pre-pass) arrives once by TMA; this warpgroup's 64 rows are the A
-  // operand of Q·Kᵀ straight from shared memory. (A from registers held across the loop was
-  // miscompiled at D=128: ptxas gave the P̃ fragments the Q fragments' registers.)
-  const uint8_t* q_wg = q_tile + (warp / 4) * 64 * D;
-  ptx::mbar_wait(&full_q, 0);
-  const float q_scale_log2 =
-      p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g] * p.scale_log2;
-  const float* k_scale = p.k_scale + bhk * p.k_blocks * mma::kKGroups;
-  // The epilogue's V scales and means, copied now into this warpgroup's shared copy (cp.async:
-  // nothing waits until the epilogue). Read from global there, their load latency sat exposed
-  // in every CTA's epilogue: 25-30 % of the warp stall samples at N = 1k.
-  for (int j = threadIdx.x % 128; j < 2 * D; j += 128)
-    ptx::cp_async_4(&v_stat[warp / 4][j / D][j % D],
-                    (j < D ? p.v_scale : p.v_mean) + bhk * D + j % D);
-  ptx::cp_async_commit();
-
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  float o[D / 2];
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-  uint32_t pf[4][4];  // P^ of the previous block, the A operand of its P·V (issued one block late)
-
-  // The S accumulator starts at the bits of 1.5·2^23 (kMagic), so the exact int32 score x
-  // (|x| < 2^21 for int8 at D <= 128) comes out of the wgmma as the bits of the float
-  // 1.5·2^23 + x: the int -> float conversion costs nothing, the max can be taken on the bits,
-  // and the softmax of a visible score is one FFMA and one EX2:
-  //   P~ · 448 = 2^(x·f - m + log2 448) = 2^(y·f - bias),  y = 1.5·2^23 + x,
-  //   bias = 1.5·2^23·f + m - log2 448,
-  // where f = q_scale · k_scale · scale · log2 e. Rounding bias costs at most 0.75·f in the
-  // exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). The softmax
-  // writes P~ · 448 (the E4M3-range values P^ is packed from) over the scores, as float bits,
-  // and l sums them (finalize's kLUnit 448).
-  constexpr int kMagic = 0x4B400000;  // the bits of kMagicF
-  constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
-  auto scales = [&](int kb, float(&f)[2]) {             // f of keys 0-63 and 64-127 of block kb
-    f[0] = q_scale_log2 * k_scale[(2 * kb) * mma::kKGroups + t];
-    f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * mma::kKGroups + t];
-  };
-  auto softmax_block = [&](int(&sacc)[64], int kb, const float(&f)[2], float(&alpha)[2]) {
-    float row_max[2], m_use[2];
-    float part[2][4] = {};          // four partial sums per row: short FADD chains
-    if (kb < first_masked_block) {  // every key visible to every row (CTA-uniform)
-      int mx[2][2];
-      for (int r = 0; r < 2; ++r)
-        for (int h = 0; h < 2; ++h) {  // a tree over the 16 scores of (row r, key half h)
-          int v[16];
-          for (int j = 0; j < 16; ++j) v[j] = sacc[32 * h + 4 * (j / 2) + 2 * r + (j & 1)];
-          for (int w = 16; w > 1; w /= 2)
-            for (int j = 0; j < w / 2; ++j) v[j] = max(v[j], v[j + w / 2]);
-          mx[r][h] = v[0];
-        }
-      for (int r = 0; r < 2; ++r)
-        row_max[r] = fmaxf((__int_as_float(mx[r][0]) - kMagicF) * f[0],
-                           (__int_as_float(mx[r][1]) - kMagicF) * f[1]);
-      attn::online_max(row_max, m, l, alpha, m_use);
-      float bias[2][2];
-      for (int r = 0; r < 2; ++r)
-        for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
-      for (int i = 0; i < 64; ++i) {
-        const float x = fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
-        const float e = i % kPolyEvery == kPolyEvery - 1 ? exp2_poly(x) : ptx::ex2(x);
-        part[(i / 2) & 1][i / 16] += e;
-        sacc[i] = __float_as_int(e);
-      }
-    } else {  // the diagonal and the Nk edge: scores as floats, hidden ones -inf
-      int visible[2];
-      attn::visible_keys<kCausal, kBlockK>(p, row_a, int64_t(kb) * kBlockK, visible);
-      row_max[0] = row_max[1] = -INFINITY;
-      for (int i = 0; i < 64; ++i) {
-        const bool hidden = (i / 4) * 8 + 2 * t + (i & 1) >= visible[(i / 2) & 1];
-        const float x = hidden ? -INFINITY : (__int_as_float(sacc[i]) - kMagicF) * f[i / 32];
-        row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], x);
-        sacc[i] = __float_as_int(x);
-      }
-      attn::online_max(row_max, m, l, alpha, m_use);
-      for (int i = 0; i < 64; ++i) {
-        const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[(i / 2) & 1] - kLog2E4m3Max));
-        part[(i / 2) & 1][i / 16] += e;
-        sacc[i] = __float_as_int(e);
-      }
-    }
-    for (int r = 0; r < 2; ++r) l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
-  };
-  auto pack_p = [&](const int(&pe)[64]) {
-    attn::pack_p_e4m3(pf, [&](int n, int e) { return __int_as_float(pe[4 * n + e]); });
-  };
-  // O *= alpha, skipped when no row of the warp saw its max move (most blocks after the first
-  // few): a warp-uniform branch outside any wgmma's flight.
-  auto rescale_o = [&](const float(&alpha)[2]) {
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
-      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
-  };
-
+  const int consumer = warp / 4;
   // Turns (a soft ping-pong): a consumer waits for its turn before issuing Q·Kᵀ(kb) (and
   // P·V(kb-1) behind it) and passes the turn once its Q·Kᵀ has landed, so the other consumer's
   // GEMMs enter the tensor cores' queue after this one's Q·Kᵀ instead of beside it. The queue
@@ -295,7 +241,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Measured (H100, D=128): kernel-only 4k 699 -> 728, 16k 799 -> 821 TOPS; passing the turn
   // right after the issue (the other consumer then issues into a full queue) or serializing
   // the softmaxes instead was slower (docs/sm90-kernel.md). Consumer 0 goes first.
-  const int consumer = warp / 4;
   // (The barrier id is derived from %tid.x inside the asm each time: held in a register across
   // the loop, ptxas spilled it. Consumer c = (tid >> 8): tid 128..255 -> 0, 256..383 -> 1.)
   auto take_turn = [] {
@@ -311,116 +256,229 @@ __global__ void __launch_bounds__(kThreads, 1)
         : "memory");
   };
   if (consumer == 1) pass_turn();
-  // Descriptors: computed once, a stage and a k-step add (bytes >> 4) to the start address.
-  const uint64_t q_desc = ptx::wgmma_desc<D>(q_wg);
-  const uint64_t k_desc = ptx::wgmma_desc<D>(k_tiles);
-  const uint64_t v_desc = ptx::wgmma_desc<128>(v_tiles);
-  // The ring has two stages and the loop runs two blocks per turn, so a block's stage is a
-  // compile-time constant (its descriptors, barriers and offsets fold into immediates) and its
-  // barrier phase is bit 1 of the block index.
-  static_assert(kStages == 2, "the consumer loop is unrolled over a two-stage ring");
-  using Stage0 = std::integral_constant<int, 0>;
-  using Stage1 = std::integral_constant<int, 1>;
-  // Q·Kᵀ of block kb (in stage st) into sacc (seeded with kMagic), and its scales into f.
-  auto issue_qk = [&](auto stage, int(&sacc)[64], float(&f)[2], int kb) {
-    constexpr int st = decltype(stage)::value;
-    for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
-    scales(kb, f);  // loaded before the wait: the wgmma asm orders memory, the load hides behind
-    take_turn();
-    ptx::mbar_wait(&full_k[st], (kb >> 1) & 1);
-    ptx::wgmma_fence_regs(sacc);
-    ptx::wgmma_fence();
-    for (int s = 0; s < kQkSteps; ++s)
-      ptx::wgmma_m64n128k32_s8_ss(sacc, q_desc + uint64_t(s * 32 >> 4),
-                                  k_desc + uint64_t((st * S::kKTile + s * 32) >> 4),
-                                  /*accumulate=*/true);
-    ptx::wgmma_commit();
-  };
-  // P·V of block kb (in stage st; A = pf).
-  auto issue_pv = [&](auto stage, int kb) {
-    constexpr int st = decltype(stage)::value;
-    ptx::mbar_wait(&full_v[st], (kb >> 1) & 1);
-    ptx::wgmma_fence_regs(o);
-    ptx::wgmma_fence();
-    for (int c = 0; c < 4; ++c)
-      pv_wgmma<D>(o, pf[c], v_desc + uint64_t((st * S::kVTile + c * 32) >> 4));
-    ptx::wgmma_commit();
-  };
-  auto release = [&](uint64_t* bar) {
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(bar);
-  };
 
-  // Step kb (kb >= 1, in stage st; block kb-1 in the other), on entry pf = P^(kb-1): issue
-  // Q·Kᵀ(kb), then P·V(kb-1) behind it; wait for Q·Kᵀ(kb) only and run the softmax of kb while
-  // P·V(kb-1) is on the tensor cores; wait for it, O *= alpha, pf = P^(kb). Every wgmma of the
-  // loop is issued unconditionally (a conditional GEMM in the loop made ptxas serialize them
-  // all, C7514: block 0 is peeled, and the odd last block runs after the loop).
-  // (Two S register sets, Q·Kᵀ(kb+1) in flight during softmax(kb), need more than the 240
-  // registers a consumer gets: ptxas spilled ~1.2 KB.)
-  auto step = [&](auto stage, int kb) {
-    constexpr int st = decltype(stage)::value;
-    using Prev = std::integral_constant<int, 1 - st>;
-    int sacc[64];
-    float f[2];
-    trace_event(kb, 0);
-    issue_qk(stage, sacc, f, kb);
-    trace_event(kb, 1);
-    issue_pv(Prev{}, kb - 1);
-    trace_event(kb, 2);
-    ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P·V(kb-1) may still run
-    ptx::wgmma_fence_regs(sacc);
-    pass_turn();
-    trace_event(kb, 3);
-    release(&empty_k[st]);
-    float alpha[2];
-    softmax_block(sacc, kb, f, alpha);
-    trace_event(kb, 4);
-    ptx::wgmma_wait<0>();  // P·V(kb-1) landed: O may be rescaled, pf rewritten
-    ptx::wgmma_fence_regs(o);
-    trace_event(kb, 5);
-    release(&empty_v[1 - st]);
-    rescale_o(alpha);
-    pack_p(sacc);
-    trace_event(kb, 6);
-  };
+  uint32_t base = 0;  // barrier phases across tiles, as the producer's
+  for (int it = 0; tile_of(it) < tiles; ++it) {
+    const int64_t tile = tile_of(it);
+    int64_t qb, bh;
+    int n_blocks;
+    tile_at(tile, qb, bh, n_blocks);
+    const int64_t b = bh / p.heads_q, h = bh % p.heads_q, bhk = kv_head(bh);
+    const int64_t row_a = qb * kBlockQ + warp * 16 + g;
+    const int64_t first_row = qb * kBlockQ;
+    const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
+    const int first_masked_block = min_end > 0 ? int(min_end / kBlockK) : 0;
+    const int qbuf = it & 1;
 
-  if (n_blocks > 0) {
-    {
+    // Q (quantized by the pre-pass) arrives by TMA into buffer qbuf; this warpgroup's 64 rows are
+    // the A operand of Q·Kᵀ straight from shared memory. (A from registers held across the loop
+    // was miscompiled at D=128: ptxas gave the P̃ fragments the Q fragments' registers.)
+    const uint8_t* q_wg = q_tiles + qbuf * S::kQTile + consumer * 64 * D;
+    const float q_scale_log2 =
+        p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g] * p.scale_log2;
+    const float* k_scale = p.k_scale + bhk * p.k_blocks * mma::kKGroups;
+    // The epilogue's V scales and means, copied now into this warpgroup's shared copy for this
+    // tile (cp.async: nothing waits until the epilogue; the buffer alternates with the tile, so
+    // the previous tile's epilogue may still read the other). Read from global there, their
+    // load latency sat exposed in every tile's epilogue: 25-30 % of the stall samples at N = 1k.
+    float(&vst)[2][D] = v_stat[qbuf][consumer];
+    for (int j = threadIdx.x % 128; j < 2 * D; j += 128)
+      ptx::cp_async_4(&vst[j / D][j % D], (j < D ? p.v_scale : p.v_mean) + bhk * D + j % D);
+    ptx::cp_async_commit();
+
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[D / 2];
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    uint32_t pf[4]
+               [4];  // P^ of the previous block, the A operand of its P·V (issued one block late)
+    ptx::mbar_wait(&full_q[qbuf], (it >> 1) & 1);
+
+    // The S accumulator starts at the bits of 1.5·2^23 (kMagic), so the exact int32 score x
+    // (|x| < 2^21 for int8 at D <= 128) comes out of the wgmma as the bits of the float
+    // 1.5·2^23 + x: the int -> float conversion costs nothing, the max can be taken on the bits,
+    // and the softmax of a visible score is one FFMA and one EX2:
+    //   P~ · 448 = 2^(x·f - m + log2 448) = 2^(y·f - bias),  y = 1.5·2^23 + x,
+    //   bias = 1.5·2^23·f + m - log2 448,
+    // where f = q_scale · k_scale · scale · log2 e. Rounding bias costs at most 0.75·f in the
+    // exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). The softmax
+    // writes P~ · 448 (the E4M3-range values P^ is packed from) over the scores, as float bits,
+    // and l sums them (finalize's kLUnit 448).
+    constexpr int kMagic = 0x4B400000;                    // the bits of kMagicF
+    constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
+    auto scales = [&](int kb, float(&f)[2]) {             // f of keys 0-63 and 64-127 of block kb
+      f[0] = q_scale_log2 * k_scale[(2 * kb) * mma::kKGroups + t];
+      f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * mma::kKGroups + t];
+    };
+    auto softmax_block = [&](int(&sacc)[64], int kb, const float(&f)[2], float(&alpha)[2]) {
+      float row_max[2], m_use[2];
+      float part[2][4] = {};          // four partial sums per row: short FADD chains
+      if (kb < first_masked_block) {  // every key visible to every row (CTA-uniform)
+        int mx[2][2];
+        for (int r = 0; r < 2; ++r)
+          for (int h = 0; h < 2; ++h) {  // a tree over the 16 scores of (row r, key half h)
+            int v[16];
+            for (int j = 0; j < 16; ++j) v[j] = sacc[32 * h + 4 * (j / 2) + 2 * r + (j & 1)];
+            for (int w = 16; w > 1; w /= 2)
+              for (int j = 0; j < w / 2; ++j) v[j] = max(v[j], v[j + w / 2]);
+            mx[r][h] = v[0];
+          }
+        for (int r = 0; r < 2; ++r)
+          row_max[r] = fmaxf((__int_as_float(mx[r][0]) - kMagicF) * f[0],
+                             (__int_as_float(mx[r][1]) - kMagicF) * f[1]);
+        attn::online_max(row_max, m, l, alpha, m_use);
+        float bias[2][2];
+        for (int r = 0; r < 2; ++r)
+          for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
+        for (int i = 0; i < 64; ++i) {
+          const float x = fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
+          const float e = i % kPolyEvery == kPolyEvery - 1 ? exp2_poly(x) : ptx::ex2(x);
+          part[(i / 2) & 1][i / 16] += e;
+          sacc[i] = __float_as_int(e);
+        }
+      } else {  // the diagonal and the Nk edge: scores as floats, hidden ones -inf
+        int visible[2];
+        attn::visible_keys<kCausal, kBlockK>(p, row_a, int64_t(kb) * kBlockK, visible);
+        row_max[0] = row_max[1] = -INFINITY;
+        for (int i = 0; i < 64; ++i) {
+          const bool hidden = (i / 4) * 8 + 2 * t + (i & 1) >= visible[(i / 2) & 1];
+          const float x = hidden ? -INFINITY : (__int_as_float(sacc[i]) - kMagicF) * f[i / 32];
+          row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], x);
+          sacc[i] = __float_as_int(x);
+        }
+        attn::online_max(row_max, m, l, alpha, m_use);
+        for (int i = 0; i < 64; ++i) {
+          const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[(i / 2) & 1] - kLog2E4m3Max));
+          part[(i / 2) & 1][i / 16] += e;
+          sacc[i] = __float_as_int(e);
+        }
+      }
+      for (int r = 0; r < 2; ++r) l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
+    };
+    auto pack_p = [&](const int(&pe)[64]) {
+      attn::pack_p_e4m3(pf, [&](int n, int e) { return __int_as_float(pe[4 * n + e]); });
+    };
+    // O *= alpha, skipped when no row of the warp saw its max move (most blocks after the first
+    // few): a warp-uniform branch outside any wgmma's flight.
+    auto rescale_o = [&](const float(&alpha)[2]) {
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
+        for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
+    };
+
+    // Descriptors: computed once, a stage and a k-step add (bytes >> 4) to the start address.
+    const uint64_t q_desc = ptx::wgmma_desc<D>(q_wg);
+    const uint64_t k_desc = ptx::wgmma_desc<D>(k_tiles);
+    const uint64_t v_desc = ptx::wgmma_desc<128>(v_tiles);
+    // The ring has two stages and the loop runs two blocks per turn, so a block's stage is a
+    // compile-time constant (its descriptors, barriers and offsets fold into immediates) and its
+    // barrier phase is bit 1 of the block index.
+    static_assert(kStages == 2, "the consumer loop is unrolled over a two-stage ring");
+    using Stage0 = std::integral_constant<int, 0>;
+    using Stage1 = std::integral_constant<int, 1>;
+    // Q·Kᵀ of block kb (in stage st) into sacc (seeded with kMagic), and its scales into f.
+    auto issue_qk = [&](auto stage, int(&sacc)[64], float(&f)[2], int kb) {
+      constexpr int st = decltype(stage)::value;
+      for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
+      scales(kb, f);  // loaded before the wait: the wgmma asm orders memory, the load hides behind
+      take_turn();
+      ptx::mbar_wait(&full_k[st], ((kb >> 1) ^ (base >> st)) & 1);
+      ptx::wgmma_fence_regs(sacc);
+      ptx::wgmma_fence();
+      for (int s = 0; s < kQkSteps; ++s)
+        ptx::wgmma_m64n128k32_s8_ss(sacc, q_desc + uint64_t(s * 32 >> 4),
+                                    k_desc + uint64_t((st * S::kKTile + s * 32) >> 4),
+                                    /*accumulate=*/true);
+      ptx::wgmma_commit();
+    };
+    // P·V of block kb (in stage st; A = pf).
+    auto issue_pv = [&](auto stage, int kb) {
+      constexpr int st = decltype(stage)::value;
+      ptx::mbar_wait(&full_v[st], ((kb >> 1) ^ (base >> st)) & 1);
+      ptx::wgmma_fence_regs(o);
+      ptx::wgmma_fence();
+      for (int c = 0; c < 4; ++c)
+        pv_wgmma<D>(o, pf[c], v_desc + uint64_t((st * S::kVTile + c * 32) >> 4));
+      ptx::wgmma_commit();
+    };
+    auto release = [&](uint64_t* bar) {
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(bar);
+    };
+
+    // Step kb (kb >= 1, in stage st; block kb-1 in the other), on entry pf = P^(kb-1): issue
+    // Q·Kᵀ(kb), then P·V(kb-1) behind it; wait for Q·Kᵀ(kb) only and run the softmax of kb while
+    // P·V(kb-1) is on the tensor cores; wait for it, O *= alpha, pf = P^(kb). Every wgmma of the
+    // loop is issued unconditionally (a conditional GEMM in the loop made ptxas serialize them
+    // all, C7514: block 0 is peeled, and the odd last block runs after the loop).
+    // (Two S register sets, Q·Kᵀ(kb+1) in flight during softmax(kb), need more than the 240
+    // registers a consumer gets: ptxas spilled ~1.2 KB.)
+    auto step = [&](auto stage, int kb) {
+      constexpr int st = decltype(stage)::value;
+      using Prev = std::integral_constant<int, 1 - st>;
       int sacc[64];
-      float f[2], alpha[2];
-      issue_qk(Stage0{}, sacc, f, 0);
-      ptx::wgmma_wait<0>();
+      float f[2];
+      trace_event(kb, 0);
+      issue_qk(stage, sacc, f, kb);
+      trace_event(kb, 1);
+      issue_pv(Prev{}, kb - 1);
+      trace_event(kb, 2);
+      ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P·V(kb-1) may still run
       ptx::wgmma_fence_regs(sacc);
       pass_turn();
-      release(&empty_k[0]);
-      softmax_block(sacc, 0, f, alpha);
+      trace_event(kb, 3);
+      release(&empty_k[st]);
+      float alpha[2];
+      softmax_block(sacc, kb, f, alpha);
+      trace_event(kb, 4);
+      ptx::wgmma_wait<0>();  // P·V(kb-1) landed: O may be rescaled, pf rewritten
+      ptx::wgmma_fence_regs(o);
+      trace_event(kb, 5);
+      release(&empty_v[1 - st]);
+      rescale_o(alpha);
       pack_p(sacc);
-    }
-    int kb = 1;
-    for (; kb + 1 < n_blocks; kb += 2) {
-      step(Stage1{}, kb);
-      step(Stage0{}, kb + 1);
-    }
-    if (kb < n_blocks) step(Stage1{}, kb);
-    // The last block's P·V (in turn, like every GEMM issue: both consumers take and pass the
-    // turn n_blocks + 1 times; the arrival consumer 1 began with is left over at exit).
-    take_turn();
-    if ((n_blocks - 1) & 1)
-      issue_pv(Stage1{}, n_blocks - 1);
-    else
-      issue_pv(Stage0{}, n_blocks - 1);
-    ptx::wgmma_wait<0>();
-    ptx::wgmma_fence_regs(o);
-    pass_turn();
-    release(&empty_v[(n_blocks - 1) % kStages]);
-  }
+      trace_event(kb, 6);
+    };
 
-  ptx::cp_async_wait<0>();  // this warpgroup's copy of the V scales and means has landed
-  named_bar_sync(1 + warp / 4, 128);
-  attn::finalize<D, OutT, 448>(
-      p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, row_a, t, v_stat[warp / 4][0],
-      v_stat[warp / 4][1]);
+    if (n_blocks > 0) {
+      {
+        int sacc[64];
+        float f[2], alpha[2];
+        issue_qk(Stage0{}, sacc, f, 0);
+        ptx::wgmma_wait<0>();
+        ptx::wgmma_fence_regs(sacc);
+        pass_turn();
+        release(&empty_k[0]);
+        softmax_block(sacc, 0, f, alpha);
+        pack_p(sacc);
+      }
+      int kb = 1;
+      for (; kb + 1 < n_blocks; kb += 2) {
+        step(Stage1{}, kb);
+        step(Stage0{}, kb + 1);
+      }
+      if (kb < n_blocks) step(Stage1{}, kb);
+      // The last block's P·V (in turn, like every GEMM issue: both consumers take and pass the
+      // turn n_blocks + 1 times; the arrival consumer 1 began with is left over at exit).
+      release(
+          &empty_q[qbuf]);  // every Q·Kᵀ of the tile has landed: the producer may reuse the buffer
+      take_turn();
+      if ((n_blocks - 1) & 1)
+        issue_pv(Stage1{}, n_blocks - 1);
+      else
+        issue_pv(Stage0{}, n_blocks - 1);
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(o);
+      pass_turn();
+      release(&empty_v[(n_blocks - 1) % kStages]);
+    } else {
+      release(&empty_q[qbuf]);  // no key visible to the tile (causal): Q was never read
+    }
+
+    ptx::cp_async_wait<0>();  // this warpgroup's copy of the V scales and means has landed
+    named_bar_sync(1 + consumer, 128);
+    attn::finalize<D, OutT, 448>(
+        p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, row_a, t, vst[0], vst[1]);
+    base = next_base(base, n_blocks);
+  }  // tile loop
 #endif
 }
 
