@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <cstdlib>
 #include <random>
 #include <sstream>
 #include <string>
@@ -34,8 +35,10 @@ inline std::string hex(uint32_t v) {
   return s.str();
 }
 
-// A fresh seed per run; tests print it (SCOPED_TRACE) so a failure can be replayed.
+// A fresh seed per run; tests print it (SCOPED_TRACE) so a failure can be replayed: the
+// environment variable SAGE_TEST_SEED, when set, replaces it.
 inline uint64_t fresh_seed() {
+  if (const char* s = std::getenv("SAGE_TEST_SEED")) return std::strtoull(s, nullptr, 0);
   std::random_device rd;
   return (uint64_t(rd()) << 32) ^ rd();
 }
