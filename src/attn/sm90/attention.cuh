@@ -42,6 +42,7 @@
 #include "attn/epilogue.cuh"
 #include "attn/mma/params.h"
 #include "ptx/async.cuh"
+#include "ptx/barrier.cuh"
 #include "ptx/cvt.cuh"
 #include "ptx/math.cuh"
 #include "ptx/tma.cuh"
@@ -89,11 +90,8 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
 constexpr int kPolyEvery = 4;
 
 // Named barriers: 0 is __syncthreads; 1, 2 sync one consumer warpgroup (the epilogue); 3, 4 are
-// the consumers' turns to issue their GEMMs (kTurnBar + c: consumer c's turn).
+// the consumers' turns to issue their GEMMs (ptx::turn_wait / turn_pass, base kTurnBar).
 constexpr int kTurnBar = 3;
-__device__ __forceinline__ void named_bar_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
 
 // 1.5·2^23: a float whose unit in the last place is 1, so adding it rounds to an integer held in
 // the low mantissa bits (exp2_poly), and its bits plus an int32 x are the float 1.5·2^23 + x (the
@@ -111,9 +109,7 @@ static __device__ uint32_t g_trace[kTraceCtas][kConsumerWarps][kTraceBlocks][kTr
 __device__ __forceinline__ void trace_event(int kb, int ev) {
 #ifdef SAGE_SM90_TRACE
   if (blockIdx.y == 0 && blockIdx.x < kTraceCtas && threadIdx.x % 32 == 0 && kb < kTraceBlocks) {
-    uint32_t c;
-    asm volatile("mov.u32 %0, %%clock;" : "=r"(c)::"memory");
-    g_trace[blockIdx.x][threadIdx.x / 32 - 4][kb][ev] = c;
+    g_trace[blockIdx.x][threadIdx.x / 32 - 4][kb][ev] = ptx::sm_clock();
   }
 #else
   (void)kb, (void)ev;
@@ -241,20 +237,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Measured (H100, D=128): kernel-only 4k 699 -> 728, 16k 799 -> 821 TOPS; passing the turn
   // right after the issue (the other consumer then issues into a full queue) or serializing
   // the softmaxes instead was slower (docs/sm90-kernel.md). Consumer 0 goes first.
-  // (The barrier id is derived from %tid.x inside the asm each time: held in a register across
-  // the loop, ptxas spilled it. Consumer c = (tid >> 8): tid 128..255 -> 0, 256..383 -> 1.)
-  auto take_turn = [] {
-    asm volatile(
-        "{\n.reg .u32 t;\nmov.u32 t, %%tid.x;\nshr.u32 t, t, 8;\nadd.u32 t, t, %0;\n"
-        "bar.sync t, 256;\n}" ::"n"(kTurnBar)
-        : "memory");
-  };
-  auto pass_turn = [] {
-    asm volatile(
-        "{\n.reg .u32 t;\nmov.u32 t, %%tid.x;\nshr.u32 t, t, 8;\nsub.u32 t, %0, t;\n"
-        "bar.arrive t, 256;\n}" ::"n"(kTurnBar + 1)
-        : "memory");
-  };
+  auto take_turn = [] { ptx::turn_wait<kTurnBar>(); };
+  auto pass_turn = [] { ptx::turn_pass<kTurnBar>(); };
   if (consumer == 1) pass_turn();
 
   uint32_t base = 0;  // barrier phases across tiles, as the producer's
@@ -474,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     ptx::cp_async_wait<0>();  // this warpgroup's copy of the V scales and means has landed
-    named_bar_sync(1 + consumer, 128);
+    ptx::named_bar_sync(1 + consumer, 128);
     attn::finalize<D, OutT, 448>(
         p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, row_a, t, vst[0], vst[1]);
     base = next_base(base, n_blocks);

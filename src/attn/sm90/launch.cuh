@@ -10,6 +10,11 @@
 #include "attn/sm90/attention.cuh"
 #include "attn/sm90/launch.h"
 
+// SAGE_SM90_PDL=0 (a measurement build) launches without programmatic dependent launch.
+#ifndef SAGE_SM90_PDL
+#define SAGE_SM90_PDL 1
+#endif
+
 namespace sage::sm90 {
 
 inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
@@ -104,7 +109,7 @@ cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream
   // kernel drains; griddepcontrol.wait in the kernel holds every global read until it is done.
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  attr[0].val.programmaticStreamSerializationAllowed = SAGE_SM90_PDL;
   cudaLaunchConfig_t cfg = {};
   // Causal tiles differ in size (1 .. Nk/128 key blocks): there one CTA per tile, dispatched by
   // the hardware in tile order as SMs free up, balanced better than the persistent CTAs' static
