@@ -162,6 +162,23 @@ __device__ __forceinline__ void store8(uint8_t* row, int64_t d0, const uint32_t 
   }
 }
 
+// A row part held by one of the 4 threads of a row (8-channel chunks ci·4 + part, raw 16-byte
+// words), smoothed by `mean`, quantized with the group's inverse scale and stored: zeros when the
+// row is past the sequence. quant_kv (K) and quant_q share it.
+template <typename T, int D, int kBits>
+__device__ __forceinline__ void quantize_store_row_part(uint8_t* dst, const uint4 (&raw)[D / 32],
+                                                        const float* mean, int part, float inv,
+                                                        float qmax, bool valid) {
+  for (int ci = 0; ci < D / 32; ++ci) {
+    const int d0 = (ci * 4 + part) * 8;
+    uint32_t qv[8];
+    for (int e = 0; e < 8; ++e)
+      qv[e] = valid ? quantize_bits(__fsub_rn(elem_float<T>(raw[ci], e), mean[d0 + e]), inv, qmax)
+                    : 0u;
+    store8<kBits>(dst, d0, qv);
+  }
+}
+
 // Per (kv head, chunk of kStatTokens tokens, channel): Σk, Σv (double), max v, min v. 256
 // threads: D/8 lanes cover a token's channels 8 at a time, the rest split the tokens (token lane
 // tl takes tokens tl, tl + 256/(D/8), ... of the chunk, summed in that order); partial results
@@ -368,15 +385,8 @@ __global__ void __launch_bounds__(256, 3)
   const QuantScale s = make_quant_scale(amax, qmax);
   if (threadIdx.x < 32 && threadIdx.x % 8 == 0)
     k_scale[(int64_t(bh) * k_blocks + kb) * mma::kKGroups + t] = s.scale;
-  uint8_t* kdst = kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8);
-  for (int ci = 0; ci < kChunks; ++ci) {
-    const int d0 = (ci * 4 + part) * 8;
-    uint32_t qv[8];
-    for (int e = 0; e < 8; ++e)
-      qv[e] = valid ? quantize_bits(__fsub_rn(elem_float<T>(kr[ci], e), km[d0 + e]), s.inv, qmax)
-                    : 0u;
-    store8<kBits>(kdst, d0, qv);
-  }
+  quantize_store_row_part<T, D, kBits>(kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8), kr,
+                                       km, part, s.inv, qmax, valid);
   for (int i = threadIdx.x; i < D * 4; i += 256) {  // rows of 64 bytes, 16 bytes a thread
     const int c = i / 4, p = i % 4;
     *reinterpret_cast<uint4*>(vq + (int64_t(bh) * D + c) * nk_pad + kb * mma::kBlockK + p * 16) =
@@ -459,15 +469,8 @@ __global__ void __launch_bounds__(512, 2)
   const QuantScale s = make_quant_scale(amax, qmax);
   if (part == 0 && r % 16 < 8)
     q_scale[(int64_t(bh) * q_blocks + qb) * mma::kQGroups + (r / 16) * 8 + r % 8] = s.scale;
-  uint8_t* dst = qq + (int64_t(bh) * nq_pad + row) * (D * kBits / 8);
-  for (int ci = 0; ci < kChunks; ++ci) {
-    const int d0 = (ci * 4 + part) * 8;
-    uint32_t qv[8];
-    for (int e = 0; e < 8; ++e)
-      qv[e] = valid ? quantize_bits(__fsub_rn(elem_float<T>(raw[ci], e), mean[d0 + e]), s.inv, qmax)
-                    : 0u;
-    store8<kBits>(dst, d0, qv);
-  }
+  quantize_store_row_part<T, D, kBits>(qq + (int64_t(bh) * nq_pad + row) * (D * kBits / 8), raw,
+                                       mean, part, s.inv, qmax, valid);
 }
 
 // ΔS[Q block][key] = q_mean · (k - k_mean) for every Q block of the query heads of a KV head;
