@@ -172,6 +172,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto next_base = [](uint32_t base, int n_blocks) {
     return base ^ uint32_t(((n_blocks + 1) >> 1) & 1) ^ (uint32_t((n_blocks >> 1) & 1) << 1);
   };
+  // The phase of block kb's full barriers on stage s (the producer waits the empty ones at the
+  // opposite phase).
+  auto kv_phase = [](int kb, int s, uint32_t base) {
+    return uint32_t((kb >> 1) ^ (base >> s)) & 1;
+  };
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -209,7 +214,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                          int(bh));
         for (int kb = 0; kb < n_blocks; ++kb) {
           const int s = kb % kStages;
-          const uint32_t parity = ((kb >> 1) & 1) ^ ((base >> s) & 1) ^ 1;
+          const uint32_t parity = kv_phase(kb, s, base) ^ 1;  // the first round passes at once
           ptx::mbar_wait(&empty_k[s], parity);
           ptx::mbar_arrive_expect_tx(&full_k[s], S::kKTile);
           ptx::tma_load_3d(k_tiles + s * S::kKTile, &maps.k, &full_k[s], 0, kb * kBlockK, int(bhk));
@@ -273,8 +278,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float o[D / 2];
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-    uint32_t pf[4]
-               [4];  // P^ of the previous block, the A operand of its P·V (issued one block late)
+    // P^ of the previous block, the A operand of its P·V (issued one block late).
+    uint32_t pf[4][4];
     ptx::mbar_wait(&full_q[qbuf], (it >> 1) & 1);
 
     // The S accumulator starts at the bits of 1.5·2^23 (kMagic), so the exact int32 score x
@@ -364,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
       scales(kb, f);  // loaded before the wait: the wgmma asm orders memory, the load hides behind
       take_turn();
-      ptx::mbar_wait(&full_k[st], ((kb >> 1) ^ (base >> st)) & 1);
+      ptx::mbar_wait(&full_k[st], kv_phase(kb, st, base));
       ptx::wgmma_fence_regs(sacc);
       ptx::wgmma_fence();
       for (int s = 0; s < kQkSteps; ++s)
@@ -376,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // P·V of block kb (in stage st; A = pf).
     auto issue_pv = [&](auto stage, int kb) {
       constexpr int st = decltype(stage)::value;
-      ptx::mbar_wait(&full_v[st], ((kb >> 1) ^ (base >> st)) & 1);
+      ptx::mbar_wait(&full_v[st], kv_phase(kb, st, base));
       ptx::wgmma_fence_regs(o);
       ptx::wgmma_fence();
       for (int c = 0; c < 4; ++c)

@@ -99,12 +99,16 @@ cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream
   if (e != cudaSuccess) return e;
   // Persistent: one CTA per SM (at most one per tile), each walking its tiles (attention.cuh);
   // causal: one CTA per tile (below).
-  int device = 0, sms = 0;
-  cudaError_t e2 = cudaGetDevice(&device);
-  if (e2 == cudaSuccess) e2 = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e2 != cudaSuccess) return e2;
   const int64_t tiles = p.q_blocks * p.batch * p.heads_q;
   if (tiles <= 0) return cudaSuccess;
+  int sms = 0;
+  if (!kCausal) {
+    int device = 0;
+    cudaError_t e2 = cudaGetDevice(&device);
+    if (e2 == cudaSuccess)
+      e2 = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e2 != cudaSuccess) return e2;
+  }
   // Programmatic dependent launch: the CTAs may start (barrier set-up) while the pre-pass's last
   // kernel drains; griddepcontrol.wait in the kernel holds every global read until it is done.
   cudaLaunchAttribute attr[1];
