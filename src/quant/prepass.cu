@@ -35,6 +35,38 @@ namespace {
 
 using mma::Plan;
 
+// Programmatic dependent launch (sm_90+; nothing below): every pre-pass kernel is launched with
+// programmatic stream serialization (launch_pdl), so it may start while the previous kernel of the
+// stream (a pre-pass kernel, or the caller's kernel that wrote Q/K/V) is still running. It
+// therefore waits for that kernel's completion and memory before its first global access
+// (griddepcontrol.wait), and then at once lets the next kernel's CTAs be scheduled as SMs free up
+// (griddepcontrol.launch_dependents), which in turn wait in their own prologue. Every kernel of
+// the chain waits before it touches memory, so each sees all the kernels before it complete.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...) with the programmatic-stream-serialization
+// attribute (ignored where the device does not support it).
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                       Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
 struct KvStat {
   double sum_k, sum_v;
   float max_v, min_v;
@@ -192,6 +224,7 @@ template <typename T, int D, bool kVec>
 __global__ void __launch_bounds__(256, 2)
     kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int heads_kv,
                     int64_t seq_kv, int64_t chunks, KvStat* out) {
+  pdl_enter();
   constexpr int kLanes = D / 8, kTokenLanes = 256 / kLanes;
   constexpr int kPerLane = mma::kStatTokens / kTokenLanes, kBatch = 4;
   static_assert(kPerLane % kBatch == 0, "whole batches per token lane");
@@ -279,6 +312,7 @@ __global__ void __launch_bounds__(128)
     kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t dim, int64_t chunks,
                        bool smooth_k, bool smooth_v, float* k_mean, float* v_mean, float* v_scale,
                        float* v_inv) {
+  pdl_enter();
   constexpr int kBatch = 8;
   const int64_t bh = blockIdx.x;
   for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
@@ -319,6 +353,7 @@ __global__ void __launch_bounds__(256, 3)
     quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int heads_kv,
                     int64_t seq_kv, const float* k_mean, const float* v_mean, const float* v_inv,
                     int64_t nk_pad, int64_t k_blocks, uint8_t* kq, float* k_scale, uint8_t* vq) {
+  pdl_enter();
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   constexpr int kChunks = D / 32, kVItems = mma::kBlockK * D / 8 / 256;
   __shared__ float group_max[8][4];
@@ -404,6 +439,7 @@ __global__ void __launch_bounds__(512, 2)
     quant_q_kernel(const T* q, sage_strides qs, int heads_q, int heads_kv, int64_t seq_q,
                    bool smooth_q, float scale, const float* k_mean, int64_t nq_pad,
                    int64_t q_blocks, uint8_t* qq, float* q_scale, float* q_mean, float* lse_shift) {
+  pdl_enter();
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   constexpr int kChunks = D / 32;
   __shared__ float mean[D];
@@ -481,6 +517,7 @@ __global__ void __launch_bounds__(64)
     delta_s_kernel(const T* k, sage_strides ks, int64_t heads_q, int64_t heads_kv, int64_t seq_kv,
                    const float* k_mean, const float* q_mean, int64_t q_blocks, int64_t nk_pad,
                    float* delta_s) {
+  pdl_enter();
   __shared__ float rows[64][D + 1];
   const int64_t bhk = blockIdx.y, b = bhk / heads_kv, hk = bhk % heads_kv;
   const int64_t key = blockIdx.x * 64 + threadIdx.x;  // nk_pad is a multiple of 64
@@ -515,26 +552,36 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
   const bool vec_kv = rows_aligned16(k, in.k_strides) && rows_aligned16(v, in.v_strides);
   const bool vec_q = rows_aligned16(q, in.q_strides);
 
+  cudaError_t err = cudaSuccess;
+  auto check = [&](cudaError_t e) {
+    if (err == cudaSuccess) err = e;
+  };
   auto stats_kernel = [&](auto vec) {
     constexpr bool kVec = decltype(vec)::value;
-    kv_stats_kernel<T, D, kVec><<<dim3(unsigned(p.stat_chunks), bk), 256, 0, st>>>(
-        k, v, in.k_strides, in.v_strides, heads_kv, p.seq_kv, p.stat_chunks, stats);
+    check(launch_pdl(kv_stats_kernel<T, D, kVec>, dim3(unsigned(p.stat_chunks), bk), dim3(256), st,
+                     k, v, in.k_strides, in.v_strides, heads_kv, p.seq_kv, p.stat_chunks, stats));
   };
   if (vec_kv)
     stats_kernel(std::true_type{});
   else
     stats_kernel(std::false_type{});
-  kv_finalize_kernel<<<bk, D, 0, st>>>(stats, p.seq_kv, D, p.stat_chunks, p.smooth_k, p.smooth_v,
-                                       f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv));
+  if (err != cudaSuccess) return err;
+  check(launch_pdl(kv_finalize_kernel, dim3(bk), dim3(D), st, stats, p.seq_kv, int64_t(D),
+                   p.stat_chunks, p.smooth_k, p.smooth_v, f32(p.k_mean), f32(p.v_mean),
+                   f32(p.v_scale), f32(p.v_inv)));
+  if (err != cudaSuccess) return err;
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
-    quant_kv_kernel<T, D, kBits, decltype(vkv)::value><<<dim3(unsigned(p.k_blocks), bk), 256, 0, st>>>(
-        k, v, in.k_strides, in.v_strides, heads_kv, p.seq_kv, f32(p.k_mean), f32(p.v_mean),
-        f32(p.v_inv), p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale), ws + p.v);
-    quant_q_kernel<T, D, kBits, decltype(vq)::value><<<dim3(unsigned(p.q_blocks), bq), 512, 0, st>>>(
-        q, in.q_strides, heads_q, heads_kv, p.seq_q, p.smooth_q, in.scale, f32(p.k_mean),
-        p.nq_pad, p.q_blocks, ws + p.q, f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr,
-        f32(p.lse_shift));
+    check(launch_pdl(quant_kv_kernel<T, D, kBits, decltype(vkv)::value>,
+                     dim3(unsigned(p.k_blocks), bk), dim3(256), st, k, v, in.k_strides,
+                     in.v_strides, heads_kv, p.seq_kv, f32(p.k_mean), f32(p.v_mean), f32(p.v_inv),
+                     p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale), ws + p.v));
+    if (err != cudaSuccess) return;
+    check(launch_pdl(quant_q_kernel<T, D, kBits, decltype(vq)::value>,
+                     dim3(unsigned(p.q_blocks), bq), dim3(512), st, q, in.q_strides, heads_q,
+                     heads_kv, p.seq_q, p.smooth_q, in.scale, f32(p.k_mean), p.nq_pad, p.q_blocks,
+                     ws + p.q, f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr,
+                     f32(p.lse_shift)));
   };
   auto with_vec = [&](auto bits) {
     if (vec_kv && vec_q)
@@ -550,16 +597,20 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
     with_vec(std::integral_constant<int, 8>{});
   else
     with_vec(std::integral_constant<int, 4>{});
+  if (err != cudaSuccess) return err;
   if (p.smooth_q)
-    delta_s_kernel<T, D><<<dim3(unsigned(p.nk_pad / 64), bk), 64, 0, st>>>(
-        k, in.k_strides, p.heads_q, p.heads_kv, p.seq_kv, f32(p.k_mean), f32(p.q_mean), p.q_blocks,
-        p.nk_pad, f32(p.delta_s));
-  return cudaGetLastError();
+    check(launch_pdl(delta_s_kernel<T, D>, dim3(unsigned(p.nk_pad / 64), bk), dim3(64), st, k,
+                     in.k_strides, p.heads_q, p.heads_kv, p.seq_kv, f32(p.k_mean), f32(p.q_mean),
+                     p.q_blocks, p.nk_pad, f32(p.delta_s)));
+  return err;
 }
 
 template <typename T>
 cudaError_t launch_all(const Plan& p, const PrepassInputs& in, uint8_t* ws, cudaStream_t st) {
-  return p.head_dim == 64 ? launch_dim<T, 64>(p, in, ws, st) : launch_dim<T, 128>(p, in, ws, st);
+  const cudaError_t e =
+      p.head_dim == 64 ? launch_dim<T, 64>(p, in, ws, st) : launch_dim<T, 128>(p, in, ws, st);
+  const cudaError_t last = cudaGetLastError();  // also clears a launch error just returned
+  return e != cudaSuccess ? e : last;
 }
 
 }  // namespace
