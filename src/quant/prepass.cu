@@ -12,15 +12,22 @@
 // K and V are thus read twice from DRAM (stats, then quantize); issue "GPU kernels II" fuses.
 //
 // Throughput notes (the kernels are memory-bound only if nothing else is slower):
-// - A thread issues every load of its rows before it uses any (16-byte non-coherent loads when
-//   every row of the tensor is 16-byte aligned, decided once on the host: kVec).
+// - A thread issues every load of its rows before it uses any (kv_stats: the next batch of tokens
+//   before the sums of the current one), as 16-byte non-coherent loads when every row of the
+//   tensor is 16-byte aligned, decided once on the host: kVec.
 // - No fp32→fp64 conversion instruction on the hot paths (F2F.F64 issues at a small fraction of
 //   the FP64 rate). The sums of kv_stats and the LSE dot product of quant_q need each fp16/bf16
 //   value x as a double: its sign, exponent and mantissa bits placed in a double's fields give
 //   exactly x·2^-kScaleExp (subnormals included), a power-of-two multiply (or, for sums, the
 //   scale invariance of the rounding) gives x itself. Inf/NaN inputs break that and take the
 //   original converting path (detected per chunk or per thread).
-// - Integer quantization rounds with the 1.5·2^23 addition instead of FRND + F2I.
+// - Integer quantization rounds with the 1.5·2^23 addition instead of FRND + F2I, and drops the
+//   clamp and NaN test where they cannot act (no NaN, finite group amax and inv); no per-element
+//   branches (rows past the sequence are zeroed by a mask on the packed word).
+// - Max/min that need no float rounding run on the packed 16-bit inputs (kv_stats' V range,
+//   quant_q's max |q| without smoothing).
+// - Grids are (blocks, heads, batch): no integer division for the batch and head.
+// - Every kernel is PDL-launched (launch_pdl) and waits in its prologue (pdl_enter).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -80,6 +87,13 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) {
   return __bfloat162float(x);
 }
 
+__device__ __forceinline__ float2 to_float2(__half2 x) {
+  return __half22float2(x);
+}
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) {
+  return __bfloat1622float2(x);
+}
+
 // Bit-level facts of the 16-bit input formats. scaled_double(x) is the double whose fields hold
 // x's sign, exponent and mantissa: exactly x·2^-kScaleExp for every finite x (a subnormal x lands
 // on a double subnormal of the same value times 2^-kScaleExp), never for Inf/NaN. kExp2 masks
@@ -101,9 +115,17 @@ struct Bits<__nv_bfloat16> {
   __device__ static float to_float(uint32_t h) { return __uint_as_float(h << 16); }
 };
 
+// scaled_double of the low (high) element of a word of two: the element's 16 bits at the top of a
+// word, shifted right arithmetically so the exponent and mantissa land in the double's fields
+// (the sign copies spread over the bits the mask clears): two or three integer instructions.
 template <typename T>
-__device__ __forceinline__ double scaled_double(uint32_t h) {
-  return __hiloint2double(int(((h & 0x8000u) << 16) | ((h & 0x7FFFu) << Bits<T>::kShift)), 0);
+__device__ __forceinline__ double scaled_double_hi(uint32_t w) {
+  constexpr uint32_t kMask = 0x80000000u | (0x7FFFu << Bits<T>::kShift);
+  return __hiloint2double(int((uint32_t(int(w) >> (16 - Bits<T>::kShift))) & kMask), 0);
+}
+template <typename T>
+__device__ __forceinline__ double scaled_double_lo(uint32_t w) {
+  return scaled_double_hi<T>(w << 16);
 }
 
 // Non-zero when either element of a word of two has an all-ones exponent (Inf or NaN): adding
@@ -155,6 +177,22 @@ __device__ __forceinline__ uint4 load_raw8(const T* p) {
   return w;
 }
 
+// Elements p[0..N-1] (N = 4 or 8) as raw bits, two a word: load_raw8, or one 8-byte load.
+template <bool kVec, int N, typename T>
+__device__ __forceinline__ void load_raw(const T* p, uint32_t (&w)[N / 2]) {
+  static_assert(N == 4 || N == 8, "4 or 8 elements");
+  if constexpr (N == 8) {
+    const uint4 x = load_raw8<kVec>(p);
+    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+  } else if constexpr (kVec) {
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+  } else {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(p);
+    w[0] = s[0] | (uint32_t(s[1]) << 16);
+    w[1] = s[2] | (uint32_t(s[3]) << 16);
+  }
+}
+
 // Elements d0..d0+7 of a row as float: one 16-byte load when the row allows it, else eight.
 template <typename T>
 __device__ __forceinline__ void load8(const T* row, int64_t d0, float (&x)[8]) {
@@ -182,85 +220,94 @@ __device__ __forceinline__ uint32_t quantize_bits(float x, float inv, float qmax
 // Stores 8 quantized values (quantize_bits results) of a row starting at element d0: INT8 one per
 // byte, INT4 two per byte with the lower element in the low nibble (the MMA operand order).
 template <int kBits>
-__device__ __forceinline__ void store8(uint8_t* row, int64_t d0, const uint32_t (&q)[8]) {
+__device__ __forceinline__ void store8(uint8_t* row, int64_t d0, const uint32_t (&q)[8],
+                                       uint32_t keep = 0xFFFFFFFFu) {
   if constexpr (kBits == 8) {
-    uint32_t w[2] = {0u, 0u};
-    for (int i = 0; i < 8; ++i) w[i / 4] |= (q[i] & 0xFFu) << (8 * (i % 4));
-    *reinterpret_cast<uint2*>(row + d0) = make_uint2(w[0], w[1]);
+    uint32_t w[2];
+    for (int i = 0; i < 2; ++i)
+      w[i] = __byte_perm(__byte_perm(q[4 * i], q[4 * i + 1], 0x0040),
+                         __byte_perm(q[4 * i + 2], q[4 * i + 3], 0x0040), 0x5410);
+    *reinterpret_cast<uint2*>(row + d0) = make_uint2(w[0] & keep, w[1] & keep);
   } else {
     uint32_t w = 0u;
     for (int i = 0; i < 8; ++i) w |= (q[i] & 0xFu) << (4 * i);
-    *reinterpret_cast<uint32_t*>(row + d0 / 2) = w;
-  }
-}
-
-// A row part held by one of the 4 threads of a row (8-channel chunks ci·4 + part, raw 16-byte
-// words), smoothed by `mean`, quantized with the group's inverse scale and stored: zeros when the
-// row is past the sequence. quant_kv (K) and quant_q share it.
-template <typename T, int D, int kBits>
-__device__ __forceinline__ void quantize_store_row_part(uint8_t* dst, const uint4 (&raw)[D / 32],
-                                                        const float* mean, int part, float inv,
-                                                        float qmax, bool valid) {
-  for (int ci = 0; ci < D / 32; ++ci) {
-    const int d0 = (ci * 4 + part) * 8;
-    uint32_t qv[8];
-    for (int e = 0; e < 8; ++e)
-      qv[e] = valid ? quantize_bits(__fsub_rn(elem_float<T>(raw[ci], e), mean[d0 + e]), inv, qmax)
-                    : 0u;
-    store8<kBits>(dst, d0, qv);
+    *reinterpret_cast<uint32_t*>(row + d0 / 2) = w & keep;
   }
 }
 
 // Per (kv head, chunk of kStatTokens tokens, channel): Σk, Σv (double), max v, min v. 256
 // threads: D/8 lanes cover a token's channels 8 at a time, the rest split the tokens (token lane
 // tl takes tokens tl, tl + 256/(D/8), ... of the chunk, summed in that order); partial results
-// are combined in a fixed order (deterministic). The loads of kBatch tokens are issued before
-// their sums. The sums run on scaled_double values: every partial sum is x·2^-kScaleExp of the
-// converting sum's value (fp16 sums of a chunk are exact either way; for bf16 a result is either
-// exact in both or a normal double in both, and rounding commutes with a power of two), so one
-// exact multiply per sum at the end gives the same bits. A chunk holding Inf/NaN redoes its sums
-// with conversions (any thread seeing one sends the whole CTA there).
+// are combined in a fixed order (deterministic). The loads are software-pipelined: those of the
+// next kBatch tokens are issued before the sums of the current ones. The sums run on
+// scaled_double values: every partial sum is x·2^-kScaleExp of the converting sum's value (fp16
+// sums of a chunk are exact either way; for bf16 a result is either exact in both or a normal
+// double in both, and rounding commutes with a power of two), so one exact multiply per sum at
+// the end gives the same bits. Max and min run on packed pairs in the input format (exact, NaN
+// skipped as fmaxf/fminf do). A chunk holding Inf/NaN redoes its sums with conversions (any
+// thread seeing one sends the whole CTA there). The partials go through shared memory with
+// channel c of a token lane at (c % 8)·(D/8) + c / 8 (no bank conflicts on either side).
 template <typename T, int D, bool kVec>
 __global__ void __launch_bounds__(256, 2)
-    kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int heads_kv,
-                    int64_t seq_kv, int64_t chunks, KvStat* out) {
+    kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
+                    int64_t chunks, KvStat* out) {
   pdl_enter();
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
   constexpr int kLanes = D / 8, kTokenLanes = 256 / kLanes;
-  constexpr int kPerLane = mma::kStatTokens / kTokenLanes, kBatch = 4;
+  constexpr int kPerLane = mma::kStatTokens / kTokenLanes, kBatch = 2;
+  constexpr int kSteps = kPerLane / kBatch;
   static_assert(kPerLane % kBatch == 0, "whole batches per token lane");
   // Σk and Σv partials of every token lane, then (reused) their max and min.
   __shared__ double red[2][kTokenLanes][D];
-  const int bh = blockIdx.y, b = bh / heads_kv, h = bh % heads_kv;
+  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t chunk = blockIdx.x;
   const int lane = threadIdx.x % kLanes, tl = threadIdx.x / kLanes, d0 = lane * 8;
   double sk[8] = {}, sv[8] = {};
-  float mx[8], mn[8];
-  for (int i = 0; i < 8; ++i) mx[i] = -INFINITY, mn[i] = INFINITY;
+  T2 mx[4], mn[4];
+  for (int i = 0; i < 4; ++i) {
+    mx[i] = T2(T(-INFINITY), T(-INFINITY));
+    mn[i] = T2(T(INFINITY), T(INFINITY));
+  }
   uint32_t bad = 0u;
   const int64_t n0 = chunk * mma::kStatTokens + tl;
   const int64_t n1 = min(seq_kv, (chunk + 1) * mma::kStatTokens);
-#pragma unroll 1
-  for (int t0 = 0; t0 < kPerLane; t0 += kBatch) {
-    uint4 kr[kBatch], vr[kBatch];
+  uint4 kr[2][kBatch], vr[2][kBatch];
+  auto load = [&](int step, uint4 (&kb)[kBatch], uint4 (&vb)[kBatch]) {
     for (int u = 0; u < kBatch; ++u) {
-      const int64_t n = n0 + int64_t(t0 + u) * kTokenLanes;
-      kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
+      const int64_t n = n0 + int64_t(step * kBatch + u) * kTokenLanes;
+      kb[u] = vb[u] = make_uint4(0u, 0u, 0u, 0u);
       if (n < n1) {
-        kr[u] = load_raw8<kVec>(row_ptr(k, ks, b, h, n) + d0);
-        vr[u] = load_raw8<kVec>(row_ptr(v, vs, b, h, n) + d0);
+        kb[u] = load_raw8<kVec>(row_ptr(k, ks, b, h, n) + d0);
+        vb[u] = load_raw8<kVec>(row_ptr(v, vs, b, h, n) + d0);
       }
     }
+  };
+  auto accumulate = [&](int step, const uint4 (&kb)[kBatch], const uint4 (&vb)[kBatch]) {
     for (int u = 0; u < kBatch; ++u) {
-      if (n0 + int64_t(t0 + u) * kTokenLanes >= n1) continue;
-      bad |= special2<T>(kr[u].x) | special2<T>(kr[u].y) | special2<T>(kr[u].z) |
-             special2<T>(kr[u].w) | special2<T>(vr[u].x) | special2<T>(vr[u].y) |
-             special2<T>(vr[u].z) | special2<T>(vr[u].w);
-      for (int i = 0; i < 8; ++i) {
-        sk[i] += scaled_double<T>(elem_bits(kr[u], i));
-        sv[i] += scaled_double<T>(elem_bits(vr[u], i));
-        const float x = elem_float<T>(vr[u], i);
-        mx[i] = fmaxf(mx[i], x), mn[i] = fminf(mn[i], x);
+      if (n0 + int64_t(step * kBatch + u) * kTokenLanes >= n1) continue;
+      bad |= special2<T>(kb[u].x) | special2<T>(kb[u].y) | special2<T>(kb[u].z) |
+             special2<T>(kb[u].w) | special2<T>(vb[u].x) | special2<T>(vb[u].y) |
+             special2<T>(vb[u].z) | special2<T>(vb[u].w);
+      const uint32_t kw[4] = {kb[u].x, kb[u].y, kb[u].z, kb[u].w};
+      const uint32_t vw[4] = {vb[u].x, vb[u].y, vb[u].z, vb[u].w};
+      for (int i = 0; i < 4; ++i) {
+        sk[2 * i] += scaled_double_lo<T>(kw[i]);
+        sk[2 * i + 1] += scaled_double_hi<T>(kw[i]);
+        sv[2 * i] += scaled_double_lo<T>(vw[i]);
+        sv[2 * i + 1] += scaled_double_hi<T>(vw[i]);
+        const T2 x = *reinterpret_cast<const T2*>(&vw[i]);
+        mx[i] = __hmax2(mx[i], x), mn[i] = __hmin2(mn[i], x);
       }
+    }
+  };
+  load(0, kr[0], vr[0]);
+#pragma unroll 1
+  for (int step = 0; step < kSteps; step += 2) {
+    if (step + 1 < kSteps) load(step + 1, kr[1], vr[1]);
+    accumulate(step, kr[0], vr[0]);
+    if (step + 1 < kSteps) {
+      if (step + 2 < kSteps) load(step + 2, kr[0], vr[0]);
+      accumulate(step + 1, kr[1], vr[1]);
     }
   }
   if (__syncthreads_or(bad != 0u)) {
@@ -279,12 +326,13 @@ __global__ void __launch_bounds__(256, 2)
   KvStat* dst = out + (int64_t(bh) * chunks + chunk) * D;
   // Two rounds through shared memory (sums, then max/min), each reduced over the token lanes in
   // order by 2·D threads (one per channel and quantity).
-  for (int i = 0; i < 8; ++i) red[0][tl][d0 + i] = sk[i], red[1][tl][d0 + i] = sv[i];
+  for (int i = 0; i < 8; ++i)
+    red[0][tl][i * kLanes + lane] = sk[i], red[1][tl][i * kLanes + lane] = sv[i];
   __syncthreads();
   for (int c2 = threadIdx.x; c2 < 2 * D; c2 += 256) {
-    const int q = c2 / D, c = c2 % D;
+    const int q = c2 / D, pos = c2 % D, c = (pos % kLanes) * 8 + pos / kLanes;
     double s = 0;
-    for (int t = 0; t < kTokenLanes; ++t) s += red[q][t][c];
+    for (int t = 0; t < kTokenLanes; ++t) s += red[q][t][pos];
     if (q == 0)
       dst[c].sum_k = s;
     else
@@ -292,13 +340,17 @@ __global__ void __launch_bounds__(256, 2)
   }
   __syncthreads();
   float(*red_f)[kTokenLanes][D] = reinterpret_cast<float(*)[kTokenLanes][D]>(&red[0][0][0]);
-  for (int i = 0; i < 8; ++i) red_f[0][tl][d0 + i] = mx[i], red_f[1][tl][d0 + i] = mn[i];
+  for (int i = 0; i < 4; ++i) {
+    const float2 a = to_float2(mx[i]), z = to_float2(mn[i]);
+    red_f[0][tl][(2 * i) * kLanes + lane] = a.x, red_f[0][tl][(2 * i + 1) * kLanes + lane] = a.y;
+    red_f[1][tl][(2 * i) * kLanes + lane] = z.x, red_f[1][tl][(2 * i + 1) * kLanes + lane] = z.y;
+  }
   __syncthreads();
   for (int c2 = threadIdx.x; c2 < 2 * D; c2 += 256) {
-    const int q = c2 / D, c = c2 % D;
-    float m = red_f[q][0][c];
+    const int q = c2 / D, pos = c2 % D, c = (pos % kLanes) * 8 + pos / kLanes;
+    float m = red_f[q][0][pos];
     for (int t = 1; t < kTokenLanes; ++t)
-      m = q == 0 ? fmaxf(m, red_f[0][t][c]) : fminf(m, red_f[1][t][c]);
+      m = q == 0 ? fmaxf(m, red_f[0][t][pos]) : fminf(m, red_f[1][t][pos]);
     if (q == 0)
       dst[c].max_v = m;
     else
@@ -344,39 +396,54 @@ __global__ void __launch_bounds__(128)
 
 // One CTA (256 threads) per 64-key block, K and V together (the loads of both in flight at once).
 // K: 4 threads a key (part p holds 8-channel chunks p, p+4, ...), kept in registers between the
-// max pass and the quantize pass; the 4 groups are keys {8i+2t, 8i+2t+1}. V: E4M3 of
-// (V - v_mean) / v_scale, written transposed ([channel][key]) with the keys of each 32-chunk in
-// MMA operand order (v_position_of_key); a thread takes the same (key, 8-channel slice) items as
-// a loop i = tid, tid + 256, ... over the block's 64·D/8 slices.
+// max pass and the quantize pass; the 4 groups are keys {8i+2t, 8i+2t+1}. Its max is taken on
+// the bits of |k - k_mean| (non-negative floats order as their bits; NaN orders above Inf, so a
+// NaN is seen and sends the thread to the float max, which skips it, and to quantize_bits). With
+// no NaN and a finite group amax and inv, quantize_bits' clamp and NaN test cannot act (see
+// quant_q) and are skipped. V: E4M3 of (V - v_mean) / v_scale, written transposed
+// ([channel][key]) with the keys of each 32-chunk in MMA operand order (v_position_of_key):
+// positions 4g..4g+3 of a block hold keys 16(g/4) + 2(g%4) + {0, 1, 8, 9}, so a thread takes
+// such a 4-key group for a slice of W = D/16 channels and stores one 4-byte word per channel;
+// the 16 groups of a slice are 16 lanes of a warp, whose words make the channel's 64-byte row.
 template <typename T, int D, int kBits, bool kVec>
 __global__ void __launch_bounds__(256, 3)
-    quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int heads_kv,
-                    int64_t seq_kv, const float* k_mean, const float* v_mean, const float* v_inv,
-                    int64_t nk_pad, int64_t k_blocks, uint8_t* kq, float* k_scale, uint8_t* vq) {
+    quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
+                    const float* k_mean, const float* v_mean, const float* v_inv, int64_t nk_pad,
+                    int64_t k_blocks, uint8_t* kq, float* k_scale, uint8_t* vq) {
   pdl_enter();
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
-  constexpr int kChunks = D / 32, kVItems = mma::kBlockK * D / 8 / 256;
+  constexpr int kChunks = D / 32, kW = D / 16;
+  static_assert(mma::kBlockK == 64, "16 four-key groups a block");
   __shared__ float group_max[8][4];
-  __shared__ float km[D], vm[D], vi[D];
-  __shared__ __align__(16) uint8_t tile[D * mma::kBlockK];  // Vᵀ: [channel][position]
-  const int bh = blockIdx.y, b = bh / heads_kv, h = bh % heads_kv;
+  __shared__ __align__(16) float km[D];
+  __shared__ __align__(16) float vm[D];
+  __shared__ __align__(16) float vi[D];
+  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t kb = blockIdx.x;
   const int j = threadIdx.x / 4, part = threadIdx.x % 4, warp = threadIdx.x / 32;
   const int64_t key = kb * mma::kBlockK + j;
   const bool valid = key < seq_kv;
-  // Every load of the thread first: its K row part, then its V slices.
-  uint4 kr[kChunks], vr[kVItems];
+  // V item: 4-key group g (lane % 16), channel slice sl (two a warp).
+  const int g = threadIdx.x % 16, sl = warp * 2 + (threadIdx.x % 32) / 16;
+  const int vkey0 = 16 * (g / 4) + 2 * (g % 4);
+  // Every load of the thread first: its K row part, then its V rows.
+  uint4 kr[kChunks];
   for (int ci = 0; ci < kChunks; ++ci) {
     kr[ci] = make_uint4(0u, 0u, 0u, 0u);
     if (valid) kr[ci] = load_raw8<kVec>(row_ptr(k, ks, b, h, key) + (ci * 4 + part) * 8);
   }
-  for (int it = 0; it < kVItems; ++it) {
-    const int i = threadIdx.x + 256 * it, vkey = i % mma::kBlockK, d0 = (i / mma::kBlockK) * 8;
-    const int64_t n = kb * mma::kBlockK + vkey;
-    vr[it] = make_uint4(0u, 0u, 0u, 0u);
-    if (n < seq_kv) vr[it] = load_raw8<kVec>(row_ptr(v, vs, b, h, n) + d0);
+  uint32_t vr[4][kW / 2];  // rows vkey0 + {0, 1, 8, 9}, kW elements each
+  uint32_t vkeep = 0u;     // byte u: 0xFF when key vkey0 + {0, 1, 8, 9}[u] exists
+  for (int u = 0; u < 4; ++u) {
+    const int64_t n = kb * mma::kBlockK + vkey0 + (u % 2) + 8 * (u / 2);
+    for (int i = 0; i < kW / 2; ++i) vr[u][i] = 0u;
+    if (n < seq_kv) {
+      load_raw<kVec, kW>(row_ptr(v, vs, b, h, n) + sl * kW, vr[u]);
+      vkeep |= 0xFFu << (8 * u);
+    }
   }
-  for (int c = threadIdx.x; c < D; c += 256) {
+  if (threadIdx.x < D) {
+    const int c = threadIdx.x;
     km[c] = k_mean[int64_t(bh) * D + c];
     vm[c] = v_mean[int64_t(bh) * D + c];
     vi[c] = v_inv[int64_t(bh) * D + c];
@@ -385,32 +452,43 @@ __global__ void __launch_bounds__(256, 3)
 
   // K: max |k - k_mean| of the part, then over the 4 parts of a key and its pair key (j ^ 1 is
   // 4 lanes away): one group in this warp.
+  uint32_t abits = 0u;
+  for (int ci = 0; ci < kChunks; ++ci) {
+    const float4 m0 = *reinterpret_cast<const float4*>(&km[(ci * 4 + part) * 8]);
+    const float4 m1 = *reinterpret_cast<const float4*>(&km[(ci * 4 + part) * 8 + 4]);
+    const float mk[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
+    for (int e = 0; e < 8; ++e)
+      abits = max(abits, __float_as_uint(fabsf(__fsub_rn(elem_float<T>(kr[ci], e), mk[e]))));
+  }
+  const bool k_nan = abits > 0x7F800000u;
   float amax = 0.0f;
-  if (valid)
-    for (int ci = 0; ci < kChunks; ++ci)
-      for (int e = 0; e < 8; ++e) {
-        const int c = (ci * 4 + part) * 8 + e;
-        amax = fmaxf(amax, fabsf(__fsub_rn(elem_float<T>(kr[ci], e), km[c])));
-      }
+  if (valid) {
+    if (!k_nan) {
+      amax = __uint_as_float(abits);
+    } else {
+      for (int ci = 0; ci < kChunks; ++ci)
+        for (int e = 0; e < 8; ++e) {
+          const int c = (ci * 4 + part) * 8 + e;
+          amax = fmaxf(amax, fabsf(__fsub_rn(elem_float<T>(kr[ci], e), km[c])));
+        }
+    }
+  }
   for (int m : {1, 2, 4}) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
   const int t = (j % 8) / 2;
   if (threadIdx.x % 8 == 0) group_max[warp][t] = amax;
 
-  // V: a warp takes 32 consecutive keys of one 8-channel slice: its byte stores into a tile row
-  // then land in 8 words (4 bytes each), not 16 rows of one bank.
-  for (int it = 0; it < kVItems; ++it) {
-    const int i = threadIdx.x + 256 * it, vkey = i % mma::kBlockK, d0 = (i / mma::kBlockK) * 8;
-    const bool vvalid = kb * mma::kBlockK + vkey < seq_kv;
-    const int pos = (vkey / 32) * 32 + mma::v_position_of_key(vkey % 32);
-    for (int e = 0; e < 8; e += 2) {
-      const int c = d0 + e;
-      const uint16_t pair =
-          vvalid ? ptx::cvt_e4m3x2(__fmul_rn(__fsub_rn(elem_float<T>(vr[it], e), vm[c]), vi[c]),
-                                   __fmul_rn(__fsub_rn(elem_float<T>(vr[it], e + 1), vm[c + 1]),
-                                             vi[c + 1]))
-                 : uint16_t(0);
-      tile[c * mma::kBlockK + pos] = uint8_t(pair & 0xFFu);
-      tile[(c + 1) * mma::kBlockK + pos] = uint8_t(pair >> 8);
+  // V: E4M3 pairs (keys vkey0, vkey0 + 1) and (vkey0 + 8, vkey0 + 9) of each channel, one word.
+  {
+    uint8_t* vdst = vq + (int64_t(bh) * D + sl * kW) * nk_pad + kb * mma::kBlockK + 4 * g;
+    for (int e = 0; e < kW; ++e) {
+      const int c = sl * kW + e;
+      const float m = vm[c], s = vi[c];
+      auto val = [&](int u) {
+        const uint32_t bits = (e % 2) ? vr[u][e / 2] >> 16 : vr[u][e / 2] & 0xFFFFu;
+        return __fmul_rn(__fsub_rn(Bits<T>::to_float(bits), m), s);
+      };
+      const uint32_t lo = ptx::cvt_e4m3x2(val(0), val(1)), hi = ptx::cvt_e4m3x2(val(2), val(3));
+      *reinterpret_cast<uint32_t*>(vdst + int64_t(e) * nk_pad) = __byte_perm(lo, hi, 0x5410) & vkeep;
     }
   }
   __syncthreads();
@@ -420,35 +498,48 @@ __global__ void __launch_bounds__(256, 3)
   const QuantScale s = make_quant_scale(amax, qmax);
   if (threadIdx.x < 32 && threadIdx.x % 8 == 0)
     k_scale[(int64_t(bh) * k_blocks + kb) * mma::kKGroups + t] = s.scale;
-  quantize_store_row_part<T, D, kBits>(kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8), kr,
-                                       km, part, s.inv, qmax, valid);
-  for (int i = threadIdx.x; i < D * 4; i += 256) {  // rows of 64 bytes, 16 bytes a thread
-    const int c = i / 4, p = i % 4;
-    *reinterpret_cast<uint4*>(vq + (int64_t(bh) * D + c) * nk_pad + kb * mma::kBlockK + p * 16) =
-        *reinterpret_cast<const uint4*>(tile + c * mma::kBlockK + p * 16);
+  const bool fast = !k_nan && amax <= 3.402823466e38f && s.inv <= 3.402823466e38f;
+  const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
+  uint8_t* kdst = kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8);
+  for (int ci = 0; ci < kChunks; ++ci) {
+    const int d0 = (ci * 4 + part) * 8;
+    uint32_t qv[8];
+    if (fast) {
+      for (int e = 0; e < 8; ++e)
+        qv[e] = __float_as_uint(__fadd_rn(
+            __fmul_rn(__fsub_rn(elem_float<T>(kr[ci], e), km[d0 + e]), s.inv), 12582912.0f));
+    } else {
+      for (int e = 0; e < 8; ++e)
+        qv[e] = quantize_bits(__fsub_rn(elem_float<T>(kr[ci], e), km[d0 + e]), s.inv, qmax);
+    }
+    store8<kBits>(kdst, d0, qv, keep);
   }
 }
 
-// One CTA (512 threads, 4 a row) per 128-row Q block: optional block mean, the LSE correction
-// scale·q·k_mean, then per-thread groups (rows {g, g+8} of each 16-row warp slice). A thread's
-// row loads are issued first (in flight during the mean); q·k_mean is summed in double in
-// channel order of the part, with each q value from scaled_double (one exact multiply by 2^s)
+// One CTA (512 threads, 4 a row) per 128-row Q block: optional block mean (kSmooth), the LSE
+// correction scale·q·k_mean, then per-thread groups (rows {g, g+8} of each 16-row warp slice).
+// A thread's row loads are issued first (in flight during the mean); q·k_mean is summed in double
+// in channel order of the part, with each q value from scaled_double (one exact multiply by 2^s)
 // and k_mean from a double copy in shared memory; a part holding Inf/NaN converts instead.
-template <typename T, int D, int kBits, bool kVec>
+// Without smoothing the row's max |q| is taken on the raw bits (|x| orders as its bits do; a
+// part holding Inf/NaN takes the float path). The quantization skips quantize_bits' clamp and NaN
+// test where neither can act: every |x - mean| of the group is at most its finite amax, so with a
+// finite inv |y| <= qmax·(1+2^-24)^2 rounds into [-qmax, qmax], and no operand is NaN.
+template <typename T, int D, int kBits, bool kVec, bool kSmooth>
 __global__ void __launch_bounds__(512, 2)
-    quant_q_kernel(const T* q, sage_strides qs, int heads_q, int heads_kv, int64_t seq_q,
-                   bool smooth_q, float scale, const float* k_mean, int64_t nq_pad,
-                   int64_t q_blocks, uint8_t* qq, float* q_scale, float* q_mean, float* lse_shift) {
+    quant_q_kernel(const T* q, sage_strides qs, int heads_kv, int group_ratio, int64_t seq_q,
+                   float scale, const float* k_mean, int64_t nq_pad, int64_t q_blocks,
+                   uint8_t* qq, float* q_scale, float* q_mean, float* lse_shift) {
   pdl_enter();
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   constexpr int kChunks = D / 32;
-  __shared__ float mean[D];
-  __shared__ double km_d[D];
+  __shared__ float mean[kSmooth ? D : 1];
+  __shared__ __align__(16) double km_d[D];
   __shared__ float row_max[mma::kBlockQ];
-  const int bh = blockIdx.y, b = bh / heads_q, h = bh % heads_q;
+  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t qb = blockIdx.x;
-  const int64_t r0 = qb * mma::kBlockQ, r1 = min(seq_q, r0 + mma::kBlockQ);
-  const float* km = k_mean + (int64_t(b) * heads_kv + h / (heads_q / heads_kv)) * D;
+  const int64_t r0 = qb * mma::kBlockQ;
+  const float* km = k_mean + (int64_t(b) * heads_kv + h / group_ratio) * D;
   const int r = threadIdx.x / 4, part = threadIdx.x % 4;
   const int64_t row = r0 + r;
   const bool valid = row < seq_q;
@@ -457,40 +548,66 @@ __global__ void __launch_bounds__(512, 2)
     raw[ci] = make_uint4(0u, 0u, 0u, 0u);
     if (valid) raw[ci] = load_raw8<kVec>(row_ptr(q, qs, b, h, row) + (ci * 4 + part) * 8);
   }
-  for (int c = threadIdx.x; c < D; c += blockDim.x) {
-    float m = 0.0f;
-    if (smooth_q) {
+  bool mean_special = false;  // a block mean is Inf or NaN (Inf/NaN in the block's Q)
+  if (threadIdx.x < D) {
+    const int c = threadIdx.x;
+    km_d[c] = double(km[c]);
+    if constexpr (kSmooth) {
+      const int64_t r1 = min(seq_q, r0 + mma::kBlockQ);
       double s = 0;
       for (int64_t rr = r0; rr < r1; ++rr) s += double(to_float(row_ptr(q, qs, b, h, rr)[c]));
-      m = float(s / double(r1 - r0));
+      const float m = float(s / double(r1 - r0));
       q_mean[(int64_t(bh) * q_blocks + qb) * D + c] = m;
+      mean[c] = m;
+      mean_special = !(fabsf(m) <= 3.402823466e38f);
     }
-    mean[c] = m;
-    km_d[c] = double(km[c]);
   }
-  __syncthreads();
+  if constexpr (kSmooth)
+    mean_special = __syncthreads_or(mean_special);
+  else
+    __syncthreads();
+  // x - mean, or x itself without smoothing (x - 0 is x, -0 included).
+  auto centered = [&](float x, int c) { return kSmooth ? __fsub_rn(x, mean[c]) : x; };
+
+  uint32_t bad = 0u;
+  for (int ci = 0; ci < kChunks; ++ci)
+    bad |= special2<T>(raw[ci].x) | special2<T>(raw[ci].y) | special2<T>(raw[ci].z) |
+           special2<T>(raw[ci].w);
   float amax = 0.0f;
-  double shift = 0;
-  if (valid) {
-    uint32_t bad = 0u;
+  if (!kSmooth && bad == 0u) {
+    // max |x| on the bits: both halves of a word at once (unsigned 16-bit lanes).
+    uint32_t m2 = 0u;
     for (int ci = 0; ci < kChunks; ++ci) {
-      const int d0 = (ci * 4 + part) * 8;
-      bad |= special2<T>(raw[ci].x) | special2<T>(raw[ci].y) | special2<T>(raw[ci].z) |
-             special2<T>(raw[ci].w);
+      m2 = __vmaxu2(m2, raw[ci].x & 0x7FFF7FFFu);
+      m2 = __vmaxu2(m2, raw[ci].y & 0x7FFF7FFFu);
+      m2 = __vmaxu2(m2, raw[ci].z & 0x7FFF7FFFu);
+      m2 = __vmaxu2(m2, raw[ci].w & 0x7FFF7FFFu);
+    }
+    amax = Bits<T>::to_float(max(m2 & 0xFFFFu, m2 >> 16));
+  } else {
+    for (int ci = 0; ci < kChunks; ++ci)
+      for (int e = 0; e < 8; ++e) {
+        const float x = elem_float<T>(raw[ci], e);
+        amax = fmaxf(amax, fabsf(centered(x, (ci * 4 + part) * 8 + e)));
+      }
+  }
+  double shift = 0;
+  if (bad == 0u) {
+    for (int ci = 0; ci < kChunks; ++ci) {
+      const double2* kd = reinterpret_cast<const double2*>(&km_d[(ci * 4 + part) * 8]);
+      for (int e2 = 0; e2 < 4; ++e2) {
+        const double2 k2 = kd[e2];
+        const uint32_t w = e2 == 0 ? raw[ci].x : e2 == 1 ? raw[ci].y : e2 == 2 ? raw[ci].z : raw[ci].w;
+        const double lo = __dmul_rn(scaled_double_lo<T>(w), Bits<T>::kUnscale);
+        const double hi = __dmul_rn(scaled_double_hi<T>(w), Bits<T>::kUnscale);
+        shift = __fma_rn(lo, k2.x, shift);  // x·k_mean is exact
+        shift = __fma_rn(hi, k2.y, shift);
+      }
+    }
+  } else {
+    for (int ci = 0; ci < kChunks; ++ci)
       for (int e = 0; e < 8; ++e)
-        amax = fmaxf(amax, fabsf(__fsub_rn(elem_float<T>(raw[ci], e), mean[d0 + e])));
-    }
-    if (bad == 0u) {
-      for (int ci = 0; ci < kChunks; ++ci)
-        for (int e = 0; e < 8; ++e) {
-          const double x = __dmul_rn(scaled_double<T>(elem_bits(raw[ci], e)), Bits<T>::kUnscale);
-          shift = __fma_rn(x, km_d[(ci * 4 + part) * 8 + e], shift);  // x·k_mean is exact
-        }
-    } else {
-      for (int ci = 0; ci < kChunks; ++ci)
-        for (int e = 0; e < 8; ++e)
-          shift += double(elem_float<T>(raw[ci], e)) * double(km[(ci * 4 + part) * 8 + e]);
-    }
+        shift += double(elem_float<T>(raw[ci], e)) * double(km[(ci * 4 + part) * 8 + e]);
   }
   for (int m : {1, 2}) {
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
@@ -505,8 +622,22 @@ __global__ void __launch_bounds__(512, 2)
   const QuantScale s = make_quant_scale(amax, qmax);
   if (part == 0 && r % 16 < 8)
     q_scale[(int64_t(bh) * q_blocks + qb) * mma::kQGroups + (r / 16) * 8 + r % 8] = s.scale;
-  quantize_store_row_part<T, D, kBits>(qq + (int64_t(bh) * nq_pad + row) * (D * kBits / 8), raw,
-                                       mean, part, s.inv, qmax, valid);
+  const bool fast = bad == 0u && !mean_special && amax <= 3.402823466e38f && s.inv <= 3.402823466e38f;
+  const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
+  uint8_t* dst = qq + (int64_t(bh) * nq_pad + row) * (D * kBits / 8);
+  for (int ci = 0; ci < kChunks; ++ci) {
+    const int d0 = (ci * 4 + part) * 8;
+    uint32_t qv[8];
+    if (fast) {
+      for (int e = 0; e < 8; ++e)
+        qv[e] = __float_as_uint(
+            __fadd_rn(__fmul_rn(centered(elem_float<T>(raw[ci], e), d0 + e), s.inv), 12582912.0f));
+    } else {
+      for (int e = 0; e < 8; ++e)
+        qv[e] = quantize_bits(centered(elem_float<T>(raw[ci], e), d0 + e), s.inv, qmax);
+    }
+    store8<kBits>(dst, d0, qv, keep);
+  }
 }
 
 // ΔS[Q block][key] = q_mean · (k - k_mean) for every Q block of the query heads of a KV head;
@@ -545,8 +676,12 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
   const T* q = static_cast<const T*>(in.q);
   const T* k = static_cast<const T*>(in.k);
   const T* v = static_cast<const T*>(in.v);
-  const unsigned bk = unsigned(p.batch * p.heads_kv), bq = unsigned(p.batch * p.heads_q);
-  const int heads_q = int(p.heads_q), heads_kv = int(p.heads_kv);  // ≤ 65535 (grid y)
+  const unsigned bk = unsigned(p.batch * p.heads_kv);
+  const int heads_q = int(p.heads_q), heads_kv = int(p.heads_kv);
+  // (blocks, heads, batch): no division for the batch and head in the kernels.
+  auto kv_grid = [&](int64_t blocks) {
+    return dim3(unsigned(blocks), unsigned(p.heads_kv), unsigned(p.batch));
+  };
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
   KvStat* stats = reinterpret_cast<KvStat*>(ws + p.kv_stats);
   const bool vec_kv = rows_aligned16(k, in.k_strides) && rows_aligned16(v, in.v_strides);
@@ -558,8 +693,8 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
   };
   auto stats_kernel = [&](auto vec) {
     constexpr bool kVec = decltype(vec)::value;
-    check(launch_pdl(kv_stats_kernel<T, D, kVec>, dim3(unsigned(p.stat_chunks), bk), dim3(256), st,
-                     k, v, in.k_strides, in.v_strides, heads_kv, p.seq_kv, p.stat_chunks, stats));
+    check(launch_pdl(kv_stats_kernel<T, D, kVec>, kv_grid(p.stat_chunks), dim3(256), st, k, v,
+                     in.k_strides, in.v_strides, p.seq_kv, p.stat_chunks, stats));
   };
   if (vec_kv)
     stats_kernel(std::true_type{});
@@ -572,16 +707,16 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
   if (err != cudaSuccess) return err;
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
-    check(launch_pdl(quant_kv_kernel<T, D, kBits, decltype(vkv)::value>,
-                     dim3(unsigned(p.k_blocks), bk), dim3(256), st, k, v, in.k_strides,
-                     in.v_strides, heads_kv, p.seq_kv, f32(p.k_mean), f32(p.v_mean), f32(p.v_inv),
-                     p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale), ws + p.v));
+    check(launch_pdl(quant_kv_kernel<T, D, kBits, decltype(vkv)::value>, kv_grid(p.k_blocks),
+                     dim3(256), st, k, v, in.k_strides, in.v_strides, p.seq_kv, f32(p.k_mean),
+                     f32(p.v_mean), f32(p.v_inv), p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale),
+                     ws + p.v));
     if (err != cudaSuccess) return;
-    check(launch_pdl(quant_q_kernel<T, D, kBits, decltype(vq)::value>,
-                     dim3(unsigned(p.q_blocks), bq), dim3(512), st, q, in.q_strides, heads_q,
-                     heads_kv, p.seq_q, p.smooth_q, in.scale, f32(p.k_mean), p.nq_pad, p.q_blocks,
-                     ws + p.q, f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr,
-                     f32(p.lse_shift)));
+    auto qk = p.smooth_q ? quant_q_kernel<T, D, kBits, decltype(vq)::value, true>
+                         : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
+    check(launch_pdl(qk, dim3(unsigned(p.q_blocks), unsigned(p.heads_q), unsigned(p.batch)),
+                     dim3(512), st, q, in.q_strides, heads_kv, heads_q / heads_kv, p.seq_q, in.scale, f32(p.k_mean), p.nq_pad, p.q_blocks, ws + p.q,
+                     f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
   };
   auto with_vec = [&](auto bits) {
     if (vec_kv && vec_q)
