@@ -584,7 +584,10 @@ __global__ void __launch_bounds__(512, 2)
       m2 = __vmaxu2(m2, raw[ci].w & 0x7FFF7FFFu);
     }
     amax = Bits<T>::to_float(max(m2 & 0xFFFFu, m2 >> 16));
-  } else {
+  } else if (valid) {
+    // Rows past seq_q stay out of the group max: their zeroed raw words centre to -mean, which
+    // would otherwise set the scale of a group {g, g+8} shared with a valid row (the emulation
+    // groups only rows < seq_q). The bit path above sees 0 for them.
     for (int ci = 0; ci < kChunks; ++ci)
       for (int e = 0; e < 8; ++e) {
         const float x = elem_float<T>(raw[ci], e);
