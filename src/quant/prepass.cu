@@ -235,6 +235,30 @@ __device__ __forceinline__ void store8(uint8_t* row, int64_t d0, const uint32_t 
   }
 }
 
+// A row part held by one of the 4 threads of a row (8-channel chunks ci·4 + part, raw 16-byte
+// words), smoothed by center(x, channel), quantized with the group's inverse scale and stored,
+// masked by `keep` (0 for a row past the sequence). fast: no element can leave [-qmax, qmax] nor
+// be NaN, so the clamp and the NaN test of quantize_bits are skipped. quant_kv (K) and quant_q
+// share it.
+template <typename T, int D, int kBits, typename Center>
+__device__ __forceinline__ void quantize_store_row_part(uint8_t* dst, const uint4 (&raw)[D / 32],
+                                                        Center center, int part, float inv,
+                                                        float qmax, bool fast, uint32_t keep) {
+  for (int ci = 0; ci < D / 32; ++ci) {
+    const int d0 = (ci * 4 + part) * 8;
+    uint32_t qv[8];
+    if (fast) {
+      for (int e = 0; e < 8; ++e)
+        qv[e] = __float_as_uint(
+            __fadd_rn(__fmul_rn(center(elem_float<T>(raw[ci], e), d0 + e), inv), 12582912.0f));
+    } else {
+      for (int e = 0; e < 8; ++e)
+        qv[e] = quantize_bits(center(elem_float<T>(raw[ci], e), d0 + e), inv, qmax);
+    }
+    store8<kBits>(dst, d0, qv, keep);
+  }
+}
+
 // Per (kv head, chunk of kStatTokens tokens, channel): Σk, Σv (double), max v, min v. 256
 // threads: D/8 lanes cover a token's channels 8 at a time, the rest split the tokens (token lane
 // tl takes tokens tl, tl + 256/(D/8), ... of the chunk, summed in that order); partial results
@@ -500,20 +524,9 @@ __global__ void __launch_bounds__(256, 3)
     k_scale[(int64_t(bh) * k_blocks + kb) * mma::kKGroups + t] = s.scale;
   const bool fast = !k_nan && amax <= 3.402823466e38f && s.inv <= 3.402823466e38f;
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
-  uint8_t* kdst = kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8);
-  for (int ci = 0; ci < kChunks; ++ci) {
-    const int d0 = (ci * 4 + part) * 8;
-    uint32_t qv[8];
-    if (fast) {
-      for (int e = 0; e < 8; ++e)
-        qv[e] = __float_as_uint(__fadd_rn(
-            __fmul_rn(__fsub_rn(elem_float<T>(kr[ci], e), km[d0 + e]), s.inv), 12582912.0f));
-    } else {
-      for (int e = 0; e < 8; ++e)
-        qv[e] = quantize_bits(__fsub_rn(elem_float<T>(kr[ci], e), km[d0 + e]), s.inv, qmax);
-    }
-    store8<kBits>(kdst, d0, qv, keep);
-  }
+  quantize_store_row_part<T, D, kBits>(
+      kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8), kr,
+      [&](float x, int c) { return __fsub_rn(x, km[c]); }, part, s.inv, qmax, fast, keep);
 }
 
 // One CTA (512 threads, 4 a row) per 128-row Q block: optional block mean (kSmooth), the LSE
@@ -627,20 +640,8 @@ __global__ void __launch_bounds__(512, 2)
     q_scale[(int64_t(bh) * q_blocks + qb) * mma::kQGroups + (r / 16) * 8 + r % 8] = s.scale;
   const bool fast = bad == 0u && !mean_special && amax <= 3.402823466e38f && s.inv <= 3.402823466e38f;
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
-  uint8_t* dst = qq + (int64_t(bh) * nq_pad + row) * (D * kBits / 8);
-  for (int ci = 0; ci < kChunks; ++ci) {
-    const int d0 = (ci * 4 + part) * 8;
-    uint32_t qv[8];
-    if (fast) {
-      for (int e = 0; e < 8; ++e)
-        qv[e] = __float_as_uint(
-            __fadd_rn(__fmul_rn(centered(elem_float<T>(raw[ci], e), d0 + e), s.inv), 12582912.0f));
-    } else {
-      for (int e = 0; e < 8; ++e)
-        qv[e] = quantize_bits(centered(elem_float<T>(raw[ci], e), d0 + e), s.inv, qmax);
-    }
-    store8<kBits>(dst, d0, qv, keep);
-  }
+  quantize_store_row_part<T, D, kBits>(qq + (int64_t(bh) * nq_pad + row) * (D * kBits / 8), raw,
+                                       centered, part, s.inv, qmax, fast, keep);
 }
 
 // ΔS[Q block][key] = q_mean · (k - k_mean) for every Q block of the query heads of a KV head;
