@@ -111,6 +111,13 @@ sage_status plan_for(const api::Resolved& r, const sage_attention_args& a, mma::
   const char* force = std::getenv("SAGE_KERNEL");
   const bool force_mma = force && std::strcmp(force, "mma") == 0;
   plan->sm90 = major == 9 && minor == 0 && sm90::supports(*plan) && !force_mma;
+  // The sm90 kernel quantizes Q itself (reading it once, through TMA) when a TMA map can describe
+  // Q: rows 16-byte aligned, positive strides. SAGE_FUSED_Q=0 keeps the pre-pass's quant_q (to
+  // compare the two).
+  const char* fused = std::getenv("SAGE_FUSED_Q");
+  plan->fused_q = plan->sm90 && !(fused && std::strcmp(fused, "0") == 0) &&
+                  quant::rows_aligned16(a.q, r.q) && r.q.batch > 0 && r.q.head > 0 &&
+                  r.q.token > 0;
   return SAGE_OK;
 }
 
@@ -161,7 +168,7 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   ap.v_scale = f32(plan.v_scale);
   ap.v_mean = f32(plan.v_mean);
   ap.delta_s = plan.smooth_q ? f32(plan.delta_s) : nullptr;
-  ap.lse_shift = f32(plan.lse_shift);
+  ap.lse_shift = reinterpret_cast<float*>(ws + plan.lse_shift);
   ap.o = a.o;
   ap.o_batch = r.o.batch, ap.o_head = r.o.head, ap.o_token = r.o.token;
   ap.lse = a.lse;
@@ -171,6 +178,11 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   ap.q_blocks = plan.q_blocks, ap.k_blocks = plan.k_blocks;
   ap.causal_offset = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
   ap.scale_log2 = float(p.scale * 1.4426950408889634);
+  ap.fused_q = plan.fused_q;
+  ap.scale = float(p.scale);
+  ap.k_mean = f32(plan.k_mean);
+  ap.q_in = a.q;
+  ap.q_in_batch = r.q.batch, ap.q_in_head = r.q.head, ap.q_in_token = r.q.token;
   const bool causal = p.mask != SAGE_MASK_NONE, bf16 = a.dtype == SAGE_DTYPE_BF16;
   if (plan.sm90)
     e = p.head_dim == 64 ? sm90::launch_attention<64>(ap, bf16, causal, stream)

@@ -50,4 +50,24 @@ __device__ __forceinline__ void tma_load_3d(void* smem_dst, const void* tensor_m
 #endif
 }
 
+// cp.async.bulk.tensor.4d: as tma_load_3d with four coordinates.
+__device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tensor_map, uint64_t* bar,
+                                            int c0, int c1, int c2, int c3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(smem_u32(smem_dst)),
+      "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+      : "memory");
+#endif
+}
+
+// Orders this thread's generic-proxy writes to shared memory before later async-proxy reads
+// (wgmma operands, TMA stores) that another thread starts after synchronizing with this one.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 }  // namespace sage::ptx

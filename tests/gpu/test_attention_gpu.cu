@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -211,8 +212,46 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1, 2, 2, 300, 77, 128, kBR, kHND, kF16, k8, 4},      // Nq > Nk: empty rows
         Case{1, 2, 2, 300, 77, 64, kTL, kNHD, kF16, k4, 4},
         Case{1, 2, 1, 77, 300, 128, kTL, kHND, kBF16, k4, 8},
-        Case{2, 2, 2, 129, 1000, 64, kNone, kNHD, kF16, k4, 0}),
+        Case{2, 2, 2, 129, 1000, 64, kNone, kNHD, kF16, k4, 0},
+        Case{1, 4, 2, 5000, 300, 64, kNone, kNHD, kBF16, k8, 4}), // 160 tiles: > 1 per CTA
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
+
+// On sm_90 the wgmma kernel quantizes Q itself (fused_q) unless SAGE_FUSED_Q=0 sends Q through
+// the pre-pass's quant_q: both quantize with the same operations, so O must match bit for bit;
+// LSE within 1e-6 (the LSE shift's double sum runs in another order). Several tiles per CTA (the
+// next tile's Q is quantized while the current one runs), partial last Q blocks, GQA, LSE.
+TEST(GpuAttention, FusedQQuantizationMatchesPrepass) {
+  SAGE_REQUIRE_GPU();
+  std::mt19937_64 rng(sage::test::fresh_seed());
+  for (const Case& c : {Case{2, 8, 2, 2100, 700, 128, kNone, kHND, kBF16, k8, 4},
+                        Case{1, 6, 3, 3000, 999, 64, kNone, kNHD, kF16, k8, 4},
+                        Case{1, 4, 4, 1500, 1500, 128, kBR, kNHD, kF16, k8, 4}}) {
+    SCOPED_TRACE(name(c));
+    auto strides = [&](int64_t H, int64_t N) {
+      return sage::ref::contiguous_strides(c.layout, H, N, c.D);
+    };
+    const Fp16Tensor q = sage::test::random_tensor(rng, c.B, c.Hq, c.Nq, c.D, strides(c.Hq, c.Nq),
+                                                   0.5f * c.bias);
+    const Fp16Tensor k = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D,
+                                                   strides(c.Hkv, c.Nk), c.bias);
+    const Fp16Tensor v = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D,
+                                                   strides(c.Hkv, c.Nk), c.bias);
+    const std::vector<uint16_t> qd = to_dtype(q.data, c.dtype), kd = to_dtype(k.data, c.dtype),
+                                vd = to_dtype(v.data, c.dtype);
+    const GpuRun fused = run_gpu(c, qd, kd, vd);
+    ::setenv("SAGE_FUSED_Q", "0", 1);
+    const GpuRun prepass = run_gpu(c, qd, kd, vd);
+    ::unsetenv("SAGE_FUSED_Q");
+    ASSERT_EQ(fused.status, SAGE_OK) << fused.error;
+    ASSERT_EQ(prepass.status, SAGE_OK) << prepass.error;
+    ASSERT_EQ(fused.o.size(), prepass.o.size());
+    size_t differ = 0;
+    for (size_t i = 0; i < fused.o.size(); ++i) differ += fused.o[i] != prepass.o[i];
+    EXPECT_EQ(differ, 0u) << "outputs differ in " << differ << " of " << fused.o.size();
+    for (size_t i = 0; i < fused.lse.size(); ++i)
+      ASSERT_NEAR(fused.lse[i], prepass.lse[i], 1e-6 * (1 + std::fabs(prepass.lse[i]))) << i;
+  }
+}
 
 TEST(GpuAttention, DeterministicAndStridedOutputPaddingUntouched) {
   SAGE_REQUIRE_GPU();

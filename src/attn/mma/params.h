@@ -39,6 +39,7 @@ struct Plan {
   bool smooth_q = false, smooth_k = false, smooth_v = false;
   bool two_level = true;        // P·V accumulation (false where the MMA accumulator is fp32)
   bool sm90 = false;            // run the Hopper wgmma kernel (attn/sm90) instead of mma.sync
+  bool fused_q = false;         // sm90: Q quantized inside the attention kernel (no quant_q)
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
          kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, delta_s = 0, total = 0;
@@ -93,7 +94,7 @@ struct AttnParams {
   const float* v_scale;    // [B*Hkv][D]
   const float* v_mean;     // [B*Hkv][D]
   const float* delta_s;    // [B*Hq][q_blocks][nk_pad] or null (no Q smoothing)
-  const float* lse_shift;  // [B*Hq][Nq]
+  float* lse_shift;        // [B*Hq][Nq] (written by quant_q, or by the kernel with fused_q)
   void* o;                 // caller's output, strides in elements
   int64_t o_batch, o_head, o_token;
   float* lse;              // caller's LSE or null
@@ -102,6 +103,13 @@ struct AttnParams {
   int64_t seq_q, seq_kv, nq_pad, nk_pad, q_blocks, k_blocks;
   int64_t causal_offset;   // query i sees keys j <= i + causal_offset
   float scale_log2;        // softmax scale * log2(e)
+  // fused_q (sm90 only): the kernel reads fp16/bf16 Q through its own TMA map and quantizes it
+  // (q and q_scale unused); it then also writes lse_shift = scale · q·k_mean when lse is set.
+  bool fused_q;
+  float scale;             // softmax scale
+  const float* k_mean;     // [B*Hkv][D]
+  const void* q_in;        // the caller's Q (fp16/bf16, as o's dtype), strides in elements
+  int64_t q_in_batch, q_in_head, q_in_token;
 };
 
 }  // namespace sage::mma

@@ -28,8 +28,8 @@
 // (a turn passes when the issuer's Q·Kᵀ has landed): issuing both at once overfilled the tensor
 // cores' wgmma queue and stalled the second issuer (see take_turn below).
 //
-// Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the 240 registers
-// setmaxnreg gives it (the producer keeps 24). Shared memory: two Q tiles (128 x D bytes) and
+// Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the 232 registers
+// setmaxnreg gives it (the producer warpgroup keeps 40, for the Q quantization: kConsumerRegs). Shared memory: two Q tiles (128 x D bytes) and
 // kStages x (K tile 128 x D bytes + Vᵀ tile D x 128 bytes), 1024-byte aligned for the swizzle.
 #pragma once
 
@@ -47,6 +47,7 @@
 #include "ptx/math.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
+#include "quant/elements.cuh"
 
 namespace sage::sm90 {
 
@@ -60,6 +61,15 @@ static_assert(kBlockQ == mma::kBlockQ && kBlockK == 2 * mma::kBlockK,
 
 constexpr int kStages = 2;  // K and Vᵀ tiles in flight
 
+// Registers per thread after setmaxnreg. The CTA's pool is what the launch allocated, 168 per
+// thread (ptxas's count under __launch_bounds__(384, 1)); setmaxnreg.inc waits until the pool
+// holds what it asks for, so a split over the pool hangs every consumer (as 32/240 did). 40 lets
+// the quantizing warps run without spilling in their loop; the consumer loop has no spills at
+// 232 either (ptxas -warn-spills: the remaining ones are in the per-tile set-up).
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 == 168 * kThreads,
+              "the setmaxnreg split must fit the 168-register launch allocation exactly");
+
 template <int D>
 struct Smem {
   static constexpr int kQTile = kBlockQ * D;  // [128 rows][D bytes], swizzled (A of Q·Kᵀ)
@@ -67,6 +77,9 @@ struct Smem {
   static constexpr int kVTile = D * kBlockK;  // [D channels][128 keys], swizzled
   // Two Q tiles: the next tile's Q lands while this one's last blocks run.
   static constexpr int kBytes = 2 * kQTile + kStages * (kKTile + kVTile) + 1024;  // + align slack
+  // With the Q quantization fused (AttnParams::fused_q): one staged fp16/bf16 Q tile besides.
+  static constexpr int kQStaged = kBlockQ * D * 2;  // [128 rows][D elements], not swizzled
+  static constexpr int kBytesFused = kBytes + kQStaged;
 };
 
 // Everything the kernel needs besides AttnParams: the TMA descriptors of Q, K and Vᵀ.
@@ -74,7 +87,65 @@ struct TmaMaps {
   CUtensorMap q;  // 3-D: {D bytes, nq_pad rows, B*Hq}, box {D, 128, 1}
   CUtensorMap k;  // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
   CUtensorMap v;  // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
+  CUtensorMap q_in;  // fused_q: the caller's Q, 4-D {D, Nq, Hq, B} 16-bit, box {D, 128, 1, 1}
 };
+
+// The fused Q quantization (AttnParams::fused_q) runs on warps 1-3 of the producer warpgroup.
+constexpr int kQuantWarps = 3;
+
+// Quantizes the staged Q tile (128 rows x D fp16/bf16, row-major, rows past seq_q zero: TMA's
+// out-of-bounds fill) as the pre-pass's quant_q does: INT8 per thread group (rows g, g+8 of each
+// 16-row slab: the rows one consumer thread's accumulator holds), scale max|q| / 127, into the
+// INT8 tile in the layout the Q·Kᵀ wgmma reads (TMA's 128-byte swizzle for 128-byte rows, 64-byte
+// for 64-byte rows), and the group scales into q_sc. With km (this KV head's K mean; LSE asked
+// for) also each row's LSE shift scale · q·k_mean (exact products summed in double, as quant_q).
+// qt: the thread's index among the kQuantWarps·32 quantizing threads. Eight lanes take a group
+// (four a row, D/32 16-byte chunks each: a three-step max), a warp four groups at a time: the
+// latency of a pass (shared loads, shuffles, two divisions) is paid 6 times a tile, not 22.
+template <int D, typename T>
+__device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* q_tile, float* q_sc,
+                                                int qt, const float* km, float* shift,
+                                                int64_t row0, int64_t seq_q, float scale) {
+  constexpr int kLanesPerGroup = 8, kGroupsPerPass = 32 / kLanesPerGroup;
+  constexpr int kChunks = D / 32;                     // 16-byte chunks per lane: c·4 + part
+  constexpr uint32_t kSwizzle = D == 128 ? 7u : 3u;  // 16-byte chunk ^= (byte offset >> 7) & this
+  const int lane = qt % 32, li = lane % kLanesPerGroup;
+  const int hi = li / 4, part = li % 4;
+#pragma unroll 1
+  for (int g0 = (qt / 32) * kGroupsPerPass; g0 < mma::kQGroups;
+       g0 += kQuantWarps * kGroupsPerPass) {
+    const int grp = g0 + lane / kLanesPerGroup;
+    const int r = 16 * (grp / 8) + grp % 8 + 8 * hi;
+    uint4 w[kChunks];
+    for (int c = 0; c < kChunks; ++c)
+      w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
+    float amax = 0.0f;  // NaN stays out, as fmaxf drops it (quant_q's float path)
+    for (int c = 0; c < kChunks; ++c)
+      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(quant::elem_float<T>(w[c], e)));
+    for (int m = 1; m < kLanesPerGroup; m *= 2)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+    const QuantScale sc = make_quant_scale(amax, float(kInt8Max));
+    for (int c = 0; c < kChunks; ++c) {
+      uint32_t qv[8];
+      for (int e = 0; e < 8; ++e)
+        qv[e] = quant::quantize_bits(quant::elem_float<T>(w[c], e), sc.inv, float(kInt8Max));
+      uint32_t off = uint32_t(r * D + (c * 4 + part) * 8);
+      off ^= ((off >> 7) & kSwizzle) << 4;
+      quant::store8<8>(q_tile, off, qv);
+    }
+    if (li == 0) q_sc[grp] = sc.scale;
+    if (km) {  // the staged row again (still in place), so w need not live this long
+      double sh = 0;
+      for (int c = 0; c < kChunks; ++c) {
+        const uint4 x = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
+        for (int e = 0; e < 8; ++e)
+          sh = __fma_rn(double(quant::elem_float<T>(x, e)), double(km[(c * 4 + part) * 8 + e]), sh);
+      }
+      for (int m = 1; m < 4; m *= 2) sh += __shfl_xor_sync(0xffffffffu, sh, m);
+      if (part == 0 && row0 + r < seq_q) shift[row0 + r] = float(double(scale) * sh);
+    }
+  }
+}
 
 template <int D>
 __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc) {
@@ -90,8 +161,9 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
 constexpr int kPolyEvery = 4;
 
 // Named barriers: 0 is __syncthreads; 1, 2 sync one consumer warpgroup (the epilogue); 3, 4 are
-// the consumers' turns to issue their GEMMs (ptx::turn_wait / turn_pass, base kTurnBar).
-constexpr int kTurnBar = 3;
+// the consumers' turns to issue their GEMMs (ptx::turn_wait / turn_pass, base kTurnBar); 5 syncs
+// the Q-quantizing warps (kQuantBar).
+constexpr int kTurnBar = 3, kQuantBar = 5;
 
 // 1.5·2^23: a float whose unit in the last place is 1, so adding it rounds to an integer held in
 // the low mantissa bits (exp2_poly), and its bits plus an int32 x are the float 1.5·2^23 + x (the
@@ -142,8 +214,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* k_tiles = smem + 2 * S::kQTile;
   uint8_t* v_tiles = k_tiles + kStages * S::kKTile;
   __shared__ float v_stat[2][2][2][D];  // [tile parity][consumer warpgroup]: V scales, V means
+  __shared__ float q_sc[2][mma::kQGroups];  // fused_q: the Q group scales of each Q buffer
   __shared__ __align__(8) uint64_t full_q[2], empty_q[2], full_k[kStages], full_v[kStages],
-      empty_k[kStages], empty_v[kStages];
+      empty_k[kStages], empty_v[kStages], full_staged;
 
   // Persistent: tiles (query block, batch·head) are numbered head-major, so a head's K and V stay
   // in L2 while the grid works on it (numbered across heads, the causal tiles put ~130 heads' K
@@ -181,9 +254,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2; ++i) {
-      ptx::mbar_init(&full_q[i], 1);
+      // fused_q: every quantizing thread arrives once its part of the buffer is written (each
+      // releases its own writes); else the TMA's single arrival.
+      ptx::mbar_init(&full_q[i], p.fused_q ? kQuantWarps * 32 : 1);
       ptx::mbar_init(&empty_q[i], kConsumerWarps);
     }
+    ptx::mbar_init(&full_staged, 1);
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(&full_k[s], 1);
       ptx::mbar_init(&full_v[s], 1);
@@ -198,7 +274,40 @@ __global__ void __launch_bounds__(kThreads, 1)
   ptx::grid_dependency_wait();
 
   if (wg == 0) {  // ---- producer ----
-    ptx::setmaxnreg_dec<24>();
+    ptx::setmaxnreg_dec<kProducerRegs>();
+    if (p.fused_q && threadIdx.x >= 32) {
+      // Warps 1-3: Q of each tile, the caller's fp16/bf16 staged by TMA, quantized into the Q
+      // buffer once the consumers have released it (a tile ahead of them: the buffer frees when
+      // the tile before last is done). The next tile's staging load is issued as soon as every
+      // quantizing thread has read this one.
+      const int qt = threadIdx.x - 32;
+      uint8_t* staged = v_tiles + kStages * S::kVTile;
+      auto stage_q = [&](int64_t tile) {
+        int64_t qb, bh;
+        int n_blocks;
+        tile_at(tile, qb, bh, n_blocks);
+        ptx::mbar_arrive_expect_tx(&full_staged, S::kQStaged);
+        ptx::tma_load_4d(staged, &maps.q_in, &full_staged, 0, int(qb * kBlockQ),
+                         int(bh % p.heads_q), int(bh / p.heads_q));
+      };
+      if (qt == 0 && tile_of(0) < tiles) stage_q(tile_of(0));
+      for (int it = 0; tile_of(it) < tiles; ++it) {
+        int64_t qb, bh;
+        int n_blocks;
+        tile_at(tile_of(it), qb, bh, n_blocks);
+        const int qbuf = it & 1;
+        ptx::mbar_wait(&full_staged, it & 1);
+        ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
+        quantize_q_tile<D, OutT>(staged, q_tiles + qbuf * S::kQTile, q_sc[qbuf], qt,
+                                 p.lse ? p.k_mean + kv_head(bh) * D : nullptr,
+                                 p.lse_shift + bh * p.seq_q, qb * kBlockQ, p.seq_q, p.scale);
+        ptx::fence_proxy_async_smem();  // the INT8 tile is read by wgmma (the async proxy)
+        ptx::named_bar_sync(kQuantBar, kQuantWarps * 32);  // the staged tile is free
+        if (qt == 0 && tile_of(it + 1) < tiles) stage_q(tile_of(it + 1));
+        ptx::mbar_arrive(&full_q[qbuf]);
+      }
+      return;
+    }
     if (threadIdx.x == 0) {
       uint32_t base = 0;
       for (int it = 0; tile_of(it) < tiles; ++it) {
@@ -208,10 +317,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         tile_at(tile, qb, bh, n_blocks);
         const int64_t bhk = kv_head(bh);
         const int qbuf = it & 1;
-        ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
-        ptx::mbar_arrive_expect_tx(&full_q[qbuf], S::kQTile);
-        ptx::tma_load_3d(q_tiles + qbuf * S::kQTile, &maps.q, &full_q[qbuf], 0, int(qb * kBlockQ),
-                         int(bh));
+        if (!p.fused_q) {
+          ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
+          ptx::mbar_arrive_expect_tx(&full_q[qbuf], S::kQTile);
+          ptx::tma_load_3d(q_tiles + qbuf * S::kQTile, &maps.q, &full_q[qbuf], 0,
+                           int(qb * kBlockQ), int(bh));
+        }
         for (int kb = 0; kb < n_blocks; ++kb) {
           const int s = kb % kStages;
           const uint32_t parity = kv_phase(kb, s, base) ^ 1;  // the first round passes at once
@@ -229,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of each tile ----
-  ptx::setmaxnreg_inc<240>();
+  ptx::setmaxnreg_inc<kConsumerRegs>();
   const int warp = threadIdx.x / 32 - 4;  // 0..7: the 16-row slab of the 128-row block
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int consumer = warp / 4;
@@ -263,8 +374,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the A operand of Q·Kᵀ straight from shared memory. (A from registers held across the loop
     // was miscompiled at D=128: ptxas gave the P̃ fragments the Q fragments' registers.)
     const uint8_t* q_wg = q_tiles + qbuf * S::kQTile + consumer * 64 * D;
-    const float q_scale_log2 =
-        p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g] * p.scale_log2;
+    // The Q scale: from the pre-pass (loaded before the wait), or from the quantizing warps.
+    float q_scale_log2 =
+        p.fused_q ? 0.0f : p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g];
     const float* k_scale = p.k_scale + bhk * p.k_blocks * mma::kKGroups;
     // The epilogue's V scales and means, copied now into this warpgroup's shared copy for this
     // tile (cp.async: nothing waits until the epilogue; the buffer alternates with the tile, so
@@ -281,6 +393,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // P^ of the previous block, the A operand of its P·V (issued one block late).
     uint32_t pf[4][4];
     ptx::mbar_wait(&full_q[qbuf], (it >> 1) & 1);
+    if (p.fused_q) q_scale_log2 = q_sc[qbuf][warp * 8 + g];
+    q_scale_log2 *= p.scale_log2;
 
     // The S accumulator starts at the bits of 1.5·2^23 (kMagic), so the exact int32 score x
     // (|x| < 2^21 for int8 at D <= 128) comes out of the wgmma as the bits of the float

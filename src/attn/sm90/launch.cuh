@@ -46,6 +46,25 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uin
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// fused_q: the caller's 16-bit Q as a 4-D map {D, Nq, Hq, B} (strides in elements, all positive
+// and 16-byte multiples: cuda_backend checks) with box {D, 128, 1, 1}, no swizzle; rows past Nq
+// read as zeros.
+inline cudaError_t make_q_in_map(CUtensorMap* map, const mma::AttnParams& p, int d) {
+  const auto fn = encode_fn();
+  if (!fn) return cudaErrorNotSupported;
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(p.seq_q), cuuint64_t(p.heads_q),
+                              cuuint64_t(p.batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(p.q_in_token) * 2, cuuint64_t(p.q_in_head) * 2,
+                                 cuuint64_t(p.q_in_batch) * 2};
+  const cuuint32_t box[4] = {cuuint32_t(d), cuuint32_t(kBlockQ), 1, 1};
+  const cuuint32_t elem[4] = {1, 1, 1, 1};
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(p.q_in), dims,
+                        strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 #ifdef SAGE_SM90_TRACE
 // Per-phase mean cycles of the traced warps (blocks 4 .. the last traced), printed on the third
 // launch of each (D, mask) so the caches and clocks are warm; then one warp pair's raw timeline.
@@ -92,10 +111,10 @@ inline void print_trace(int d, bool causal, int64_t seq_kv) {
 
 template <int D, typename OutT, bool kCausal>
 cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream_t stream) {
-  constexpr int kSmem = Smem<D>::kBytes;
+  const int smem = p.fused_q ? Smem<D>::kBytesFused : Smem<D>::kBytes;
   auto kernel = attention_kernel<D, OutT, kCausal>;
-  const cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             Smem<D>::kBytesFused);
   if (e != cudaSuccess) return e;
   // Persistent: one CTA per SM (at most one per tile), each walking its tiles (attention.cuh);
   // causal: one CTA per tile (below).
@@ -120,7 +139,7 @@ cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream
   // snake (D=128 causal kernel-only 16k 795 vs 742 TOPS, 4k 624 vs 623; 1k 318 vs 349).
   cfg.gridDim = dim3(unsigned(kCausal ? tiles : std::min<int64_t>(tiles, sms)));
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmem;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
@@ -138,7 +157,8 @@ cudaError_t launch_attention(const mma::AttnParams& p, bool bf16_out, bool causa
   TmaMaps maps;
   const uint64_t bk = uint64_t(p.batch * p.heads_kv), nk = uint64_t(p.nk_pad);
   const uint64_t bq = uint64_t(p.batch * p.heads_q), nq = uint64_t(p.nq_pad);
-  cudaError_t e = make_map(&maps.q, p.q, D, nq, bq, D, nq * D, D, kBlockQ);
+  cudaError_t e = p.fused_q ? make_q_in_map(&maps.q_in, p, D)
+                            : make_map(&maps.q, p.q, D, nq, bq, D, nq * D, D, kBlockQ);
   if (e == cudaSuccess) e = make_map(&maps.k, p.k, D, nk, bk, D, nk * D, D, kBlockK);
   if (e == cudaSuccess) e = make_map(&maps.v, p.v, nk, D, bk, nk, nk * D, kBlockK, D);
   if (e != cudaSuccess) return e;

@@ -1,0 +1,108 @@
+// Element-level helpers of the quantizers, shared by the pre-pass kernels (prepass.cu) and the
+// Hopper attention kernel's in-kernel Q quantization (attn/sm90): fp16/bf16 bit facts, exact
+// conversions to double, Inf/NaN tests on packed pairs, integer quantization without FRND/F2I,
+// and the INT8/INT4 store of eight values.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace sage::quant {
+
+__device__ __forceinline__ float to_float(__half x) {
+  return __half2float(x);
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+__device__ __forceinline__ float2 to_float2(__half2 x) {
+  return __half22float2(x);
+}
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) {
+  return __bfloat1622float2(x);
+}
+
+// Bit-level facts of the 16-bit input formats. scaled_double(x) is the double whose fields hold
+// x's sign, exponent and mantissa: exactly x·2^-kScaleExp for every finite x (a subnormal x lands
+// on a double subnormal of the same value times 2^-kScaleExp), never for Inf/NaN. kExp2 masks
+// the exponent of both halves of a 32-bit word, kExpOne2 is the exponent's lowest bit in both.
+template <typename T>
+struct Bits;
+template <>
+struct Bits<__half> {
+  static constexpr int kShift = 10;        // fp16 bits 14..0 -> double hi-word bits 24..10
+  static constexpr double kUnscale = 0x1p1008;  // 2^(1023-15)
+  static constexpr uint32_t kExp2 = 0x7C007C00u, kExpOne2 = 0x04000400u;
+  __device__ static float to_float(uint32_t h) { return __half2float(__ushort_as_half(uint16_t(h))); }
+};
+template <>
+struct Bits<__nv_bfloat16> {
+  static constexpr int kShift = 13;        // bf16 bits 14..0 -> double hi-word bits 27..13
+  static constexpr double kUnscale = 0x1p896;   // 2^(1023-127)
+  static constexpr uint32_t kExp2 = 0x7F807F80u, kExpOne2 = 0x00800080u;
+  __device__ static float to_float(uint32_t h) { return __uint_as_float(h << 16); }
+};
+
+// scaled_double of the low (high) element of a word of two: the element's 16 bits at the top of a
+// word, shifted right arithmetically so the exponent and mantissa land in the double's fields
+// (the sign copies spread over the bits the mask clears): two or three integer instructions.
+template <typename T>
+__device__ __forceinline__ double scaled_double_hi(uint32_t w) {
+  constexpr uint32_t kMask = 0x80000000u | (0x7FFFu << Bits<T>::kShift);
+  return __hiloint2double(int((uint32_t(int(w) >> (16 - Bits<T>::kShift))) & kMask), 0);
+}
+template <typename T>
+__device__ __forceinline__ double scaled_double_lo(uint32_t w) {
+  return scaled_double_hi<T>(w << 16);
+}
+
+// Non-zero when either element of a word of two has an all-ones exponent (Inf or NaN): adding
+// the exponent's lowest bit to the masked exponent carries into the element's sign position.
+template <typename T>
+__device__ __forceinline__ uint32_t special2(uint32_t w) {
+  return ((w & Bits<T>::kExp2) + Bits<T>::kExpOne2) & 0x80008000u;
+}
+
+// Element i (0..7) of 8 raw elements, as its 16 bits (element 0 in the low half of w.x).
+__device__ __forceinline__ uint32_t elem_bits(const uint4& w, int i) {
+  const uint32_t word = i < 2 ? w.x : i < 4 ? w.y : i < 6 ? w.z : w.w;
+  return (i % 2) ? word >> 16 : word & 0xFFFFu;
+}
+template <typename T>
+__device__ __forceinline__ float elem_float(const uint4& w, int i) {
+  return Bits<T>::to_float(elem_bits(w, i));
+}
+
+// quantize_int (formats.h) without FRND/F2I: the product clamped to [-qmax, qmax] plus 1.5·2^23
+// is rounded to the nearest integer, ties to even (the ulp there is 1), which then sits in the
+// low mantissa bits in two's complement: the low byte (nibble) of the returned bits is the
+// INT8 (INT4) value. A NaN product gives 0, as cvt.rni does.
+__device__ __forceinline__ uint32_t quantize_bits(float x, float inv, float qmax) {
+  const float y = __fmul_rn(x, inv);
+  const float c = fminf(fmaxf(y, -qmax), qmax);
+  const uint32_t r = __float_as_uint(__fadd_rn(c, 12582912.0f));
+  return y != y ? 0u : r;
+}
+
+// Stores 8 quantized values (quantize_bits results) of a row starting at element d0: INT8 one per
+// byte, INT4 two per byte with the lower element in the low nibble (the MMA operand order).
+template <int kBits>
+__device__ __forceinline__ void store8(uint8_t* row, int64_t d0, const uint32_t (&q)[8],
+                                       uint32_t keep = 0xFFFFFFFFu) {
+  if constexpr (kBits == 8) {
+    uint32_t w[2];
+    for (int i = 0; i < 2; ++i)
+      w[i] = __byte_perm(__byte_perm(q[4 * i], q[4 * i + 1], 0x0040),
+                         __byte_perm(q[4 * i + 2], q[4 * i + 3], 0x0040), 0x5410);
+    *reinterpret_cast<uint2*>(row + d0) = make_uint2(w[0] & keep, w[1] & keep);
+  } else {
+    uint32_t w = 0u;
+    for (int i = 0; i < 8; ++i) w |= (q[i] & 0xFu) << (4 * i);
+    *reinterpret_cast<uint32_t*>(row + d0 / 2) = w & keep;
+  }
+}
+
+}  // namespace sage::quant
