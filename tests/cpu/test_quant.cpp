@@ -383,16 +383,20 @@ class PaperOrderings : public ::testing::Test {
   static inline std::map<std::string, sage_quant_config> rows_;
 };
 
-TEST_F(PaperOrderings, SmoothingQKBeatsQBeatsKBeatsNone) {
+// Q+K beats either alone, and either beats none. Whether Q alone beats K alone is a property of
+// the draw, not of the code: on this problem the two are within a few per cent and K wins for
+// some seeds (rel-L1 Q 0.0786 vs K 0.0779 with seed 54922620480129145, 0.0714 vs 0.0700 with
+// 1235858262177816418), so that pair is not ordered here.
+TEST_F(PaperOrderings, SmoothingQKBeatsQAndKWhichBeatNone) {
   SCOPED_TRACE("seed " + std::to_string(seed_));
   const Metrics none = run("Smoothing", "none"), k = run("Smoothing", "K"),
                 q = run("Smoothing", "Q"), qk = run("Smoothing", "Q+K");
-  EXPECT_LT(qk.rel_l1, q.rel_l1);
-  EXPECT_LT(q.rel_l1, k.rel_l1);
-  EXPECT_LT(k.rel_l1, none.rel_l1);
-  EXPECT_GT(qk.cos, q.cos);
-  EXPECT_GT(q.cos, k.cos);
-  EXPECT_GT(k.cos, none.cos);
+  for (const Metrics& one : {q, k}) {
+    EXPECT_LT(qk.rel_l1, one.rel_l1);
+    EXPECT_LT(one.rel_l1, none.rel_l1);
+    EXPECT_GT(qk.cos, one.cos);
+    EXPECT_GT(one.cos, none.cos);
+  }
 }
 
 TEST_F(PaperOrderings, PerTokenAboutPerThreadBeatsPerBlockBeatsPerTensor) {
