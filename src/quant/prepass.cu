@@ -6,7 +6,8 @@
 //   quant_kv     reads K and V (2+2 B/elem, kept in registers), writes INT8 (1 B) or INT4
 //                (0.5 B) K + 4 scales per 64 keys, and E4M3 Vᵀ (1 B)
 //   quant_q      reads Q (2 B/elem; again from L2 for the mean with Q smoothing), writes
-//                INT8/INT4 Q + scales + the LSE correction (4 B/row)
+//                INT8/INT4 Q + scales + the LSE correction (4 B/row); skipped when the sm90
+//                kernel quantizes Q itself (Plan::fused_q: attn/sm90 quantize_q_tile)
 //   delta_s      (Q smoothing only) reads K (2 B/elem), writes 4 B per (Q block, key)
 // Per call: Q 2 B read, K and V 4 B each read, ~1 + 1 + 1 (+0.5) B written per element.
 // K and V are thus read twice from DRAM (stats, then quantize); issue "GPU kernels II" fuses.
