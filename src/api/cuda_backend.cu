@@ -111,15 +111,11 @@ sage_status plan_for(const api::Resolved& r, const sage_attention_args& a, mma::
   const char* force = std::getenv("SAGE_KERNEL");
   const bool force_mma = force && std::strcmp(force, "mma") == 0;
   plan->sm90 = major == 9 && minor == 0 && sm90::supports(*plan) && !force_mma;
-  // The sm90 kernel quantizes Q itself (reading it once, through TMA) when a TMA map can describe
-  // Q (rows 16-byte aligned, positive strides) and the launch is persistent (non-causal): there
-  // the next tile's Q is quantized while the current one runs. Causal launches one CTA per tile,
-  // whose Q would be quantized in its prologue with nothing to hide it, so it keeps the
-  // pre-pass's quant_q. SAGE_FUSED_Q=0 / 1 forces either (to compare them).
+  // The sm90 kernel quantizes Q itself (reading it once, through TMA; a tile ahead of its use,
+  // the CTAs being persistent) when a TMA map can describe Q: rows 16-byte aligned, positive
+  // strides. SAGE_FUSED_Q=0 keeps the pre-pass's quant_q (to compare the two).
   const char* fused = std::getenv("SAGE_FUSED_Q");
-  const bool fused_wanted = fused && (std::strcmp(fused, "0") == 0 || std::strcmp(fused, "1") == 0)
-                                ? fused[0] == '1'
-                                : r.problem.mask == SAGE_MASK_NONE;
+  const bool fused_wanted = !(fused && std::strcmp(fused, "0") == 0);
   plan->fused_q = plan->sm90 && fused_wanted && quant::rows_aligned16(a.q, r.q) &&
                   r.q.batch > 0 && r.q.head > 0 && r.q.token > 0;
   return SAGE_OK;
@@ -185,6 +181,7 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   ap.fused_q = plan.fused_q;
   ap.scale = float(p.scale);
   ap.k_mean = f32(plan.k_mean);
+  ap.tile_counter = reinterpret_cast<unsigned*>(ws + plan.tile_counter);
   ap.q_in = a.q;
   ap.q_in_batch = r.q.batch, ap.q_in_head = r.q.head, ap.q_in_token = r.q.token;
   const bool causal = p.mask != SAGE_MASK_NONE, bf16 = a.dtype == SAGE_DTYPE_BF16;

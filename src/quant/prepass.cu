@@ -288,8 +288,11 @@ __global__ void __launch_bounds__(256, 2)
 __global__ void __launch_bounds__(128)
     kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t dim, int64_t chunks,
                        bool smooth_k, bool smooth_v, float* k_mean, float* v_mean, float* v_scale,
-                       float* v_inv) {
+                       float* v_inv, unsigned* tile_counter) {
   pdl_enter();
+  // The attention kernel's tile counters start at zero (it leaves them so; this covers a fresh
+  // workspace).
+  if (blockIdx.x == 0 && threadIdx.x < 2) tile_counter[threadIdx.x] = 0u;
   constexpr int kBatch = 8;
   const int64_t bh = blockIdx.x;
   for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
@@ -608,7 +611,8 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
   if (err != cudaSuccess) return err;
   check(launch_pdl(kv_finalize_kernel, dim3(bk), dim3(D), st, stats, p.seq_kv, int64_t(D),
                    p.stat_chunks, p.smooth_k, p.smooth_v, f32(p.k_mean), f32(p.v_mean),
-                   f32(p.v_scale), f32(p.v_inv)));
+                   f32(p.v_scale), f32(p.v_inv),
+                   reinterpret_cast<unsigned*>(ws + p.tile_counter)));
   if (err != cudaSuccess) return err;
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;

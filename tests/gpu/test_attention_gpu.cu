@@ -216,8 +216,8 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1, 4, 2, 5000, 300, 64, kNone, kNHD, kBF16, k8, 4}), // 160 tiles: > 1 per CTA
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
-// On sm_90 the wgmma kernel quantizes Q itself (fused_q: by default for non-causal calls) unless
-// SAGE_FUSED_Q=0 sends Q through the pre-pass's quant_q (SAGE_FUSED_Q=1 fuses causal calls too): both quantize with the same operations, so O must match bit for bit;
+// On sm_90 the wgmma kernel quantizes Q itself (fused_q) unless SAGE_FUSED_Q=0 sends Q through
+// the pre-pass's quant_q: both quantize with the same operations, so O must match bit for bit;
 // LSE within 1e-6 (the LSE shift's double sum runs in another order). Several tiles per CTA (the
 // next tile's Q is quantized while the current one runs), partial last Q blocks, GQA, LSE.
 TEST(GpuAttention, FusedQQuantizationMatchesPrepass) {
@@ -238,7 +238,6 @@ TEST(GpuAttention, FusedQQuantizationMatchesPrepass) {
                                                    strides(c.Hkv, c.Nk), c.bias);
     const std::vector<uint16_t> qd = to_dtype(q.data, c.dtype), kd = to_dtype(k.data, c.dtype),
                                 vd = to_dtype(v.data, c.dtype);
-    ::setenv("SAGE_FUSED_Q", "1", 1);
     const GpuRun fused = run_gpu(c, qd, kd, vd);
     ::setenv("SAGE_FUSED_Q", "0", 1);
     const GpuRun prepass = run_gpu(c, qd, kd, vd);

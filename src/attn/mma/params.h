@@ -42,7 +42,8 @@ struct Plan {
   bool fused_q = false;         // sm90: Q quantized inside the attention kernel (no quant_q)
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
-         kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, delta_s = 0, total = 0;
+         kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, delta_s = 0,
+         tile_counter = 0, total = 0;
 };
 
 inline Plan make_plan(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q,
@@ -80,6 +81,9 @@ inline Plan make_plan(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t 
   p.v_scale = take(size_t(bk * head_dim) * 4);
   p.v_inv = take(size_t(bk * head_dim) * 4);
   p.delta_s = take(smooth_q ? size_t(bq * p.q_blocks * p.nk_pad) * 4 : 0);
+  // The sm90 kernel's causal tile scheduler: {next tile, CTAs done}, zeroed by the pre-pass
+  // (kv_finalize) and reset by the kernel's last CTA.
+  p.tile_counter = take(8);
   p.total = off;
   return p;
 }
@@ -108,6 +112,7 @@ struct AttnParams {
   bool fused_q;
   float scale;             // softmax scale
   const float* k_mean;     // [B*Hkv][D]
+  unsigned* tile_counter;  // sm90 causal: {next tile, CTAs done}, 0 on entry and on exit
   const void* q_in;        // the caller's Q (fp16/bf16, as o's dtype), strides in elements
   int64_t q_in_batch, q_in_head, q_in_token;
 };

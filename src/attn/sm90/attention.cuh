@@ -93,6 +93,9 @@ struct TmaMaps {
 // The fused Q quantization (AttnParams::fused_q) runs on warps 1-3 of the producer warpgroup.
 constexpr int kQuantWarps = 3;
 
+// Slots of the ring through which the producer thread tells the CTA its tiles (one round ahead).
+constexpr int kSchedSlots = 4;
+
 // Quantizes the staged Q tile (128 rows x D fp16/bf16, row-major, rows past seq_q zero: TMA's
 // out-of-bounds fill) as the pre-pass's quant_q does: INT8 per thread group (rows g, g+8 of each
 // 16-row slab: the rows one consumer thread's accumulator holds), scale max|q| / 127, into the
@@ -217,16 +220,32 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ float q_sc[2][mma::kQGroups];  // fused_q: the Q group scales of each Q buffer
   __shared__ __align__(8) uint64_t full_q[2], empty_q[2], full_k[kStages], full_v[kStages],
       empty_k[kStages], empty_v[kStages], full_staged;
+  // The tile of each of this CTA's rounds, published by the producer thread one round ahead
+  // (slot it % kSchedSlots; full: published, empty: read by every consumer and quantizing thread).
+  __shared__ int64_t sched[kSchedSlots];
+  __shared__ __align__(8) uint64_t sched_full[kSchedSlots], sched_empty[kSchedSlots];
 
   // Persistent: tiles (query block, batch·head) are numbered head-major, so a head's K and V stay
   // in L2 while the grid works on it (numbered across heads, the causal tiles put ~130 heads' K
   // and V in flight: 16k causal fell from 795 to 650 TOPS); causal: each head's heaviest query
-  // blocks (most keys) first. CTA c takes one tile per round of gridDim.x, c in even rounds and
-  // gridDim.x - 1 - c in odd ones (a snake): with causal tile sizes, plain round-robin gave one
-  // CTA up to 1.37x the mean work at 1k (B=4, H=32), the snake <= 1.03x at every N.
+  // blocks (most keys) first. Non-causal (equal tiles): CTA c takes one tile per round of
+  // gridDim.x, c in even rounds and gridDim.x - 1 - c in odd ones (a snake). Causal (tiles of 1 ..
+  // Nk/128 blocks): tile c first, then the next untaken tile in order from a global counter
+  // whenever the CTA starts a round, as the hardware dispatched one CTA per tile (a static snake
+  // balanced the work to 1.03x but lost to that dispatch: 16k 742 vs 795 TOPS).
   const int64_t bhq = p.batch * p.heads_q, tiles = p.q_blocks * bhq;
-  auto tile_of = [&](int round) {
+  auto tile_of = [&](int round) -> int64_t {  // the producer thread's scheduler
+    if (kCausal)
+      return round == 0 ? int64_t(blockIdx.x) : int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1u);
     return int64_t(round) * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+  };
+  // Everyone else reads a round's tile from the ring (and releases the slot).
+  auto read_tile = [&](int round) {
+    const int slot = round % kSchedSlots;
+    ptx::mbar_wait(&sched_full[slot], (round / kSchedSlots) & 1);
+    const int64_t tile = sched[slot];
+    ptx::mbar_arrive(&sched_empty[slot]);
+    return tile;
   };
   auto tile_at = [&](int64_t tile, int64_t& qb, int64_t& bh, int& n_blocks) {
     bh = tile / p.q_blocks;
@@ -260,6 +279,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::mbar_init(&empty_q[i], kConsumerWarps);
     }
     ptx::mbar_init(&full_staged, 1);
+    for (int i = 0; i < kSchedSlots; ++i) {
+      ptx::mbar_init(&sched_full[i], 1);
+      ptx::mbar_init(&sched_empty[i], 2 * 128 + (p.fused_q ? kQuantWarps * 32 : 0));
+    }
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(&full_k[s], 1);
       ptx::mbar_init(&full_v[s], 1);
@@ -290,11 +313,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         ptx::tma_load_4d(staged, &maps.q_in, &full_staged, 0, int(qb * kBlockQ),
                          int(bh % p.heads_q), int(bh / p.heads_q));
       };
-      if (qt == 0 && tile_of(0) < tiles) stage_q(tile_of(0));
-      for (int it = 0; tile_of(it) < tiles; ++it) {
+      int64_t tile = read_tile(0);
+      if (qt == 0 && tile < tiles) stage_q(tile);
+      for (int it = 0; tile < tiles; ++it) {
         int64_t qb, bh;
         int n_blocks;
-        tile_at(tile_of(it), qb, bh, n_blocks);
+        tile_at(tile, qb, bh, n_blocks);
         const int qbuf = it & 1;
         ptx::mbar_wait(&full_staged, it & 1);
         ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
@@ -303,15 +327,26 @@ __global__ void __launch_bounds__(kThreads, 1)
                                  p.lse_shift + bh * p.seq_q, qb * kBlockQ, p.seq_q, p.scale);
         ptx::fence_proxy_async_smem();  // the INT8 tile is read by wgmma (the async proxy)
         ptx::named_bar_sync(kQuantBar, kQuantWarps * 32);  // the staged tile is free
-        if (qt == 0 && tile_of(it + 1) < tiles) stage_q(tile_of(it + 1));
         ptx::mbar_arrive(&full_q[qbuf]);
+        tile = read_tile(it + 1);
+        if (qt == 0 && tile < tiles) stage_q(tile);
       }
       return;
     }
     if (threadIdx.x == 0) {
+      auto publish = [&](int round, int64_t tile) {
+        const int slot = round % kSchedSlots;
+        ptx::mbar_wait(&sched_empty[slot], ((round / kSchedSlots) & 1) ^ 1);  // first: at once
+        sched[slot] = tile;
+        ptx::mbar_arrive(&sched_full[slot]);  // releases the write
+      };
       uint32_t base = 0;
-      for (int it = 0; tile_of(it) < tiles; ++it) {
-        const int64_t tile = tile_of(it);
+      int64_t tile = tile_of(0);
+      publish(0, tile);
+      for (int it = 0; tile < tiles; ++it) {
+        // One round ahead: the quantizing warps prepare the next tile's Q during this one.
+        const int64_t next = tile_of(it + 1);
+        publish(it + 1, next);
         int64_t qb, bh;
         int n_blocks;
         tile_at(tile, qb, bh, n_blocks);
@@ -334,6 +369,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           ptx::tma_load_3d(v_tiles + s * S::kVTile, &maps.v, &full_v[s], kb * kBlockK, 0, int(bhk));
         }
         base = next_base(base, n_blocks);
+        tile = next;
+      }
+      // Causal: every CTA has drawn past the last tile; the last one out zeroes the counters for
+      // the next launch.
+      if (kCausal && atomicAdd(p.tile_counter + 1, 1u) == gridDim.x - 1) {
+        p.tile_counter[0] = 0u;
+        p.tile_counter[1] = 0u;
       }
     }
     return;
@@ -358,8 +400,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (consumer == 1) pass_turn();
 
   uint32_t base = 0;  // barrier phases across tiles, as the producer's
-  for (int it = 0; tile_of(it) < tiles; ++it) {
-    const int64_t tile = tile_of(it);
+  for (int it = 0;; ++it) {
+    const int64_t tile = read_tile(it);
+    if (tile >= tiles) break;
     int64_t qb, bh;
     int n_blocks;
     tile_at(tile, qb, bh, n_blocks);

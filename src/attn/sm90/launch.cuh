@@ -116,28 +116,20 @@ cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              Smem<D>::kBytesFused);
   if (e != cudaSuccess) return e;
-  // Persistent: one CTA per SM (at most one per tile), each walking its tiles (attention.cuh);
-  // causal: one CTA per tile (below).
+  // Persistent: one CTA per SM (at most one per tile), each walking its tiles (attention.cuh).
   const int64_t tiles = p.q_blocks * p.batch * p.heads_q;
   if (tiles <= 0) return cudaSuccess;
-  int sms = 0;
-  if (!kCausal) {
-    int device = 0;
-    cudaError_t e2 = cudaGetDevice(&device);
-    if (e2 == cudaSuccess)
-      e2 = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (e2 != cudaSuccess) return e2;
-  }
+  int sms = 0, device = 0;
+  cudaError_t e2 = cudaGetDevice(&device);
+  if (e2 == cudaSuccess) e2 = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e2 != cudaSuccess) return e2;
   // Programmatic dependent launch: the CTAs may start (barrier set-up) while the pre-pass's last
   // kernel drains; griddepcontrol.wait in the kernel holds every global read until it is done.
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = SAGE_SM90_PDL;
   cudaLaunchConfig_t cfg = {};
-  // Causal tiles differ in size (1 .. Nk/128 key blocks): there one CTA per tile, dispatched by
-  // the hardware in tile order as SMs free up, balanced better than the persistent CTAs' static
-  // snake (D=128 causal kernel-only 16k 795 vs 742 TOPS, 4k 624 vs 623; 1k 318 vs 349).
-  cfg.gridDim = dim3(unsigned(kCausal ? tiles : std::min<int64_t>(tiles, sms)));
+  cfg.gridDim = dim3(unsigned(std::min<int64_t>(tiles, sms)));
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
