@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "api/backend.h"
 #include "common/test_util.h"
 #include "gpu/gpu_test_util.h"
 #include "sage/sage.h"
@@ -213,7 +214,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1, 2, 2, 300, 77, 64, kTL, kNHD, kF16, k4, 4},
         Case{1, 2, 1, 77, 300, 128, kTL, kHND, kBF16, k4, 8},
         Case{2, 2, 2, 129, 1000, 64, kNone, kNHD, kF16, k4, 0},
-        Case{1, 4, 2, 5000, 300, 64, kNone, kNHD, kBF16, k8, 4}), // 160 tiles: > 1 per CTA
+        Case{1, 4, 2, 5000, 300, 64, kNone, kNHD, kBF16, k8, 4},  // 160 tiles: > 1 per CTA
+        // Causal with more tiles than SMs: CTAs draw tiles from the dynamic scheduler.
+        Case{2, 6, 2, 3000, 2500, 64, kBR, kNHD, kF16, k8, 4},
+        Case{1, 8, 4, 2200, 2200, 128, kTL, kHND, kBF16, k8, 4}),
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
 // On sm_90 the wgmma kernel quantizes Q itself (fused_q) unless SAGE_FUSED_Q=0 sends Q through
@@ -251,6 +255,50 @@ TEST(GpuAttention, FusedQQuantizationMatchesPrepass) {
     for (size_t i = 0; i < fused.lse.size(); ++i)
       ASSERT_NEAR(fused.lse[i], prepass.lse[i], 1e-6 * (1 + std::fabs(prepass.lse[i]))) << i;
   }
+}
+
+// The causal kernel's CTAs draw tiles from a counter in the workspace; the pre-pass zeroes it and
+// the kernel's last CTA resets it, so the kernel alone may run again on a prepared workspace (the
+// benchmark's kernel-only figure). Each relaunch must cover every tile of a grid with more tiles
+// than SMs and give the same bits (a counter left behind would skip tiles: NaN poison stays).
+TEST(GpuAttention, PersistentCausalKernelRelaunchCoversEveryTile) {
+  SAGE_REQUIRE_GPU();
+  std::mt19937_64 rng(sage::test::fresh_seed());
+  const int64_t B = 2, Hq = 8, Hkv = 2, N = 2100, D = 128;  // 17 x 16 = 272 tiles
+  const Fp16Tensor q = sage::test::random_tensor(rng, B, Hq, N, D, 2.0f);
+  const Fp16Tensor k = sage::test::random_tensor(rng, B, Hkv, N, D, 4.0f);
+  const Fp16Tensor v = sage::test::random_tensor(rng, B, Hkv, N, D, 4.0f);
+  const size_t o_bytes = size_t(B * Hq * N * D) * 2;
+  DeviceBuffer dq(q.data.size() * 2), dk(k.data.size() * 2), dv(v.data.size() * 2),
+      dout(o_bytes);
+  SAGE_ASSERT_CUDA(cudaMemcpy(dq.ptr, q.data.data(), q.data.size() * 2, cudaMemcpyHostToDevice));
+  SAGE_ASSERT_CUDA(cudaMemcpy(dk.ptr, k.data.data(), k.data.size() * 2, cudaMemcpyHostToDevice));
+  SAGE_ASSERT_CUDA(cudaMemcpy(dv.ptr, v.data.data(), v.data.size() * 2, cudaMemcpyHostToDevice));
+  sage_attention_args args;
+  sage_attention_args_init(&args);
+  args.q = dq.ptr, args.k = dk.ptr, args.v = dv.ptr, args.o = dout.ptr;
+  args.batch = B, args.heads_q = Hq, args.heads_kv = Hkv, args.seq_q = N, args.seq_kv = N;
+  args.head_dim = D, args.mask = kBR, args.variant = k8;
+  size_t ws = 0;
+  ASSERT_EQ(sage_attention_workspace_size(&args, &ws), SAGE_OK) << sage_last_error();
+  DeviceBuffer dws(ws);
+  args.workspace = dws.ptr, args.workspace_size = ws;
+  sage::api::Resolved r;
+  ASSERT_EQ(sage::api::validate(&args, &r), SAGE_OK) << sage_last_error();
+  std::vector<std::vector<uint16_t>> outs;
+  for (int call = 0; call < 3; ++call) {
+    SAGE_ASSERT_CUDA(cudaMemset(dout.ptr, 0xFF, o_bytes));  // NaN
+    const int stages = call == 0 ? sage::cuda::kStagePrepass | sage::cuda::kStageKernel
+                                 : sage::cuda::kStageKernel;
+    ASSERT_EQ(sage::cuda::attention_stages(r, args, stages), SAGE_OK) << sage_last_error();
+    SAGE_ASSERT_CUDA(cudaDeviceSynchronize());
+    outs.emplace_back(o_bytes / 2);
+    SAGE_ASSERT_CUDA(cudaMemcpy(outs.back().data(), dout.ptr, o_bytes, cudaMemcpyDeviceToHost));
+  }
+  for (size_t i = 0; i < outs[0].size(); ++i)
+    ASSERT_TRUE(std::isfinite(sage::decode_float(sage::kFp16, outs[0][i]))) << "output " << i;
+  EXPECT_EQ(outs[0], outs[1]) << "first kernel-only relaunch";
+  EXPECT_EQ(outs[0], outs[2]) << "second kernel-only relaunch";
 }
 
 TEST(GpuAttention, DeterministicAndStridedOutputPaddingUntouched) {
