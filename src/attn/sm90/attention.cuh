@@ -163,6 +163,15 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
 // and 50 %; docs/sm90-kernel.md).
 constexpr int kPolyEvery = 4;
 
+// SAGE_SM90_SEED=0 (a measurement build): the S accumulator starts from zero (the first Q·Kᵀ
+// wgmma without accumulate) instead of the 64 seed MOVs before each Q·Kᵀ, and each score takes
+// one integer add (x + kMagic) in the softmax instead. Same results, bit for bit. The seed MOVs
+// cost ~10 % when measured against no conversion at all (885 vs ~800 TOPS at 16k, before the
+// turns); whether the adds cost less where they sit is what this switch measures.
+#ifndef SAGE_SM90_SEED
+#define SAGE_SM90_SEED 1
+#endif
+
 // Named barriers: 0 is __syncthreads; 1, 2 sync one consumer warpgroup (the epilogue); 3, 4 are
 // the consumers' turns to issue their GEMMs (ptx::turn_wait / turn_pass, base kTurnBar); 5 syncs
 // the Q-quantizing warps (kQuantBar).
@@ -450,6 +459,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // writes P~ · 448 (the E4M3-range values P^ is packed from) over the scores, as float bits,
     // and l sums them (finalize's kLUnit 448).
     constexpr int kMagic = 0x4B400000;                    // the bits of kMagicF
+    // A score's accumulator word as the float 1.5·2^23 + x (seeded: it already is).
+    auto seeded = [](int v) { return __int_as_float(SAGE_SM90_SEED ? v : v + kMagic); };
     constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
     auto scales = [&](int kb, float(&f)[2]) {             // f of keys 0-63 and 64-127 of block kb
       f[0] = q_scale_log2 * k_scale[(2 * kb) * mma::kKGroups + t];
@@ -469,14 +480,14 @@ __global__ void __launch_bounds__(kThreads, 1)
             mx[r][h] = v[0];
           }
         for (int r = 0; r < 2; ++r)
-          row_max[r] = fmaxf((__int_as_float(mx[r][0]) - kMagicF) * f[0],
-                             (__int_as_float(mx[r][1]) - kMagicF) * f[1]);
+          row_max[r] = fmaxf((seeded(mx[r][0]) - kMagicF) * f[0],
+                             (seeded(mx[r][1]) - kMagicF) * f[1]);
         attn::online_max(row_max, m, l, alpha, m_use);
         float bias[2][2];
         for (int r = 0; r < 2; ++r)
           for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
         for (int i = 0; i < 64; ++i) {
-          const float x = fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
+          const float x = fmaf(seeded(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
           const float e = i % kPolyEvery == kPolyEvery - 1 ? exp2_poly(x) : ptx::ex2(x);
           part[(i / 2) & 1][i / 16] += e;
           sacc[i] = __float_as_int(e);
@@ -487,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         row_max[0] = row_max[1] = -INFINITY;
         for (int i = 0; i < 64; ++i) {
           const bool hidden = (i / 4) * 8 + 2 * t + (i & 1) >= visible[(i / 2) & 1];
-          const float x = hidden ? -INFINITY : (__int_as_float(sacc[i]) - kMagicF) * f[i / 32];
+          const float x = hidden ? -INFINITY : (seeded(sacc[i]) - kMagicF) * f[i / 32];
           row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], x);
           sacc[i] = __float_as_int(x);
         }
@@ -520,10 +531,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     static_assert(kStages == 2, "the consumer loop is unrolled over a two-stage ring");
     using Stage0 = std::integral_constant<int, 0>;
     using Stage1 = std::integral_constant<int, 1>;
-    // Q·Kᵀ of block kb (in stage st) into sacc (seeded with kMagic), and its scales into f.
+    // Q·Kᵀ of block kb (in stage st) into sacc (seeded with kMagic, or from zero with
+    // SAGE_SM90_SEED=0), and its scales into f.
     auto issue_qk = [&](auto stage, int(&sacc)[64], float(&f)[2], int kb) {
       constexpr int st = decltype(stage)::value;
-      for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
+      if (SAGE_SM90_SEED)
+        for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
       scales(kb, f);  // loaded before the wait: the wgmma asm orders memory, the load hides behind
       take_turn();
       ptx::mbar_wait(&full_k[st], kv_phase(kb, st, base));
@@ -532,7 +545,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int s = 0; s < kQkSteps; ++s)
         ptx::wgmma_m64n128k32_s8_ss(sacc, q_desc + uint64_t(s * 32 >> 4),
                                     k_desc + uint64_t((st * S::kKTile + s * 32) >> 4),
-                                    /*accumulate=*/true);
+                                    /*accumulate=*/SAGE_SM90_SEED || s > 0);
       ptx::wgmma_commit();
     };
     // P·V of block kb (in stage st; A = pf).
