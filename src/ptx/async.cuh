@@ -35,4 +35,13 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// griddepcontrol.launch_dependents (sm_90+): lets the grid launched after this one as a
+// programmatic dependent be scheduled now (it still waits in grid_dependency_wait for this
+// grid's completion). Compiles to nothing below sm_90.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace sage::ptx

@@ -35,6 +35,8 @@
 #include <type_traits>
 
 #include "common/formats.h"
+#include "common/launch.h"
+#include "ptx/async.cuh"
 #include "ptx/cvt.cuh"
 #include "quant/elements.cuh"
 #include "quant/prepass.h"
@@ -45,35 +47,16 @@ namespace {
 using mma::Plan;
 
 // Programmatic dependent launch (sm_90+; nothing below): every pre-pass kernel is launched with
-// programmatic stream serialization (launch_pdl), so it may start while the previous kernel of the
-// stream (a pre-pass kernel, or the caller's kernel that wrote Q/K/V) is still running. It
-// therefore waits for that kernel's completion and memory before its first global access
-// (griddepcontrol.wait), and then at once lets the next kernel's CTAs be scheduled as SMs free up
-// (griddepcontrol.launch_dependents), which in turn wait in their own prologue. Every kernel of
-// the chain waits before it touches memory, so each sees all the kernels before it complete.
+// programmatic stream serialization (launch_pdl, common/launch.h), so it may start while the
+// previous kernel of the stream (a pre-pass kernel, or the caller's kernel that wrote Q/K/V) is
+// still running. It therefore waits for that kernel's completion and memory before its first
+// global access (griddepcontrol.wait), and then at once lets the next kernel's CTAs be scheduled
+// as SMs free up (griddepcontrol.launch_dependents), which in turn wait in their own prologue.
+// Every kernel of the chain waits before it touches memory, so each sees all the kernels before
+// it complete.
 __device__ __forceinline__ void pdl_enter() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// kernel<<<grid, block, 0, stream>>>(args...) with the programmatic-stream-serialization
-// attribute (ignored where the device does not support it).
-template <typename... Params, typename... Args>
-cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
-                       Args... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
 }
 
 struct KvStat {
@@ -601,7 +584,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
   };
   auto stats_kernel = [&](auto vec) {
     constexpr bool kVec = decltype(vec)::value;
-    check(launch_pdl(kv_stats_kernel<T, D, kVec>, kv_grid(p.stat_chunks), dim3(256), st, k, v,
+    check(launch_pdl(kv_stats_kernel<T, D, kVec>, {kv_grid(p.stat_chunks), dim3(256)}, st, k, v,
                      in.k_strides, in.v_strides, p.seq_kv, p.stat_chunks, stats));
   };
   if (vec_kv)
@@ -609,22 +592,22 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
   else
     stats_kernel(std::false_type{});
   if (err != cudaSuccess) return err;
-  check(launch_pdl(kv_finalize_kernel, dim3(bk), dim3(D), st, stats, p.seq_kv, int64_t(D),
+  check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D)}, st, stats, p.seq_kv, int64_t(D),
                    p.stat_chunks, p.smooth_k, p.smooth_v, f32(p.k_mean), f32(p.v_mean),
                    f32(p.v_scale), f32(p.v_inv),
                    reinterpret_cast<unsigned*>(ws + p.tile_counter)));
   if (err != cudaSuccess) return err;
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
-    check(launch_pdl(quant_kv_kernel<T, D, kBits, decltype(vkv)::value>, kv_grid(p.k_blocks),
-                     dim3(256), st, k, v, in.k_strides, in.v_strides, p.seq_kv, f32(p.k_mean),
+    check(launch_pdl(quant_kv_kernel<T, D, kBits, decltype(vkv)::value>, {kv_grid(p.k_blocks),
+                     dim3(256)}, st, k, v, in.k_strides, in.v_strides, p.seq_kv, f32(p.k_mean),
                      f32(p.v_mean), f32(p.v_inv), p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale),
                      ws + p.v));
     if (err != cudaSuccess || p.fused_q) return;  // fused_q: the attention kernel quantizes Q
     auto qk = p.smooth_q ? quant_q_kernel<T, D, kBits, decltype(vq)::value, true>
                          : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
-    check(launch_pdl(qk, dim3(unsigned(p.q_blocks), unsigned(p.heads_q), unsigned(p.batch)),
-                     dim3(512), st, q, in.q_strides, heads_kv, heads_q / heads_kv, p.seq_q, in.scale, f32(p.k_mean), p.nq_pad, p.q_blocks, ws + p.q,
+    check(launch_pdl(qk, {dim3(unsigned(p.q_blocks), unsigned(p.heads_q), unsigned(p.batch)),
+                     dim3(512)}, st, q, in.q_strides, heads_kv, heads_q / heads_kv, p.seq_q, in.scale, f32(p.k_mean), p.nq_pad, p.q_blocks, ws + p.q,
                      f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
   };
   auto with_vec = [&](auto bits) {
@@ -643,7 +626,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
     with_vec(std::integral_constant<int, 4>{});
   if (err != cudaSuccess) return err;
   if (p.smooth_q)
-    check(launch_pdl(delta_s_kernel<T, D>, dim3(unsigned(p.nk_pad / 64), bk), dim3(64), st, k,
+    check(launch_pdl(delta_s_kernel<T, D>, {dim3(unsigned(p.nk_pad / 64), bk), dim3(64)}, st, k,
                      in.k_strides, p.heads_q, p.heads_kv, p.seq_kv, f32(p.k_mean), f32(p.q_mean),
                      p.q_blocks, p.nk_pad, f32(p.delta_s)));
   return err;

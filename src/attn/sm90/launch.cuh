@@ -9,6 +9,7 @@
 
 #include "attn/sm90/attention.cuh"
 #include "attn/sm90/launch.h"
+#include "common/launch.h"
 
 // SAGE_SM90_PDL=0 (a measurement build) launches without programmatic dependent launch.
 #ifndef SAGE_SM90_PDL
@@ -125,17 +126,10 @@ cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream
   if (e2 != cudaSuccess) return e2;
   // Programmatic dependent launch: the CTAs may start (barrier set-up) while the pre-pass's last
   // kernel drains; griddepcontrol.wait in the kernel holds every global read until it is done.
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = SAGE_SM90_PDL;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(std::min<int64_t>(tiles, sms)));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  const cudaError_t le = cudaLaunchKernelEx(&cfg, kernel, p, maps);
+  const cudaError_t le = launch_pdl(
+      kernel, {dim3(unsigned(std::min<int64_t>(tiles, sms))), dim3(kThreads), size_t(smem),
+               SAGE_SM90_PDL != 0},
+      stream, p, maps);
   if (le != cudaSuccess) return le;
 #ifdef SAGE_SM90_TRACE
   print_trace(D, kCausal, p.seq_kv);

@@ -1,0 +1,37 @@
+// Kernel launches with programmatic dependent launch (PDL, sm_90+; the attribute is ignored where
+// the device does not support it): the launched grid may start while the previous kernel of the
+// stream drains, and must therefore wait (ptx::grid_dependency_wait) before it reads anything that
+// kernel wrote. Shared by the pre-pass (quant/prepass.cu) and the Hopper kernel (attn/sm90).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+namespace sage {
+
+struct LaunchShape {
+  dim3 grid, block;
+  size_t smem = 0;           // dynamic shared memory bytes
+  bool programmatic = true;  // false: an ordinary stream-ordered launch (measurement builds)
+};
+
+// kernel<<<shape.grid, shape.block, shape.smem, stream>>>(args...) with the
+// programmatic-stream-serialization attribute.
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), const LaunchShape& shape, cudaStream_t stream,
+                       Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = shape.programmatic ? 1 : 0;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = shape.grid;
+  cfg.blockDim = shape.block;
+  cfg.dynamicSmemBytes = shape.smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
+}  // namespace sage
