@@ -31,39 +31,43 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// A 3-D uint8 tensor map {d0 (contiguous), d1, d2} with byte strides s1, s2 and box {b0, b1, 1}.
-inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uint64_t d1,
-                            uint64_t d2, uint64_t s1, uint64_t s2, uint32_t b0, uint32_t b1) {
+// A tiled tensor map of `rank` dimensions (dims[0] contiguous, strides in bytes for the others),
+// element strides 1, the given swizzle; reads past the tensor fill zeros.
+inline cudaError_t encode_tiled(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank,
+                                const void* base, const cuuint64_t* dims,
+                                const cuuint64_t* strides, const cuuint32_t* box,
+                                CUtensorMapSwizzle swizzle) {
   const auto fn = encode_fn();
   if (!fn) return cudaErrorNotSupported;
+  const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
+  const CUresult r = fn(map, type, rank, const_cast<void*>(base), dims, strides, box, elem,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// A 3-D uint8 tensor map {d0 (contiguous), d1, d2} with byte strides s1, s2 and box {b0, b1, 1},
+// swizzled as the wgmma operands want it (128-byte rows: 128-byte swizzle, else 64-byte).
+inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uint64_t d1,
+                            uint64_t d2, uint64_t s1, uint64_t s2, uint32_t b0, uint32_t b1) {
   const cuuint64_t dims[3] = {d0, d1, d2};
   const cuuint64_t strides[2] = {s1, s2};
   const cuuint32_t box[3] = {b0, b1, 1};
-  const cuuint32_t elem[3] = {1, 1, 1};
-  const CUtensorMapSwizzle swz = b0 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
-  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims,
-                        strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, swz,
-                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  return encode_tiled(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, base, dims, strides, box,
+                      b0 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
 }
 
 // fused_q: the caller's 16-bit Q as a 4-D map {D, Nq, Hq, B} (strides in elements, all positive
 // and 16-byte multiples: cuda_backend checks) with box {D, 128, 1, 1}, no swizzle; rows past Nq
 // read as zeros.
 inline cudaError_t make_q_in_map(CUtensorMap* map, const mma::AttnParams& p, int d) {
-  const auto fn = encode_fn();
-  if (!fn) return cudaErrorNotSupported;
   const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(p.seq_q), cuuint64_t(p.heads_q),
                               cuuint64_t(p.batch)};
   const cuuint64_t strides[3] = {cuuint64_t(p.q_in_token) * 2, cuuint64_t(p.q_in_head) * 2,
                                  cuuint64_t(p.q_in_batch) * 2};
   const cuuint32_t box[4] = {cuuint32_t(d), cuuint32_t(kBlockQ), 1, 1};
-  const cuuint32_t elem[4] = {1, 1, 1, 1};
-  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(p.q_in), dims,
-                        strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  return encode_tiled(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, p.q_in, dims, strides, box,
+                      CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 #ifdef SAGE_SM90_TRACE
