@@ -1,7 +1,7 @@
 // Element-level helpers of the quantizers, shared by the pre-pass kernels (prepass.cu) and the
 // Hopper attention kernel's in-kernel Q quantization (attn/sm90): fp16/bf16 bit facts, exact
 // conversions to double, Inf/NaN tests on packed pairs, integer quantization without FRND/F2I,
-// and the INT8/INT4 store of eight values.
+// the INT8/INT4 store of eight values, and the quantize-and-store of a row part.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -102,6 +102,35 @@ __device__ __forceinline__ void store8(uint8_t* row, int64_t d0, const uint32_t 
     uint32_t w = 0u;
     for (int i = 0; i < 8; ++i) w |= (q[i] & 0xFu) << (4 * i);
     *reinterpret_cast<uint32_t*>(row + d0 / 2) = w & keep;
+  }
+}
+
+// A row part held by one of the 4 threads of a row (8-channel chunks ci·4 + part, raw 16-byte
+// words), smoothed by center(x, channel), quantized with the group's inverse scale and stored,
+// masked by `keep` (0 for a row past the sequence). fast: no element can leave [-qmax, qmax] nor
+// be NaN, so the clamp and the NaN test of quantize_bits are skipped. place(d0): where the chunk
+// starting at element d0 goes in dst (the row itself for the pre-pass; the sm90 kernel's Q tile
+// is swizzled). quant_kv (K), quant_q and the sm90 kernel's quantize_q_tile share it.
+struct RowPlace {
+  __device__ int operator()(int d0) const { return d0; }
+};
+template <typename T, int D, int kBits, typename Center, typename Place = RowPlace>
+__device__ __forceinline__ void quantize_store_row_part(uint8_t* dst, const uint4 (&raw)[D / 32],
+                                                        Center center, int part, float inv,
+                                                        float qmax, bool fast, uint32_t keep,
+                                                        Place place = {}) {
+  for (int ci = 0; ci < D / 32; ++ci) {
+    const int d0 = (ci * 4 + part) * 8;
+    uint32_t qv[8];
+    if (fast) {
+      for (int e = 0; e < 8; ++e)
+        qv[e] = __float_as_uint(
+            __fadd_rn(__fmul_rn(center(elem_float<T>(raw[ci], e), d0 + e), inv), 12582912.0f));
+    } else {
+      for (int e = 0; e < 8; ++e)
+        qv[e] = quantize_bits(center(elem_float<T>(raw[ci], e), d0 + e), inv, qmax);
+    }
+    store8<kBits>(dst, place(d0), qv, keep);
   }
 }
 

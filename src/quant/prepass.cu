@@ -119,30 +119,6 @@ __device__ __forceinline__ void load8(const T* row, int64_t d0, float (&x)[8]) {
   }
 }
 
-// A row part held by one of the 4 threads of a row (8-channel chunks ci·4 + part, raw 16-byte
-// words), smoothed by center(x, channel), quantized with the group's inverse scale and stored,
-// masked by `keep` (0 for a row past the sequence). fast: no element can leave [-qmax, qmax] nor
-// be NaN, so the clamp and the NaN test of quantize_bits are skipped. quant_kv (K) and quant_q
-// share it.
-template <typename T, int D, int kBits, typename Center>
-__device__ __forceinline__ void quantize_store_row_part(uint8_t* dst, const uint4 (&raw)[D / 32],
-                                                        Center center, int part, float inv,
-                                                        float qmax, bool fast, uint32_t keep) {
-  for (int ci = 0; ci < D / 32; ++ci) {
-    const int d0 = (ci * 4 + part) * 8;
-    uint32_t qv[8];
-    if (fast) {
-      for (int e = 0; e < 8; ++e)
-        qv[e] = __float_as_uint(
-            __fadd_rn(__fmul_rn(center(elem_float<T>(raw[ci], e), d0 + e), inv), 12582912.0f));
-    } else {
-      for (int e = 0; e < 8; ++e)
-        qv[e] = quantize_bits(center(elem_float<T>(raw[ci], e), d0 + e), inv, qmax);
-    }
-    store8<kBits>(dst, d0, qv, keep);
-  }
-}
-
 // Per (kv head, chunk of kStatTokens tokens, channel): Σk, Σv (double), max v, min v. 256
 // threads: D/8 lanes cover a token's channels 8 at a time, the rest split the tokens (token lane
 // tl takes tokens tl, tl + 256/(D/8), ... of the chunk, summed in that order); partial results

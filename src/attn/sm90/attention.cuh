@@ -128,14 +128,12 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
     for (int m = 1; m < kLanesPerGroup; m *= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
     const QuantScale sc = make_quant_scale(amax, float(kInt8Max));
-    for (int c = 0; c < kChunks; ++c) {
-      uint32_t qv[8];
-      for (int e = 0; e < 8; ++e)
-        qv[e] = quant::quantize_bits(quant::elem_float<T>(w[c], e), sc.inv, float(kInt8Max));
-      uint32_t off = uint32_t(r * D + (c * 4 + part) * 8);
-      off ^= ((off >> 7) & kSwizzle) << 4;
-      quant::store8<8>(q_tile, off, qv);
-    }
+    quant::quantize_store_row_part<T, D, 8>(
+        q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), /*fast=*/false,
+        0xFFFFFFFFu, [r](int d0) {
+          const uint32_t off = uint32_t(r * D + d0);
+          return int(off ^ (((off >> 7) & kSwizzle) << 4));
+        });
     if (li == 0) q_sc[grp] = sc.scale;
     if (km) {  // the staged row again (still in place), so w need not live this long
       double sh = 0;
