@@ -119,6 +119,26 @@ sage_quant_config emulation_config(sage_variant variant) {
   return c;
 }
 
+// A case's inputs: Q, K, V drawn as fp16 in the case's layout with its channel bias (Q at half),
+// and their bits in the case's dtype.
+struct Inputs {
+  Fp16Tensor q, k, v;
+  std::vector<uint16_t> qd, kd, vd;
+};
+Inputs draw_inputs(std::mt19937_64& rng, const Case& c) {
+  auto strides = [&](int64_t H, int64_t N) {
+    return sage::ref::contiguous_strides(c.layout, H, N, c.D);
+  };
+  Inputs in;
+  in.q = sage::test::random_tensor(rng, c.B, c.Hq, c.Nq, c.D, strides(c.Hq, c.Nq), 0.5f * c.bias);
+  in.k = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D, strides(c.Hkv, c.Nk), c.bias);
+  in.v = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D, strides(c.Hkv, c.Nk), c.bias);
+  in.qd = to_dtype(in.q.data, c.dtype);
+  in.kd = to_dtype(in.k.data, c.dtype);
+  in.vd = to_dtype(in.v.data, c.dtype);
+  return in;
+}
+
 class GpuVsEmulation : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GpuVsEmulation, MatchesEmulationAndFloat64) {
@@ -130,14 +150,9 @@ TEST_P(GpuVsEmulation, MatchesEmulationAndFloat64) {
   auto strides = [&](int64_t H, int64_t N) {
     return sage::ref::contiguous_strides(c.layout, H, N, c.D);
   };
-  const Fp16Tensor q = sage::test::random_tensor(rng, c.B, c.Hq, c.Nq, c.D, strides(c.Hq, c.Nq),
-                                                 0.5f * c.bias);
-  const Fp16Tensor k = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D, strides(c.Hkv, c.Nk),
-                                                 c.bias);
-  const Fp16Tensor v = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D, strides(c.Hkv, c.Nk),
-                                                 c.bias);
-  const std::vector<uint16_t> qd = to_dtype(q.data, c.dtype), kd = to_dtype(k.data, c.dtype),
-                              vd = to_dtype(v.data, c.dtype);
+  const Inputs in = draw_inputs(rng, c);
+  const Fp16Tensor &q = in.q, &k = in.k, &v = in.v;
+  const std::vector<uint16_t> &qd = in.qd, &kd = in.kd, &vd = in.vd;
   const GpuRun g = run_gpu(c, qd, kd, vd);
   ASSERT_EQ(g.status, SAGE_OK) << g.error;
 
@@ -231,20 +246,10 @@ TEST(GpuAttention, FusedQQuantizationMatchesPrepass) {
                         Case{1, 6, 3, 3000, 999, 64, kNone, kNHD, kF16, k8, 4},
                         Case{1, 4, 4, 1500, 1500, 128, kBR, kNHD, kF16, k8, 4}}) {
     SCOPED_TRACE(name(c));
-    auto strides = [&](int64_t H, int64_t N) {
-      return sage::ref::contiguous_strides(c.layout, H, N, c.D);
-    };
-    const Fp16Tensor q = sage::test::random_tensor(rng, c.B, c.Hq, c.Nq, c.D, strides(c.Hq, c.Nq),
-                                                   0.5f * c.bias);
-    const Fp16Tensor k = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D,
-                                                   strides(c.Hkv, c.Nk), c.bias);
-    const Fp16Tensor v = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D,
-                                                   strides(c.Hkv, c.Nk), c.bias);
-    const std::vector<uint16_t> qd = to_dtype(q.data, c.dtype), kd = to_dtype(k.data, c.dtype),
-                                vd = to_dtype(v.data, c.dtype);
-    const GpuRun fused = run_gpu(c, qd, kd, vd);
+    const Inputs in = draw_inputs(rng, c);
+    const GpuRun fused = run_gpu(c, in.qd, in.kd, in.vd);
     ::setenv("SAGE_FUSED_Q", "0", 1);
-    const GpuRun prepass = run_gpu(c, qd, kd, vd);
+    const GpuRun prepass = run_gpu(c, in.qd, in.kd, in.vd);
     ::unsetenv("SAGE_FUSED_Q");
     ASSERT_EQ(fused.status, SAGE_OK) << fused.error;
     ASSERT_EQ(prepass.status, SAGE_OK) << prepass.error;
