@@ -88,6 +88,9 @@ struct TmaMaps {
   CUtensorMap k;  // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
   CUtensorMap v;  // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
   CUtensorMap q_in;  // fused_q: the caller's Q, 4-D {D, Nq, Hq, B} 16-bit, box {D, 128, 1, 1}
+#ifdef SAGE_SM90_TRACE
+  uint32_t* trace;  // kTraceWords (a development build only)
+#endif
 };
 
 // The fused Q quantization (AttnParams::fused_q) runs on warps 1-3 of the producer warpgroup.
@@ -186,15 +189,32 @@ constexpr float kMagicF = 12582912.0f;
 // The stores perturb the schedule by a few per cent.
 #ifdef SAGE_SM90_TRACE
 constexpr int kTraceCtas = 4, kTraceBlocks = 48, kTraceEvents = 7;
-static __device__ uint32_t g_trace[kTraceCtas][kConsumerWarps][kTraceBlocks][kTraceEvents];
+// Tile-level events of the same warps over their first kTraceTiles tiles: loop top, tile read,
+// Q ready, block 0 done, loop done, last P·V landed, epilogue done. Both go to a buffer the
+// launcher allocates (TmaMaps::trace): blocks first, then tiles.
+constexpr int kTraceTiles = 16, kTileEvents = 7;
+constexpr int kTraceWords = kTraceCtas * kConsumerWarps * (kTraceBlocks * kTraceEvents +
+                                                          kTraceTiles * kTileEvents);
 #endif
-__device__ __forceinline__ void trace_event(int kb, int ev) {
+__device__ __forceinline__ void trace_event(uint32_t* trace, int kb, int ev) {
 #ifdef SAGE_SM90_TRACE
-  if (blockIdx.y == 0 && blockIdx.x < kTraceCtas && threadIdx.x % 32 == 0 && kb < kTraceBlocks) {
-    g_trace[blockIdx.x][threadIdx.x / 32 - 4][kb][ev] = ptx::sm_clock();
+  if (blockIdx.x < kTraceCtas && threadIdx.x % 32 == 0 && kb < kTraceBlocks) {
+    const int w = blockIdx.x * kConsumerWarps + threadIdx.x / 32 - 4;
+    trace[(w * kTraceBlocks + kb) * kTraceEvents + ev] = ptx::sm_clock();
   }
 #else
-  (void)kb, (void)ev;
+  (void)trace, (void)kb, (void)ev;
+#endif
+}
+__device__ __forceinline__ void tile_event(uint32_t* trace, int it, int ev) {
+#ifdef SAGE_SM90_TRACE
+  if (blockIdx.x < kTraceCtas && threadIdx.x % 32 == 0 && it < kTraceTiles) {
+    const int w = blockIdx.x * kConsumerWarps + threadIdx.x / 32 - 4;
+    trace[kTraceCtas * kConsumerWarps * kTraceBlocks * kTraceEvents +
+          (w * kTraceTiles + it) * kTileEvents + ev] = ptx::sm_clock();
+  }
+#else
+  (void)trace, (void)it, (void)ev;
 #endif
 }
 
@@ -216,6 +236,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = Smem<D>;
+#ifdef SAGE_SM90_TRACE
+  uint32_t* const trace_buf = maps.trace;
+#else
+  uint32_t* const trace_buf = nullptr;
+#endif
   constexpr int kQkSteps = D / 32;  // k32 steps along head_dim
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem =
@@ -408,8 +433,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   uint32_t base = 0;  // barrier phases across tiles, as the producer's
   for (int it = 0;; ++it) {
+    tile_event(trace_buf, it, 0);
     const int64_t tile = read_tile(it);
     if (tile >= tiles) break;
+    tile_event(trace_buf, it, 1);
     int64_t qb, bh;
     int n_blocks;
     tile_at(tile, qb, bh, n_blocks);
@@ -445,6 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::mbar_wait(&full_q[qbuf], (it >> 1) & 1);
     if (p.fused_q) q_scale_log2 = q_sc[qbuf][warp * 8 + g];
     q_scale_log2 *= p.scale_log2;
+    tile_event(trace_buf, it, 2);
 
     // The S accumulator starts at the bits of 1.5·2^23 (kMagic), so the exact int32 score x
     // (|x| < 2^21 for int8 at D <= 128) comes out of the wgmma as the bits of the float
@@ -573,26 +601,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       using Prev = std::integral_constant<int, 1 - st>;
       int sacc[64];
       float f[2];
-      trace_event(kb, 0);
+      trace_event(trace_buf, kb, 0);
       issue_qk(stage, sacc, f, kb);
-      trace_event(kb, 1);
+      trace_event(trace_buf, kb, 1);
       issue_pv(Prev{}, kb - 1);
-      trace_event(kb, 2);
+      trace_event(trace_buf, kb, 2);
       ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P·V(kb-1) may still run
       ptx::wgmma_fence_regs(sacc);
       pass_turn();
-      trace_event(kb, 3);
+      trace_event(trace_buf, kb, 3);
       release(&empty_k[st]);
       float alpha[2];
       softmax_block(sacc, kb, f, alpha);
-      trace_event(kb, 4);
+      trace_event(trace_buf, kb, 4);
       ptx::wgmma_wait<0>();  // P·V(kb-1) landed: O may be rescaled, pf rewritten
       ptx::wgmma_fence_regs(o);
-      trace_event(kb, 5);
+      trace_event(trace_buf, kb, 5);
       release(&empty_v[1 - st]);
       rescale_o(alpha);
       pack_p(sacc);
-      trace_event(kb, 6);
+      trace_event(trace_buf, kb, 6);
     };
 
     if (n_blocks > 0) {
@@ -607,12 +635,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         softmax_block(sacc, 0, f, alpha);
         pack_p(sacc);
       }
+      tile_event(trace_buf, it, 3);
       int kb = 1;
       for (; kb + 1 < n_blocks; kb += 2) {
         step(Stage1{}, kb);
         step(Stage0{}, kb + 1);
       }
       if (kb < n_blocks) step(Stage1{}, kb);
+      tile_event(trace_buf, it, 4);
       // The last block's P·V (in turn, like every GEMM issue: both consumers take and pass the
       // turn n_blocks + 1 times; the arrival consumer 1 began with is left over at exit).
       release(
@@ -626,6 +656,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::wgmma_fence_regs(o);
       pass_turn();
       release(&empty_v[(n_blocks - 1) % kStages]);
+      tile_event(trace_buf, it, 5);
     } else {
       release(&empty_q[qbuf]);  // no key visible to the tile (causal): Q was never read
     }
@@ -634,6 +665,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::named_bar_sync(1 + consumer, 128);
     attn::finalize<D, OutT, 448>(
         p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, row_a, t, vst[0], vst[1]);
+    tile_event(trace_buf, it, 6);
     base = next_base(base, n_blocks);
   }  // tile loop
 #endif

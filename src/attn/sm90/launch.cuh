@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
+#include <tuple>
 
 #include "attn/sm90/attention.cuh"
 #include "attn/sm90/launch.h"
@@ -71,46 +73,76 @@ inline cudaError_t make_q_in_map(CUtensorMap* map, const mma::AttnParams& p, int
 }
 
 #ifdef SAGE_SM90_TRACE
-// Per-phase mean cycles of the traced warps (blocks 4 .. the last traced), printed on the third
-// launch of each (D, mask) so the caches and clocks are warm; then one warp pair's raw timeline.
-inline void print_trace(int d, bool causal, int64_t seq_kv) {
-  static int calls[2][2] = {};
-  if (++calls[d == 128][causal] != 3) return;
-  static uint32_t t[kTraceCtas][kConsumerWarps][kTraceBlocks][kTraceEvents];
-  if (cudaDeviceSynchronize() != cudaSuccess ||
-      cudaMemcpyFromSymbol(t, g_trace, sizeof t) != cudaSuccess)
+// The trace buffer (zeroed before each launch) and the per-phase mean cycles of the traced warps
+// (blocks 4 .. the last traced; tiles 1 .. kTraceTiles-2), printed on the third launch of each
+// (D, mask, Nk) so the caches and clocks are warm.
+inline uint32_t* trace_buffer() {
+  static uint32_t* buf = [] {
+    void* ptr = nullptr;
+    return cudaMalloc(&ptr, kTraceWords * 4) == cudaSuccess ? static_cast<uint32_t*>(ptr)
+                                                            : nullptr;
+  }();
+  if (buf) cudaMemset(buf, 0, kTraceWords * 4);
+  return buf;
+}
+inline void print_trace(const uint32_t* dev, int d, bool causal, int64_t seq_kv) {
+  static std::map<std::tuple<int, bool, int64_t>, int> calls;
+  if (++calls[{d, causal, seq_kv}] != 3) return;
+  static uint32_t all[kTraceWords];
+  const cudaError_t se = cudaDeviceSynchronize();
+  const cudaError_t ce = dev ? cudaMemcpy(all, dev, sizeof all, cudaMemcpyDeviceToHost)
+                             : cudaErrorMemoryAllocation;
+  if (se != cudaSuccess || ce != cudaSuccess) {
+    std::fprintf(stderr, "[trace] read failed: %s / %s\n", cudaGetErrorString(se),
+                 cudaGetErrorString(ce));
     return;
+  }
+  auto ev = [&](int c, int w, int kb) {
+    return all + ((c * kConsumerWarps + w) * kTraceBlocks + kb) * kTraceEvents;
+  };
+  auto tev = [&](int c, int w, int it) {
+    return all + kTraceCtas * kConsumerWarps * kTraceBlocks * kTraceEvents +
+           ((c * kConsumerWarps + w) * kTraceTiles + it) * kTileEvents;
+  };
   const int nb = int(std::min<int64_t>(kTraceBlocks, (seq_kv + kBlockK - 1) / kBlockK - 1));
-  const char* names[7] = {"seed+wait K+QK issue",
-                          "wait V+PV issue",
-                          "wait QK",
-                          "softmax",
-                          "wait PV",
-                          "rescale+pack",
-                          "step"};
+  const char* names[7] = {"seed+wait K+QK issue", "wait V+PV issue", "wait QK", "softmax",
+                          "wait PV", "rescale+pack", "step"};
   double sum[7] = {};
   int n = 0;
   for (int c = 0; c < kTraceCtas; ++c)
     for (int w = 0; w < kConsumerWarps; ++w)
-      for (int kb = 4; kb < nb; ++kb, ++n) {
-        const uint32_t* e = t[c][w][kb];
+      for (int kb = 4; kb < nb; ++kb) {
+        const uint32_t* e = ev(c, w, kb);
+        if (e[6] == 0) continue;
         for (int i = 0; i < 6; ++i) sum[i] += double(e[i + 1] - e[i]);
         sum[6] += double(e[6] - e[0]);
+        ++n;
       }
   std::fprintf(stderr, "[trace] D=%d causal=%d Nk=%lld, mean cycles over %d warp-blocks:", d,
                int(causal), (long long)seq_kv, n);
   for (int i = 0; i < 7; ++i) std::fprintf(stderr, " %s %.0f;", names[i], n ? sum[i] / n : 0.0);
-  std::fprintf(stderr,
-               "\n[trace] CTA 0, warps 0 and 4 (one per consumer warpgroup), blocks 8-13, cycles "
-               "from block 8's start:\n");
+  std::fprintf(stderr, "\n");
+  const char* tnames[7] = {"gap from last epilogue", "read tile", "wait Q", "block 0",
+                           "blocks 1..n-1", "last PV", "epilogue"};
+  double ts[7] = {};
+  int tn = 0;
+  for (int c = 0; c < kTraceCtas; ++c)
+    for (int w = 0; w < kConsumerWarps; ++w)
+      for (int it = 1; it < kTraceTiles - 1; ++it) {
+        const uint32_t *e = tev(c, w, it), *prev = tev(c, w, it - 1);
+        if (e[6] == 0 || prev[6] == 0) continue;
+        ts[0] += double(e[0] - prev[6]);
+        for (int i = 1; i < 7; ++i) ts[i] += double(e[i] - e[i - 1]);
+        ++tn;
+      }
+  std::fprintf(stderr, "[trace] tiles, mean cycles over %d warp-tiles:", tn);
+  for (int i = 0; i < 7; ++i) std::fprintf(stderr, " %s %.0f;", tnames[i], tn ? ts[i] / tn : 0.0);
   for (int w : {0, 4}) {
-    const uint32_t t0 = t[0][0][8][0];
-    for (int kb = 8; kb < std::min(nb, 14); ++kb) {
-      std::fprintf(stderr, "[trace]  w%d b%d:", w, kb);
-      for (int i = 0; i < 7; ++i) std::fprintf(stderr, " %6d", int(t[0][w][kb][i] - t0));
-      std::fprintf(stderr, "\n");
-    }
+    std::fprintf(stderr, "\n[trace] tile 0, CTA 0 warp %d:", w);
+    const uint32_t* e = tev(0, w, 0);
+    for (int i = 1; i < 7; ++i) std::fprintf(stderr, " %s %d;", tnames[i], int(e[i] - e[i - 1]));
   }
+  std::fprintf(stderr, "\n");
 }
 #endif
 
@@ -136,7 +168,7 @@ cudaError_t launch_one(const mma::AttnParams& p, const TmaMaps& maps, cudaStream
       stream, p, maps);
   if (le != cudaSuccess) return le;
 #ifdef SAGE_SM90_TRACE
-  print_trace(D, kCausal, p.seq_kv);
+  print_trace(maps.trace, D, kCausal, p.seq_kv);
 #endif
   return cudaGetLastError();
 }
@@ -145,6 +177,9 @@ template <int D>
 cudaError_t launch_attention(const mma::AttnParams& p, bool bf16_out, bool causal,
                              cudaStream_t stream) {
   TmaMaps maps;
+#ifdef SAGE_SM90_TRACE
+  maps.trace = trace_buffer();
+#endif
   const uint64_t bk = uint64_t(p.batch * p.heads_kv), nk = uint64_t(p.nk_pad);
   const uint64_t bq = uint64_t(p.batch * p.heads_q), nq = uint64_t(p.nq_pad);
   cudaError_t e = p.fused_q ? make_q_in_map(&maps.q_in, p, D)
