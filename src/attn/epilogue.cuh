@@ -6,8 +6,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <type_traits>
-
 #include "attn/mma/params.h"
 #include "ptx/cvt.cuh"
 #include "ptx/math.cuh"
@@ -23,36 +21,6 @@ __device__ __forceinline__ void store2<__half>(__half* dst, float a, float b) {
 template <>
 __device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
-}
-
-// Two outputs packed as the 32 bits store2 writes.
-template <typename OutT>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  uint32_t u;
-  if constexpr (std::is_same_v<OutT, __half>) {
-    const __half2 h = __floats2half2_rn(a, b);
-    u = *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    u = *reinterpret_cast<const uint32_t*>(&h);
-  }
-  return u;
-}
-
-// The arithmetic of finalize, one row or one value at a time, for every epilogue that must give
-// its bits: 1 / (l / kLUnit · 448) (0 for a row that saw nothing), O · (δ_V · inv) + v̄, and the
-// LSE (m + log2(l / kLUnit))·ln 2 + the smoothing shift.
-template <int kLUnit>
-__device__ __forceinline__ float row_inv(float l) {
-  return !(l > 0.0f) ? 0.0f : 1.0f / (l * (448.0f / kLUnit));
-}
-__device__ __forceinline__ float out_value(float o, float vsc, float inv, float vmean, bool empty) {
-  return empty ? 0.0f : o * (vsc * inv) + vmean;
-}
-template <int kLUnit>
-__device__ __forceinline__ float row_lse(float m, float l, const float* shift) {
-  return !(l > 0.0f) ? -INFINITY
-                     : (m + log2f(l * (1.0f / kLUnit))) * 0.69314718055994531f + *shift;
 }
 
 // How many keys of the block starting at key j0 (block_k keys) rows row_a and row_a + 8 see: the
@@ -118,17 +86,19 @@ __device__ __forceinline__ void finalize(const mma::AttnParams& p, OAt o_at, con
     const int64_t row = row_a + 8 * r;
     if (row >= p.seq_q) continue;
     const bool empty = !(l[r] > 0.0f);
-    const float inv = row_inv<kLUnit>(l[r]);
+    const float inv = empty ? 0.0f : 1.0f / (l[r] * (448.0f / kLUnit));
     OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
     for (int i = 0; i < D / 8; ++i) {
       const int c = i * 8 + 2 * t;
-      const float x0 = out_value(o_at(i, 2 * r), vsc[c], inv, vmean[c], empty);
-      const float x1 = out_value(o_at(i, 2 * r + 1), vsc[c + 1], inv, vmean[c + 1], empty);
+      const float x0 = empty ? 0.0f : o_at(i, 2 * r) * (vsc[c] * inv) + vmean[c];
+      const float x1 = empty ? 0.0f : o_at(i, 2 * r + 1) * (vsc[c + 1] * inv) + vmean[c + 1];
       store2<OutT>(dst + c, x0, x1);
     }
     if (p.lse && t == 0)
       p.lse[b * p.lse_batch + h * p.lse_head + row * p.lse_token] =
-          row_lse<kLUnit>(m[r], l[r], p.lse_shift + bh * p.seq_q + row);
+          empty ? -INFINITY
+                : (m[r] + log2f(l[r] * (1.0f / kLUnit))) * 0.69314718055994531f +
+                      p.lse_shift[bh * p.seq_q + row];
   }
 }
 

@@ -66,7 +66,7 @@ constexpr int kStages = 2;  // K and Vᵀ tiles in flight
 // holds what it asks for, so a split over the pool hangs every consumer (as 32/240 did). 40 lets
 // the quantizing warps run without spilling in their loop; the consumer loop has no spills at
 // 232 either (ptxas -warn-spills: the remaining ones are in the per-tile set-up).
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 == 168 * kThreads,
               "the setmaxnreg split must fit the 168-register launch allocation exactly");
 
@@ -75,13 +75,8 @@ struct Smem {
   static constexpr int kQTile = kBlockQ * D;  // [128 rows][D bytes], swizzled (A of Q·Kᵀ)
   static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
   static constexpr int kVTile = D * kBlockK;  // [D channels][128 keys], swizzled
-  // O of a tile as the consumers leave it for the epilogue warps: fp32 [128 rows][D + 8] (the
-  // 8-float pad keeps a warp's float2 stores of rows g = 0..3 on distinct banks).
-  static constexpr int kORow = D + 8;
-  static constexpr int kOBuf = kBlockQ * kORow * 4;
   // Two Q tiles: the next tile's Q lands while this one's last blocks run.
-  static constexpr int kBytes =
-      2 * kQTile + kStages * (kKTile + kVTile) + kOBuf + 1024;  // + align slack
+  static constexpr int kBytes = 2 * kQTile + kStages * (kKTile + kVTile) + 1024;  // + align slack
   // With the Q quantization fused (AttnParams::fused_q): one staged fp16/bf16 Q tile besides.
   static constexpr int kQStaged = kBlockQ * D * 2;  // [128 rows][D elements], not swizzled
   static constexpr int kBytesFused = kBytes + kQStaged;
@@ -98,23 +93,11 @@ struct TmaMaps {
 #endif
 };
 
-// Warps 1-3 of the producer warpgroup: the fused Q quantization (AttnParams::fused_q) and every
-// tile's epilogue.
+// The fused Q quantization (AttnParams::fused_q) runs on warps 1-3 of the producer warpgroup.
 constexpr int kQuantWarps = 3;
 
 // Slots of the ring through which the producer thread tells the CTA its tiles (one round ahead).
 constexpr int kSchedSlots = 4;
-
-// A tile of at least this many key blocks has its epilogue done by warps 1-3 (store_tile), which
-// must also quantize the next tile's Q (fused_q) in the time the consumers take for this one:
-// ~3.5k instructions a thread a tile, more than a tile of a few blocks lasts (N = 1k causal
-// fell from 180 to 162 TOPS with every tile offloaded). Shorter tiles keep the epilogue on their
-// consumers (attn::finalize). SAGE_SM90_OFFLOAD_BLOCKS (a measurement build) moves the line: 0
-// offloads every tile, a large value none.
-#ifndef SAGE_SM90_OFFLOAD_BLOCKS
-#define SAGE_SM90_OFFLOAD_BLOCKS 8
-#endif
-constexpr int kOffloadBlocks = SAGE_SM90_OFFLOAD_BLOCKS;
 
 // A tile as the producer thread decodes it, once, for the whole CTA (the consumers and the
 // quantizing warps used to divide the 64-bit tile number themselves: four 64-bit divisions, a
@@ -126,7 +109,6 @@ struct TileInfo {
   int32_t b, h;      // batch, query head
   int32_t bhk;       // batch · heads_kv + its KV head
   int32_t done;      // past the last tile: the loops end here
-  int32_t offload;   // the epilogue warps store the tile (store_tile), not its consumers
 };
 
 // Quantizes the staged Q tile (128 rows x D fp16/bf16, row-major, rows past seq_q zero: TMA's
@@ -161,15 +143,8 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
     for (int m = 1; m < kLanesPerGroup; m *= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
     const QuantScale sc = make_quant_scale(amax, float(kInt8Max));
-    // As quant_q: without NaN or infinity among this lane's elements and with a finite scale, no
-    // product can leave [-127, 127] and none is NaN, so the clamp and the NaN test are skipped.
-    uint32_t bad = 0u;
-    for (int c = 0; c < kChunks; ++c)
-      bad |= quant::special2<T>(w[c].x) | quant::special2<T>(w[c].y) |
-             quant::special2<T>(w[c].z) | quant::special2<T>(w[c].w);
-    const bool fast = bad == 0u && amax <= 3.402823466e38f && sc.inv <= 3.402823466e38f;
     quant::quantize_store_row_part<T, D, 8>(
-        q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast,
+        q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), /*fast=*/false,
         0xFFFFFFFFu, [r](int d0) {
           const uint32_t off = uint32_t(r * D + d0);
           return int(off ^ (((off >> 7) & kSwizzle) << 4));
@@ -186,55 +161,6 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
       if (part == 0 && row0 + r < seq_q) shift[row0 + r] = float(double(scale) * sh);
     }
   }
-}
-
-// The epilogue of tile ti on the producer warpgroup's warps 1-3 (qt: 0 .. 95), off the consumers'
-// path: the consumers leave O (fp32, not yet divided by l) and each row's m and l in shared
-// memory and go on with the next tile. Each thread takes 8 channels (16 output bytes) of a row
-// at a time, always the same 8 (96 is a multiple of D / 8), whose V scales and means it loads
-// once; stores are 16 bytes wide when the output's base and strides allow it. Same arithmetic
-// as attn::finalize (row_inv, out_value, row_lse), so the same bits as the consumers' own
-// epilogue gave.
-template <int D, typename OutT>
-__device__ __forceinline__ void store_tile(const AttnParams& p, const TileInfo& ti,
-                                           const float* o_buf, const float* o_m, const float* o_l,
-                                           const float* o_inv,
-                                           const float (&vs)[8], const float (&vm)[8], int qt) {
-  constexpr int kChunks = D / 8, kThreadsE = kQuantWarps * 32;
-  static_assert(kThreadsE % kChunks == 0, "an epilogue thread keeps its 8 channels");
-  const bool vec = ((reinterpret_cast<uintptr_t>(p.o) |
-                     uint64_t(p.o_token | p.o_head | p.o_batch) * sizeof(OutT)) & 15) == 0;
-  const int c0 = (qt % kChunks) * 8;
-  const int64_t row0 = int64_t(ti.qb) * kBlockQ;
-  OutT* const out = static_cast<OutT*>(p.o) + ti.b * p.o_batch + ti.h * p.o_head + c0;
-  const int rows = int(min(int64_t(kBlockQ), p.seq_q - row0));
-#pragma unroll 1
-  for (int r = qt / kChunks; r < rows; r += kThreadsE / kChunks) {
-    const int64_t row = row0 + r;
-    const bool empty = !(o_l[r] > 0.0f);
-    const float inv = o_inv[r];  // attn::row_inv<448>(l), from the consumers
-    const float4 a = *reinterpret_cast<const float4*>(o_buf + r * Smem<D>::kORow + c0);
-    const float4 b = *reinterpret_cast<const float4*>(o_buf + r * Smem<D>::kORow + c0 + 4);
-    const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    uint32_t w[4];
-    for (int e = 0; e < 4; ++e)
-      w[e] = attn::pack2<OutT>(attn::out_value(x[2 * e], vs[2 * e], inv, vm[2 * e], empty),
-                               attn::out_value(x[2 * e + 1], vs[2 * e + 1], inv, vm[2 * e + 1],
-                                               empty));
-    OutT* dst = out + row * p.o_token;
-    if (vec) {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-      for (int e = 0; e < 4; ++e) *reinterpret_cast<uint32_t*>(dst + 2 * e) = w[e];
-    }
-  }
-  if (p.lse)
-    for (int r = qt; r < kBlockQ; r += kThreadsE) {
-      const int64_t row = row0 + r;
-      if (row < p.seq_q)
-        p.lse[ti.b * p.lse_batch + ti.h * p.lse_head + row * p.lse_token] =
-            attn::row_lse<448>(o_m[r], o_l[r], p.lse_shift + ti.bh * p.seq_q + row);
-    }
 }
 
 template <int D>
@@ -335,15 +261,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* q_tiles = smem;  // two buffers: tile i of this CTA uses buffer i & 1
   uint8_t* k_tiles = smem + 2 * S::kQTile;
   uint8_t* v_tiles = k_tiles + kStages * S::kKTile;
-  float* o_buf = reinterpret_cast<float*>(v_tiles + kStages * S::kVTile);
-  uint8_t* staged = v_tiles + kStages * S::kVTile + S::kOBuf;  // fused_q: the 16-bit Q tile
-  // Each row's m, l and 1 / l (attn::row_inv), for the epilogue warps.
-  __shared__ float o_m[kBlockQ], o_l[kBlockQ], o_inv[kBlockQ];
-  // Tiles whose consumers store them: the V scales and means ([tile parity][consumer]).
-  __shared__ float v_stat[2][2][2][D];
+  __shared__ float v_stat[2][2][2][D];  // [tile parity][consumer warpgroup]: V scales, V means
   __shared__ float q_sc[2][mma::kQGroups];  // fused_q: the Q group scales of each Q buffer
   __shared__ __align__(8) uint64_t full_q[2], empty_q[2], full_k[kStages], full_v[kStages],
-      empty_k[kStages], empty_v[kStages], full_staged, o_full, o_empty;
+      empty_k[kStages], empty_v[kStages], full_staged;
   // The tile of each of this CTA's rounds, published by the producer thread one round ahead
   // (slot it % kSchedSlots; full: published, empty: read by every consumer and quantizing thread).
   __shared__ TileInfo sched[kSchedSlots];
@@ -376,7 +297,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     ti.b = int32_t(ti.bh / p.heads_q);
     ti.h = int32_t(ti.bh % p.heads_q);
     ti.bhk = int32_t(ti.b * p.heads_kv + ti.h / (p.heads_q / p.heads_kv));
-    ti.offload = ti.n_blocks >= kOffloadBlocks;
     return ti;
   };
   // Everyone else reads a round's tile from the ring (and releases the slot).
@@ -408,11 +328,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::mbar_init(&empty_q[i], kConsumerWarps);
     }
     ptx::mbar_init(&full_staged, 1);
-    ptx::mbar_init(&o_full, 2 * 128);            // every consumer thread, after its stores
-    ptx::mbar_init(&o_empty, kQuantWarps * 32);  // every epilogue thread, after its reads
     for (int i = 0; i < kSchedSlots; ++i) {
       ptx::mbar_init(&sched_full[i], 1);
-      ptx::mbar_init(&sched_empty[i], 2 * 128 + kQuantWarps * 32);
+      ptx::mbar_init(&sched_empty[i], 2 * 128 + (p.fused_q ? kQuantWarps * 32 : 0));
     }
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(&full_k[s], 1);
@@ -429,58 +347,33 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 0) {  // ---- producer ----
     ptx::setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x >= 32) {
-      // Warps 1-3. With fused_q: Q of each tile, the caller's fp16/bf16 staged by TMA, quantized
-      // into the Q buffer once the consumers have released it (a tile ahead of them: the buffer
-      // frees when the tile before last is done); the next tile's staging load is issued as soon
-      // as every quantizing thread has read this one. For every tile: the epilogue of the tile
-      // before (store_tile), once the consumers have left its O in shared memory.
+    if (p.fused_q && threadIdx.x >= 32) {
+      // Warps 1-3: Q of each tile, the caller's fp16/bf16 staged by TMA, quantized into the Q
+      // buffer once the consumers have released it (a tile ahead of them: the buffer frees when
+      // the tile before last is done). The next tile's staging load is issued as soon as every
+      // quantizing thread has read this one.
       const int qt = threadIdx.x - 32;
+      uint8_t* staged = v_tiles + kStages * S::kVTile;
       auto stage_q = [&](const TileInfo& ti) {
         ptx::mbar_arrive_expect_tx(&full_staged, S::kQStaged);
         ptx::tma_load_4d(staged, &maps.q_in, &full_staged, 0, ti.qb * kBlockQ, ti.h, ti.b);
       };
-      int stored = 0;  // offloaded tiles stored so far: the phase of o_full
-      auto epilogue = [&](const TileInfo& ti) {
-        if (!ti.offload) return;
-        float vs[8], vm[8];  // this thread's 8 channels of the head's V scales and means
-        const int c0 = (qt % (D / 8)) * 8;
-        const float* vsp = p.v_scale + int64_t(ti.bhk) * D + c0;
-        const float* vmp = p.v_mean + int64_t(ti.bhk) * D + c0;
-        for (int e = 0; e < 8; e += 4) {
-          const float4 a = *reinterpret_cast<const float4*>(vsp + e);
-          const float4 b = *reinterpret_cast<const float4*>(vmp + e);
-          vs[e] = a.x, vs[e + 1] = a.y, vs[e + 2] = a.z, vs[e + 3] = a.w;
-          vm[e] = b.x, vm[e + 1] = b.y, vm[e + 2] = b.z, vm[e + 3] = b.w;
-        }
-        ptx::mbar_wait(&o_full, stored & 1);
-        store_tile<D, OutT>(p, ti, o_buf, o_m, o_l, o_inv, vs, vm, qt);
-        ptx::mbar_arrive(&o_empty);
-        ++stored;
-      };
-      TileInfo ti = read_tile(0), prev{};
-      if (p.fused_q && qt == 0 && !ti.done) stage_q(ti);
-      int it = 0;
-      for (; !ti.done; ++it) {
-        if (p.fused_q) {
-          const int qbuf = it & 1;
-          ptx::mbar_wait(&full_staged, it & 1);
-          ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
-          quantize_q_tile<D, OutT>(staged, q_tiles + qbuf * S::kQTile, q_sc[qbuf], qt,
-                                   p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr,
-                                   p.lse_shift + ti.bh * p.seq_q, int64_t(ti.qb) * kBlockQ,
-                                   p.seq_q, p.scale);
-          ptx::fence_proxy_async_smem();  // the INT8 tile is read by wgmma (the async proxy)
-          ptx::named_bar_sync(kQuantBar, kQuantWarps * 32);  // the staged tile is free
-          ptx::mbar_arrive(&full_q[qbuf]);
-        }
-        const TileInfo next = read_tile(it + 1);
-        if (p.fused_q && qt == 0 && !next.done) stage_q(next);
-        if (it > 0) epilogue(prev);
-        prev = ti;
-        ti = next;
+      TileInfo ti = read_tile(0);
+      if (qt == 0 && !ti.done) stage_q(ti);
+      for (int it = 0; !ti.done; ++it) {
+        const int qbuf = it & 1;
+        ptx::mbar_wait(&full_staged, it & 1);
+        ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
+        quantize_q_tile<D, OutT>(staged, q_tiles + qbuf * S::kQTile, q_sc[qbuf], qt,
+                                 p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr,
+                                 p.lse_shift + ti.bh * p.seq_q, int64_t(ti.qb) * kBlockQ,
+                                 p.seq_q, p.scale);
+        ptx::fence_proxy_async_smem();  // the INT8 tile is read by wgmma (the async proxy)
+        ptx::named_bar_sync(kQuantBar, kQuantWarps * 32);  // the staged tile is free
+        ptx::mbar_arrive(&full_q[qbuf]);
+        ti = read_tile(it + 1);
+        if (qt == 0 && !ti.done) stage_q(ti);
       }
-      if (it > 0) epilogue(prev);
       return;
     }
     if (threadIdx.x == 0) {
@@ -570,8 +463,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     int first_masked_block;  // blocks from here on need the causal / Nk mask
     float q_scale_log2;      // δ_Q · scale · log2 e of this thread's rows
   };
-  // Starts tile `ti` (the CTA's it-th): its Q landed (from the pre-pass's TMA or the quantizing
-  // warps), its Q scale read.
+  // Starts tile `ti` (the CTA's it-th): its V scales and means on their way to shared memory, its
+  // Q landed (from the pre-pass's TMA or the quantizing warps), its Q scale read.
   auto begin_tile = [&](const TileInfo& ti, int it, uint32_t base) {
     Tile c;
     c.ti = ti;
@@ -585,12 +478,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     c.q_scale_log2 =
         p.fused_q ? 0.0f
                   : p.q_scale[(ti.bh * p.q_blocks + ti.qb) * mma::kQGroups + warp * 8 + g];
-    if (!ti.offload) {  // the V statistics for this warpgroup's own epilogue (cp.async)
-      float(&vst)[2][D] = v_stat[c.qbuf][consumer];
-      for (int j = threadIdx.x % 128; j < 2 * D; j += 128)
-        ptx::cp_async_4(&vst[j / D][j % D], (j < D ? p.v_scale : p.v_mean) + ti.bhk * D + j % D);
-    }
-    ptx::cp_async_commit();  // (an empty group when offloaded: the counts stay per tile)
+    // The epilogue's V scales and means, copied now into this warpgroup's shared copy for this
+    // tile (cp.async: nothing waits until the epilogue; the buffer alternates with the tile, so
+    // the previous tile's epilogue may still read the other). Read from global there, their
+    // load latency sat exposed in every tile's epilogue: 25-30 % of the stall samples at N = 1k.
+    float(&vst)[2][D] = v_stat[c.qbuf][consumer];
+    for (int j = threadIdx.x % 128; j < 2 * D; j += 128)
+      ptx::cp_async_4(&vst[j / D][j % D], (j < D ? p.v_scale : p.v_mean) + ti.bhk * D + j % D);
+    ptx::cp_async_commit();
     ptx::mbar_wait(&full_q[c.qbuf], (it >> 1) & 1);
     if (p.fused_q) c.q_scale_log2 = q_sc[c.qbuf][warp * 8 + g];
     c.q_scale_log2 *= p.scale_log2;
@@ -754,47 +649,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kb < n) step(Stage1{}, c, kb);
     release(&empty_q[c.qbuf]);  // the producer (or the quantizing warps) may refill the buffer
   };
-  // Tile c's O (fp32, before the division by l) and each row's m and l into shared memory for the
-  // epilogue warps (store_tile), which normalize and store it while this warpgroup goes on. (The
-  // consumers' own epilogue, ~500 instructions with the normalization, 16 4-byte stores a row
-  // and the V statistics' loads, took ~3k cycles a tile with both warpgroups in it at once.)
-  uint32_t dumps = 0;
-  auto finish = [&](const Tile& c, auto pending) {
-    if (!c.ti.offload) {  // this warpgroup's own epilogue
-      ptx::cp_async_wait<decltype(pending)::value>();  // this tile's V scales and means landed
-      ptx::named_bar_sync(1 + consumer, 128);           // ... for every thread of the warpgroup
-      const float(&vst)[2][D] = v_stat[c.qbuf][consumer];
-      attn::finalize<D, OutT, 448>(
-          p, [&](int i, int e) { return o[4 * i + e]; }, m, l, c.ti.b, c.ti.h, c.ti.bh, c.row_a,
-          t, vst[0], vst[1]);
-      return;
-    }
-    for (int r = 0; r < 2; ++r) {  // the row's sum over its four threads, as finalize adds it
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    ptx::mbar_wait(&o_empty, (dumps & 1) ^ 1);  // the tile before is stored (first: at once)
-    const int r0 = consumer * 64 + (warp % 4) * 16 + g;
-    for (int r = 0; r < 2; ++r) {
-      float* row = o_buf + (r0 + 8 * r) * S::kORow + 2 * t;
-      for (int i = 0; i < D / 8; ++i)
-        *reinterpret_cast<float2*>(row + i * 8) = make_float2(o[4 * i + 2 * r], o[4 * i + 2 * r + 1]);
-      if (t == 0) {
-        o_m[r0 + 8 * r] = m[r];
-        o_l[r0 + 8 * r] = l[r];
-        o_inv[r0 + 8 * r] = attn::row_inv<448>(l[r]);
-      }
-    }
-    ptx::mbar_arrive(&o_full);  // releases this thread's stores
-    ++dumps;
+  // O / l · δ_V + v̄ of tile c into the output (and its LSE). `pending` cp.async groups may stay
+  // in flight (the next tile's V statistics).
+  auto epilogue = [&](const Tile& c, auto pending) {
+    ptx::cp_async_wait<decltype(pending)::value>();  // this tile's V scales and means landed
+    ptx::named_bar_sync(1 + consumer, 128);  // ... for every thread of the warpgroup
+    const float(&vst)[2][D] = v_stat[c.qbuf][consumer];
+    attn::finalize<D, OutT, 448>(
+        p, [&](int i, int e) { return o[4 * i + e]; }, m, l, c.ti.b, c.ti.h, c.ti.bh, c.row_a, t,
+        vst[0], vst[1]);
   };
-  using Zero = std::integral_constant<int, 0>;
-  using One = std::integral_constant<int, 1>;
   auto fresh = [&] {
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.0f;
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   };
+  using Zero = std::integral_constant<int, 0>;
+  using One = std::integral_constant<int, 1>;
 
   // The tiles of this CTA, one after another. Between two tiles that both see keys, the next
   // tile's first Q·Kᵀ goes out with the finishing tile's last P·V and its softmax runs while that
@@ -809,7 +680,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fresh();
     if (ti.n_blocks == 0) {  // causal: no key visible to the tile (Q is never read)
       release(&empty_q[c.qbuf]);
-      finish(c, Zero{});  // O = 0, l = 0: zeros (and LSE -inf)
+      epilogue(c, Zero{});
       ti = read_tile(++it);
       continue;
     }
@@ -838,7 +709,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         ptx::wgmma_fence_regs(o);
         pass_turn();
         release(&empty_v[last & 1]);
-        finish(c, Zero{});
+        epilogue(c, Zero{});
         ++it;
         base = next_b;
         break;  // the outer loop takes ti (or ends)
@@ -859,7 +730,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       ptx::wgmma_fence_regs(o);
       release(&empty_v[last & 1]);
       tile_event(trace_buf, it - 1, 3);
-      finish(c, One{});  // n's V statistics may still be on their way
+      epilogue(c, One{});  // n's V statistics may still be on their way
       tile_event(trace_buf, it - 1, 4);
       m[0] = m2[0], m[1] = m2[1], l[0] = l2[0], l[1] = l2[1];
       for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
