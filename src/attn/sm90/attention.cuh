@@ -99,18 +99,6 @@ constexpr int kQuantWarps = 3;
 // Slots of the ring through which the producer thread tells the CTA its tiles (one round ahead).
 constexpr int kSchedSlots = 4;
 
-// A tile as the producer thread decodes it, once, for the whole CTA (the consumers and the
-// quantizing warps used to divide the 64-bit tile number themselves: four 64-bit divisions, a
-// software routine each, cost every consumer warp ~1k cycles per tile).
-struct TileInfo {
-  int64_t bh;        // batch · heads_q + query head
-  int32_t qb;        // query block
-  int32_t n_blocks;  // key blocks the tile sees (0 only when causal hides every key)
-  int32_t b, h;      // batch, query head
-  int32_t bhk;       // batch · heads_kv + its KV head
-  int32_t done;      // past the last tile: the loops end here
-};
-
 // Quantizes the staged Q tile (128 rows x D fp16/bf16, row-major, rows past seq_q zero: TMA's
 // out-of-bounds fill) as the pre-pass's quant_q does: INT8 per thread group (rows g, g+8 of each
 // 16-row slab: the rows one consumer thread's accumulator holds), scale max|q| / 127, into the
@@ -201,11 +189,10 @@ constexpr float kMagicF = 12582912.0f;
 // The stores perturb the schedule by a few per cent.
 #ifdef SAGE_SM90_TRACE
 constexpr int kTraceCtas = 4, kTraceBlocks = 48, kTraceEvents = 7;
-// Tile-level events of the same warps over their first kTraceTiles tiles: steps begin, steps done,
-// next tile read and its Q landed, next tile's Q·Kᵀ and softmax of block 0 with this tile's last
-// P·V done, epilogue done (the last three only between two tiles that both see keys). Both go to a buffer the
+// Tile-level events of the same warps over their first kTraceTiles tiles: loop top, tile read,
+// Q ready, block 0 done, loop done, last P·V landed, epilogue done. Both go to a buffer the
 // launcher allocates (TmaMaps::trace): blocks first, then tiles.
-constexpr int kTraceTiles = 16, kTileEvents = 5;
+constexpr int kTraceTiles = 16, kTileEvents = 7;
 constexpr int kTraceWords = kTraceCtas * kConsumerWarps * (kTraceBlocks * kTraceEvents +
                                                           kTraceTiles * kTileEvents);
 #endif
@@ -267,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       empty_k[kStages], empty_v[kStages], full_staged;
   // The tile of each of this CTA's rounds, published by the producer thread one round ahead
   // (slot it % kSchedSlots; full: published, empty: read by every consumer and quantizing thread).
-  __shared__ TileInfo sched[kSchedSlots];
+  __shared__ int64_t sched[kSchedSlots];
   __shared__ __align__(8) uint64_t sched_full[kSchedSlots], sched_empty[kSchedSlots];
 
   // Persistent: tiles (query block, batch·head) are numbered head-major, so a head's K and V stay
@@ -284,28 +271,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       return round == 0 ? int64_t(blockIdx.x) : int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1u);
     return int64_t(round) * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
   };
-  auto decode = [&](int64_t tile) {  // the producer thread, once per tile
-    TileInfo ti{};
-    ti.done = tile >= tiles;
-    if (ti.done) return ti;
-    ti.bh = tile / p.q_blocks;
-    const int64_t qb = kCausal ? p.q_blocks - 1 - tile % p.q_blocks : tile % p.q_blocks;
-    ti.qb = int32_t(qb);
-    const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
-    const int64_t kv_end = kCausal ? min(p.seq_kv, last_row + p.causal_offset + 1) : p.seq_kv;
-    ti.n_blocks = kv_end > 0 ? int32_t((kv_end + kBlockK - 1) / kBlockK) : 0;
-    ti.b = int32_t(ti.bh / p.heads_q);
-    ti.h = int32_t(ti.bh % p.heads_q);
-    ti.bhk = int32_t(ti.b * p.heads_kv + ti.h / (p.heads_q / p.heads_kv));
-    return ti;
-  };
   // Everyone else reads a round's tile from the ring (and releases the slot).
   auto read_tile = [&](int round) {
     const int slot = round % kSchedSlots;
     ptx::mbar_wait(&sched_full[slot], (round / kSchedSlots) & 1);
-    const TileInfo ti = sched[slot];
+    const int64_t tile = sched[slot];
     ptx::mbar_arrive(&sched_empty[slot]);
-    return ti;
+    return tile;
+  };
+  auto tile_at = [&](int64_t tile, int64_t& qb, int64_t& bh, int& n_blocks) {
+    bh = tile / p.q_blocks;
+    qb = kCausal ? p.q_blocks - 1 - tile % p.q_blocks : tile % p.q_blocks;
+    const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
+    const int64_t kv_end = kCausal ? min(p.seq_kv, last_row + p.causal_offset + 1) : p.seq_kv;
+    n_blocks = kv_end > 0 ? int((kv_end + kBlockK - 1) / kBlockK) : 0;
+  };
+  auto kv_head = [&](int64_t bh) {
+    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+    return b * p.heads_kv + h / (p.heads_q / p.heads_kv);
   };
   // Barrier phases across tiles: a tile's blocks use stages 0, 1, 0, ... from stage 0, so stage s
   // is used ceil(n/2) (s = 0) or floor(n/2) times; bit s of `base` flips with that parity, and
@@ -354,61 +337,71 @@ __global__ void __launch_bounds__(kThreads, 1)
       // quantizing thread has read this one.
       const int qt = threadIdx.x - 32;
       uint8_t* staged = v_tiles + kStages * S::kVTile;
-      auto stage_q = [&](const TileInfo& ti) {
+      auto stage_q = [&](int64_t tile) {
+        int64_t qb, bh;
+        int n_blocks;
+        tile_at(tile, qb, bh, n_blocks);
         ptx::mbar_arrive_expect_tx(&full_staged, S::kQStaged);
-        ptx::tma_load_4d(staged, &maps.q_in, &full_staged, 0, ti.qb * kBlockQ, ti.h, ti.b);
+        ptx::tma_load_4d(staged, &maps.q_in, &full_staged, 0, int(qb * kBlockQ),
+                         int(bh % p.heads_q), int(bh / p.heads_q));
       };
-      TileInfo ti = read_tile(0);
-      if (qt == 0 && !ti.done) stage_q(ti);
-      for (int it = 0; !ti.done; ++it) {
+      int64_t tile = read_tile(0);
+      if (qt == 0 && tile < tiles) stage_q(tile);
+      for (int it = 0; tile < tiles; ++it) {
+        int64_t qb, bh;
+        int n_blocks;
+        tile_at(tile, qb, bh, n_blocks);
         const int qbuf = it & 1;
         ptx::mbar_wait(&full_staged, it & 1);
         ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
         quantize_q_tile<D, OutT>(staged, q_tiles + qbuf * S::kQTile, q_sc[qbuf], qt,
-                                 p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr,
-                                 p.lse_shift + ti.bh * p.seq_q, int64_t(ti.qb) * kBlockQ,
-                                 p.seq_q, p.scale);
+                                 p.lse ? p.k_mean + kv_head(bh) * D : nullptr,
+                                 p.lse_shift + bh * p.seq_q, qb * kBlockQ, p.seq_q, p.scale);
         ptx::fence_proxy_async_smem();  // the INT8 tile is read by wgmma (the async proxy)
         ptx::named_bar_sync(kQuantBar, kQuantWarps * 32);  // the staged tile is free
         ptx::mbar_arrive(&full_q[qbuf]);
-        ti = read_tile(it + 1);
-        if (qt == 0 && !ti.done) stage_q(ti);
+        tile = read_tile(it + 1);
+        if (qt == 0 && tile < tiles) stage_q(tile);
       }
       return;
     }
     if (threadIdx.x == 0) {
-      auto publish = [&](int round, const TileInfo& ti) {
+      auto publish = [&](int round, int64_t tile) {
         const int slot = round % kSchedSlots;
         ptx::mbar_wait(&sched_empty[slot], ((round / kSchedSlots) & 1) ^ 1);  // first: at once
-        sched[slot] = ti;
+        sched[slot] = tile;
         ptx::mbar_arrive(&sched_full[slot]);  // releases the write
       };
       uint32_t base = 0;
-      TileInfo ti = decode(tile_of(0));
-      publish(0, ti);
-      for (int it = 0; !ti.done; ++it) {
+      int64_t tile = tile_of(0);
+      publish(0, tile);
+      for (int it = 0; tile < tiles; ++it) {
         // One round ahead: the quantizing warps prepare the next tile's Q during this one.
-        const TileInfo next = decode(tile_of(it + 1));
+        const int64_t next = tile_of(it + 1);
         publish(it + 1, next);
+        int64_t qb, bh;
+        int n_blocks;
+        tile_at(tile, qb, bh, n_blocks);
+        const int64_t bhk = kv_head(bh);
         const int qbuf = it & 1;
         if (!p.fused_q) {
           ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
           ptx::mbar_arrive_expect_tx(&full_q[qbuf], S::kQTile);
           ptx::tma_load_3d(q_tiles + qbuf * S::kQTile, &maps.q, &full_q[qbuf], 0,
-                           ti.qb * kBlockQ, int(ti.bh));
+                           int(qb * kBlockQ), int(bh));
         }
-        for (int kb = 0; kb < ti.n_blocks; ++kb) {
+        for (int kb = 0; kb < n_blocks; ++kb) {
           const int s = kb % kStages;
           const uint32_t parity = kv_phase(kb, s, base) ^ 1;  // the first round passes at once
           ptx::mbar_wait(&empty_k[s], parity);
           ptx::mbar_arrive_expect_tx(&full_k[s], S::kKTile);
-          ptx::tma_load_3d(k_tiles + s * S::kKTile, &maps.k, &full_k[s], 0, kb * kBlockK, ti.bhk);
+          ptx::tma_load_3d(k_tiles + s * S::kKTile, &maps.k, &full_k[s], 0, kb * kBlockK, int(bhk));
           ptx::mbar_wait(&empty_v[s], parity);
           ptx::mbar_arrive_expect_tx(&full_v[s], S::kVTile);
-          ptx::tma_load_3d(v_tiles + s * S::kVTile, &maps.v, &full_v[s], kb * kBlockK, 0, ti.bhk);
+          ptx::tma_load_3d(v_tiles + s * S::kVTile, &maps.v, &full_v[s], kb * kBlockK, 0, int(bhk));
         }
-        base = next_base(base, ti.n_blocks);
-        ti = next;
+        base = next_base(base, n_blocks);
+        tile = next;
       }
       // Causal: every CTA has drawn past the last tile; the last one out zeroes the counters for
       // the next launch.
@@ -438,306 +431,243 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto pass_turn = [] { ptx::turn_pass<kTurnBar>(); };
   if (consumer == 1) pass_turn();
 
-  // The S accumulator starts at the bits of 1.5·2^23 (kMagic), so the exact int32 score x
-  // (|x| < 2^21 for int8 at D <= 128) comes out of the wgmma as the bits of the float
-  // 1.5·2^23 + x: the int -> float conversion costs nothing, the max can be taken on the bits,
-  // and the softmax of a visible score is one FFMA and one EX2:
-  //   P~ · 448 = 2^(x·f - m + log2 448) = 2^(y·f - bias),  y = 1.5·2^23 + x,
-  //   bias = 1.5·2^23·f + m - log2 448,
-  // where f = q_scale · k_scale · scale · log2 e. Rounding bias costs at most 0.75·f in the
-  // exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). The softmax
-  // writes P~ · 448 (the E4M3-range values P^ is packed from) over the scores, as float bits,
-  // and l sums them (finalize's kLUnit 448).
-  constexpr int kMagic = 0x4B400000;  // the bits of kMagicF
-  // A score's accumulator word as the float 1.5·2^23 + x (seeded: it already is).
-  auto seeded = [](int v) { return __int_as_float(SAGE_SM90_SEED ? v : v + kMagic); };
-  constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
-
-  // What a consumer keeps of a tile while it runs (and, at the boundary, of the tile it is
-  // finishing while the next one starts).
-  struct Tile {
-    TileInfo ti;
-    int qbuf;                // Q buffer and V-statistics buffer: the CTA's tile index & 1
-    uint32_t base;           // K/V barrier phases at the tile's first block
-    int64_t row_a;           // this thread's first row (g; g + 8 is the second)
-    int first_masked_block;  // blocks from here on need the causal / Nk mask
-    float q_scale_log2;      // δ_Q · scale · log2 e of this thread's rows
-  };
-  // Starts tile `ti` (the CTA's it-th): its V scales and means on their way to shared memory, its
-  // Q landed (from the pre-pass's TMA or the quantizing warps), its Q scale read.
-  auto begin_tile = [&](const TileInfo& ti, int it, uint32_t base) {
-    Tile c;
-    c.ti = ti;
-    c.qbuf = it & 1;
-    c.base = base;
-    const int64_t first_row = int64_t(ti.qb) * kBlockQ;
-    c.row_a = first_row + warp * 16 + g;
+  uint32_t base = 0;  // barrier phases across tiles, as the producer's
+  for (int it = 0;; ++it) {
+    tile_event(trace_buf, it, 0);
+    const int64_t tile = read_tile(it);
+    if (tile >= tiles) break;
+    tile_event(trace_buf, it, 1);
+    int64_t qb, bh;
+    int n_blocks;
+    tile_at(tile, qb, bh, n_blocks);
+    const int64_t b = bh / p.heads_q, h = bh % p.heads_q, bhk = kv_head(bh);
+    const int64_t row_a = qb * kBlockQ + warp * 16 + g;
+    const int64_t first_row = qb * kBlockQ;
     const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
-    c.first_masked_block = min_end > 0 ? int(min_end / kBlockK) : 0;
+    const int first_masked_block = min_end > 0 ? int(min_end / kBlockK) : 0;
+    const int qbuf = it & 1;
+
+    // Q (quantized by the pre-pass) arrives by TMA into buffer qbuf; this warpgroup's 64 rows are
+    // the A operand of Q·Kᵀ straight from shared memory. (A from registers held across the loop
+    // was miscompiled at D=128: ptxas gave the P̃ fragments the Q fragments' registers.)
+    const uint8_t* q_wg = q_tiles + qbuf * S::kQTile + consumer * 64 * D;
     // The Q scale: from the pre-pass (loaded before the wait), or from the quantizing warps.
-    c.q_scale_log2 =
-        p.fused_q ? 0.0f
-                  : p.q_scale[(ti.bh * p.q_blocks + ti.qb) * mma::kQGroups + warp * 8 + g];
+    float q_scale_log2 =
+        p.fused_q ? 0.0f : p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g];
+    const float* k_scale = p.k_scale + bhk * p.k_blocks * mma::kKGroups;
     // The epilogue's V scales and means, copied now into this warpgroup's shared copy for this
     // tile (cp.async: nothing waits until the epilogue; the buffer alternates with the tile, so
     // the previous tile's epilogue may still read the other). Read from global there, their
     // load latency sat exposed in every tile's epilogue: 25-30 % of the stall samples at N = 1k.
-    float(&vst)[2][D] = v_stat[c.qbuf][consumer];
+    float(&vst)[2][D] = v_stat[qbuf][consumer];
     for (int j = threadIdx.x % 128; j < 2 * D; j += 128)
-      ptx::cp_async_4(&vst[j / D][j % D], (j < D ? p.v_scale : p.v_mean) + ti.bhk * D + j % D);
+      ptx::cp_async_4(&vst[j / D][j % D], (j < D ? p.v_scale : p.v_mean) + bhk * D + j % D);
     ptx::cp_async_commit();
-    ptx::mbar_wait(&full_q[c.qbuf], (it >> 1) & 1);
-    if (p.fused_q) c.q_scale_log2 = q_sc[c.qbuf][warp * 8 + g];
-    c.q_scale_log2 *= p.scale_log2;
-    return c;
-  };
 
-  float m[2], l[2];  // the running row max and sum of the current tile
-  float o[D / 2];
-  // P^ of the previous block, the A operand of its P·V (issued one block late).
-  uint32_t pf[4][4];
-
-  auto scales = [&](const Tile& c, int kb, float(&f)[2]) {  // f of keys 0-63, 64-127 of block kb
-    const float* k_scale = p.k_scale + int64_t(c.ti.bhk) * p.k_blocks * mma::kKGroups;
-    f[0] = c.q_scale_log2 * k_scale[(2 * kb) * mma::kKGroups + t];
-    f[1] = c.q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * mma::kKGroups + t];
-  };
-  auto softmax_block = [&](int(&sacc)[64], const Tile& c, float(&mm)[2], float(&ll)[2], int kb,
-                           const float(&f)[2], float(&alpha)[2]) {
-    float row_max[2], m_use[2];
-    float part[2][4] = {};            // four partial sums per row: short FADD chains
-    if (kb < c.first_masked_block) {  // every key visible to every row (CTA-uniform)
-      int mx[2][2];
-      for (int r = 0; r < 2; ++r)
-        for (int h = 0; h < 2; ++h) {  // a tree over the 16 scores of (row r, key half h)
-          int v[16];
-          for (int j = 0; j < 16; ++j) v[j] = sacc[32 * h + 4 * (j / 2) + 2 * r + (j & 1)];
-          for (int w = 16; w > 1; w /= 2)
-            for (int j = 0; j < w / 2; ++j) v[j] = max(v[j], v[j + w / 2]);
-          mx[r][h] = v[0];
-        }
-      for (int r = 0; r < 2; ++r)
-        row_max[r] =
-            fmaxf((seeded(mx[r][0]) - kMagicF) * f[0], (seeded(mx[r][1]) - kMagicF) * f[1]);
-      attn::online_max(row_max, mm, ll, alpha, m_use);
-      float bias[2][2];
-      for (int r = 0; r < 2; ++r)
-        for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
-      for (int i = 0; i < 64; ++i) {
-        const float x = fmaf(seeded(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
-        const float e = i % kPolyEvery == kPolyEvery - 1 ? exp2_poly(x) : ptx::ex2(x);
-        part[(i / 2) & 1][i / 16] += e;
-        sacc[i] = __float_as_int(e);
-      }
-    } else {  // the diagonal and the Nk edge: scores as floats, hidden ones -inf
-      int visible[2];
-      attn::visible_keys<kCausal, kBlockK>(p, c.row_a, int64_t(kb) * kBlockK, visible);
-      row_max[0] = row_max[1] = -INFINITY;
-      for (int i = 0; i < 64; ++i) {
-        const bool hidden = (i / 4) * 8 + 2 * t + (i & 1) >= visible[(i / 2) & 1];
-        const float x = hidden ? -INFINITY : (seeded(sacc[i]) - kMagicF) * f[i / 32];
-        row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], x);
-        sacc[i] = __float_as_int(x);
-      }
-      attn::online_max(row_max, mm, ll, alpha, m_use);
-      for (int i = 0; i < 64; ++i) {
-        const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[(i / 2) & 1] - kLog2E4m3Max));
-        part[(i / 2) & 1][i / 16] += e;
-        sacc[i] = __float_as_int(e);
-      }
-    }
-    for (int r = 0; r < 2; ++r) ll[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
-  };
-  auto pack_p = [&](const int(&pe)[64]) {
-    attn::pack_p_e4m3(pf, [&](int n, int e) { return __int_as_float(pe[4 * n + e]); });
-  };
-  // O *= alpha, skipped when no row of the warp saw its max move (most blocks after the first
-  // few): a warp-uniform branch outside any wgmma's flight.
-  auto rescale_o = [&](const float(&alpha)[2]) {
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
-      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
-  };
-
-  // Descriptors: computed once, a Q buffer, a stage and a k-step add (bytes >> 4) to the start
-  // address.
-  const uint64_t q_desc0 = ptx::wgmma_desc<D>(q_tiles + consumer * 64 * D);
-  const uint64_t k_desc = ptx::wgmma_desc<D>(k_tiles);
-  const uint64_t v_desc = ptx::wgmma_desc<128>(v_tiles);
-  // The ring has two stages and the loop runs two blocks per turn, so a block's stage is a
-  // compile-time constant (its descriptors, barriers and offsets fold into immediates) and its
-  // barrier phase is bit 1 of the block index.
-  static_assert(kStages == 2, "the consumer loop is unrolled over a two-stage ring");
-  using Stage0 = std::integral_constant<int, 0>;
-  using Stage1 = std::integral_constant<int, 1>;
-  // Q·Kᵀ of block kb of tile c (in stage st) into sacc (seeded with kMagic, or from zero with
-  // SAGE_SM90_SEED=0), and its scales into f. Takes the turn.
-  auto issue_qk = [&](auto stage, int(&sacc)[64], float(&f)[2], const Tile& c, int kb) {
-    constexpr int st = decltype(stage)::value;
-    if (SAGE_SM90_SEED)
-      for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
-    scales(c, kb, f);  // loaded before the wait: the wgmma asm orders memory, the load hides behind
-    const uint64_t q_desc = q_desc0 + uint64_t(c.qbuf * (S::kQTile >> 4));
-    take_turn();
-    ptx::mbar_wait(&full_k[st], kv_phase(kb, st, c.base));
-    ptx::wgmma_fence_regs(sacc);
-    ptx::wgmma_fence();
-    for (int s = 0; s < kQkSteps; ++s)
-      ptx::wgmma_m64n128k32_s8_ss(sacc, q_desc + uint64_t(s * 32 >> 4),
-                                  k_desc + uint64_t((st * S::kKTile + s * 32) >> 4),
-                                  /*accumulate=*/SAGE_SM90_SEED || s > 0);
-    ptx::wgmma_commit();
-  };
-  // P·V of block kb (in stage st, or a stage known at run time: st < 0 and stage_rt; A = pf).
-  auto issue_pv_at = [&](int st, int kb, uint32_t base) {
-    ptx::mbar_wait(&full_v[st], kv_phase(kb, st, base));
-    ptx::wgmma_fence_regs(o);
-    ptx::wgmma_fence();
-    for (int c = 0; c < 4; ++c)
-      pv_wgmma<D>(o, pf[c], v_desc + uint64_t((st * S::kVTile + c * 32) >> 4));
-    ptx::wgmma_commit();
-  };
-  auto issue_pv = [&](auto stage, int kb, uint32_t base) {
-    issue_pv_at(decltype(stage)::value, kb, base);
-  };
-  auto release = [&](uint64_t* bar) {
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(bar);
-  };
-
-  // Step kb (kb >= 1, in stage st; block kb-1 in the other), on entry pf = P^(kb-1): issue
-  // Q·Kᵀ(kb), then P·V(kb-1) behind it; wait for Q·Kᵀ(kb) only and run the softmax of kb while
-  // P·V(kb-1) is on the tensor cores; wait for it, O *= alpha, pf = P^(kb). Every wgmma of the
-  // loop is issued unconditionally (a conditional GEMM in the loop made ptxas serialize them
-  // all, C7514: block 0 is peeled, and the odd last block runs after the loop).
-  // (Two S register sets, Q·Kᵀ(kb+1) in flight during softmax(kb), need more than the 240
-  // registers a consumer gets: ptxas spilled ~1.2 KB.)
-  auto step = [&](auto stage, const Tile& c, int kb) {
-    constexpr int st = decltype(stage)::value;
-    using Prev = std::integral_constant<int, 1 - st>;
-    int sacc[64];
-    float f[2];
-    trace_event(trace_buf, kb, 0);
-    issue_qk(stage, sacc, f, c, kb);
-    trace_event(trace_buf, kb, 1);
-    issue_pv(Prev{}, kb - 1, c.base);
-    trace_event(trace_buf, kb, 2);
-    ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P·V(kb-1) may still run
-    ptx::wgmma_fence_regs(sacc);
-    pass_turn();
-    trace_event(trace_buf, kb, 3);
-    release(&empty_k[st]);
-    float alpha[2];
-    softmax_block(sacc, c, m, l, kb, f, alpha);
-    trace_event(trace_buf, kb, 4);
-    ptx::wgmma_wait<0>();  // P·V(kb-1) landed: O may be rescaled, pf rewritten
-    ptx::wgmma_fence_regs(o);
-    trace_event(trace_buf, kb, 5);
-    release(&empty_v[1 - st]);
-    rescale_o(alpha);
-    pack_p(sacc);
-    trace_event(trace_buf, kb, 6);
-  };
-  // Blocks 1 .. n-1 of tile c (block 0 done: pf = P^(0)); on return pf = P^(n-1), whose P·V is
-  // still to issue, and every Q·Kᵀ of the tile has landed (its Q buffer is released).
-  auto run_steps = [&](const Tile& c) {
-    const int n = c.ti.n_blocks;
-    int kb = 1;
-    for (; kb + 1 < n; kb += 2) {
-      step(Stage1{}, c, kb);
-      step(Stage0{}, c, kb + 1);
-    }
-    if (kb < n) step(Stage1{}, c, kb);
-    release(&empty_q[c.qbuf]);  // the producer (or the quantizing warps) may refill the buffer
-  };
-  // O / l · δ_V + v̄ of tile c into the output (and its LSE). `pending` cp.async groups may stay
-  // in flight (the next tile's V statistics).
-  auto epilogue = [&](const Tile& c, auto pending) {
-    ptx::cp_async_wait<decltype(pending)::value>();  // this tile's V scales and means landed
-    ptx::named_bar_sync(1 + consumer, 128);  // ... for every thread of the warpgroup
-    const float(&vst)[2][D] = v_stat[c.qbuf][consumer];
-    attn::finalize<D, OutT, 448>(
-        p, [&](int i, int e) { return o[4 * i + e]; }, m, l, c.ti.b, c.ti.h, c.ti.bh, c.row_a, t,
-        vst[0], vst[1]);
-  };
-  auto fresh = [&] {
-    m[0] = m[1] = -INFINITY;
-    l[0] = l[1] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[D / 2];
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-  };
-  using Zero = std::integral_constant<int, 0>;
-  using One = std::integral_constant<int, 1>;
+    // P^ of the previous block, the A operand of its P·V (issued one block late).
+    uint32_t pf[4][4];
+    ptx::mbar_wait(&full_q[qbuf], (it >> 1) & 1);
+    if (p.fused_q) q_scale_log2 = q_sc[qbuf][warp * 8 + g];
+    q_scale_log2 *= p.scale_log2;
+    tile_event(trace_buf, it, 2);
 
-  // The tiles of this CTA, one after another. Between two tiles that both see keys, the next
-  // tile's first Q·Kᵀ goes out with the finishing tile's last P·V and its softmax runs while that
-  // P·V is on the tensor cores (as any step), then the finishing tile's epilogue: a tile no
-  // longer begins with a lone Q·Kᵀ and softmax nor ends with a lone P·V. (Traced before this, at
-  // N = 1k D=128: ~8.5k cycles a tile outside the steady steps of ~2.4k each.)
-  int it = 0;
-  uint32_t base = 0;  // K/V barrier phases, as the producer's
-  TileInfo ti = read_tile(0);
-  while (!ti.done) {
-    Tile c = begin_tile(ti, it, base);
-    fresh();
-    if (ti.n_blocks == 0) {  // causal: no key visible to the tile (Q is never read)
-      release(&empty_q[c.qbuf]);
-      epilogue(c, Zero{});
-      ti = read_tile(++it);
-      continue;
-    }
-    {  // block 0 alone
-      int sacc[64];
-      float f[2], alpha[2];
-      issue_qk(Stage0{}, sacc, f, c, 0);
-      ptx::wgmma_wait<0>();
-      ptx::wgmma_fence_regs(sacc);
-      pass_turn();
-      release(&empty_k[0]);
-      softmax_block(sacc, c, m, l, 0, f, alpha);
-      pack_p(sacc);
-    }
-    for (;;) {
-      tile_event(trace_buf, it, 0);
-      run_steps(c);
-      tile_event(trace_buf, it, 1);
-      const int last = c.ti.n_blocks - 1;
-      ti = read_tile(it + 1);
-      const uint32_t next_b = next_base(c.base, c.ti.n_blocks);
-      if (ti.done || ti.n_blocks == 0) {  // the last P·V alone, then the epilogue
-        take_turn();
-        issue_pv_at(last & 1, last, c.base);
-        ptx::wgmma_wait<0>();
-        ptx::wgmma_fence_regs(o);
-        pass_turn();
-        release(&empty_v[last & 1]);
-        epilogue(c, Zero{});
-        ++it;
-        base = next_b;
-        break;  // the outer loop takes ti (or ends)
+    // The S accumulator starts at the bits of 1.5·2^23 (kMagic), so the exact int32 score x
+    // (|x| < 2^21 for int8 at D <= 128) comes out of the wgmma as the bits of the float
+    // 1.5·2^23 + x: the int -> float conversion costs nothing, the max can be taken on the bits,
+    // and the softmax of a visible score is one FFMA and one EX2:
+    //   P~ · 448 = 2^(x·f - m + log2 448) = 2^(y·f - bias),  y = 1.5·2^23 + x,
+    //   bias = 1.5·2^23·f + m - log2 448,
+    // where f = q_scale · k_scale · scale · log2 e. Rounding bias costs at most 0.75·f in the
+    // exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). The softmax
+    // writes P~ · 448 (the E4M3-range values P^ is packed from) over the scores, as float bits,
+    // and l sums them (finalize's kLUnit 448).
+    constexpr int kMagic = 0x4B400000;                    // the bits of kMagicF
+    // A score's accumulator word as the float 1.5·2^23 + x (seeded: it already is).
+    auto seeded = [](int v) { return __int_as_float(SAGE_SM90_SEED ? v : v + kMagic); };
+    constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
+    auto scales = [&](int kb, float(&f)[2]) {             // f of keys 0-63 and 64-127 of block kb
+      f[0] = q_scale_log2 * k_scale[(2 * kb) * mma::kKGroups + t];
+      f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * mma::kKGroups + t];
+    };
+    auto softmax_block = [&](int(&sacc)[64], int kb, const float(&f)[2], float(&alpha)[2]) {
+      float row_max[2], m_use[2];
+      float part[2][4] = {};          // four partial sums per row: short FADD chains
+      if (kb < first_masked_block) {  // every key visible to every row (CTA-uniform)
+        int mx[2][2];
+        for (int r = 0; r < 2; ++r)
+          for (int h = 0; h < 2; ++h) {  // a tree over the 16 scores of (row r, key half h)
+            int v[16];
+            for (int j = 0; j < 16; ++j) v[j] = sacc[32 * h + 4 * (j / 2) + 2 * r + (j & 1)];
+            for (int w = 16; w > 1; w /= 2)
+              for (int j = 0; j < w / 2; ++j) v[j] = max(v[j], v[j + w / 2]);
+            mx[r][h] = v[0];
+          }
+        for (int r = 0; r < 2; ++r)
+          row_max[r] = fmaxf((seeded(mx[r][0]) - kMagicF) * f[0],
+                             (seeded(mx[r][1]) - kMagicF) * f[1]);
+        attn::online_max(row_max, m, l, alpha, m_use);
+        float bias[2][2];
+        for (int r = 0; r < 2; ++r)
+          for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
+        for (int i = 0; i < 64; ++i) {
+          const float x = fmaf(seeded(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
+          const float e = i % kPolyEvery == kPolyEvery - 1 ? exp2_poly(x) : ptx::ex2(x);
+          part[(i / 2) & 1][i / 16] += e;
+          sacc[i] = __float_as_int(e);
+        }
+      } else {  // the diagonal and the Nk edge: scores as floats, hidden ones -inf
+        int visible[2];
+        attn::visible_keys<kCausal, kBlockK>(p, row_a, int64_t(kb) * kBlockK, visible);
+        row_max[0] = row_max[1] = -INFINITY;
+        for (int i = 0; i < 64; ++i) {
+          const bool hidden = (i / 4) * 8 + 2 * t + (i & 1) >= visible[(i / 2) & 1];
+          const float x = hidden ? -INFINITY : (seeded(sacc[i]) - kMagicF) * f[i / 32];
+          row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], x);
+          sacc[i] = __float_as_int(x);
+        }
+        attn::online_max(row_max, m, l, alpha, m_use);
+        for (int i = 0; i < 64; ++i) {
+          const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[(i / 2) & 1] - kLog2E4m3Max));
+          part[(i / 2) & 1][i / 16] += e;
+          sacc[i] = __float_as_int(e);
+        }
       }
-      ++it;
-      const Tile n = begin_tile(ti, it, next_b);
-      tile_event(trace_buf, it - 1, 2);
+      for (int r = 0; r < 2; ++r) l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
+    };
+    auto pack_p = [&](const int(&pe)[64]) {
+      attn::pack_p_e4m3(pf, [&](int n, int e) { return __int_as_float(pe[4 * n + e]); });
+    };
+    // O *= alpha, skipped when no row of the warp saw its max move (most blocks after the first
+    // few): a warp-uniform branch outside any wgmma's flight.
+    auto rescale_o = [&](const float(&alpha)[2]) {
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
+        for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
+    };
+
+    // Descriptors: computed once, a stage and a k-step add (bytes >> 4) to the start address.
+    const uint64_t q_desc = ptx::wgmma_desc<D>(q_wg);
+    const uint64_t k_desc = ptx::wgmma_desc<D>(k_tiles);
+    const uint64_t v_desc = ptx::wgmma_desc<128>(v_tiles);
+    // The ring has two stages and the loop runs two blocks per turn, so a block's stage is a
+    // compile-time constant (its descriptors, barriers and offsets fold into immediates) and its
+    // barrier phase is bit 1 of the block index.
+    static_assert(kStages == 2, "the consumer loop is unrolled over a two-stage ring");
+    using Stage0 = std::integral_constant<int, 0>;
+    using Stage1 = std::integral_constant<int, 1>;
+    // Q·Kᵀ of block kb (in stage st) into sacc (seeded with kMagic, or from zero with
+    // SAGE_SM90_SEED=0), and its scales into f.
+    auto issue_qk = [&](auto stage, int(&sacc)[64], float(&f)[2], int kb) {
+      constexpr int st = decltype(stage)::value;
+      if (SAGE_SM90_SEED)
+        for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
+      scales(kb, f);  // loaded before the wait: the wgmma asm orders memory, the load hides behind
+      take_turn();
+      ptx::mbar_wait(&full_k[st], kv_phase(kb, st, base));
+      ptx::wgmma_fence_regs(sacc);
+      ptx::wgmma_fence();
+      for (int s = 0; s < kQkSteps; ++s)
+        ptx::wgmma_m64n128k32_s8_ss(sacc, q_desc + uint64_t(s * 32 >> 4),
+                                    k_desc + uint64_t((st * S::kKTile + s * 32) >> 4),
+                                    /*accumulate=*/SAGE_SM90_SEED || s > 0);
+      ptx::wgmma_commit();
+    };
+    // P·V of block kb (in stage st; A = pf).
+    auto issue_pv = [&](auto stage, int kb) {
+      constexpr int st = decltype(stage)::value;
+      ptx::mbar_wait(&full_v[st], kv_phase(kb, st, base));
+      ptx::wgmma_fence_regs(o);
+      ptx::wgmma_fence();
+      for (int c = 0; c < 4; ++c)
+        pv_wgmma<D>(o, pf[c], v_desc + uint64_t((st * S::kVTile + c * 32) >> 4));
+      ptx::wgmma_commit();
+    };
+    auto release = [&](uint64_t* bar) {
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(bar);
+    };
+
+    // Step kb (kb >= 1, in stage st; block kb-1 in the other), on entry pf = P^(kb-1): issue
+    // Q·Kᵀ(kb), then P·V(kb-1) behind it; wait for Q·Kᵀ(kb) only and run the softmax of kb while
+    // P·V(kb-1) is on the tensor cores; wait for it, O *= alpha, pf = P^(kb). Every wgmma of the
+    // loop is issued unconditionally (a conditional GEMM in the loop made ptxas serialize them
+    // all, C7514: block 0 is peeled, and the odd last block runs after the loop).
+    // (Two S register sets, Q·Kᵀ(kb+1) in flight during softmax(kb), need more than the 240
+    // registers a consumer gets: ptxas spilled ~1.2 KB.)
+    auto step = [&](auto stage, int kb) {
+      constexpr int st = decltype(stage)::value;
+      using Prev = std::integral_constant<int, 1 - st>;
       int sacc[64];
-      float f[2], alpha[2], m2[2] = {-INFINITY, -INFINITY}, l2[2] = {0.0f, 0.0f};
-      issue_qk(Stage0{}, sacc, f, n, 0);
-      issue_pv_at(last & 1, last, c.base);
-      ptx::wgmma_wait<1>();  // Q·Kᵀ(n, 0) is ready; P·V(c, last) may still run
+      float f[2];
+      trace_event(trace_buf, kb, 0);
+      issue_qk(stage, sacc, f, kb);
+      trace_event(trace_buf, kb, 1);
+      issue_pv(Prev{}, kb - 1);
+      trace_event(trace_buf, kb, 2);
+      ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P·V(kb-1) may still run
       ptx::wgmma_fence_regs(sacc);
       pass_turn();
-      release(&empty_k[0]);
-      softmax_block(sacc, n, m2, l2, 0, f, alpha);
-      ptx::wgmma_wait<0>();  // P·V(c, last) landed: c's O is complete
+      trace_event(trace_buf, kb, 3);
+      release(&empty_k[st]);
+      float alpha[2];
+      softmax_block(sacc, kb, f, alpha);
+      trace_event(trace_buf, kb, 4);
+      ptx::wgmma_wait<0>();  // P·V(kb-1) landed: O may be rescaled, pf rewritten
       ptx::wgmma_fence_regs(o);
-      release(&empty_v[last & 1]);
-      tile_event(trace_buf, it - 1, 3);
-      epilogue(c, One{});  // n's V statistics may still be on their way
-      tile_event(trace_buf, it - 1, 4);
-      m[0] = m2[0], m[1] = m2[1], l[0] = l2[0], l[1] = l2[1];
-      for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+      trace_event(trace_buf, kb, 5);
+      release(&empty_v[1 - st]);
+      rescale_o(alpha);
       pack_p(sacc);
-      c = n;
+      trace_event(trace_buf, kb, 6);
+    };
+
+    if (n_blocks > 0) {
+      {
+        int sacc[64];
+        float f[2], alpha[2];
+        issue_qk(Stage0{}, sacc, f, 0);
+        ptx::wgmma_wait<0>();
+        ptx::wgmma_fence_regs(sacc);
+        pass_turn();
+        release(&empty_k[0]);
+        softmax_block(sacc, 0, f, alpha);
+        pack_p(sacc);
+      }
+      tile_event(trace_buf, it, 3);
+      int kb = 1;
+      for (; kb + 1 < n_blocks; kb += 2) {
+        step(Stage1{}, kb);
+        step(Stage0{}, kb + 1);
+      }
+      if (kb < n_blocks) step(Stage1{}, kb);
+      tile_event(trace_buf, it, 4);
+      // The last block's P·V (in turn, like every GEMM issue: both consumers take and pass the
+      // turn n_blocks + 1 times; the arrival consumer 1 began with is left over at exit).
+      release(
+          &empty_q[qbuf]);  // every Q·Kᵀ of the tile has landed: the producer may reuse the buffer
+      take_turn();
+      if ((n_blocks - 1) & 1)
+        issue_pv(Stage1{}, n_blocks - 1);
+      else
+        issue_pv(Stage0{}, n_blocks - 1);
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(o);
+      pass_turn();
+      release(&empty_v[(n_blocks - 1) % kStages]);
+      tile_event(trace_buf, it, 5);
+    } else {
+      release(&empty_q[qbuf]);  // no key visible to the tile (causal): Q was never read
     }
-  }
+
+    ptx::cp_async_wait<0>();  // this warpgroup's copy of the V scales and means has landed
+    ptx::named_bar_sync(1 + consumer, 128);
+    attn::finalize<D, OutT, 448>(
+        p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, row_a, t, vst[0], vst[1]);
+    tile_event(trace_buf, it, 6);
+    base = next_base(base, n_blocks);
+  }  // tile loop
 #endif
 }
 

@@ -122,21 +122,26 @@ inline void print_trace(const uint32_t* dev, int d, bool causal, int64_t seq_kv)
                int(causal), (long long)seq_kv, n);
   for (int i = 0; i < 7; ++i) std::fprintf(stderr, " %s %.0f;", names[i], n ? sum[i] / n : 0.0);
   std::fprintf(stderr, "\n");
-  const char* tnames[5] = {"pack + next tile's steps begin", "steps 1..n-1", "read next + wait Q",
-                           "Q·Kᵀ(next, 0) + softmax with last P·V", "epilogue"};
-  double ts[5] = {};
+  const char* tnames[7] = {"gap from last epilogue", "read tile", "wait Q", "block 0",
+                           "blocks 1..n-1", "last PV", "epilogue"};
+  double ts[7] = {};
   int tn = 0;
   for (int c = 0; c < kTraceCtas; ++c)
     for (int w = 0; w < kConsumerWarps; ++w)
       for (int it = 1; it < kTraceTiles - 1; ++it) {
         const uint32_t *e = tev(c, w, it), *prev = tev(c, w, it - 1);
-        if (e[4] == 0 || prev[4] == 0) continue;
-        ts[0] += double(e[0] - prev[4]);
-        for (int i = 1; i < 5; ++i) ts[i] += double(e[i] - e[i - 1]);
+        if (e[6] == 0 || prev[6] == 0) continue;
+        ts[0] += double(e[0] - prev[6]);
+        for (int i = 1; i < 7; ++i) ts[i] += double(e[i] - e[i - 1]);
         ++tn;
       }
   std::fprintf(stderr, "[trace] tiles, mean cycles over %d warp-tiles:", tn);
-  for (int i = 0; i < 5; ++i) std::fprintf(stderr, " %s %.0f;", tnames[i], tn ? ts[i] / tn : 0.0);
+  for (int i = 0; i < 7; ++i) std::fprintf(stderr, " %s %.0f;", tnames[i], tn ? ts[i] / tn : 0.0);
+  for (int w : {0, 4}) {
+    std::fprintf(stderr, "\n[trace] tile 0, CTA 0 warp %d:", w);
+    const uint32_t* e = tev(0, w, 0);
+    for (int i = 1; i < 7; ++i) std::fprintf(stderr, " %s %d;", tnames[i], int(e[i] - e[i - 1]));
+  }
   std::fprintf(stderr, "\n");
 }
 #endif
