@@ -99,6 +99,18 @@ constexpr int kQuantWarps = 3;
 // Slots of the ring through which the producer thread tells the CTA its tiles (one round ahead).
 constexpr int kSchedSlots = 4;
 
+// A tile as the producer thread decodes it, once, for the whole CTA (the consumers and the
+// quantizing warps used to divide the 64-bit tile number themselves: four 64-bit divisions, a
+// software routine each, per thread and tile).
+struct TileInfo {
+  int64_t bh;        // batch · heads_q + query head
+  int32_t qb;        // query block
+  int32_t n_blocks;  // key blocks the tile sees (0 only when causal hides every key)
+  int32_t b, h;      // batch, query head
+  int32_t bhk;       // batch · heads_kv + its KV head
+  int32_t done;      // past the last tile: the loops end here
+};
+
 // Quantizes the staged Q tile (128 rows x D fp16/bf16, row-major, rows past seq_q zero: TMA's
 // out-of-bounds fill) as the pre-pass's quant_q does: INT8 per thread group (rows g, g+8 of each
 // 16-row slab: the rows one consumer thread's accumulator holds), scale max|q| / 127, into the
@@ -131,8 +143,15 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
     for (int m = 1; m < kLanesPerGroup; m *= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
     const QuantScale sc = make_quant_scale(amax, float(kInt8Max));
+    // As quant_q: without NaN or infinity among this lane's elements and with a finite scale, no
+    // product can leave [-127, 127] and none is NaN, so the clamp and the NaN test are skipped.
+    uint32_t bad = 0u;
+    for (int c = 0; c < kChunks; ++c)
+      bad |= quant::special2<T>(w[c].x) | quant::special2<T>(w[c].y) |
+             quant::special2<T>(w[c].z) | quant::special2<T>(w[c].w);
+    const bool fast = bad == 0u && amax <= 3.402823466e38f && sc.inv <= 3.402823466e38f;
     quant::quantize_store_row_part<T, D, 8>(
-        q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), /*fast=*/false,
+        q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast,
         0xFFFFFFFFu, [r](int d0) {
           const uint32_t off = uint32_t(r * D + d0);
           return int(off ^ (((off >> 7) & kSwizzle) << 4));
@@ -254,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       empty_k[kStages], empty_v[kStages], full_staged;
   // The tile of each of this CTA's rounds, published by the producer thread one round ahead
   // (slot it % kSchedSlots; full: published, empty: read by every consumer and quantizing thread).
-  __shared__ int64_t sched[kSchedSlots];
+  __shared__ TileInfo sched[kSchedSlots];
   __shared__ __align__(8) uint64_t sched_full[kSchedSlots], sched_empty[kSchedSlots];
 
   // Persistent: tiles (query block, batch·head) are numbered head-major, so a head's K and V stay
@@ -271,24 +290,28 @@ __global__ void __launch_bounds__(kThreads, 1)
       return round == 0 ? int64_t(blockIdx.x) : int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1u);
     return int64_t(round) * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
   };
+  auto decode = [&](int64_t tile) {  // the producer thread, once per tile
+    TileInfo ti{};
+    ti.done = tile >= tiles;
+    if (ti.done) return ti;
+    ti.bh = tile / p.q_blocks;
+    const int64_t qb = kCausal ? p.q_blocks - 1 - tile % p.q_blocks : tile % p.q_blocks;
+    ti.qb = int32_t(qb);
+    const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
+    const int64_t kv_end = kCausal ? min(p.seq_kv, last_row + p.causal_offset + 1) : p.seq_kv;
+    ti.n_blocks = kv_end > 0 ? int32_t((kv_end + kBlockK - 1) / kBlockK) : 0;
+    ti.b = int32_t(ti.bh / p.heads_q);
+    ti.h = int32_t(ti.bh % p.heads_q);
+    ti.bhk = int32_t(ti.b * p.heads_kv + ti.h / (p.heads_q / p.heads_kv));
+    return ti;
+  };
   // Everyone else reads a round's tile from the ring (and releases the slot).
   auto read_tile = [&](int round) {
     const int slot = round % kSchedSlots;
     ptx::mbar_wait(&sched_full[slot], (round / kSchedSlots) & 1);
-    const int64_t tile = sched[slot];
+    const TileInfo ti = sched[slot];
     ptx::mbar_arrive(&sched_empty[slot]);
-    return tile;
-  };
-  auto tile_at = [&](int64_t tile, int64_t& qb, int64_t& bh, int& n_blocks) {
-    bh = tile / p.q_blocks;
-    qb = kCausal ? p.q_blocks - 1 - tile % p.q_blocks : tile % p.q_blocks;
-    const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
-    const int64_t kv_end = kCausal ? min(p.seq_kv, last_row + p.causal_offset + 1) : p.seq_kv;
-    n_blocks = kv_end > 0 ? int((kv_end + kBlockK - 1) / kBlockK) : 0;
-  };
-  auto kv_head = [&](int64_t bh) {
-    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-    return b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+    return ti;
   };
   // Barrier phases across tiles: a tile's blocks use stages 0, 1, 0, ... from stage 0, so stage s
   // is used ceil(n/2) (s = 0) or floor(n/2) times; bit s of `base` flips with that parity, and
@@ -337,71 +360,61 @@ __global__ void __launch_bounds__(kThreads, 1)
       // quantizing thread has read this one.
       const int qt = threadIdx.x - 32;
       uint8_t* staged = v_tiles + kStages * S::kVTile;
-      auto stage_q = [&](int64_t tile) {
-        int64_t qb, bh;
-        int n_blocks;
-        tile_at(tile, qb, bh, n_blocks);
+      auto stage_q = [&](const TileInfo& ti) {
         ptx::mbar_arrive_expect_tx(&full_staged, S::kQStaged);
-        ptx::tma_load_4d(staged, &maps.q_in, &full_staged, 0, int(qb * kBlockQ),
-                         int(bh % p.heads_q), int(bh / p.heads_q));
+        ptx::tma_load_4d(staged, &maps.q_in, &full_staged, 0, ti.qb * kBlockQ, ti.h, ti.b);
       };
-      int64_t tile = read_tile(0);
-      if (qt == 0 && tile < tiles) stage_q(tile);
-      for (int it = 0; tile < tiles; ++it) {
-        int64_t qb, bh;
-        int n_blocks;
-        tile_at(tile, qb, bh, n_blocks);
+      TileInfo ti = read_tile(0);
+      if (qt == 0 && !ti.done) stage_q(ti);
+      for (int it = 0; !ti.done; ++it) {
         const int qbuf = it & 1;
         ptx::mbar_wait(&full_staged, it & 1);
         ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
         quantize_q_tile<D, OutT>(staged, q_tiles + qbuf * S::kQTile, q_sc[qbuf], qt,
-                                 p.lse ? p.k_mean + kv_head(bh) * D : nullptr,
-                                 p.lse_shift + bh * p.seq_q, qb * kBlockQ, p.seq_q, p.scale);
+                                 p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr,
+                                 p.lse_shift + ti.bh * p.seq_q, int64_t(ti.qb) * kBlockQ,
+                                 p.seq_q, p.scale);
         ptx::fence_proxy_async_smem();  // the INT8 tile is read by wgmma (the async proxy)
         ptx::named_bar_sync(kQuantBar, kQuantWarps * 32);  // the staged tile is free
         ptx::mbar_arrive(&full_q[qbuf]);
-        tile = read_tile(it + 1);
-        if (qt == 0 && tile < tiles) stage_q(tile);
+        ti = read_tile(it + 1);
+        if (qt == 0 && !ti.done) stage_q(ti);
       }
       return;
     }
     if (threadIdx.x == 0) {
-      auto publish = [&](int round, int64_t tile) {
+      auto publish = [&](int round, const TileInfo& ti) {
         const int slot = round % kSchedSlots;
         ptx::mbar_wait(&sched_empty[slot], ((round / kSchedSlots) & 1) ^ 1);  // first: at once
-        sched[slot] = tile;
+        sched[slot] = ti;
         ptx::mbar_arrive(&sched_full[slot]);  // releases the write
       };
       uint32_t base = 0;
-      int64_t tile = tile_of(0);
-      publish(0, tile);
-      for (int it = 0; tile < tiles; ++it) {
+      TileInfo ti = decode(tile_of(0));
+      publish(0, ti);
+      for (int it = 0; !ti.done; ++it) {
         // One round ahead: the quantizing warps prepare the next tile's Q during this one.
-        const int64_t next = tile_of(it + 1);
+        const TileInfo next = decode(tile_of(it + 1));
         publish(it + 1, next);
-        int64_t qb, bh;
-        int n_blocks;
-        tile_at(tile, qb, bh, n_blocks);
-        const int64_t bhk = kv_head(bh);
         const int qbuf = it & 1;
         if (!p.fused_q) {
           ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
           ptx::mbar_arrive_expect_tx(&full_q[qbuf], S::kQTile);
           ptx::tma_load_3d(q_tiles + qbuf * S::kQTile, &maps.q, &full_q[qbuf], 0,
-                           int(qb * kBlockQ), int(bh));
+                           ti.qb * kBlockQ, int(ti.bh));
         }
-        for (int kb = 0; kb < n_blocks; ++kb) {
+        for (int kb = 0; kb < ti.n_blocks; ++kb) {
           const int s = kb % kStages;
           const uint32_t parity = kv_phase(kb, s, base) ^ 1;  // the first round passes at once
           ptx::mbar_wait(&empty_k[s], parity);
           ptx::mbar_arrive_expect_tx(&full_k[s], S::kKTile);
-          ptx::tma_load_3d(k_tiles + s * S::kKTile, &maps.k, &full_k[s], 0, kb * kBlockK, int(bhk));
+          ptx::tma_load_3d(k_tiles + s * S::kKTile, &maps.k, &full_k[s], 0, kb * kBlockK, ti.bhk);
           ptx::mbar_wait(&empty_v[s], parity);
           ptx::mbar_arrive_expect_tx(&full_v[s], S::kVTile);
-          ptx::tma_load_3d(v_tiles + s * S::kVTile, &maps.v, &full_v[s], kb * kBlockK, 0, int(bhk));
+          ptx::tma_load_3d(v_tiles + s * S::kVTile, &maps.v, &full_v[s], kb * kBlockK, 0, ti.bhk);
         }
-        base = next_base(base, n_blocks);
-        tile = next;
+        base = next_base(base, ti.n_blocks);
+        ti = next;
       }
       // Causal: every CTA has drawn past the last tile; the last one out zeroes the counters for
       // the next launch.
@@ -434,13 +447,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t base = 0;  // barrier phases across tiles, as the producer's
   for (int it = 0;; ++it) {
     tile_event(trace_buf, it, 0);
-    const int64_t tile = read_tile(it);
-    if (tile >= tiles) break;
+    const TileInfo ti = read_tile(it);
+    if (ti.done) break;
     tile_event(trace_buf, it, 1);
-    int64_t qb, bh;
-    int n_blocks;
-    tile_at(tile, qb, bh, n_blocks);
-    const int64_t b = bh / p.heads_q, h = bh % p.heads_q, bhk = kv_head(bh);
+    const int64_t qb = ti.qb, bh = ti.bh, b = ti.b, h = ti.h, bhk = ti.bhk;
+    const int n_blocks = ti.n_blocks;
     const int64_t row_a = qb * kBlockQ + warp * 16 + g;
     const int64_t first_row = qb * kBlockQ;
     const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
