@@ -1,12 +1,11 @@
 // SageAttention2-8b on Hopper (sm_90a): wgmma s8·s8→s32 for Q·Kᵀ and E4M3 for P̃·V, K and Vᵀ
 // tiles brought by TMA onto mbarriers, warp specialization: warpgroup 0 produces (one thread
-// issues the TMA loads, the rest give their registers back with setmaxnreg), warpgroups 1 and 2
-// consume 64 query rows each. The Q tile (pre-quantized) also arrives by TMA. Persistent (the
-// non-causal launch; causal launches one CTA per tile, launch.cuh): one CTA per SM walks its
-// tiles (query block, head); the producer loads the next tile's Q (double buffered) and first
-// K/Vᵀ blocks while the consumers finish the current one, so a tile's load latency and
-// epilogue no longer sit between tiles. Launched as a programmatic dependent of the
-// pre-pass (griddepcontrol.wait before the first global read).
+// schedules the tiles and issues the TMA loads; warps 1-3 quantize Q from the caller's fp16/bf16
+// with fused_q, else Q arrives pre-quantized by TMA), warpgroups 1 and 2 consume 64 query rows
+// each. Persistent for both masks: one CTA per SM walks its tiles (query block, head), drawn
+// statically (non-causal) or from a global counter (causal); the producer loads the next tile's
+// Q (double buffered) and first K/Vᵀ blocks while the consumers finish the current one. Launched
+// as a programmatic dependent of the pre-pass (griddepcontrol.wait before the first global read).
 //
 // It reads the same pre-pass products as the mma.sync kernel (attn/mma/params.h) and does the
 // same arithmetic: a warp owns 16 query rows (one Q scale for rows g, g+8), K scales per 64-key
