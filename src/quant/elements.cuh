@@ -66,6 +66,23 @@ __device__ __forceinline__ uint32_t special2(uint32_t w) {
   return ((w & Bits<T>::kExp2) + Bits<T>::kExpOne2) & 0x80008000u;
 }
 
+// Non-zero when an element of the chunks is Inf or NaN (special2 over every word).
+template <typename T, int N>
+__device__ __forceinline__ uint32_t special_any(const uint4 (&raw)[N]) {
+  uint32_t bad = 0u;
+  for (int c = 0; c < N; ++c)
+    bad |= special2<T>(raw[c].x) | special2<T>(raw[c].y) | special2<T>(raw[c].z) |
+           special2<T>(raw[c].w);
+  return bad;
+}
+
+// With finite elements, a finite group max and a finite scale, no product x·inv leaves
+// [-qmax, qmax] and none is NaN: quantize_store_row_part may take its fast path (no clamp, no
+// NaN test).
+__device__ __forceinline__ bool finite_scale(float amax, float inv) {
+  return amax <= 3.402823466e38f && inv <= 3.402823466e38f;
+}
+
 // Element i (0..7) of 8 raw elements, as its 16 bits (element 0 in the low half of w.x).
 __device__ __forceinline__ uint32_t elem_bits(const uint4& w, int i) {
   const uint32_t word = i < 2 ? w.x : i < 4 ? w.y : i < 6 ? w.z : w.w;

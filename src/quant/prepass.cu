@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(256, 3)
   const QuantScale s = make_quant_scale(amax, qmax);
   if (threadIdx.x < 32 && threadIdx.x % 8 == 0)
     k_scale[(int64_t(bh) * k_blocks + kb) * mma::kKGroups + t] = s.scale;
-  const bool fast = !k_nan && amax <= 3.402823466e38f && s.inv <= 3.402823466e38f;
+  const bool fast = !k_nan && finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
   quantize_store_row_part<T, D, kBits>(
       kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8), kr,
@@ -445,10 +445,7 @@ __global__ void __launch_bounds__(512, 2)
   // x - mean, or x itself without smoothing (x - 0 is x, -0 included).
   auto centered = [&](float x, int c) { return kSmooth ? __fsub_rn(x, mean[c]) : x; };
 
-  uint32_t bad = 0u;
-  for (int ci = 0; ci < kChunks; ++ci)
-    bad |= special2<T>(raw[ci].x) | special2<T>(raw[ci].y) | special2<T>(raw[ci].z) |
-           special2<T>(raw[ci].w);
+  const uint32_t bad = special_any<T>(raw);
   float amax = 0.0f;
   if (!kSmooth && bad == 0u) {
     // max |x| on the bits: both halves of a word at once (unsigned 16-bit lanes).
@@ -501,7 +498,7 @@ __global__ void __launch_bounds__(512, 2)
   const QuantScale s = make_quant_scale(amax, qmax);
   if (part == 0 && r % 16 < 8)
     q_scale[(int64_t(bh) * q_blocks + qb) * mma::kQGroups + (r / 16) * 8 + r % 8] = s.scale;
-  const bool fast = bad == 0u && !mean_special && amax <= 3.402823466e38f && s.inv <= 3.402823466e38f;
+  const bool fast = bad == 0u && !mean_special && finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
   quantize_store_row_part<T, D, kBits>(qq + (int64_t(bh) * nq_pad + row) * (D * kBits / 8), raw,
                                        centered, part, s.inv, qmax, fast, keep);

@@ -144,11 +144,7 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
     const QuantScale sc = make_quant_scale(amax, float(kInt8Max));
     // As quant_q: without NaN or infinity among this lane's elements and with a finite scale, no
     // product can leave [-127, 127] and none is NaN, so the clamp and the NaN test are skipped.
-    uint32_t bad = 0u;
-    for (int c = 0; c < kChunks; ++c)
-      bad |= quant::special2<T>(w[c].x) | quant::special2<T>(w[c].y) |
-             quant::special2<T>(w[c].z) | quant::special2<T>(w[c].w);
-    const bool fast = bad == 0u && amax <= 3.402823466e38f && sc.inv <= 3.402823466e38f;
+    const bool fast = quant::special_any<T>(w) == 0u && quant::finite_scale(amax, sc.inv);
     quant::quantize_store_row_part<T, D, 8>(
         q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast,
         0xFFFFFFFFu, [r](int d0) {
