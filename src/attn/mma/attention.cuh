@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
 
   const int64_t qb = blockIdx.x, bh = blockIdx.y;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+  const int64_t bhk = p.kv_head(b, h);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row_a = qb * kBlockQ + warp * 16 + g;
 

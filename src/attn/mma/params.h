@@ -115,6 +115,11 @@ struct AttnParams {
   unsigned* tile_counter;  // sm90 causal: {next tile, CTAs done}, 0 on entry and on exit
   const void* q_in;        // the caller's Q (fp16/bf16, as o's dtype), strides in elements
   int64_t q_in_batch, q_in_head, q_in_token;
+
+  // The K/V head (batch · heads_kv + KV head) query head h of batch b reads (GQA).
+  SAGE_HOST_DEVICE int64_t kv_head(int64_t b, int64_t h) const {
+    return b * heads_kv + h / (heads_q / heads_kv);
+  }
 };
 
 }  // namespace sage::mma

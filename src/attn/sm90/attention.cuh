@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     ti.n_blocks = kv_end > 0 ? int32_t((kv_end + kBlockK - 1) / kBlockK) : 0;
     ti.b = int32_t(ti.bh / p.heads_q);
     ti.h = int32_t(ti.bh % p.heads_q);
-    ti.bhk = int32_t(ti.b * p.heads_kv + ti.h / (p.heads_q / p.heads_kv));
+    ti.bhk = int32_t(p.kv_head(ti.b, ti.h));
     return ti;
   };
   // Everyone else reads a round's tile from the ring (and releases the slot).
