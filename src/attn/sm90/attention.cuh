@@ -116,13 +116,14 @@ struct TileInfo {
 // INT8 tile in the layout the Q·Kᵀ wgmma reads (TMA's 128-byte swizzle for 128-byte rows, 64-byte
 // for 64-byte rows), and the group scales into q_sc. With km (this KV head's K mean; LSE asked
 // for) also each row's LSE shift scale · q·k_mean (exact products summed in double, as quant_q).
-// qt: the thread's index among the kQuantWarps·32 quantizing threads. Eight lanes take a group
+// qt: the thread's index among the n_warps·32 quantizing threads. Eight lanes take a group
 // (four a row, D/32 16-byte chunks each: a three-step max), a warp four groups at a time: the
 // latency of a pass (shared loads, shuffles, two divisions) is paid 6 times a tile, not 22.
 template <int D, typename T>
 __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* q_tile, float* q_sc,
-                                                int qt, const float* km, float* shift,
-                                                int64_t row0, int64_t seq_q, float scale) {
+                                                int qt, int n_warps, const float* km,
+                                                float* shift, int64_t row0, int64_t seq_q,
+                                                float scale) {
   constexpr int kLanesPerGroup = 8, kGroupsPerPass = 32 / kLanesPerGroup;
   constexpr int kChunks = D / 32;                     // 16-byte chunks per lane: c·4 + part
   constexpr uint32_t kSwizzle = D == 128 ? 7u : 3u;  // 16-byte chunk ^= (byte offset >> 7) & this
@@ -130,7 +131,7 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
   const int hi = li / 4, part = li % 4;
 #pragma unroll 1
   for (int g0 = (qt / 32) * kGroupsPerPass; g0 < mma::kQGroups;
-       g0 += kQuantWarps * kGroupsPerPass) {
+       g0 += n_warps * kGroupsPerPass) {
     const int grp = g0 + lane / kLanesPerGroup;
     const int r = 16 * (grp / 8) + grp % 8 + 8 * hi;
     uint4 w[kChunks];
@@ -189,8 +190,13 @@ constexpr int kPolyEvery = 4;
 
 // Named barriers: 0 is __syncthreads; 1, 2 sync one consumer warpgroup (the epilogue); 3, 4 are
 // the consumers' turns to issue their GEMMs (ptx::turn_wait / turn_pass, base kTurnBar); 5 syncs
-// the Q-quantizing warps (kQuantBar).
-constexpr int kTurnBar = 3, kQuantBar = 5;
+// the Q-quantizing warps (kQuantBar); 6 syncs them with both consumer warpgroups for the CTA's first
+// Q tile (kFirstQBar, below).
+constexpr int kTurnBar = 3, kQuantBar = 5, kFirstQBar = 6;
+// The CTA's first Q tile (fused_q) is quantized by warps 1-3 and both consumer warpgroups together:
+// nothing else can start before it, and warps 1-3 alone took ~18k cycles for it (tile trace,
+// N = 1k: about 7 % of the kernel), their six passes latency-bound.
+constexpr int kFirstQWarps = kQuantWarps + kConsumerWarps;
 
 // 1.5·2^23: a float whose unit in the last place is 1, so adding it rounds to an integer held in
 // the low mantissa bits (exp2_poly), and its bits plus an int32 x are the float 1.5·2^23 + x (the
@@ -365,12 +371,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int qbuf = it & 1;
         ptx::mbar_wait(&full_staged, it & 1);
         ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
-        quantize_q_tile<D, OutT>(staged, q_tiles + qbuf * S::kQTile, q_sc[qbuf], qt,
+        // The first tile with the consumers (quantizing threads 96 .. 351 are theirs).
+        const int n_warps = it == 0 ? kFirstQWarps : kQuantWarps;
+        quantize_q_tile<D, OutT>(staged, q_tiles + qbuf * S::kQTile, q_sc[qbuf], qt, n_warps,
                                  p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr,
                                  p.lse_shift + ti.bh * p.seq_q, int64_t(ti.qb) * kBlockQ,
                                  p.seq_q, p.scale);
         ptx::fence_proxy_async_smem();  // the INT8 tile is read by wgmma (the async proxy)
-        ptx::named_bar_sync(kQuantBar, kQuantWarps * 32);  // the staged tile is free
+        if (it == 0)  // every quantizing thread, the consumers' too: the staged tile is free
+          ptx::named_bar_sync(kFirstQBar, kFirstQWarps * 32);
+        else
+          ptx::named_bar_sync(kQuantBar, kQuantWarps * 32);  // the staged tile is free
         ptx::mbar_arrive(&full_q[qbuf]);
         ti = read_tile(it + 1);
         if (qt == 0 && !ti.done) stage_q(ti);
@@ -475,6 +486,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
     // P^ of the previous block, the A operand of its P·V (issued one block late).
     uint32_t pf[4][4];
+    if (p.fused_q && it == 0) {
+      // The CTA's first Q tile: quantized with warps 1-3 (kFirstQWarps), then released by them.
+      ptx::mbar_wait(&full_staged, 0);
+      quantize_q_tile<D, OutT>(v_tiles + kStages * S::kVTile, q_tiles, q_sc[0],
+                               kQuantWarps * 32 + threadIdx.x - 128, kFirstQWarps,
+                               p.lse ? p.k_mean + bhk * D : nullptr, p.lse_shift + bh * p.seq_q,
+                               qb * kBlockQ, p.seq_q, p.scale);
+      ptx::fence_proxy_async_smem();
+      ptx::named_bar_sync(kFirstQBar, kFirstQWarps * 32);
+    }
     ptx::mbar_wait(&full_q[qbuf], (it >> 1) & 1);
     if (p.fused_q) q_scale_log2 = q_sc[qbuf][warp * 8 + g];
     q_scale_log2 *= p.scale_log2;
