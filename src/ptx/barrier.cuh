@@ -11,23 +11,40 @@ __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// A turn between two groups of 128 threads, threads 128..255 (group 0) and 256..383 (group 1):
-// group g waits on barrier kBase + g and signals the other group's, each barrier counting 256.
-// The barrier id is computed from %tid.x inside the asm each time: a kernel that kept it in a
-// register across its main loop had ptxas spill it.
-template <int kBase>
+// A turn passed around kGroups groups of 128 threads (threads 128·(g+1) .. 128·(g+2) - 1 form
+// group g: the warpgroups after the first): group g waits on barrier kBase + g and passes the turn
+// by arriving on the next group's, kBase + (g + 1) % kGroups; each barrier counts 256 (the waiter
+// and the passer). The barrier id is computed from %tid.x inside the asm each time: a kernel
+// that kept it in a register across its main loop had ptxas spill it.
+template <int kBase, int kGroups = 2>
 __device__ __forceinline__ void turn_wait() {
-  asm volatile(
-      "{\n.reg .u32 t;\nmov.u32 t, %%tid.x;\nshr.u32 t, t, 8;\nadd.u32 t, t, %0;\n"
-      "bar.sync t, 256;\n}" ::"n"(kBase)
-      : "memory");
+  static_assert(kGroups == 2 || kGroups == 3, "two or three groups");
+  if constexpr (kGroups == 2) {  // tid >> 8: 0 for threads 128..255, 1 for 256..383
+    asm volatile(
+        "{\n.reg .u32 t;\nmov.u32 t, %%tid.x;\nshr.u32 t, t, 8;\nadd.u32 t, t, %0;\n"
+        "bar.sync t, 256;\n}" ::"n"(kBase)
+        : "memory");
+  } else {  // (tid >> 7) - 1 = g
+    asm volatile(
+        "{\n.reg .u32 t;\nmov.u32 t, %%tid.x;\nshr.u32 t, t, 7;\nadd.u32 t, t, %0;\n"
+        "bar.sync t, 256;\n}" ::"n"(kBase - 1)
+        : "memory");
+  }
 }
-template <int kBase>
+template <int kBase, int kGroups = 2>
 __device__ __forceinline__ void turn_pass() {
-  asm volatile(
-      "{\n.reg .u32 t;\nmov.u32 t, %%tid.x;\nshr.u32 t, t, 8;\nsub.u32 t, %0, t;\n"
-      "bar.arrive t, 256;\n}" ::"n"(kBase + 1)
-      : "memory");
+  if constexpr (kGroups == 2) {  // the other group's: kBase + 1 - g
+    asm volatile(
+        "{\n.reg .u32 t;\nmov.u32 t, %%tid.x;\nshr.u32 t, t, 8;\nsub.u32 t, %0, t;\n"
+        "bar.arrive t, 256;\n}" ::"n"(kBase + 1)
+        : "memory");
+  } else {  // (g + 1) % 3 = (tid >> 7) % 3 for tid >> 7 = g + 1 in 1..3
+    asm volatile(
+        "{\n.reg .u32 t;\n.reg .pred q;\nmov.u32 t, %%tid.x;\nshr.u32 t, t, 7;\n"
+        "setp.eq.u32 q, t, 3;\nselp.u32 t, 0, t, q;\nadd.u32 t, t, %0;\n"
+        "bar.arrive t, 256;\n}" ::"n"(kBase)
+        : "memory");
+  }
 }
 
 // The SM's 32-bit cycle counter (%clock), ordered with the surrounding memory operations.

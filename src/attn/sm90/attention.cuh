@@ -28,8 +28,9 @@
 // cores' wgmma queue and stalled the second issuer (see take_turn below).
 //
 // Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the 232 registers
-// setmaxnreg gives it (the producer warpgroup keeps 40, for the Q quantization: kConsumerRegs). Shared memory: two Q tiles (128 x D bytes) and
-// kStages x (K tile 128 x D bytes + Vᵀ tile D x 128 bytes), 1024-byte aligned for the swizzle.
+// setmaxnreg gives it (the producer warpgroup keeps 40, for the Q quantization: kConsumerRegs).
+// Shared memory: two Q tiles (128 x D bytes) and kStages x (K tile 128 x D bytes + Vᵀ tile D x 128
+// bytes), 1024-byte aligned for the swizzle.
 #pragma once
 
 #include <cuda.h>
@@ -51,42 +52,65 @@
 namespace sage::sm90 {
 
 using mma::AttnParams;
-constexpr int kBlockQ = 128;  // 2 consumer warpgroups x 64 rows
 constexpr int kBlockK = 128;  // keys per block = the N of the Q·Kᵀ wgmma
-constexpr int kThreads = 384;
-constexpr int kConsumerWarps = 8;
-static_assert(kBlockQ == mma::kBlockQ && kBlockK == 2 * mma::kBlockK,
-              "the sm90 kernel reads the mma pre-pass layout: 128-row Q blocks, 64-key K groups");
+static_assert(kBlockK == 2 * mma::kBlockK,
+              "the sm90 kernel reads the mma pre-pass layout: 64-key K scale groups");
 
 constexpr int kStages = 2;  // K and Vᵀ tiles in flight
 
-// Registers per thread after setmaxnreg. The CTA's pool is what the launch allocated, 168 per
-// thread (ptxas's count under __launch_bounds__(384, 1)); setmaxnreg.inc waits until the pool
-// holds what it asks for, so a split over the pool hangs every consumer (as 32/240 did). 40 lets
-// the quantizing warps run without spilling in their loop; the consumer loop has no spills at
-// 232 either (ptxas -warn-spills: the remaining ones are in the per-tile set-up).
-constexpr int kProducerRegs = 40, kConsumerRegs = 232;
-static_assert(kProducerRegs * 128 + kConsumerRegs * 256 == 168 * kThreads,
-              "the setmaxnreg split must fit the 168-register launch allocation exactly");
+// What follows from the number of consumer warpgroups, kCons, each owning 64 query rows of a
+// tile: 2 (the default), or 3 (D = 64 with fused Q: more warps per scheduler to hide the
+// softmax's latency; docs/sm90-kernel.md).
+template <int kCons>
+struct Cfg {
+  static_assert(kCons == 2 || kCons == 3, "two or three consumer warpgroups");
+  static constexpr int kBlockQ = 64 * kCons;
+  static constexpr int kThreads = 128 * (kCons + 1);
+  static constexpr int kConsumerWarps = 4 * kCons;
+  static constexpr int kQGroups = kBlockQ / 2;  // Q scale groups: rows {g, g+8} of each 16
+  // Registers per thread after setmaxnreg. The CTA's pool is what the launch allocated (ptxas's
+  // count under __launch_bounds__(kThreads, 1): 168 for 384 threads, 128 for 512);
+  // setmaxnreg.inc waits until the pool holds what it asks for, so a split over the pool hangs
+  // every consumer (as 32/240 did). Two consumers: 40 lets the quantizing warps run without
+  // spilling in their loop, and the consumer loop has no spills at 232. Three (D = 64 only: O
+  // is 32 registers): 32 / 160.
+  static constexpr int kAlloc = kCons == 2 ? 168 : 128;
+  static constexpr int kProducerRegs = kCons == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = kCons == 2 ? 232 : 160;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kCons == kAlloc * kThreads,
+                "the setmaxnreg split must fit the launch allocation exactly");
+  // Named barriers: 0 is __syncthreads; 1 .. kCons sync one consumer warpgroup (the epilogue);
+  // kTurnBar .. kTurnBar + kCons - 1 pass the turn to issue GEMMs; kQuantBar syncs the
+  // Q-quantizing warps.
+  static constexpr int kTurnBar = 1 + kCons, kQuantBar = 1 + 2 * kCons;
+  // kFirstQBar syncs the quantizing warps with every consumer warp: the CTA's first Q tile
+  // (fused_q) is quantized by all kFirstQWarps of them, as nothing else can start before it
+  // (warps 1-3 alone took ~18k cycles for it, tile trace at N = 1k: about 7 % of the kernel).
+  static constexpr int kFirstQBar = 2 + 2 * kCons;
+  static constexpr int kFirstQWarps = 3 + kConsumerWarps;  // kQuantWarps + the consumers
+};
+// The pre-pass's Q layout (128-row blocks) fits two consumers only: three need fused Q.
+static_assert(Cfg<2>::kBlockQ == mma::kBlockQ, "pre-pass Q blocks are two consumers' rows");
 
-template <int D>
+template <int D, int kCons = 2>
 struct Smem {
-  static constexpr int kQTile = kBlockQ * D;  // [128 rows][D bytes], swizzled (A of Q·Kᵀ)
+  static constexpr int kBlockQ = Cfg<kCons>::kBlockQ;
+  static constexpr int kQTile = kBlockQ * D;  // [kBlockQ rows][D bytes], swizzled (A of Q·Kᵀ)
   static constexpr int kKTile = kBlockK * D;  // [128 keys][D bytes], swizzled
   static constexpr int kVTile = D * kBlockK;  // [D channels][128 keys], swizzled
   // Two Q tiles: the next tile's Q lands while this one's last blocks run.
   static constexpr int kBytes = 2 * kQTile + kStages * (kKTile + kVTile) + 1024;  // + align slack
   // With the Q quantization fused (AttnParams::fused_q): one staged fp16/bf16 Q tile besides.
-  static constexpr int kQStaged = kBlockQ * D * 2;  // [128 rows][D elements], not swizzled
+  static constexpr int kQStaged = kBlockQ * D * 2;  // [kBlockQ rows][D elements], not swizzled
   static constexpr int kBytesFused = kBytes + kQStaged;
 };
 
 // Everything the kernel needs besides AttnParams: the TMA descriptors of Q, K and Vᵀ.
 struct TmaMaps {
-  CUtensorMap q;  // 3-D: {D bytes, nq_pad rows, B*Hq}, box {D, 128, 1}
-  CUtensorMap k;  // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
-  CUtensorMap v;  // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
-  CUtensorMap q_in;  // fused_q: the caller's Q, 4-D {D, Nq, Hq, B} 16-bit, box {D, 128, 1, 1}
+  CUtensorMap q;     // 3-D: {D bytes, nq_pad rows, B*Hq}, box {D, 128, 1}
+  CUtensorMap k;     // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
+  CUtensorMap v;     // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
+  CUtensorMap q_in;  // fused_q: the caller's Q, 4-D {D, Nq, Hq, B} 16-bit, box {D, kBlockQ, 1, 1}
 #ifdef SAGE_SM90_TRACE
   uint32_t* trace;  // kTraceWords (a development build only)
 #endif
@@ -94,6 +118,7 @@ struct TmaMaps {
 
 // The fused Q quantization (AttnParams::fused_q) runs on warps 1-3 of the producer warpgroup.
 constexpr int kQuantWarps = 3;
+static_assert(Cfg<2>::kFirstQWarps == kQuantWarps + Cfg<2>::kConsumerWarps, "kFirstQWarps");
 
 // Slots of the ring through which the producer thread tells the CTA its tiles (one round ahead).
 constexpr int kSchedSlots = 4;
@@ -119,19 +144,17 @@ struct TileInfo {
 // qt: the thread's index among the n_warps·32 quantizing threads. Eight lanes take a group
 // (four a row, D/32 16-byte chunks each: a three-step max), a warp four groups at a time: the
 // latency of a pass (shared loads, shuffles, two divisions) is paid 6 times a tile, not 22.
-template <int D, typename T>
+template <int D, typename T, int kQGroups>
 __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* q_tile, float* q_sc,
-                                                int qt, int n_warps, const float* km,
-                                                float* shift, int64_t row0, int64_t seq_q,
-                                                float scale) {
+                                                int qt, int n_warps, const float* km, float* shift,
+                                                int64_t row0, int64_t seq_q, float scale) {
   constexpr int kLanesPerGroup = 8, kGroupsPerPass = 32 / kLanesPerGroup;
-  constexpr int kChunks = D / 32;                     // 16-byte chunks per lane: c·4 + part
+  constexpr int kChunks = D / 32;                    // 16-byte chunks per lane: c·4 + part
   constexpr uint32_t kSwizzle = D == 128 ? 7u : 3u;  // 16-byte chunk ^= (byte offset >> 7) & this
   const int lane = qt % 32, li = lane % kLanesPerGroup;
   const int hi = li / 4, part = li % 4;
 #pragma unroll 1
-  for (int g0 = (qt / 32) * kGroupsPerPass; g0 < mma::kQGroups;
-       g0 += n_warps * kGroupsPerPass) {
+  for (int g0 = (qt / 32) * kGroupsPerPass; g0 < kQGroups; g0 += n_warps * kGroupsPerPass) {
     const int grp = g0 + lane / kLanesPerGroup;
     const int r = 16 * (grp / 8) + grp % 8 + 8 * hi;
     uint4 w[kChunks];
@@ -147,8 +170,8 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
     // product can leave [-127, 127] and none is NaN, so the clamp and the NaN test are skipped.
     const bool fast = quant::special_any<T>(w) == 0u && quant::finite_scale(amax, sc.inv);
     quant::quantize_store_row_part<T, D, 8>(
-        q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast,
-        0xFFFFFFFFu, [r](int d0) {
+        q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast, 0xFFFFFFFFu,
+        [r](int d0) {
           const uint32_t off = uint32_t(r * D + d0);
           return int(off ^ (((off >> 7) & kSwizzle) << 4));
         });
@@ -188,15 +211,8 @@ constexpr int kPolyEvery = 4;
 #define SAGE_SM90_SEED 1
 #endif
 
-// Named barriers: 0 is __syncthreads; 1, 2 sync one consumer warpgroup (the epilogue); 3, 4 are
-// the consumers' turns to issue their GEMMs (ptx::turn_wait / turn_pass, base kTurnBar); 5 syncs
-// the Q-quantizing warps (kQuantBar); 6 syncs them with both consumer warpgroups for the CTA's first
-// Q tile (kFirstQBar, below).
-constexpr int kTurnBar = 3, kQuantBar = 5, kFirstQBar = 6;
-// The CTA's first Q tile (fused_q) is quantized by warps 1-3 and both consumer warpgroups together:
-// nothing else can start before it, and warps 1-3 alone took ~18k cycles for it (tile trace,
-// N = 1k: about 7 % of the kernel), their six passes latency-bound.
-constexpr int kFirstQWarps = kQuantWarps + kConsumerWarps;
+// Named barriers: see Cfg (two consumers: 1, 2 their epilogues; 3, 4 the turns; 5 the quantizing
+// warps; 6 the quantizing warps with the consumers for the CTA's first Q tile).
 
 // 1.5·2^23: a float whose unit in the last place is 1, so adding it rounds to an integer held in
 // the low mantissa bits (exp2_poly), and its bits plus an int32 x are the float 1.5·2^23 + x (the
@@ -213,13 +229,14 @@ constexpr int kTraceCtas = 4, kTraceBlocks = 48, kTraceEvents = 7;
 // Q ready, block 0 done, loop done, last P·V landed, epilogue done. Both go to a buffer the
 // launcher allocates (TmaMaps::trace): blocks first, then tiles.
 constexpr int kTraceTiles = 16, kTileEvents = 7;
-constexpr int kTraceWords = kTraceCtas * kConsumerWarps * (kTraceBlocks * kTraceEvents +
-                                                          kTraceTiles * kTileEvents);
+constexpr int kTraceWarps = 12;  // consumer warps of up to three warpgroups
+constexpr int kTraceWords =
+    kTraceCtas * kTraceWarps * (kTraceBlocks * kTraceEvents + kTraceTiles * kTileEvents);
 #endif
 __device__ __forceinline__ void trace_event(uint32_t* trace, int kb, int ev) {
 #ifdef SAGE_SM90_TRACE
   if (blockIdx.x < kTraceCtas && threadIdx.x % 32 == 0 && kb < kTraceBlocks) {
-    const int w = blockIdx.x * kConsumerWarps + threadIdx.x / 32 - 4;
+    const int w = blockIdx.x * kTraceWarps + threadIdx.x / 32 - 4;
     trace[(w * kTraceBlocks + kb) * kTraceEvents + ev] = ptx::sm_clock();
   }
 #else
@@ -229,8 +246,8 @@ __device__ __forceinline__ void trace_event(uint32_t* trace, int kb, int ev) {
 __device__ __forceinline__ void tile_event(uint32_t* trace, int it, int ev) {
 #ifdef SAGE_SM90_TRACE
   if (blockIdx.x < kTraceCtas && threadIdx.x % 32 == 0 && it < kTraceTiles) {
-    const int w = blockIdx.x * kConsumerWarps + threadIdx.x / 32 - 4;
-    trace[kTraceCtas * kConsumerWarps * kTraceBlocks * kTraceEvents +
+    const int w = blockIdx.x * kTraceWarps + threadIdx.x / 32 - 4;
+    trace[kTraceCtas * kTraceWarps * kTraceBlocks * kTraceEvents +
           (w * kTraceTiles + it) * kTileEvents + ev] = ptx::sm_clock();
   }
 #else
@@ -251,11 +268,18 @@ __device__ __forceinline__ float exp2_poly(float x) {
   return __int_as_float(__float_as_int(q) + (__float_as_int(t) << 23));
 }
 
-template <int D, typename OutT, bool kCausal>
-__global__ void __launch_bounds__(kThreads, 1)
+template <int D, typename OutT, bool kCausal, int kCons>
+__global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
     attention_kernel(const AttnParams p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = Smem<D>;
+  using S = Smem<D, kCons>;
+  using C = Cfg<kCons>;
+  constexpr int kBlockQ = C::kBlockQ, kConsumerWarps = C::kConsumerWarps;
+  constexpr int kProducerRegs = C::kProducerRegs, kConsumerRegs = C::kConsumerRegs;
+  constexpr int kTurnBar = C::kTurnBar, kQuantBar = C::kQuantBar, kFirstQBar = C::kFirstQBar;
+  constexpr int kFirstQWarps = C::kFirstQWarps;
+  // Q from the pre-pass (TMA of its INT8 blocks) exists for two consumers only.
+  const bool fused_q = kCons != 2 || p.fused_q;
 #ifdef SAGE_SM90_TRACE
   uint32_t* const trace_buf = maps.trace;
 #else
@@ -268,8 +292,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* q_tiles = smem;  // two buffers: tile i of this CTA uses buffer i & 1
   uint8_t* k_tiles = smem + 2 * S::kQTile;
   uint8_t* v_tiles = k_tiles + kStages * S::kKTile;
-  __shared__ float v_stat[2][2][2][D];  // [tile parity][consumer warpgroup]: V scales, V means
-  __shared__ float q_sc[2][mma::kQGroups];  // fused_q: the Q group scales of each Q buffer
+  __shared__ float v_stat[2][kCons][2][D];  // [tile parity][consumer warpgroup]: V scales, means
+  __shared__ float q_sc[2][C::kQGroups];    // fused_q: the Q group scales of each Q buffer
   __shared__ __align__(8) uint64_t full_q[2], empty_q[2], full_k[kStages], full_v[kStages],
       empty_k[kStages], empty_v[kStages], full_staged;
   // The tile of each of this CTA's rounds, published by the producer thread one round ahead
@@ -285,7 +309,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Nk/128 blocks): tile c first, then the next untaken tile in order from a global counter
   // whenever the CTA starts a round, as the hardware dispatched one CTA per tile (a static snake
   // balanced the work to 1.03x but lost to that dispatch: 16k 742 vs 795 TOPS).
-  const int64_t bhq = p.batch * p.heads_q, tiles = p.q_blocks * bhq;
+  // Query tiles of kBlockQ rows (two consumers: the pre-pass's q_blocks).
+  const int64_t q_tiles_n = (p.seq_q + kBlockQ - 1) / kBlockQ;
+  const int64_t bhq = p.batch * p.heads_q, tiles = q_tiles_n * bhq;
   auto tile_of = [&](int round) -> int64_t {  // the producer thread's scheduler
     if (kCausal)
       return round == 0 ? int64_t(blockIdx.x) : int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1u);
@@ -295,8 +321,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     TileInfo ti{};
     ti.done = tile >= tiles;
     if (ti.done) return ti;
-    ti.bh = tile / p.q_blocks;
-    const int64_t qb = kCausal ? p.q_blocks - 1 - tile % p.q_blocks : tile % p.q_blocks;
+    ti.bh = tile / q_tiles_n;
+    const int64_t qb = kCausal ? q_tiles_n - 1 - tile % q_tiles_n : tile % q_tiles_n;
     ti.qb = int32_t(qb);
     const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
     const int64_t kv_end = kCausal ? min(p.seq_kv, last_row + p.causal_offset + 1) : p.seq_kv;
@@ -331,13 +357,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 2; ++i) {
       // fused_q: every quantizing thread arrives once its part of the buffer is written (each
       // releases its own writes); else the TMA's single arrival.
-      ptx::mbar_init(&full_q[i], p.fused_q ? kQuantWarps * 32 : 1);
+      ptx::mbar_init(&full_q[i], fused_q ? kQuantWarps * 32 : 1);
       ptx::mbar_init(&empty_q[i], kConsumerWarps);
     }
     ptx::mbar_init(&full_staged, 1);
     for (int i = 0; i < kSchedSlots; ++i) {
       ptx::mbar_init(&sched_full[i], 1);
-      ptx::mbar_init(&sched_empty[i], 2 * 128 + (p.fused_q ? kQuantWarps * 32 : 0));
+      ptx::mbar_init(&sched_empty[i], kCons * 128 + (fused_q ? kQuantWarps * 32 : 0));
     }
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(&full_k[s], 1);
@@ -354,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 0) {  // ---- producer ----
     ptx::setmaxnreg_dec<kProducerRegs>();
-    if (p.fused_q && threadIdx.x >= 32) {
+    if (fused_q && threadIdx.x >= 32) {
       // Warps 1-3: Q of each tile, the caller's fp16/bf16 staged by TMA, quantized into the Q
       // buffer once the consumers have released it (a tile ahead of them: the buffer frees when
       // the tile before last is done). The next tile's staging load is issued as soon as every
@@ -371,12 +397,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int qbuf = it & 1;
         ptx::mbar_wait(&full_staged, it & 1);
         ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
-        // The first tile with the consumers (quantizing threads 96 .. 351 are theirs).
-        const int n_warps = it == 0 ? kFirstQWarps : kQuantWarps;
-        quantize_q_tile<D, OutT>(staged, q_tiles + qbuf * S::kQTile, q_sc[qbuf], qt, n_warps,
-                                 p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr,
-                                 p.lse_shift + ti.bh * p.seq_q, int64_t(ti.qb) * kBlockQ,
-                                 p.seq_q, p.scale);
+        // The first tile with the consumers (quantizing threads 96 .. are theirs).
+        const int n_warps = it == 0 ? C::kFirstQWarps : kQuantWarps;
+        quantize_q_tile<D, OutT, C::kQGroups>(
+            staged, q_tiles + qbuf * S::kQTile, q_sc[qbuf], qt, n_warps,
+            p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr, p.lse_shift + ti.bh * p.seq_q,
+            int64_t(ti.qb) * kBlockQ, p.seq_q, p.scale);
         ptx::fence_proxy_async_smem();  // the INT8 tile is read by wgmma (the async proxy)
         if (it == 0)  // every quantizing thread, the consumers' too: the staged tile is free
           ptx::named_bar_sync(kFirstQBar, kFirstQWarps * 32);
@@ -403,11 +429,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         const TileInfo next = decode(tile_of(it + 1));
         publish(it + 1, next);
         const int qbuf = it & 1;
-        if (!p.fused_q) {
+        if (!fused_q) {
           ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
           ptx::mbar_arrive_expect_tx(&full_q[qbuf], S::kQTile);
-          ptx::tma_load_3d(q_tiles + qbuf * S::kQTile, &maps.q, &full_q[qbuf], 0,
-                           ti.qb * kBlockQ, int(ti.bh));
+          ptx::tma_load_3d(q_tiles + qbuf * S::kQTile, &maps.q, &full_q[qbuf], 0, ti.qb * kBlockQ,
+                           int(ti.bh));
         }
         for (int kb = 0; kb < ti.n_blocks; ++kb) {
           const int s = kb % kStages;
@@ -446,9 +472,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Measured (H100, D=128): kernel-only 4k 699 -> 728, 16k 799 -> 821 TOPS; passing the turn
   // right after the issue (the other consumer then issues into a full queue) or serializing
   // the softmaxes instead was slower (docs/sm90-kernel.md). Consumer 0 goes first.
-  auto take_turn = [] { ptx::turn_wait<kTurnBar>(); };
-  auto pass_turn = [] { ptx::turn_pass<kTurnBar>(); };
-  if (consumer == 1) pass_turn();
+  auto take_turn = [] { ptx::turn_wait<kTurnBar, kCons>(); };
+  auto pass_turn = [] { ptx::turn_pass<kTurnBar, kCons>(); };
+  if (consumer == kCons - 1) pass_turn();  // consumer 0 goes first
 
   uint32_t base = 0;  // barrier phases across tiles, as the producer's
   for (int it = 0;; ++it) {
@@ -470,7 +496,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint8_t* q_wg = q_tiles + qbuf * S::kQTile + consumer * 64 * D;
     // The Q scale: from the pre-pass (loaded before the wait), or from the quantizing warps.
     float q_scale_log2 =
-        p.fused_q ? 0.0f : p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g];
+        fused_q ? 0.0f : p.q_scale[(bh * p.q_blocks + qb) * mma::kQGroups + warp * 8 + g];
     const float* k_scale = p.k_scale + bhk * p.k_blocks * mma::kKGroups;
     // The epilogue's V scales and means, copied now into this warpgroup's shared copy for this
     // tile (cp.async: nothing waits until the epilogue; the buffer alternates with the tile, so
@@ -486,18 +512,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
     // P^ of the previous block, the A operand of its P·V (issued one block late).
     uint32_t pf[4][4];
-    if (p.fused_q && it == 0) {
+    if (fused_q && it == 0) {
       // The CTA's first Q tile: quantized with warps 1-3 (kFirstQWarps), then released by them.
       ptx::mbar_wait(&full_staged, 0);
-      quantize_q_tile<D, OutT>(v_tiles + kStages * S::kVTile, q_tiles, q_sc[0],
-                               kQuantWarps * 32 + threadIdx.x - 128, kFirstQWarps,
-                               p.lse ? p.k_mean + bhk * D : nullptr, p.lse_shift + bh * p.seq_q,
-                               qb * kBlockQ, p.seq_q, p.scale);
+      quantize_q_tile<D, OutT, C::kQGroups>(
+          v_tiles + kStages * S::kVTile, q_tiles, q_sc[0], kQuantWarps * 32 + threadIdx.x - 128,
+          kFirstQWarps, p.lse ? p.k_mean + bhk * D : nullptr, p.lse_shift + bh * p.seq_q,
+          qb * kBlockQ, p.seq_q, p.scale);
       ptx::fence_proxy_async_smem();
       ptx::named_bar_sync(kFirstQBar, kFirstQWarps * 32);
     }
     ptx::mbar_wait(&full_q[qbuf], (it >> 1) & 1);
-    if (p.fused_q) q_scale_log2 = q_sc[qbuf][warp * 8 + g];
+    if (fused_q) q_scale_log2 = q_sc[qbuf][warp * 8 + g];
     q_scale_log2 *= p.scale_log2;
     tile_event(trace_buf, it, 2);
 
@@ -511,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). The softmax
     // writes P~ · 448 (the E4M3-range values P^ is packed from) over the scores, as float bits,
     // and l sums them (finalize's kLUnit 448).
-    constexpr int kMagic = 0x4B400000;                    // the bits of kMagicF
+    constexpr int kMagic = 0x4B400000;  // the bits of kMagicF
     // A score's accumulator word as the float 1.5·2^23 + x (seeded: it already is).
     auto seeded = [](int v) { return __int_as_float(SAGE_SM90_SEED ? v : v + kMagic); };
     constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
@@ -533,8 +559,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             mx[r][h] = v[0];
           }
         for (int r = 0; r < 2; ++r)
-          row_max[r] = fmaxf((seeded(mx[r][0]) - kMagicF) * f[0],
-                             (seeded(mx[r][1]) - kMagicF) * f[1]);
+          row_max[r] =
+              fmaxf((seeded(mx[r][0]) - kMagicF) * f[0], (seeded(mx[r][1]) - kMagicF) * f[1]);
         attn::online_max(row_max, m, l, alpha, m_use);
         float bias[2][2];
         for (int r = 0; r < 2; ++r)
