@@ -200,7 +200,11 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
 // One score in kPolyEvery takes 2^x from a degree-3 polynomial on the FMA pipe (exp2_poly)
 // instead of MUFU.EX2, whose 16 results / SM / clock bound the softmax (measured: 25 % beat 0 %
 // and 50 %; docs/sm90-kernel.md).
-constexpr int kPolyEvery = 4;
+// SAGE_SM90_POLY_EVERY (a measurement build) sets it; 0: every score on MUFU.EX2.
+#ifndef SAGE_SM90_POLY_EVERY
+#define SAGE_SM90_POLY_EVERY 4
+#endif
+constexpr int kPolyEvery = SAGE_SM90_POLY_EVERY > 0 ? SAGE_SM90_POLY_EVERY : 1 << 20;
 
 // SAGE_SM90_SEED=0 (a measurement build): the S accumulator starts from zero (the first Q·Kᵀ
 // wgmma without accumulate) instead of the 64 seed MOVs before each Q·Kᵀ, and each score takes
