@@ -88,13 +88,6 @@ struct Cfg {
   // (warps 1-3 alone took ~18k cycles for it, tile trace at N = 1k: about 7 % of the kernel).
   static constexpr int kFirstQBar = 2 + 2 * kCons;
   static constexpr int kFirstQWarps = 3 + kConsumerWarps;  // kQuantWarps + the consumers
-  // One score in kPolyEvery takes 2^x from a degree-3 polynomial on the FMA pipe (exp2_poly)
-  // instead of MUFU.EX2 (16 results / SM / clock); 1 << 20: none. H100, one call, kernel-only
-  // TOPS at 4k / 16k non-causal (causal): two consumers at D = 128, every 8th 760 / 853 (647 /
-  // 827), every 4th 732 / 826 (603 / 800), every 2nd 707 / 792, none 718 / 813; three at D = 64,
-  // none 538 / 616 (420 / 570), every 8th 515 / 584, every 4th 476 / 547, every 2nd 437 / 497.
-  // A third warp per scheduler moves the limit off the MUFU queue onto issue.
-  static constexpr int kPolyEvery = kCons == 3 ? 1 << 20 : 8;
 };
 // The pre-pass's Q layout (128-row blocks) fits two consumers only: three need fused Q.
 static_assert(Cfg<2>::kBlockQ == mma::kBlockQ, "pre-pass Q blocks are two consumers' rows");
@@ -204,13 +197,24 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
     ptx::wgmma_m64n64k32_e4m3(o, p, desc, /*accumulate=*/true);
 }
 
-// SAGE_SM90_POLY_EVERY (a measurement build) overrides Cfg::kPolyEvery for every configuration;
-// 0: every score on MUFU.EX2.
+// One score in poly_every<D>() takes 2^x from a degree-3 polynomial on the FMA pipe (exp2_poly)
+// instead of MUFU.EX2 (16 results / SM / clock); 1 << 20: none. H100, one call each, kernel-only
+// TOPS at 4k / 16k non-causal (causal): D = 128 (two consumers) every 8th 760 / 853 (647 / 827),
+// every 4th 732 / 826 (603 / 800), every 2nd 707 / 792, every 16th - / 826, none 718 / 813;
+// D = 64 with three consumers none 538 / 616 (420 / 570), every 8th 515 / 584, every 4th
+// 476 / 547, every 2nd 437 / 497 (a third warp per scheduler moves the limit off the MUFU queue
+// onto issue). D = 64 with two (causal under 2048 rows, pre-pass Q): none as every 8th (190.6 vs
+// 190.0 at causal 1k), so one choice per D, which keeps the fused and pre-pass Q paths bit for bit
+// the same (the GPU test compares them). SAGE_SM90_POLY_EVERY (a measurement build) overrides it
+// (0: none).
+template <int D>
+constexpr int poly_every() {
 #ifdef SAGE_SM90_POLY_EVERY
-constexpr int kPolyEveryOverride = SAGE_SM90_POLY_EVERY > 0 ? SAGE_SM90_POLY_EVERY : 1 << 20;
+  return SAGE_SM90_POLY_EVERY > 0 ? SAGE_SM90_POLY_EVERY : 1 << 20;
 #else
-constexpr int kPolyEveryOverride = 0;
+  return D == 64 ? 1 << 20 : 8;
 #endif
+}
 
 // SAGE_SM90_SEED=0 (a measurement build): the S accumulator starts from zero (the first Q·Kᵀ
 // wgmma without accumulate) instead of the 64 seed MOVs before each Q·Kᵀ, and each score takes
@@ -288,7 +292,7 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
   constexpr int kProducerRegs = C::kProducerRegs, kConsumerRegs = C::kConsumerRegs;
   constexpr int kTurnBar = C::kTurnBar, kQuantBar = C::kQuantBar, kFirstQBar = C::kFirstQBar;
   constexpr int kFirstQWarps = C::kFirstQWarps;
-  constexpr int kPoly = kPolyEveryOverride > 0 ? kPolyEveryOverride : C::kPolyEvery;
+  constexpr int kPoly = poly_every<D>();
   // Q from the pre-pass (TMA of its INT8 blocks) exists for two consumers only.
   const bool fused_q = kCons != 2 || p.fused_q;
 #ifdef SAGE_SM90_TRACE
