@@ -232,7 +232,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1, 4, 2, 5000, 300, 64, kNone, kNHD, kBF16, k8, 4},  // 160 tiles: > 1 per CTA
         // Causal with more tiles than SMs: CTAs draw tiles from the dynamic scheduler.
         Case{2, 6, 2, 3000, 2500, 64, kBR, kNHD, kF16, k8, 4},
-        Case{1, 8, 4, 2200, 2200, 128, kTL, kHND, kBF16, k8, 4}),
+        Case{1, 8, 4, 2200, 2200, 128, kTL, kHND, kBF16, k8, 4},
+        // D = 64 causal under 2048 query rows: the two-consumer fused-Q kernel (the launcher
+        // takes three consumers for D = 64 elsewhere); Nq > Nk and a partial last tile.
+        Case{2, 4, 2, 1100, 900, 64, kBR, kHND, kBF16, k8, 4}),
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
 // On sm_90 the wgmma kernel quantizes Q itself (fused_q) unless SAGE_FUSED_Q=0 sends Q through
