@@ -1,11 +1,12 @@
 // SageAttention2-8b on Hopper (sm_90a): wgmma s8·s8→s32 for Q·Kᵀ and E4M3 for P̃·V, K and Vᵀ
 // tiles brought by TMA onto mbarriers, warp specialization: warpgroup 0 produces (one thread
 // schedules the tiles and issues the TMA loads; warps 1-3 quantize Q from the caller's fp16/bf16
-// with fused_q, else Q arrives pre-quantized by TMA), warpgroups 1 and 2 consume 64 query rows
-// each. Persistent for both masks: one CTA per SM walks its tiles (query block, head), drawn
-// statically (non-causal) or from a global counter (causal); the producer loads the next tile's
-// Q (double buffered) and first K/Vᵀ blocks while the consumers finish the current one. Launched
-// as a programmatic dependent of the pre-pass (griddepcontrol.wait before the first global read).
+// with fused_q, else Q arrives pre-quantized by TMA), the other kCons warpgroups (Cfg: two, or
+// three at D = 64) consume 64 query rows each. Persistent for both masks: one CTA per SM walks its
+// tiles (query block, head), drawn statically (non-causal) or from a global counter (causal); the
+// producer loads the next tile's Q (double buffered) and first K/Vᵀ blocks while the consumers
+// finish the current one. Launched as a programmatic dependent of the pre-pass (griddepcontrol.wait
+// before the first global read).
 //
 // It reads the same pre-pass products as the mma.sync kernel (attn/mma/params.h) and does the
 // same arithmetic: a warp owns 16 query rows (one Q scale for rows g, g+8), K scales per 64-key
@@ -13,8 +14,8 @@
 // converts to the P̃ A-operand in place. So its CPU emulation is the mma kernel's configuration
 // (block_q 128, warps 8, block_k 64, per-thread mma groups) except for the P·V accumulator,
 // the wgmma's own over the whole sequence, which keeps fewer bits than fp32 (measured so far
-// against the mma kernel, not modelled yet: docs/fp8-accumulator.md), and for 2^x on a quarter
-// of the scores (a polynomial, relative error 1e-4 instead of 2^-22).
+// against the mma kernel, not modelled yet: docs/fp8-accumulator.md), and for 2^x on one score
+// in eight at D = 128 (a polynomial, relative error 1e-4 instead of 2^-22; poly_every).
 //
 // Overlap: each consumer issues Q·Kᵀ of block j together with P̃·V of block j-1 and runs the
 // softmax of block j while that P̃·V is in flight. (Block 0 is peeled: with the first iteration's
@@ -22,15 +23,15 @@
 // What bounds it (H100, docs/sm90-kernel.md): the softmax's instruction issue, not the tensor
 // cores nor memory — without the softmax the same loop runs > 2800 TOPS. Hence the softmax is
 // cut to about seven instructions per score: S seeded so scores come out as floats, one FFMA
-// and one 2^x per score (a quarter of them as a polynomial off the MUFU pipe), the max on the
+// and one 2^x per score (at D = 128 one in eight as a polynomial off the MUFU pipe), the max on the
 // bits, O rescaled only when a row's max moved. The consumers take turns to issue their GEMMs
 // (a turn passes when the issuer's Q·Kᵀ has landed): issuing both at once overfilled the tensor
 // cores' wgmma queue and stalled the second issuer (see take_turn below).
 //
-// Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the 232 registers
-// setmaxnreg gives it (the producer warpgroup keeps 40, for the Q quantization: kConsumerRegs).
-// Shared memory: two Q tiles (128 x D bytes) and kStages x (K tile 128 x D bytes + Vᵀ tile D x 128
-// bytes), 1024-byte aligned for the swizzle.
+// Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the registers
+// setmaxnreg gives it (Cfg::kConsumerRegs: 232 with two consumers, 160 with three).
+// Shared memory: two Q tiles (kBlockQ x D bytes) and kStages x (K tile 128 x D bytes + Vᵀ tile
+// D x 128 bytes), 1024-byte aligned for the swizzle.
 #pragma once
 
 #include <cuda.h>
@@ -57,6 +58,9 @@ static_assert(kBlockK == 2 * mma::kBlockK,
               "the sm90 kernel reads the mma pre-pass layout: 64-key K scale groups");
 
 constexpr int kStages = 2;  // K and Vᵀ tiles in flight
+
+// The fused Q quantization (AttnParams::fused_q) runs on warps 1-3 of the producer warpgroup.
+constexpr int kQuantWarps = 3;
 
 // What follows from the number of consumer warpgroups, kCons, each owning 64 query rows of a
 // tile: 2 (the default), or 3 (D = 64 with fused Q: more warps per scheduler to hide the
@@ -87,7 +91,7 @@ struct Cfg {
   // (fused_q) is quantized by all kFirstQWarps of them, as nothing else can start before it
   // (warps 1-3 alone took ~18k cycles for it, tile trace at N = 1k: about 7 % of the kernel).
   static constexpr int kFirstQBar = 2 + 2 * kCons;
-  static constexpr int kFirstQWarps = 3 + kConsumerWarps;  // kQuantWarps + the consumers
+  static constexpr int kFirstQWarps = kQuantWarps + kConsumerWarps;
 };
 // The pre-pass's Q layout (128-row blocks) fits two consumers only: three need fused Q.
 static_assert(Cfg<2>::kBlockQ == mma::kBlockQ, "pre-pass Q blocks are two consumers' rows");
@@ -116,10 +120,6 @@ struct TmaMaps {
 #endif
 };
 
-// The fused Q quantization (AttnParams::fused_q) runs on warps 1-3 of the producer warpgroup.
-constexpr int kQuantWarps = 3;
-static_assert(Cfg<2>::kFirstQWarps == kQuantWarps + Cfg<2>::kConsumerWarps, "kFirstQWarps");
-
 // Slots of the ring through which the producer thread tells the CTA its tiles (one round ahead).
 constexpr int kSchedSlots = 4;
 
@@ -135,9 +135,9 @@ struct TileInfo {
   int32_t done;      // past the last tile: the loops end here
 };
 
-// Quantizes the staged Q tile (128 rows x D fp16/bf16, row-major, rows past seq_q zero: TMA's
-// out-of-bounds fill) as the pre-pass's quant_q does: INT8 per thread group (rows g, g+8 of each
-// 16-row slab: the rows one consumer thread's accumulator holds), scale max|q| / 127, into the
+// Quantizes the staged Q tile (2·kQGroups rows x D fp16/bf16, row-major, rows past seq_q zero:
+// TMA's out-of-bounds fill) as the pre-pass's quant_q does: INT8 per thread group (rows g, g+8 of
+// each 16-row slab: the rows one consumer thread's accumulator holds), scale max|q| / 127, into the
 // INT8 tile in the layout the Q·Kᵀ wgmma reads (TMA's 128-byte swizzle for 128-byte rows, 64-byte
 // for 64-byte rows), and the group scales into q_sc. With km (this KV head's K mean; LSE asked
 // for) also each row's LSE shift scale · q·k_mean (exact products summed in double, as quant_q).
@@ -307,6 +307,7 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
   uint8_t* q_tiles = smem;  // two buffers: tile i of this CTA uses buffer i & 1
   uint8_t* k_tiles = smem + 2 * S::kQTile;
   uint8_t* v_tiles = k_tiles + kStages * S::kKTile;
+  uint8_t* q_staged = v_tiles + kStages * S::kVTile;  // fused_q: the caller's Q tile, by TMA
   __shared__ float v_stat[2][kCons][2][D];  // [tile parity][consumer warpgroup]: V scales, means
   __shared__ float q_sc[2][C::kQGroups];    // fused_q: the Q group scales of each Q buffer
   __shared__ __align__(8) uint64_t full_q[2], empty_q[2], full_k[kStages], full_v[kStages],
@@ -367,6 +368,17 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
     return uint32_t((kb >> 1) ^ (base >> s)) & 1;
   };
 
+  // fused_q: tile ti's staged Q quantized into Q buffer qbuf by quantizing thread qt of n_warps
+  // warps (warps 1-3 every tile; with every consumer warp for the CTA's first), made visible to
+  // the wgmma (the async proxy). The caller then syncs its quantizing threads.
+  auto quantize_q = [&](const TileInfo& ti, int qbuf, int qt, int n_warps) {
+    quantize_q_tile<D, OutT, C::kQGroups>(q_staged, q_tiles + qbuf * S::kQTile, q_sc[qbuf], qt,
+                                          n_warps, p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr,
+                                          p.lse_shift + ti.bh * p.seq_q, int64_t(ti.qb) * kBlockQ,
+                                          p.seq_q, p.scale);
+    ptx::fence_proxy_async_smem();
+  };
+
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int i = 0; i < 2; ++i) {
@@ -401,10 +413,9 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
       // the tile before last is done). The next tile's staging load is issued as soon as every
       // quantizing thread has read this one.
       const int qt = threadIdx.x - 32;
-      uint8_t* staged = v_tiles + kStages * S::kVTile;
       auto stage_q = [&](const TileInfo& ti) {
         ptx::mbar_arrive_expect_tx(&full_staged, S::kQStaged);
-        ptx::tma_load_4d(staged, &maps.q_in, &full_staged, 0, ti.qb * kBlockQ, ti.h, ti.b);
+        ptx::tma_load_4d(q_staged, &maps.q_in, &full_staged, 0, ti.qb * kBlockQ, ti.h, ti.b);
       };
       TileInfo ti = read_tile(0);
       if (qt == 0 && !ti.done) stage_q(ti);
@@ -413,12 +424,7 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
         ptx::mbar_wait(&full_staged, it & 1);
         ptx::mbar_wait(&empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first round passes at once
         // The first tile with the consumers (quantizing threads 96 .. are theirs).
-        const int n_warps = it == 0 ? C::kFirstQWarps : kQuantWarps;
-        quantize_q_tile<D, OutT, C::kQGroups>(
-            staged, q_tiles + qbuf * S::kQTile, q_sc[qbuf], qt, n_warps,
-            p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr, p.lse_shift + ti.bh * p.seq_q,
-            int64_t(ti.qb) * kBlockQ, p.seq_q, p.scale);
-        ptx::fence_proxy_async_smem();  // the INT8 tile is read by wgmma (the async proxy)
+        quantize_q(ti, qbuf, qt, it == 0 ? kFirstQWarps : kQuantWarps);
         if (it == 0)  // every quantizing thread, the consumers' too: the staged tile is free
           ptx::named_bar_sync(kFirstQBar, kFirstQWarps * 32);
         else
@@ -475,7 +481,7 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
 
   // ---- consumers: warpgroup c = wg - 1 owns rows c*64 .. c*64+63 of each tile ----
   ptx::setmaxnreg_inc<kConsumerRegs>();
-  const int warp = threadIdx.x / 32 - 4;  // 0..7: the 16-row slab of the 128-row block
+  const int warp = threadIdx.x / 32 - 4;  // the 16-row slab of the tile (0 .. kConsumerWarps-1)
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int consumer = warp / 4;
   // Turns (a soft ping-pong): a consumer waits for its turn before issuing Q·Kᵀ(kb) (and
@@ -530,11 +536,7 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
     if (fused_q && it == 0) {
       // The CTA's first Q tile: quantized with warps 1-3 (kFirstQWarps), then released by them.
       ptx::mbar_wait(&full_staged, 0);
-      quantize_q_tile<D, OutT, C::kQGroups>(
-          v_tiles + kStages * S::kVTile, q_tiles, q_sc[0], kQuantWarps * 32 + threadIdx.x - 128,
-          kFirstQWarps, p.lse ? p.k_mean + bhk * D : nullptr, p.lse_shift + bh * p.seq_q,
-          qb * kBlockQ, p.seq_q, p.scale);
-      ptx::fence_proxy_async_smem();
+      quantize_q(ti, 0, kQuantWarps * 32 + threadIdx.x - 128, kFirstQWarps);
       ptx::named_bar_sync(kFirstQBar, kFirstQWarps * 32);
     }
     ptx::mbar_wait(&full_q[qbuf], (it >> 1) & 1);
