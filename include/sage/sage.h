@@ -97,8 +97,10 @@ typedef enum sage_pv_format {
 } sage_pv_format;
 
 typedef enum sage_v_scale {
-  SAGE_V_SCALE_PER_CHANNEL = 0,      /* max |V[:, c]| over the whole sequence */
-  SAGE_V_SCALE_PER_BLOCK_CHANNEL = 1 /* max |V[block, c]| per key block (needs flush every block) */
+  SAGE_V_SCALE_PER_CHANNEL = 0,       /* max |V[:, c]| over the whole sequence */
+  SAGE_V_SCALE_PER_BLOCK_CHANNEL = 1, /* max |V[block, c]| per key block (a flush every block) */
+  SAGE_V_SCALE_PER_BLOCK = 2          /* one power of two per key block (all channels), folded
+                                         into P~'s exponent: any pv_accum; FP8_E4M3 V only */
 } sage_v_scale;
 
 typedef enum sage_pv_accum {
@@ -129,6 +131,10 @@ typedef struct sage_quant_config {
   int32_t block_q;             /* query rows a CTA owns (softmax tile, Q smoothing, per-block) */
   int32_t block_k;             /* keys per streamed block */
   int32_t warps;               /* warps sharing block_q (per-warp / per-thread MMA groups) */
+  int32_t k_mean_tokens; /* K's smoothing mean over tokens 0, s, 2s, ... < N, s = max(1,
+                            N / k_mean_tokens) (integer division); 0: every token. V's mean
+                            always takes every token (the sm90 kernel's accumulator needs V - v_mean
+                            to sum to zero over the sequence) */
 } sage_quant_config;
 
 /* Strides in elements for the batch, head and token dimensions; the last (head_dim, or nothing for

@@ -55,6 +55,7 @@ class QuantConfig(ctypes.Structure):
         ("block_q", ctypes.c_int32),
         ("block_k", ctypes.c_int32),
         ("warps", ctypes.c_int32),
+        ("k_mean_tokens", ctypes.c_int32),
     ]
 
 

@@ -1,7 +1,9 @@
 // Pre-pass kernels of the mma.sync path (sm_89+), each the GPU twin of a step of the CPU
 // emulation (src/ref/attention_quant.cpp), with the same float operations in the same order where
 // the result is quantized. Bytes moved (B·H·N·D elements of 2 bytes each for Q, K, V):
-//   kv_stats     reads K and V (2+2 B/elem), writes 24 B per (head, 256-token chunk, channel)
+//   kv_stats     reads V (2 B/elem) and every k_mean_stride-th row of K (the smoothing mean
+//                of K from a sample: ~256 rows a head with the presets), writes 24 B per (head,
+//                256-token chunk, channel)
 //   kv_finalize  reads those statistics, writes 16 B per (head, channel)
 //   quant_kv     reads K and V (2+2 B/elem, kept in registers), writes INT8 (1 B) or INT4
 //                (0.5 B) K + 4 scales per 64 keys, and E4M3 Vᵀ (1 B)
@@ -9,8 +11,9 @@
 //                INT8/INT4 Q + scales + the LSE correction (4 B/row); skipped when the sm90
 //                kernel quantizes Q itself (Plan::fused_q: attn/sm90 quantize_q_tile)
 //   delta_s      (Q smoothing only) reads K (2 B/elem), writes 4 B per (Q block, key)
-// Per call: Q 2 B read, K and V 4 B each read, ~1 + 1 + 1 (+0.5) B written per element.
-// K and V are thus read twice from DRAM (stats, then quantize); issue "GPU kernels II" fuses.
+// Per call: Q 2 B read, K 2 B and V 4 B read, ~1 + 1 + 1 (+0.5) B written per element. V is
+// read twice (its exact channel mean and range, then quantize): the sm90 kernel's wgmma
+// accumulator needs V - v_mean to sum to zero (docs/sm90-kernel.md, Tried and rejected).
 //
 // Throughput notes (the kernels are memory-bound only if nothing else is slower):
 // - A thread issues every load of its rows before it uses any (kv_stats: the next batch of tokens
@@ -119,11 +122,13 @@ __device__ __forceinline__ void load8(const T* row, int64_t d0, float (&x)[8]) {
   }
 }
 
-// Per (kv head, chunk of kStatTokens tokens, channel): Σk, Σv (double), max v, min v. 256
-// threads: D/8 lanes cover a token's channels 8 at a time, the rest split the tokens (token lane
-// tl takes tokens tl, tl + 256/(D/8), ... of the chunk, summed in that order); partial results
-// are combined in a fixed order (deterministic). The loads are software-pipelined: those of the
-// next kBatch tokens are issued before the sums of the current ones. The sums run on
+// Per (kv head, chunk of kStatTokens tokens, channel): Σk over the chunk's tokens n with
+// n % k_stride == 0 (the K mean's sample: the other K rows are not read), Σv (double), max v,
+// min v. 256 threads: D/8 lanes cover a token's channels 8 at a time, the rest split the tokens
+// (token lane tl takes tokens tl, tl + 256/(D/8), ... of the chunk, summed in that order);
+// partial results are combined in a fixed order (deterministic). The loads are
+// software-pipelined: those of the next kBatch tokens are issued before the sums of the current
+// ones. The sums run on
 // scaled_double values: every partial sum is x·2^-kScaleExp of the converting sum's value (fp16
 // sums of a chunk are exact either way; for bf16 a result is either exact in both or a normal
 // double in both, and rounding commutes with a power of two), so one exact multiply per sum at
@@ -134,7 +139,7 @@ __device__ __forceinline__ void load8(const T* row, int64_t d0, float (&x)[8]) {
 template <typename T, int D, bool kVec>
 __global__ void __launch_bounds__(256, 2)
     kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
-                    int64_t chunks, KvStat* out) {
+                    int64_t chunks, uint32_t k_stride, KvStat* out) {
   pdl_enter();
   using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
   constexpr int kLanes = D / 8, kTokenLanes = 256 / kLanes;
@@ -159,9 +164,10 @@ __global__ void __launch_bounds__(256, 2)
   auto load = [&](int step, uint4 (&kb)[kBatch], uint4 (&vb)[kBatch]) {
     for (int u = 0; u < kBatch; ++u) {
       const int64_t n = n0 + int64_t(step * kBatch + u) * kTokenLanes;
-      kb[u] = vb[u] = make_uint4(0u, 0u, 0u, 0u);
+      kb[u] = vb[u] = make_uint4(0u, 0u, 0u, 0u);  // zeros add nothing to Σk
       if (n < n1) {
-        kb[u] = load_raw8<kVec>(row_ptr(k, ks, b, h, n) + d0);
+        // 32-bit: a head of 2^32 tokens cannot be in memory.
+        if (uint32_t(n) % k_stride == 0u) kb[u] = load_raw8<kVec>(row_ptr(k, ks, b, h, n) + d0);
         vb[u] = load_raw8<kVec>(row_ptr(v, vs, b, h, n) + d0);
       }
     }
@@ -199,9 +205,13 @@ __global__ void __launch_bounds__(256, 2)
     for (int i = 0; i < 8; ++i) sk[i] = 0.0, sv[i] = 0.0;
     for (int64_t n = n0; n < n1; n += kTokenLanes) {
       float kx[8], vx[8];
-      load8(row_ptr(k, ks, b, h, n), d0, kx);
+      const bool sampled = uint32_t(n) % k_stride == 0u;
+      if (sampled) load8(row_ptr(k, ks, b, h, n), d0, kx);
       load8(row_ptr(v, vs, b, h, n), d0, vx);
-      for (int i = 0; i < 8; ++i) sk[i] += double(kx[i]), sv[i] += double(vx[i]);
+      for (int i = 0; i < 8; ++i) {
+        if (sampled) sk[i] += double(kx[i]);
+        sv[i] += double(vx[i]);
+      }
     }
   } else {
     for (int i = 0; i < 8; ++i)
@@ -242,10 +252,12 @@ __global__ void __launch_bounds__(256, 2)
   }
 }
 
-// k_mean, v_mean (zero without smoothing), and the E4M3 scale of V - v_mean per channel. The
-// chunks are summed in order; the statistics of kBatch chunks are loaded before their sums.
+// k_mean (over the k_samples sampled tokens), v_mean (zero without smoothing), and the E4M3 scale
+// of V - v_mean per channel. The chunks are summed in order; the statistics of kBatch chunks are
+// loaded before their sums.
 __global__ void __launch_bounds__(128)
-    kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t dim, int64_t chunks,
+    kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t k_samples, int64_t dim,
+                       int64_t chunks,
                        bool smooth_k, bool smooth_v, float* k_mean, float* v_mean, float* v_scale,
                        float* v_inv, unsigned* tile_counter) {
   pdl_enter();
@@ -269,7 +281,7 @@ __global__ void __launch_bounds__(128)
         mn = fminf(mn, s[u].min_v);
       }
     }
-    const float km = smooth_k ? float(sk / double(seq_kv)) : 0.0f;
+    const float km = smooth_k ? float(sk / double(k_samples)) : 0.0f;
     const float vm = smooth_v ? float(sv / double(seq_kv)) : 0.0f;
     // max |fl(v - vm)| over the channel: subtraction is monotonic, so the extremes decide.
     const float amax = fmaxf(__fsub_rn(mx, vm), __fsub_rn(vm, mn));
@@ -558,14 +570,16 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
   auto stats_kernel = [&](auto vec) {
     constexpr bool kVec = decltype(vec)::value;
     check(launch_pdl(kv_stats_kernel<T, D, kVec>, {kv_grid(p.stat_chunks), dim3(256)}, st, k, v,
-                     in.k_strides, in.v_strides, p.seq_kv, p.stat_chunks, stats));
+                     in.k_strides, in.v_strides, p.seq_kv, p.stat_chunks,
+                     uint32_t(p.k_mean_stride), stats));
   };
   if (vec_kv)
     stats_kernel(std::true_type{});
   else
     stats_kernel(std::false_type{});
   if (err != cudaSuccess) return err;
-  check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D)}, st, stats, p.seq_kv, int64_t(D),
+  check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D)}, st, stats, p.seq_kv,
+                   p.k_mean_samples, int64_t(D),
                    p.stat_chunks, p.smooth_k, p.smooth_v, f32(p.k_mean), f32(p.v_mean),
                    f32(p.v_scale), f32(p.v_inv),
                    reinterpret_cast<unsigned*>(ws + p.tile_counter)));

@@ -8,6 +8,7 @@
 // that smoothing is an exact identity, and to separate rounding error from quantization error).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -27,14 +28,17 @@ constexpr Real neg_inf() {
   return -std::numeric_limits<Real>::infinity();
 }
 
-// Channel means over rows [r0, r1) of a [rows][dim] matrix, accumulated in double.
+// Channel means over rows r0, r0 + step, ... < r1 of a [rows][dim] matrix: summed in double,
+// divided once by the number of rows taken, rounded to Real.
 template <typename Real>
-std::vector<Real> channel_mean(const std::vector<Real>& x, int64_t r0, int64_t r1, int64_t dim) {
+std::vector<Real> channel_mean(const std::vector<Real>& x, int64_t r0, int64_t r1, int64_t dim,
+                               int64_t step = 1) {
   std::vector<double> sum(static_cast<size_t>(dim), 0.0);
-  for (int64_t r = r0; r < r1; ++r)
+  for (int64_t r = r0; r < r1; r += step)
     for (int64_t d = 0; d < dim; ++d) sum[size_t(d)] += double(x[size_t(r * dim + d)]);
+  const double count = double((r1 - r0 + step - 1) / step);
   std::vector<Real> mean(static_cast<size_t>(dim));
-  for (int64_t d = 0; d < dim; ++d) mean[size_t(d)] = Real(sum[size_t(d)] / double(r1 - r0));
+  for (int64_t d = 0; d < dim; ++d) mean[size_t(d)] = Real(sum[size_t(d)] / count);
   return mean;
 }
 
@@ -60,6 +64,16 @@ double truncate_mantissa(double x, int bits) {
 }
 
 }  // namespace
+
+int v_block_exponent(float amax) {
+  // From the float's exponent field E, as the kernel computes it: amax is in [2^(E-127),
+  // 2^(E-126)), so amax / 2^(E-134) is in [128, 256). The clamp keeps 2^-e a normal float.
+  uint32_t bits = 0;
+  std::memcpy(&bits, &amax, sizeof bits);
+  const int biased = int((bits >> 23) & 0xFF);
+  if (biased == 0 || biased == 255) return 0;
+  return std::clamp(biased - 134, -120, 120);
+}
 
 double mma_aligned_step(double acc, const double* products, int n, int bits) {
   int e_max = std::numeric_limits<int>::min();
@@ -117,6 +131,7 @@ struct KvPrep {
   std::vector<Real> v_mean;       // [D], zeros without V smoothing
   std::vector<Real> v;            // quantized V - v_mean, [Nk][D]
   std::vector<Real> v_scale;      // [scale rows][D]: one row (per channel) or one per key block
+  std::vector<int> v_exponent;    // [key blocks]: V^ = V / 2^e (SAGE_V_SCALE_PER_BLOCK), else 0
 };
 
 // Q of one (batch, q head) after the pre-pass.
@@ -147,6 +162,11 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
   const bool exact_qk_in_float = cfg.qk_format == SAGE_QK_INT8 || cfg.qk_format == SAGE_QK_INT4;
   const PvFormat pv = pv_format_of(cfg.pv_format);
   const bool block_v_scale = cfg.v_scale == SAGE_V_SCALE_PER_BLOCK_CHANNEL && pv.v_max > 0;
+  // A power of two per key block moves into the softmax (scores + e, row sum / 2^e): P^·V^
+  // then needs no scale at all, so no flush of the accumulator either.
+  const bool pow2_v_scale = cfg.v_scale == SAGE_V_SCALE_PER_BLOCK && pv.v_max > 0;
+  // K's smoothing mean over every k_mean_stride-th token (any k_mean is exact: a constant per row).
+  const int64_t k_mean_stride = mean_token_stride(Nk, cfg.k_mean_tokens);
   const GroupLayout q_layout = q_group_layout(cfg), k_layout = k_group_layout(cfg);
   const size_t dims = static_cast<size_t>(D);
 
@@ -156,7 +176,8 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     KvPrep<Real>& kp = kv[size_t(i)];
     const int64_t b = i / p.heads_kv, h = i % p.heads_kv;
     kp.k_smooth = load_rows<Real>(k, b, h, Nk, D);
-    kp.k_mean = smooth_k ? channel_mean(kp.k_smooth, 0, Nk, D) : std::vector<Real>(dims, Real(0));
+    kp.k_mean = smooth_k ? channel_mean(kp.k_smooth, 0, Nk, D, k_mean_stride)
+                         : std::vector<Real>(dims, Real(0));
     for (int64_t j = 0; j < Nk; ++j)
       for (int64_t d = 0; d < D; ++d) kp.k_smooth[size_t(j * D + d)] -= kp.k_mean[size_t(d)];
     kp.k = quantize_groups(kp.k_smooth, Nk, D, k_layout, cfg.qk_format);
@@ -167,7 +188,20 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
       for (int64_t d = 0; d < D; ++d) kp.v[size_t(j * D + d)] -= kp.v_mean[size_t(d)];
     const int64_t scale_rows = block_v_scale ? k_blocks : 1;
     kp.v_scale.assign(size_t(scale_rows * D), Real(1));
-    if (pv.v_max > 0) {
+    kp.v_exponent.assign(size_t(k_blocks), 0);
+    if (pow2_v_scale) {
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        const int64_t j0 = kb * bk, j1 = std::min(Nk, j0 + bk);
+        float amax = 0.0f;
+        for (int64_t i = j0 * D; i < j1 * D; ++i)
+          amax = std::max(amax, float(std::fabs(kp.v[size_t(i)])));
+        const int e = v_block_exponent(amax);
+        kp.v_exponent[size_t(kb)] = e;
+        const float inv = std::ldexp(1.0f, -e);  // exact: |e| <= 120
+        for (int64_t i = j0 * D; i < j1 * D; ++i)
+          kp.v[size_t(i)] = pv.quantize(Real(float(kp.v[size_t(i)]) * inv));
+      }
+    } else if (pv.v_max > 0) {
       std::vector<float> amax(size_t(scale_rows * D), 0.0f);
       for (int64_t j = 0; j < Nk; ++j) {
         const int64_t row = block_v_scale ? j / bk : 0;
@@ -242,6 +276,10 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     for (int64_t kb = 0; kb * bk < visible_max; ++kb) {
       const int64_t j0 = kb * bk, j1 = std::min(Nk, j0 + bk);
       const Real* flush_scale = block_v_scale ? &kp.v_scale[size_t(kb * D)] : nullptr;
+      // SAGE_V_SCALE_PER_BLOCK: P~ = 2^(x + e - m) carries the block's 2^e, and the row sum is
+      // taken back down by 2^-e, so m + log2 l is still log2 Σ 2^x.
+      const int v_exp = kp.v_exponent[size_t(kb)];
+      const Real score_shift = Real(v_exp), sum_scale = std::ldexp(Real(1), -v_exp);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r0 + r, n = p.visible_keys(i);
         if (j0 >= n) continue;  // block fully masked for this row: the kernel skips it
@@ -257,7 +295,8 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
           const Real acc = (std::is_same_v<Real, float> && exact_qk_in_float)
                                ? Real(dot<float>(qi, kj, D))
                                : Real(dot<double>(qi, kj, D));
-          const Real x = (acc * (qs * kp.k.scale[size_t(j)]) + delta_s[size_t(j)]) * scale_log2;
+          const Real x =
+              (acc * (qs * kp.k.scale[size_t(j)]) + delta_s[size_t(j)]) * scale_log2 + score_shift;
           s[size_t(j - j0)] = x;
           row_max = std::max(row_max, x);
         }
@@ -270,7 +309,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
           phat[size_t(j - j0)] = pv.quantize(pt * Real(pv.p_scale));
         }
         m[size_t(r)] = m_new;
-        l[size_t(r)] = l[size_t(r)] * alpha + row_sum;
+        l[size_t(r)] = l[size_t(r)] * alpha + row_sum * sum_scale;
         Real* o = &O[size_t(r * D)];
         double* acc = &R[size_t(r * D)];
         for (int64_t d = 0; d < D; ++d) {
@@ -328,7 +367,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
       for (int64_t d = 0; d < D; ++d) {
         const Real acc = Real(R[size_t(r * D + d)]);
         const Real o = O[size_t(r * D + d)] + (flush_scale ? acc * flush_scale[d] : acc);
-        const Real vs = block_v_scale ? Real(1) : kp.v_scale[size_t(d)];
+        const Real vs = block_v_scale || pow2_v_scale ? Real(1) : kp.v_scale[size_t(d)];
         dst[d] = o * (vs / denom) + kp.v_mean[size_t(d)];
       }
       if (lse)

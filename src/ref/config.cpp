@@ -1,5 +1,6 @@
 // Quantization configs: the presets behind sage_variant and the one validity check shared by the
 // C API and the CPU reference. Host code.
+#include <algorithm>
 #include <string>
 
 #include "common/error.h"
@@ -15,6 +16,8 @@ sage_quant_config quant_preset(sage_variant variant) {
   // inputs with a channel bias in V, about 5x lower rel-L1 (sage accuracy, accumulator table).
   c.smooth = SAGE_SMOOTH_K | SAGE_SMOOTH_V;
   c.pv_format = SAGE_PV_FP8_E4M3;
+  // Per channel: V is read whole for its exact mean anyway (below). One power of two per block
+  // (SAGE_V_SCALE_PER_BLOCK) is as accurate here but made the kernels slower (docs/sm90-kernel.md).
   c.v_scale = SAGE_V_SCALE_PER_CHANNEL;
   c.pv_accum = SAGE_PV_ACCUM_TWO_LEVEL;
   c.pv_flush_interval = 1;
@@ -23,6 +26,12 @@ sage_quant_config quant_preset(sage_variant variant) {
   c.block_q = 128;  // the mma.sync kernel's tile: 8 warps of 16 rows, 64-key blocks
   c.block_k = 64;
   c.warps = 8;
+  // K's smoothing mean from about 256 tokens: any k_mean leaves the softmax unchanged (a constant
+  // per row) and only has to take the channel bias out, so the pre-pass reads K once. V's mean
+  // takes every token: sampled, it varied the 8-bit rel-L1 of the built-in problem 0.87x-1.34x
+  // with the draw, and on the GPU the sm90 kernel's wgmma accumulator (each product cut to the
+  // grid of the running O) lost 2.5x at 16k: V - v_mean must sum to zero (docs/sm90-kernel.md).
+  c.k_mean_tokens = 256;
   switch (variant) {
     case SAGE_VARIANT_SAGE2_4B:
       c.qk_format = SAGE_QK_INT4;
@@ -54,7 +63,7 @@ std::string quant_config_error(const sage_quant_config& c) {
   if (enum_value(c.pv_format) < SAGE_PV_NONE || enum_value(c.pv_format) > SAGE_PV_INT8)
     return bad("pv_format", enum_value(c.pv_format));
   if (enum_value(c.v_scale) < SAGE_V_SCALE_PER_CHANNEL ||
-      enum_value(c.v_scale) > SAGE_V_SCALE_PER_BLOCK_CHANNEL)
+      enum_value(c.v_scale) > SAGE_V_SCALE_PER_BLOCK)
     return bad("v_scale", enum_value(c.v_scale));
   if (enum_value(c.pv_accum) < SAGE_PV_ACCUM_FP32 ||
       enum_value(c.pv_accum) > SAGE_PV_ACCUM_ALIGNED)
@@ -67,6 +76,7 @@ std::string quant_config_error(const sage_quant_config& c) {
   if (c.accum_mantissa_bits < 1 || c.accum_mantissa_bits > 23)
     return bad("accum_mantissa_bits (1..23)", c.accum_mantissa_bits);
   if (c.accum_chunk < 1) return bad("accum_chunk (>= 1)", c.accum_chunk);
+  if (c.k_mean_tokens < 0) return bad("k_mean_tokens (>= 0)", c.k_mean_tokens);
   if (c.granularity == SAGE_GRANULARITY_PER_THREAD_MMA && (c.block_q / c.warps) % 16 != 0)
     return bad("block_q (per-thread MMA groups need block_q / warps to be a multiple of 16)",
                c.block_q);
@@ -85,7 +95,16 @@ std::string quant_config_error(const sage_quant_config& c) {
       (c.pv_accum == SAGE_PV_ACCUM_HW || c.pv_accum == SAGE_PV_ACCUM_ALIGNED))
     return "quant.v_scale per (block, channel) cannot be used with pv_accum = HW or ALIGNED (the "
            "hardware accumulator is never flushed, so block scales cannot be applied)";
+  // The power-of-two exponent is chosen so that |V| / 2^e < 256 fits E4M3's 448; other formats
+  // would need another rule, and without a V format there is nothing to scale.
+  if (c.v_scale == SAGE_V_SCALE_PER_BLOCK && c.pv_format != SAGE_PV_FP8_E4M3)
+    return "quant.v_scale = per block (power of two) needs pv_format = FP8_E4M3 (pv_format = " +
+           std::to_string(c.pv_format) + ")";
   return {};
+}
+
+int64_t mean_token_stride(int64_t tokens, int32_t k_mean_tokens) {
+  return k_mean_tokens > 0 ? std::max<int64_t>(1, tokens / k_mean_tokens) : 1;
 }
 
 }  // namespace sage::ref

@@ -63,6 +63,9 @@ void attention_quant(const Problem& p, const sage_quant_config& cfg, const Tenso
 sage_quant_config quant_preset(sage_variant variant);
 // Empty when `cfg` is usable, else a message naming the bad field and its value.
 std::string quant_config_error(const sage_quant_config& cfg);
+// The stride s of the tokens 0, s, 2s, ... < tokens that K's smoothing mean averages
+// (sage_quant_config.k_mean_tokens; 1 = every token).
+int64_t mean_token_stride(int64_t tokens, int32_t k_mean_tokens);
 
 // Which tokens share a quantization scale. The pattern repeats every `span` tokens (a block);
 // token t is in group (t / span) * groups_per_span + group_of[t % span]. span == 0 means one group
@@ -102,16 +105,22 @@ QuantizedGroups<Real> quantize_groups(const std::vector<Real>& x, int64_t rows, 
 GroupLayout q_group_layout(const sage_quant_config& cfg);
 GroupLayout k_group_layout(const sage_quant_config& cfg);
 
-// Accuracy of `x` against `ref` (SPEC.md §5), over n elements.
 // One step of the sm_90 wgmma E4M3 accumulator as measured (docs/fp8-accumulator.md): the
 // running value and the step's products are each cut, toward zero, to the grid of the largest of
 // them with `bits` bits after its leading one, summed exactly, and held in fp32.
 // (SAGE_PV_ACCUM_ALIGNED; accum_chunk products a step.)
 double mma_aligned_step(double acc, const double* products, int n, int bits);
 
+// The exponent e of SAGE_V_SCALE_PER_BLOCK for a key block whose largest |V - v_mean| (over its
+// keys and every channel) is amax: V^ = E4M3(V / 2^e) with amax / 2^e in [128, 256), under E4M3's
+// 448 with the top of its range used (below 128 only for amax < 2^-113, where e stops at -120).
+// 0 when amax is zero, subnormal, inf or NaN.
+int v_block_exponent(float amax);
+
 struct Metrics {
   double cos = 0, rel_l1 = 0, rmse = 0, max_abs = 0;
 };
+// Accuracy of `x` against `ref` (SPEC.md §5), over n elements.
 Metrics compare(const double* ref, const float* x, int64_t n);
 Metrics compare(const double* ref, const double* x, int64_t n);
 

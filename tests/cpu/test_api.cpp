@@ -458,7 +458,8 @@ bool same_quant(const sage_quant_config& a, const sage_quant_config& b) {
          a.pv_format == b.pv_format && a.v_scale == b.v_scale && a.pv_accum == b.pv_accum &&
          a.pv_flush_interval == b.pv_flush_interval &&
          a.accum_mantissa_bits == b.accum_mantissa_bits && a.accum_chunk == b.accum_chunk &&
-         a.block_q == b.block_q && a.block_k == b.block_k && a.warps == b.warps;
+         a.block_q == b.block_q && a.block_k == b.block_k && a.warps == b.warps &&
+         a.k_mean_tokens == b.k_mean_tokens;
 }
 
 sage_quant_config preset(sage_variant v) {
@@ -568,13 +569,17 @@ TEST(ApiInfo, QuantConfigPresets) {
   EXPECT_EQ(s8.qk_format, SAGE_QK_INT8);
   EXPECT_EQ(s8.smooth, SAGE_SMOOTH_K | SAGE_SMOOTH_V);
   EXPECT_EQ(s8.pv_format, SAGE_PV_FP8_E4M3);
+  EXPECT_EQ(s8.v_scale, SAGE_V_SCALE_PER_CHANNEL);
   EXPECT_EQ(s8.pv_accum, SAGE_PV_ACCUM_TWO_LEVEL);
   EXPECT_GE(s8.pv_flush_interval, 1);
+  EXPECT_EQ(s8.k_mean_tokens, 256);
   const sage_quant_config s4 = preset(SAGE_VARIANT_SAGE2_4B);
   EXPECT_EQ(s4.qk_format, SAGE_QK_INT4);
   EXPECT_EQ(s4.smooth, SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V);
   EXPECT_EQ(s4.pv_format, SAGE_PV_FP8_E4M3);
+  EXPECT_EQ(s4.v_scale, SAGE_V_SCALE_PER_CHANNEL);
   EXPECT_EQ(s4.pv_accum, SAGE_PV_ACCUM_TWO_LEVEL);
+  EXPECT_EQ(s4.k_mean_tokens, 256);
   const sage_quant_config ex = preset(SAGE_VARIANT_EXACT);
   EXPECT_EQ(ex.qk_format, SAGE_QK_NONE);
   EXPECT_EQ(ex.pv_format, SAGE_PV_NONE);
@@ -935,7 +940,7 @@ TEST_F(ApiErrors, InvalidCustomQuantConfig) {
       enum_case("granularity", &sage_quant_config::granularity, -1),
       enum_case("pv_format", &sage_quant_config::pv_format, 5),
       enum_case("pv_format", &sage_quant_config::pv_format, -1),
-      enum_case("v_scale", &sage_quant_config::v_scale, 2),
+      enum_case("v_scale", &sage_quant_config::v_scale, 3),
       enum_case("v_scale", &sage_quant_config::v_scale, -1),
       enum_case("pv_accum", &sage_quant_config::pv_accum, 4),
       enum_case("pv_accum", &sage_quant_config::pv_accum, -1),
@@ -961,6 +966,7 @@ TEST_F(ApiErrors, InvalidCustomQuantConfig) {
        [](sage_quant_config& q) { q.accum_mantissa_bits = 24; },
        {"accum_mantissa_bits"}},
       {"accum_chunk 0", [](sage_quant_config& q) { q.accum_chunk = 0; }, {"accum_chunk"}},
+      {"k_mean_tokens -1", [](sage_quant_config& q) { q.k_mean_tokens = -1; }, {"k_mean_tokens"}},
       // Per-thread MMA groups: block_q / warps must be a multiple of 16; block_k of 8.
       {"per-thread MMA, 8 rows a warp", [](sage_quant_config& q) { q.warps = 16; }, {"block_q"}},
       {"per-thread WGMMA, block_q 40",
@@ -985,6 +991,13 @@ TEST_F(ApiErrors, InvalidCustomQuantConfig) {
          q.pv_accum = SAGE_PV_ACCUM_HW;
        },
        {"v_scale", "pv_accum"}},
+      // The power-of-two V scale per block (the preset's) is for E4M3 V only.
+      {"power-of-two V scale per block, E5M2",
+       [](sage_quant_config& q) {
+         q.v_scale = SAGE_V_SCALE_PER_BLOCK;
+         q.pv_format = SAGE_PV_FP8_E5M2;
+       },
+       {"v_scale", "pv_format"}},
   };
   for (const Case& c : cases) {
     expect_rejected(

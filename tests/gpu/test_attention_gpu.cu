@@ -389,6 +389,12 @@ TEST(GpuAttention, ArgumentErrorsAreClear) {
   b.quant.pv_format = SAGE_PV_FP8_E5M2;
   EXPECT_EQ(sage_attention(&b), SAGE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(sage_last_error()).find("quant"), std::string::npos);
+  // Per-block power-of-two V scales are valid (the CPU reference runs them) but no kernel takes
+  // them.
+  sage_quant_config_init(&b.quant, SAGE_VARIANT_SAGE2_8B);
+  b.quant.v_scale = SAGE_V_SCALE_PER_BLOCK;
+  EXPECT_EQ(sage_attention(&b), SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("v_scale"), std::string::npos);
   // Mixed host and device pointers.
   b = a;
   b.k = host.data();

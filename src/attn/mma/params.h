@@ -38,6 +38,9 @@ struct Plan {
   int bits = 8;                 // QK format: 8 (INT8) or 4 (INT4)
   bool smooth_q = false, smooth_k = false, smooth_v = false;
   bool two_level = true;        // P·V accumulation (false where the MMA accumulator is fp32)
+  // The K smoothing mean is taken over tokens 0, s, 2s, ... < Nk (s = k_mean_stride,
+  // k_mean_samples of them; sage_quant_config::k_mean_tokens); V's statistics over every token.
+  int64_t k_mean_stride = 1, k_mean_samples = 0;
   bool sm90 = false;            // run the Hopper wgmma kernel (attn/sm90) instead of mma.sync
   bool fused_q = false;         // sm90: Q quantized inside the attention kernel (no quant_q)
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
@@ -48,7 +51,7 @@ struct Plan {
 
 inline Plan make_plan(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q,
                       int64_t seq_kv, int64_t head_dim, int bits, bool smooth_q, bool smooth_k,
-                      bool smooth_v) {
+                      bool smooth_v, int k_mean_tokens) {
   Plan p;
   p.batch = batch, p.heads_q = heads_q, p.heads_kv = heads_kv;
   p.seq_q = seq_q, p.seq_kv = seq_kv, p.head_dim = head_dim, p.bits = bits;
@@ -60,6 +63,8 @@ inline Plan make_plan(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t 
   p.row_bytes = head_dim * bits / 8;
   // K/V statistics are reduced in fixed-size token chunks (deterministic, no atomics).
   p.stat_chunks = (seq_kv + kStatTokens - 1) / kStatTokens;
+  p.k_mean_stride = k_mean_tokens > 0 && seq_kv / k_mean_tokens > 1 ? seq_kv / k_mean_tokens : 1;
+  p.k_mean_samples = (seq_kv + p.k_mean_stride - 1) / p.k_mean_stride;
   const int64_t bq = batch * heads_q, bk = batch * heads_kv;
   size_t off = 0;
   auto take = [&](size_t bytes) {
@@ -74,7 +79,8 @@ inline Plan make_plan(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t 
   p.k = take(size_t(bk * p.nk_pad * p.row_bytes));
   p.k_scale = take(size_t(bk * p.k_blocks * kKGroups) * 4);
   p.v = take(size_t(bk * head_dim * p.nk_pad));
-  // Per (kv head, chunk, channel): sum K (double), sum V (double), max V, min V (float).
+  // Per (kv head, chunk, channel): sum K over the chunk's sampled tokens, sum V (double), max V,
+  // min V (float).
   p.kv_stats = take(size_t(bk * p.stat_chunks * head_dim) * 24);
   p.k_mean = take(size_t(bk * head_dim) * 4);
   p.v_mean = take(size_t(bk * head_dim) * 4);
