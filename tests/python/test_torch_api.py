@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import sage_attn  # noqa: E402
 from conftest import naive_attention  # noqa: E402
@@ -53,6 +54,41 @@ def test_cpu_tensors_run_the_reference(gen):
     ref, ref_lse = ref64(q, k, v, "bottom_right")
     assert metrics(o, ref)["cos"] > 0.999
     assert torch.allclose(lse.double(), ref_lse, atol=0.05)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records the name of every op dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _fast_path_checks(q, k, v):
+    """Eager calls skip the custom op's dispatch (sage_attn._torch._call); the result must be
+    the op's bit for bit, and whatever needs to see the op must still see it."""
+    from sage_attn import _lib, _torch as T
+    for causal in (False, True):
+        o, lse = sage_attn.sageattn(q, k, v, is_causal=causal, return_lse=True)
+        mask = _lib.CAUSAL_ALIGNS["bottom_right"] if causal else _lib.MASK_NONE
+        # sageattn's defaults: smooth_k True, the others the preset's.
+        o_op, lse_op = T._attention_op(q, k, v, _lib.LAYOUT_HND, mask, q.shape[-1] ** -0.5, None,
+                                       None, True, None, True, T._RAISE)
+        assert torch.equal(o, o_op) and torch.equal(lse, lse_op)
+    # A dispatch mode (profilers, flop counters, fake tensors) sees sage_attn::attention.
+    with _OpRecorder() as rec:
+        sage_attn.sageattn(q, k, v)
+    assert any("sage_attn.attention" in op for op in rec.ops), rec.ops
+    # And outside any mode nothing is dispatched through the op.
+    assert T._dispatch_stack_len is None or T._dispatch_stack_len() == 0
+
+
+def test_cpu_eager_fast_path_equals_the_op(gen):
+    _fast_path_checks(*(randn(gen, (1, 2, 40, 64), torch.float32, "cpu") for _ in range(3)))
 
 
 def test_unknown_keyword_is_type_error(gen):
@@ -203,6 +239,11 @@ def test_gpu_deterministic_inputs_untouched_output_poison(gen):
     assert not torch.isnan(first).any()
     for x, s in zip((q, k, v), saved):
         assert torch.equal(x, s)
+
+
+@gpu
+def test_gpu_eager_fast_path_equals_the_op(gen):
+    _fast_path_checks(*(randn(gen, (2, 4, 300, 128)) for _ in range(3)))
 
 
 @gpu
