@@ -102,7 +102,8 @@ TEST(Exact, PaddedStridesGiveTheSameResultAsContiguous) {
 
 // Smoothing is an identity of exact arithmetic: k_mean shifts every score of a row equally, ΔS
 // restores what q_mean removed, and rows of P sum to one so v_mean passes through. With no
-// quantization and double arithmetic the emulation must equal the float64 reference.
+// quantization and double arithmetic the emulation must equal the float64 reference, whether
+// k_mean takes every token or a sample (k_mean_tokens 64 of 333: every 5th).
 TEST(Smoothing, LeavesFullPrecisionAttentionUnchanged) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -111,20 +112,24 @@ TEST(Smoothing, LeavesFullPrecisionAttentionUnchanged) {
   const Fp16Tensor q = test::random_tensor(rng, B, Hq, Nq, D, 4.0f);
   const Fp16Tensor k = test::random_tensor(rng, B, Hkv, Nk, D, 8.0f);
   const Fp16Tensor v = test::random_tensor(rng, B, Hkv, Nk, D, 8.0f);
-  for (sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
+  for (sage_mask mask :
+       {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
     const Problem p{B, Hq, Hkv, Nq, Nk, D, 1.0 / 8.0, mask};
     std::vector<double> want(size_t(p.out_elems())), want_lse(size_t(p.lse_elems()));
     attention_exact(p, q.view(), k.view(), v.view(), want.data(), want_lse.data());
     for (uint32_t smooth : {0u, SAGE_SMOOTH_K, SAGE_SMOOTH_Q, SAGE_SMOOTH_V,
-                            SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V}) {
-      SCOPED_TRACE("smooth flags " + std::to_string(smooth) + " mask " + std::to_string(mask));
-      sage_quant_config cfg = quant_preset(SAGE_VARIANT_EXACT);
-      cfg.smooth = smooth;
-      std::vector<double> o(want.size(), std::nan("")), lse(want_lse.size(), std::nan(""));
-      attention_quant(p, cfg, q.view(), k.view(), v.view(), o.data(), lse.data());
-      expect_close(want, o.data(), 1e-12, "out");
-      expect_close(want_lse, lse.data(), 1e-12, "lse");
-    }
+                            SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V})
+      for (int32_t k_mean_tokens : {0, 64}) {
+        SCOPED_TRACE("smooth flags " + std::to_string(smooth) + " mask " + std::to_string(mask) +
+                     " k_mean_tokens " + std::to_string(k_mean_tokens));
+        sage_quant_config cfg = quant_preset(SAGE_VARIANT_EXACT);
+        cfg.smooth = smooth;
+        cfg.k_mean_tokens = k_mean_tokens;
+        std::vector<double> o(want.size(), std::nan("")), lse(want_lse.size(), std::nan(""));
+        attention_quant(p, cfg, q.view(), k.view(), v.view(), o.data(), lse.data());
+        expect_close(want, o.data(), 1e-12, "out");
+        expect_close(want_lse, lse.data(), 1e-12, "lse");
+      }
   }
 }
 
