@@ -179,7 +179,6 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   ap.causal_offset = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
   ap.scale_log2 = float(p.scale * 1.4426950408889634);
   ap.fused_q = plan.fused_q;
-  ap.inputs_final = (stages & kStagePrepass) != 0;
   ap.scale = float(p.scale);
   ap.k_mean = f32(plan.k_mean);
   ap.tile_counter = reinterpret_cast<unsigned*>(ws + plan.tile_counter);

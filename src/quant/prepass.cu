@@ -31,8 +31,7 @@
 // - Max/min that need no float rounding run on the packed 16-bit inputs (kv_stats' V range,
 //   quant_q's max |q| without smoothing).
 // - Grids are (blocks, heads, batch): no integer division for the batch and head.
-// - Every kernel is PDL-launched (launch_pdl) and waits in its prologue (pdl_enter); quant_kv
-//   issues its loads of the caller's K and V first (they are final by then: see there).
+// - Every kernel is PDL-launched (launch_pdl) and waits in its prologue (pdl_enter).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -310,6 +309,7 @@ __global__ void __launch_bounds__(256, 3)
     quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
                     const float* k_mean, const float* v_mean, const float* v_inv, int64_t nk_pad,
                     int64_t k_blocks, uint8_t* kq, float* k_scale, uint8_t* vq) {
+  pdl_enter();
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   constexpr int kChunks = D / 32, kW = D / 16;
   static_assert(mma::kBlockK == 64, "16 four-key groups a block");
@@ -341,11 +341,6 @@ __global__ void __launch_bounds__(256, 3)
       vkeep |= 0xFFu << (8 * u);
     }
   }
-  // K and V are the caller's, final before this kernel could start: kv_stats waited for whatever
-  // wrote them, and this grid launches only once every kv_finalize CTA passed its own wait (on
-  // kv_stats). So their loads above go out before the wait, overlapping kv_finalize; the
-  // statistics below are kv_finalize's.
-  pdl_enter();
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
     km[c] = k_mean[int64_t(bh) * D + c];

@@ -116,12 +116,6 @@ struct AttnParams {
   // fused_q (sm90 only): the kernel reads fp16/bf16 Q through its own TMA map and quantizes it
   // (q and q_scale unused); it then also writes lse_shift = scale · q·k_mean when lse is set.
   bool fused_q;
-  // The caller's Q, K and V are final when the attention kernel starts: the pre-pass ran before
-  // it in this call (its first kernel waited for whatever wrote them, and every later kernel
-  // starts only once all CTAs of the one before passed their own wait). The sm90 kernel then
-  // stages its first Q tile before its grid-dependency wait. False when the kernel is launched
-  // alone (a programmatic dependent of an arbitrary previous kernel).
-  bool inputs_final;
   float scale;             // softmax scale
   const float* k_mean;     // [B*Hkv][D]
   unsigned* tile_counter;  // sm90 causal: {next tile, CTAs done}, 0 on entry and on exit

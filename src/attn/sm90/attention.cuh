@@ -401,21 +401,8 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
     ptx::fence_barrier_init();
   }
   __syncthreads();
-  // fused_q: the staging load of the CTA's first Q tile (round 0's tile is blockIdx.x for both
-  // masks) goes out before the grid-dependency wait when the caller's Q is already final
-  // (AttnParams::inputs_final: the pre-pass ran first in this call), so its DRAM latency overlaps
-  // the pre-pass's tail instead of opening the first tile.
-  const bool early_q = fused_q && p.inputs_final;
-  auto stage_q = [&](const TileInfo& ti) {
-    ptx::mbar_arrive_expect_tx(&full_staged, S::kQStaged);
-    ptx::tma_load_4d(q_staged, &maps.q_in, &full_staged, 0, ti.qb * kBlockQ, ti.h, ti.b);
-  };
-  if (early_q && threadIdx.x == 32) {
-    const TileInfo ti = decode(blockIdx.x);
-    if (!ti.done) stage_q(ti);
-  }
-  // Programmatic dependent launch: everything above overlapped the pre-pass's tail; nothing else
-  // is read from global memory before the kernels this one depends on have finished.
+  // Programmatic dependent launch: everything above overlapped the pre-pass's tail; nothing is
+  // read from global memory before the kernels this one depends on have finished.
   ptx::grid_dependency_wait();
 
   if (wg == 0) {  // ---- producer ----
@@ -426,8 +413,12 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
       // the tile before last is done). The next tile's staging load is issued as soon as every
       // quantizing thread has read this one.
       const int qt = threadIdx.x - 32;
+      auto stage_q = [&](const TileInfo& ti) {
+        ptx::mbar_arrive_expect_tx(&full_staged, S::kQStaged);
+        ptx::tma_load_4d(q_staged, &maps.q_in, &full_staged, 0, ti.qb * kBlockQ, ti.h, ti.b);
+      };
       TileInfo ti = read_tile(0);
-      if (qt == 0 && !ti.done && !early_q) stage_q(ti);
+      if (qt == 0 && !ti.done) stage_q(ti);
       for (int it = 0; !ti.done; ++it) {
         const int qbuf = it & 1;
         ptx::mbar_wait(&full_staged, it & 1);
