@@ -104,7 +104,8 @@ sage_status plan_for(const api::Resolved& r, const sage_attention_args& a, mma::
   const bool two_level = major * 10 + minor != 90;
   *plan = mma::make_plan(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, D,
                          c.qk_format == SAGE_QK_INT8 ? 8 : 4, c.smooth & SAGE_SMOOTH_Q,
-                         c.smooth & SAGE_SMOOTH_K, c.smooth & SAGE_SMOOTH_V, c.k_mean_tokens);
+                         c.smooth & SAGE_SMOOTH_K, c.smooth & SAGE_SMOOTH_V,
+                         ref::mean_token_stride(p.seq_kv, c.k_mean_tokens));  // as the emulation
   plan->two_level = two_level;
   // sm_90: the wgmma kernel takes what it supports (8-bit, no Q smoothing). SAGE_KERNEL=mma
   // forces the mma.sync kernel (to compare the two; the tests run both).

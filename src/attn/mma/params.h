@@ -51,7 +51,7 @@ struct Plan {
 
 inline Plan make_plan(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t seq_q,
                       int64_t seq_kv, int64_t head_dim, int bits, bool smooth_q, bool smooth_k,
-                      bool smooth_v, int k_mean_tokens) {
+                      bool smooth_v, int64_t k_mean_stride) {
   Plan p;
   p.batch = batch, p.heads_q = heads_q, p.heads_kv = heads_kv;
   p.seq_q = seq_q, p.seq_kv = seq_kv, p.head_dim = head_dim, p.bits = bits;
@@ -63,7 +63,7 @@ inline Plan make_plan(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t 
   p.row_bytes = head_dim * bits / 8;
   // K/V statistics are reduced in fixed-size token chunks (deterministic, no atomics).
   p.stat_chunks = (seq_kv + kStatTokens - 1) / kStatTokens;
-  p.k_mean_stride = k_mean_tokens > 0 && seq_kv / k_mean_tokens > 1 ? seq_kv / k_mean_tokens : 1;
+  p.k_mean_stride = k_mean_stride;
   p.k_mean_samples = (seq_kv + p.k_mean_stride - 1) / p.k_mean_stride;
   const int64_t bq = batch * heads_q, bk = batch * heads_kv;
   size_t off = 0;
