@@ -594,8 +594,9 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
     auto qk = p.smooth_q ? quant_q_kernel<T, D, kBits, decltype(vq)::value, true>
                          : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
     check(launch_pdl(qk, {dim3(unsigned(p.q_blocks), unsigned(p.heads_q), unsigned(p.batch)),
-                     dim3(512)}, st, q, in.q_strides, heads_kv, heads_q / heads_kv, p.seq_q, in.scale, f32(p.k_mean), p.nq_pad, p.q_blocks, ws + p.q,
-                     f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
+                     dim3(512)}, st, q, in.q_strides, heads_kv, heads_q / heads_kv, p.seq_q,
+                     in.scale, f32(p.k_mean), p.nq_pad, p.q_blocks, ws + p.q, f32(p.q_scale),
+                     p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
   };
   auto with_vec = [&](auto bits) {
     if (vec_kv && vec_q)
