@@ -216,6 +216,25 @@ constexpr int poly_every() {
 #endif
 }
 
+// Where a consumer passes the GEMM-issue turn (see take_turn): when its Q·Kᵀ has landed, or
+// once its block's row maxima are taken, which sends the other consumer's Q·Kᵀ out later and
+// its maxima under this one's 2^x. H100, kernel-only TOPS, one call (base twice vs after the
+// maxima): D = 128 non-causal 16k 847 / 846 vs 865, 1k 509 / 501 vs 517, 4k 761 / 764 vs 757;
+// D = 128 causal 16k 828 / 825 vs 799, 4k 648 / 650 vs 642; D = 64 with three consumers 8-11 %
+// slower. So after the maxima for D = 128 non-causal only (two consumers, blocks of equal
+// length); a second call, D = 128 non-causal, this choice twice vs the turn at the landing:
+// kernel-only 1k 517 / 528 vs 505, 4k 777 / 777 vs 761, 16k 871 / 855 vs 857 (e2e 326 / 330 vs
+// 323, 653 / 651 vs 647, 830 / 831 vs 820), causal (the same code) within 1 %.
+// SAGE_SM90_TURN_AFTER_MAX (a measurement build) forces it: 1 everywhere, 0 nowhere.
+template <int D, bool kCausal, int kCons>
+constexpr bool turn_after_max() {
+#ifdef SAGE_SM90_TURN_AFTER_MAX
+  return SAGE_SM90_TURN_AFTER_MAX != 0;
+#else
+  return D == 128 && !kCausal && kCons == 2;
+#endif
+}
+
 // SAGE_SM90_SEED=0 (a measurement build): the S accumulator starts from zero (the first Q·Kᵀ
 // wgmma without accumulate) instead of the 64 seed MOVs before each Q·Kᵀ, and each score takes
 // one integer add (x + kMagic) in the softmax instead. Same results, bit for bit. The seed MOVs
@@ -498,7 +517,8 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
   // with both consumers issuing their eight at once the second stalled ~500 cycles in issue.
   // Measured (H100, D=128): kernel-only 4k 699 -> 728, 16k 799 -> 821 TOPS; passing the turn
   // right after the issue (the other consumer then issues into a full queue) or serializing
-  // the softmaxes instead was slower (docs/sm90-kernel.md). Consumer 0 goes first.
+  // the softmaxes instead was slower (docs/sm90-kernel.md). D = 128 non-causal passes it later,
+  // once the block's row maxima are taken (turn_after_max). Consumer 0 goes first.
   auto take_turn = [] { ptx::turn_wait<kTurnBar, kCons>(); };
   auto pass_turn = [] { ptx::turn_pass<kTurnBar, kCons>(); };
   if (consumer == kCons - 1) pass_turn();  // consumer 0 goes first
@@ -568,6 +588,7 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
       f[0] = q_scale_log2 * k_scale[(2 * kb) * mma::kKGroups + t];
       f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * mma::kKGroups + t];
     };
+    constexpr bool kTurnAfterMax = turn_after_max<D, kCausal, kCons>();
     auto softmax_block = [&](int(&sacc)[64], int kb, const float(&f)[2], float(&alpha)[2]) {
       float row_max[2], m_use[2];
       float part[2][4] = {};          // four partial sums per row: short FADD chains
@@ -585,6 +606,7 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
           row_max[r] =
               fmaxf((seeded(mx[r][0]) - kMagicF) * f[0], (seeded(mx[r][1]) - kMagicF) * f[1]);
         attn::online_max(row_max, m, l, alpha, m_use);
+        if constexpr (kTurnAfterMax) pass_turn();
         float bias[2][2];
         for (int r = 0; r < 2; ++r)
           for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
@@ -605,6 +627,7 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
           sacc[i] = __float_as_int(x);
         }
         attn::online_max(row_max, m, l, alpha, m_use);
+        if constexpr (kTurnAfterMax) pass_turn();
         for (int i = 0; i < 64; ++i) {
           const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[(i / 2) & 1] - kLog2E4m3Max));
           part[(i / 2) & 1][i / 16] += e;
@@ -684,7 +707,7 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
       trace_event(trace_buf, kb, 2);
       ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P·V(kb-1) may still run
       ptx::wgmma_fence_regs(sacc);
-      pass_turn();
+      if constexpr (!kTurnAfterMax) pass_turn();
       trace_event(trace_buf, kb, 3);
       release(&empty_k[st]);
       float alpha[2];
@@ -706,7 +729,7 @@ __global__ void __launch_bounds__(Cfg<kCons>::kThreads, 1)
         issue_qk(Stage0{}, sacc, f, 0);
         ptx::wgmma_wait<0>();
         ptx::wgmma_fence_regs(sacc);
-        pass_turn();
+        if constexpr (!kTurnAfterMax) pass_turn();
         release(&empty_k[0]);
         softmax_block(sacc, 0, f, alpha);
         pack_p(sacc);
