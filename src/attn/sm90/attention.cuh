@@ -25,8 +25,9 @@
 // cut to about seven instructions per score: S seeded so scores come out as floats, one FFMA
 // and one 2^x per score (at D = 128 one in eight as a polynomial off the MUFU pipe), the max on the
 // bits, O rescaled only when a row's max moved. The consumers take turns to issue their GEMMs
-// (a turn passes when the issuer's Q·Kᵀ has landed): issuing both at once overfilled the tensor
-// cores' wgmma queue and stalled the second issuer (see take_turn below).
+// (a turn passes when the issuer's Q·Kᵀ has landed, at D = 128 non-causal once its row maxima
+// are taken): issuing both at once overfilled the tensor cores' wgmma queue and stalled the
+// second issuer (see take_turn below).
 //
 // Budget: a consumer thread holds S (64 int32), O (D/2 fp32), P̃ (16): under the registers
 // setmaxnreg gives it (Cfg::kConsumerRegs: 232 with two consumers, 160 with three).
