@@ -113,6 +113,19 @@ typedef enum sage_pv_accum {
                                   (docs/fp8-accumulator.md); CPU reference only */
 } sage_pv_accum;
 
+/* Which GPU kernel family runs a CUDA call (sage_attention_args.kernel). AUTO is the plan's
+ * choice; the others force a family (tests and benchmarks compare them) and are refused with
+ * SAGE_ERROR_UNSUPPORTED where that family has no kernel for the arguments or the GPU. */
+typedef enum sage_kernel {
+  SAGE_KERNEL_AUTO = 0, /* sm_90: the wgmma kernel where it applies (8-bit Q·K, no Q smoothing),
+                           else the mma.sync kernel */
+  SAGE_KERNEL_MMA = 1,  /* the portable mma.sync kernel (sm_89, sm_90, sm_120) */
+  SAGE_KERNEL_SM90 = 2  /* the Hopper wgmma kernel (sm_90a) */
+} sage_kernel;
+
+/* sage_attention_args.options flags. */
+#define SAGE_OPTION_PREPASS_Q 1u /* sm90: Q quantized by the pre-pass instead of inside the kernel */
+
 /* Smoothing flags (SPEC.md §2.1, §2.2, §2.10). */
 #define SAGE_SMOOTH_Q 1u
 #define SAGE_SMOOTH_K 2u
@@ -135,6 +148,14 @@ typedef struct sage_quant_config {
                             N / k_mean_tokens) (integer division); 0: every token. V's mean
                             always takes every token (the sm90 kernel's accumulator needs V - v_mean
                             to sum to zero over the sequence) */
+  int32_t softmax_block_k; /* keys per online-softmax block, a multiple of block_k (the sm90
+                              kernel: 128-key softmax blocks over 64-key K scale groups);
+                              0: block_k */
+  int32_t exp2_poly_every; /* 0: every 2^x on the hardware's ex2; n in {2, 4, 8, 16}: in a softmax
+                              block that every key of the tile's rows sees, score (row r, key j)
+                              takes a degree-3 polynomial 2^x when (4·((j mod 128) / 8) +
+                              2·((r mod 16) / 8) + j mod 2) mod n = n - 1: register i mod n = n - 1
+                              of the wgmma accumulator (the sm90 kernel: 8 at D = 128) */
 } sage_quant_config;
 
 /* Strides in elements for the batch, head and token dimensions; the last (head_dim, or nothing for
@@ -176,7 +197,30 @@ typedef struct sage_attention_args {
   void* workspace;       /* device memory of sage_attention_workspace_size() bytes (CUDA) */
   size_t workspace_size;
   int32_t num_threads;   /* CPU reference threads; 0 = all hardware threads */
+  sage_kernel kernel;    /* CUDA: which kernel family (AUTO: the plan's choice) */
+  uint32_t options;      /* SAGE_OPTION_* flags */
 } sage_attention_args;
+
+/* What sage_attention() will do with a set of args, decided once by the library's planner
+ * (sage_attention_plan): the backend and kernel, its tile, the workspace, whether a dense fp16
+ * SDPA measured faster for this shape on this GPU, and the quantization config whose CPU
+ * emulation computes exactly what the call runs. */
+typedef struct sage_plan_info {
+  size_t struct_size;      /* sizeof(sage_plan_info): set by the caller */
+  sage_backend backend;    /* CPU or CUDA */
+  sage_kernel kernel;      /* CUDA: MMA or SM90; AUTO for the CPU backend */
+  int32_t block_q;         /* query rows per tile (CTA) */
+  int32_t block_k;         /* keys per streamed block */
+  int32_t fused_q;         /* 1: the kernel quantizes Q itself (no pre-pass for Q) */
+  int32_t launches;        /* kernels launched per call */
+  int32_t prefer_sdpa;     /* 1: on this GPU a dense fp16 SDPA (cuDNN) measured faster for this
+                              head dim, mask and length (the crossover table, src/api/plan.cpp):
+                              the SDPA drop-in hands such calls to torch; sage_attention() still
+                              runs them */
+  size_t workspace_size;   /* bytes of device workspace (sage_attention_workspace_size) */
+  sage_quant_config emulation; /* the config whose CPU emulation (SAGE_VARIANT_CUSTOM on host
+                                  pointers) computes what this call runs, accumulator included */
+} sage_plan_info;
 
 /* Library version, e.g. "0.1.0". */
 SAGE_API const char* sage_version(void);
@@ -195,6 +239,10 @@ SAGE_API sage_status sage_quant_config_init(sage_quant_config* config, sage_vari
 /* Bytes of device workspace sage_attention() needs for these args (0 for the CPU backend). */
 SAGE_API sage_status sage_attention_workspace_size(const sage_attention_args* args,
                                                    size_t* bytes);
+
+/* The plan of a call: validates `args` exactly as sage_attention() does and describes what it
+ * would run (info->struct_size must be sizeof(sage_plan_info)). Touches no tensor memory. */
+SAGE_API sage_status sage_attention_plan(const sage_attention_args* args, sage_plan_info* info);
 
 /* Validate the args and run attention. Writes o (and lse); never touches the inputs. */
 SAGE_API sage_status sage_attention(const sage_attention_args* args);

@@ -18,6 +18,8 @@ LAYOUT_HND, LAYOUT_NHD = 0, 1
 MASK_NONE, MASK_CAUSAL_BOTTOM_RIGHT, MASK_CAUSAL_TOP_LEFT = 0, 1, 2
 BACKEND_AUTO, BACKEND_CPU, BACKEND_CUDA = 0, 1, 2
 VARIANT_AUTO, VARIANT_SAGE2_8B, VARIANT_SAGE2_4B, VARIANT_EXACT, VARIANT_CUSTOM = range(5)
+KERNEL_AUTO, KERNEL_MMA, KERNEL_SM90 = range(3)
+OPTION_PREPASS_Q = 1
 SMOOTH_Q, SMOOTH_K, SMOOTH_V = 1, 2, 4
 
 LAYOUTS = {"HND": LAYOUT_HND, "NHD": LAYOUT_NHD}
@@ -56,6 +58,8 @@ class QuantConfig(ctypes.Structure):
         ("block_k", ctypes.c_int32),
         ("warps", ctypes.c_int32),
         ("k_mean_tokens", ctypes.c_int32),
+        ("softmax_block_k", ctypes.c_int32),
+        ("exp2_poly_every", ctypes.c_int32),
     ]
 
 
@@ -93,6 +97,23 @@ class AttentionArgs(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_size", ctypes.c_size_t),
         ("num_threads", ctypes.c_int32),
+        ("kernel", ctypes.c_int),
+        ("options", ctypes.c_uint32),
+    ]
+
+
+class PlanInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("backend", ctypes.c_int),
+        ("kernel", ctypes.c_int),
+        ("block_q", ctypes.c_int32),
+        ("block_k", ctypes.c_int32),
+        ("fused_q", ctypes.c_int32),
+        ("launches", ctypes.c_int32),
+        ("prefer_sdpa", ctypes.c_int32),
+        ("workspace_size", ctypes.c_size_t),
+        ("emulation", QuantConfig),
     ]
 
 
@@ -141,8 +162,9 @@ def library() -> ctypes.CDLL:
         lib.sage_attention_workspace_size.argtypes = [ctypes.POINTER(AttentionArgs),
                                                       ctypes.POINTER(ctypes.c_size_t)]
         lib.sage_attention.argtypes = [ctypes.POINTER(AttentionArgs)]
+        lib.sage_attention_plan.argtypes = [ctypes.POINTER(AttentionArgs), ctypes.POINTER(PlanInfo)]
         for f in ("sage_attention_args_init", "sage_quant_config_init",
-                  "sage_attention_workspace_size", "sage_attention"):
+                  "sage_attention_workspace_size", "sage_attention", "sage_attention_plan"):
             getattr(lib, f).restype = ctypes.c_int
         template = AttentionArgs()
         status = lib.sage_attention_args_init(ctypes.byref(template))
@@ -237,6 +259,16 @@ def workspace_size(args: AttentionArgs) -> int:
     if status != OK:
         _raise(status, "")
     return n.value
+
+
+def plan(args: AttentionArgs) -> PlanInfo:
+    """What sage_attention would run for these args (sage_attention_plan): validated once."""
+    info = PlanInfo()
+    info.struct_size = ctypes.sizeof(PlanInfo)
+    status = library().sage_attention_plan(ctypes.byref(args), ctypes.byref(info))
+    if status != OK:
+        _raise(status, "")
+    return info
 
 
 def run(args: AttentionArgs):

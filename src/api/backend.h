@@ -35,6 +35,7 @@ PointerKind pointer_kind(const void* ptr);
 std::string describe_devices(bool* has_gpu);
 
 sage_status workspace_size(const api::Resolved& r, const sage_attention_args& args, size_t* bytes);
+sage_status plan_info(const api::Resolved& r, const sage_attention_args& args, sage_plan_info* info);
 sage_status attention(const api::Resolved& r, const sage_attention_args& args);
 
 // The two stages of a GPU call, separately (the benchmark's kernel-only figure): the pre-pass

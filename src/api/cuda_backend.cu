@@ -4,8 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 
 #include "api/backend.h"
 #include "attn/mma/launch.h"
@@ -107,18 +105,21 @@ sage_status plan_for(const api::Resolved& r, const sage_attention_args& a, mma::
                          c.smooth & SAGE_SMOOTH_K, c.smooth & SAGE_SMOOTH_V,
                          ref::mean_token_stride(p.seq_kv, c.k_mean_tokens));  // as the emulation
   plan->two_level = two_level;
-  // sm_90: the wgmma kernel takes what it supports (8-bit, no Q smoothing). SAGE_KERNEL=mma
-  // forces the mma.sync kernel (to compare the two; the tests run both).
-  const char* force = std::getenv("SAGE_KERNEL");
-  const bool force_mma = force && std::strcmp(force, "mma") == 0;
-  plan->sm90 = major == 9 && minor == 0 && sm90::supports(*plan) && !force_mma;
+  // sm_90: the wgmma kernel takes what it supports (8-bit, no Q smoothing); args.kernel forces a
+  // family (tests and benchmarks compare them).
+  const bool sm90_ok = major == 9 && minor == 0 && sm90::supports(*plan);
+  if (a.kernel == SAGE_KERNEL_SM90 && !sm90_ok)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "kernel = SM90: the wgmma kernel needs an sm_90 GPU (this is sm_%d%d), 8-bit "
+                     "Q·K and no Q smoothing",
+                     major, minor);
+  plan->sm90 = sm90_ok && a.kernel != SAGE_KERNEL_MMA;
   // The sm90 kernel quantizes Q itself (reading it once, through TMA; a tile ahead of its use,
   // the CTAs being persistent) when a TMA map can describe Q: rows 16-byte aligned, positive
-  // strides. SAGE_FUSED_Q=0 keeps the pre-pass's quant_q (to compare the two).
-  const char* fused = std::getenv("SAGE_FUSED_Q");
-  const bool fused_wanted = !(fused && std::strcmp(fused, "0") == 0);
-  plan->fused_q = plan->sm90 && fused_wanted && quant::rows_aligned16(a.q, r.q) &&
-                  r.q.batch > 0 && r.q.head > 0 && r.q.token > 0;
+  // strides. options & SAGE_OPTION_PREPASS_Q keeps the pre-pass's quant_q (to compare the two).
+  plan->fused_q = plan->sm90 && !(a.options & SAGE_OPTION_PREPASS_Q) &&
+                  quant::rows_aligned16(a.q, r.q) && r.q.batch > 0 && r.q.head > 0 &&
+                  r.q.token > 0;
   return SAGE_OK;
 }
 
@@ -128,6 +129,22 @@ sage_status workspace_size(const api::Resolved& r, const sage_attention_args& a,
   mma::Plan plan;
   SAGE_RETURN_IF_ERROR(plan_for(r, a, &plan));
   *bytes = plan.total;
+  return SAGE_OK;
+}
+
+sage_status plan_info(const api::Resolved& r, const sage_attention_args& a, sage_plan_info* info) {
+  mma::Plan plan;
+  SAGE_RETURN_IF_ERROR(plan_for(r, a, &plan));
+  *info = sage_plan_info{};
+  info->struct_size = sizeof(sage_plan_info);
+  info->backend = SAGE_BACKEND_CUDA;
+  info->kernel = plan.sm90 ? SAGE_KERNEL_SM90 : SAGE_KERNEL_MMA;
+  info->block_q = mma::kBlockQ;
+  info->block_k = plan.sm90 ? 2 * mma::kBlockK : mma::kBlockK;
+  info->fused_q = plan.fused_q;
+  info->workspace_size = plan.total;
+  info->emulation = r.quant;
+  if (!plan.two_level) info->emulation.pv_accum = SAGE_PV_ACCUM_FP32;
   return SAGE_OK;
 }
 

@@ -16,6 +16,10 @@ sage_status workspace_size(const api::Resolved&, const sage_attention_args&, siz
   return set_error(SAGE_ERROR_UNSUPPORTED, "backend = CUDA, but libsage was built without CUDA");
 }
 
+sage_status plan_info(const api::Resolved&, const sage_attention_args&, sage_plan_info*) {
+  return set_error(SAGE_ERROR_UNSUPPORTED, "backend = CUDA, but libsage was built without CUDA");
+}
+
 sage_status attention_stages(const api::Resolved& r, const sage_attention_args& a, int) {
   return attention(r, a);
 }

@@ -113,6 +113,24 @@ sage_status sage_attention_workspace_size(const sage_attention_args* args, size_
   return SAGE_OK;
 }
 
+sage_status sage_attention_plan(const sage_attention_args* args, sage_plan_info* info) {
+  sage::clear_error();
+  SAGE_CHECK_ARG(info != nullptr, "info is NULL");
+  SAGE_CHECK_ARG(info->struct_size == sizeof(sage_plan_info),
+                 "info.struct_size = %zu, expected %zu", info->struct_size, sizeof(sage_plan_info));
+  Resolved r;
+  SAGE_RETURN_IF_ERROR(sage::api::validate(args, &r));
+  if (r.backend == SAGE_BACKEND_CUDA) return sage::cuda::plan_info(r, *args, info);
+  *info = sage_plan_info{};
+  info->struct_size = sizeof(sage_plan_info);
+  info->backend = SAGE_BACKEND_CPU;
+  info->kernel = SAGE_KERNEL_AUTO;
+  info->block_q = r.quant.block_q;
+  info->block_k = r.quant.block_k;
+  info->emulation = r.quant;
+  return SAGE_OK;
+}
+
 sage_status sage_attention(const sage_attention_args* args) {
   sage::clear_error();
   Resolved r;

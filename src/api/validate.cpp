@@ -120,6 +120,11 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
                  a.head_dim);
   SAGE_CHECK_ARG(std::isfinite(a.scale), "scale = %g is not finite", double(a.scale));
   SAGE_CHECK_ARG(a.num_threads >= 0, "num_threads = %d must be >= 0", int(a.num_threads));
+  const int64_t kernel = enum_value(a.kernel);
+  SAGE_CHECK_ARG(kernel >= SAGE_KERNEL_AUTO && kernel <= SAGE_KERNEL_SM90,
+                 "kernel = %" PRId64 " is unknown", kernel);
+  SAGE_CHECK_ARG((a.options & ~SAGE_OPTION_PREPASS_Q) == 0u,
+                 "options = 0x%x has unknown flag bits", unsigned(a.options));
 
   Resolved r;
   r.problem = {a.batch,
@@ -179,6 +184,9 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
                    names[i], ptrs[i], dev ? "device" : "host",
                    want == SAGE_BACKEND_CUDA ? "CUDA" : "the CPU reference");
   }
+  SAGE_CHECK_ARG(want == SAGE_BACKEND_CUDA || a.kernel == SAGE_KERNEL_AUTO,
+                 "kernel = %" PRId64 " chooses a GPU kernel, but the backend is the CPU reference",
+                 kernel);
   r.backend = want;
   *out = r;
   return SAGE_OK;
