@@ -25,14 +25,16 @@ except ImportError:
     _torch_missing = True
 else:
     _torch_missing = False
-    from ._torch import sageattn, scaled_dot_product_attention  # noqa: F401
+    from ._torch import (dropin_backend, sageattn, scaled_dot_product_attention,  # noqa: F401
+                         set_dropin_crossover)
 
 if _torch_missing:
     def _needs_torch(*_args, **_kwargs):
         raise ImportError("sage_attn.sageattn and sage_attn.scaled_dot_product_attention need "
                           "PyTorch; sage_attn.attention_numpy works without it")
 
-    sageattn = scaled_dot_product_attention = _needs_torch
+    sageattn = scaled_dot_product_attention = dropin_backend = set_dropin_crossover = _needs_torch
 
-__all__ = ["sageattn", "scaled_dot_product_attention", "attention_numpy", "metrics", "version",
+__all__ = ["sageattn", "scaled_dot_product_attention", "dropin_backend", "set_dropin_crossover",
+           "attention_numpy", "metrics", "version",
            "SageError", "SageArgumentError", "SageUnsupportedError"]

@@ -8,9 +8,13 @@ the C API through ctypes. CPU tensors run the library's CPU reference.
 
 Eager calls on plain tensors skip the op's dispatch and run the implementation directly
 (_attention): the dispatcher cost ~50 us a call on the H100 machine, more than the GPU work of a
-small call (D=64 causal N=1k: ~130 us of kernels, ~165 us of host time through the op). Anything
-that must see the op (torch.compile, autograd, tensor subclasses, dispatch or function modes)
-still goes through it.
+small call. Anything that must see the op (torch.compile, autograd, tensor subclasses, dispatch
+or function modes) still goes through it.
+
+One C call a call: the library's plan of a shape (workspace size, the crossover hint of the SDPA
+drop-in) and the argument struct with everything but the pointers are kept per shape
+(_prepared), so a repeated shape costs a struct copy, the output and workspace allocations and
+sage_attention() itself, which validates and plans once.
 """
 from __future__ import annotations
 
@@ -33,13 +37,16 @@ _DTYPE_CODES = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16,
                 torch.float32: _lib.DTYPE_FP32}
 # The op's fallback argument: what to do when the library has no kernel for valid arguments.
 _RAISE, _FALLBACK_SDPA = 0, 1
+KERNELS = {None: _lib.KERNEL_AUTO, "auto": _lib.KERNEL_AUTO, "mma": _lib.KERNEL_MMA,
+           "sm90": _lib.KERNEL_SM90}
 
 
-def _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v):
+def _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
+                kernel=_lib.KERNEL_AUTO):
     hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
     a = _lib.new_args()
     a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
-    a.lse = lse.data_ptr() if lse.numel() else None
+    a.lse = lse.data_ptr() if lse is not None else None
     a.batch, a.heads_q, a.heads_kv = q.shape[0], q.shape[hi], k.shape[hi]
     a.seq_q, a.seq_kv, a.head_dim = q.shape[ni], k.shape[ni], q.shape[3]
     a.layout = layout
@@ -49,7 +56,52 @@ def _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_
     a.scale = scale
     a.mask = mask
     a.variant, a.quant = _lib.quant_settings(qk_bits, smooth_q, smooth_k, smooth_v)
+    a.kernel = kernel
     return a
+
+
+class _Prepared:
+    """A CUDA call's shape, planned once: the argument struct without its pointers, the
+    workspace size, and whether the library's crossover table prefers torch's SDPA."""
+    __slots__ = ("args", "workspace", "prefer_sdpa")
+
+    def __init__(self, args, info):
+        self.args = bytes(args)
+        self.workspace = info.workspace_size
+        self.prefer_sdpa = bool(info.prefer_sdpa)
+
+
+_prepared: dict = {}
+_PREPARED_MAX = 512  # shapes kept (a model has a handful; a sweep may have many)
+
+
+def _key(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse,
+         kernel):
+    # Everything the plan and the argument struct depend on except the pointers (the output is
+    # allocated contiguous in q's shape, the LSE contiguous).
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, layout, mask, scale, qk_bits, smooth_q,
+            smooth_k, smooth_v, return_lse, kernel)
+
+
+def _prepare(key, q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
+             kernel, stream):
+    """The plan of a new CUDA shape (validated by the library: a bad shape raises here)."""
+    a = _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
+                    kernel)
+    a.backend = _lib.BACKEND_CUDA
+    a.stream = stream
+    prep = _Prepared(a, _lib.plan(a))
+    if len(_prepared) >= _PREPARED_MAX:
+        _prepared.clear()
+    _prepared[key] = prep
+    return prep
+
+
+def _current_stream(device):
+    # The raw stream handle without building a torch.cuda.Stream object (a few us a call).
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device.index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 _warned: set = set()
@@ -66,23 +118,32 @@ def _warn_once(reason: str):
 
 
 def _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse,
-               fallback):
-    """The op's implementation (see the module docstring)."""
+               fallback, kernel=_lib.KERNEL_AUTO):
+    """The op's implementation (see the module docstring): (o, lse), lse None unless asked."""
+    if fallback == _FALLBACK_SDPA and q.is_cuda and _dropin_prefers_sdpa(q, k, v, mask, scale):
+        # The SDPA drop-in (top-left causal, HND, no LSE) on a shape where torch's SDPA is
+        # faster on this GPU: decided here, inside the op, so that compiled graphs decide alike.
+        return _torch_sdpa(q, k, v, is_causal=mask != _lib.MASK_NONE, scale=scale,
+                           enable_gqa=q.shape[1] != k.shape[1]), None
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
-    lse_shape = (q.shape[0], q.shape[hi], q.shape[ni]) if return_lse else (0,)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    a = _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v)
+    lse = None
+    if return_lse:
+        hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
+        lse = torch.empty((q.shape[0], q.shape[hi], q.shape[ni]), dtype=torch.float32,
+                          device=q.device)
     try:
         if q.is_cuda:
-            with torch.cuda.device(q.device):
-                a.backend = _lib.BACKEND_CUDA
-                a.stream = torch.cuda.current_stream(q.device).cuda_stream
-                nbytes = _lib.workspace_size(a)
-                ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=q.device)
-                a.workspace, a.workspace_size = ws.data_ptr(), nbytes
-                _lib.run(a)
+            device = q.device
+            if device.index != torch.cuda.current_device():
+                with torch.cuda.device(device):
+                    _run_cuda(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
+                              smooth_v, return_lse, kernel)
+            else:
+                _run_cuda(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
+                          smooth_v, return_lse, kernel)
         else:
+            a = _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
+                            smooth_v, kernel)
             a.backend = _lib.BACKEND_CPU
             _lib.run(a)
     except _lib.SageUnsupportedError as e:
@@ -95,17 +156,52 @@ def _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth
     return o, lse
 
 
+def _run_cuda(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
+              return_lse, kernel):
+    stream = _current_stream(q.device)
+    key = _key(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse,
+               kernel)
+    prep = _prepared.get(key)
+    if prep is None:
+        prep = _prepare(key, q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
+                        smooth_v, kernel, stream)
+    a = _lib.AttentionArgs.from_buffer_copy(prep.args)
+    a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    a.lse = lse.data_ptr() if lse is not None else None
+    a.stream = stream
+    ws = torch.empty(max(prep.workspace, 1), dtype=torch.uint8, device=q.device)
+    a.workspace, a.workspace_size = ws.data_ptr(), prep.workspace
+    _lib.run(a)
+
+
+def _plan_of(q, k, v, layout, mask, scale):
+    """The cached plan of the SDPA drop-in's CUDA call (the preset, no LSE, the library's kernel):
+    the same entry its run uses."""
+    key = _key(q, k, v, layout, mask, scale, None, None, None, None, False, _lib.KERNEL_AUTO)
+    prep = _prepared.get(key)
+    if prep is None:
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        with torch.cuda.device(q.device):
+            prep = _prepare(key, q, k, v, o, None, layout, mask, scale, None, None, None, None,
+                            _lib.KERNEL_AUTO, _current_stream(q.device))
+    return prep
+
+
 @torch.library.custom_op("sage_attn::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: int, mask: int,
                   scale: float, qk_bits: Optional[int], smooth_q: Optional[bool],
                   smooth_k: Optional[bool], smooth_v: Optional[bool], return_lse: bool,
-                  fallback: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
-                      return_lse, fallback)
+                  fallback: int, kernel: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
+                        return_lse, fallback, kernel)
+    if lse is None:  # an op returns tensors
+        lse = torch.empty((0,), dtype=torch.float32, device=q.device)
+    return o, lse
 
 
 @_attention_op.register_fake
-def _(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse, fallback):
+def _(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse, fallback,
+      kernel=0):
     hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
     lse_shape = (q.shape[0], q.shape[hi], q.shape[ni]) if return_lse else (0,)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
@@ -160,14 +256,16 @@ def _check_tensors(q, k, v, layout_name):
 
 def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *,
              qk_bits=None, smooth_k=True, smooth_q=None, smooth_v=None,
-             causal_align="bottom_right"):
+             causal_align="bottom_right", kernel=None):
     """SageAttention2: INT8 (qk_bits=8, default) or INT4 (qk_bits=4) Q·Kᵀ with per-thread scales,
     FP8 P̃·V. q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D] in HND (or [B,N,H,D] with tensor_layout="NHD");
     Hq a multiple of Hkv (GQA/MQA); D 64 or 128 on the GPU; fp16 or bf16 (fp32 too on the CPU,
     where the exact CPU emulation runs). is_causal masks with the alignment causal_align
     ("bottom_right" as FlashAttention, "top_left" as torch SDPA). smooth_q None = on for 4-bit
     only; smooth_v None = on (free in this library's kernel). Returns o, or (o, lse) with lse
-    [B,Hq,Nq] float32, the natural log of each row's softmax denominator."""
+    [B,Hq,Nq] float32, the natural log of each row's softmax denominator. kernel (CUDA):
+    None/"auto" the library's choice, "mma" the portable mma.sync kernel, "sm90" the Hopper wgmma
+    kernel (ValueError where it has no kernel for the call)."""
     if tensor_layout not in _lib.LAYOUTS:
         raise ValueError(f"tensor_layout = {tensor_layout!r}: must be 'HND' or 'NHD'")
     if causal_align not in _lib.CAUSAL_ALIGNS:
@@ -178,6 +276,8 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
         raise TypeError(f"return_lse = {return_lse!r}: must be a bool")
     if qk_bits is not None and (isinstance(qk_bits, bool) or qk_bits not in (4, 8)):
         raise ValueError(f"qk_bits = {qk_bits!r}: must be 8, 4 or None (8)")
+    if not isinstance(kernel, (str, type(None))) or kernel not in KERNELS:
+        raise ValueError(f"kernel = {kernel!r}: must be None, 'auto', 'mma' or 'sm90'")
     _check_tensors(q, k, v, tensor_layout)
     layout = _lib.LAYOUTS[tensor_layout]
     scale = _scale(sm_scale, q.shape[-1], "sm_scale")
@@ -185,7 +285,7 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     for name, value in (("smooth_q", smooth_q), ("smooth_k", smooth_k), ("smooth_v", smooth_v)):
         _lib.check_flag(name, value)
     o, lse = _call(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
-                   return_lse, _RAISE)
+                   return_lse, _RAISE, KERNELS[kernel])
     return (o, lse) if return_lse else o
 
 
@@ -235,23 +335,67 @@ def _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa
     return None
 
 
+_use_crossover = True
+
+
+def set_dropin_crossover(enabled: bool) -> None:
+    """The SDPA drop-in hands shapes where the library's crossover table (measured per GPU
+    architecture, head dim and mask) says torch's own SDPA is faster to torch (the default).
+    set_dropin_crossover(False): the drop-in runs sage wherever it can."""
+    global _use_crossover
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled = {enabled!r}: must be a bool")
+    _use_crossover = enabled
+
+
+def _dropin_args(query, key, value):
+    # SDPA takes any strides; the kernels need a contiguous head_dim.
+    q = query if query.stride(-1) == 1 else query.contiguous()
+    k = key if key.stride(-1) == 1 else key.contiguous()
+    v = value if value.stride(-1) == 1 else value.contiguous()
+    return q, k, v
+
+
+def _dropin_prefers_sdpa(q, k, v, mask, scale):
+    if not _use_crossover:
+        return False
+    try:
+        return _plan_of(q, k, v, _lib.LAYOUT_HND, mask, scale).prefer_sdpa
+    except _lib.SageUnsupportedError:
+        return False  # the call itself falls back, with its warning
+
+
+def dropin_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False) -> str:
+    """What scaled_dot_product_attention would run for these arguments: "sage" or "sdpa"
+    (torch's own, for arguments the library does not take or, by its crossover table, shapes
+    where torch's SDPA measured faster on this GPU)."""
+    if _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa) is not None:
+        return "sdpa"
+    q, k, v = _dropin_args(query, key, value)
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
+    return "sdpa" if _dropin_prefers_sdpa(q, k, v, mask, s) else "sage"
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention with SDPA's exact semantics (causal is
     top-left aligned; scale defaults to 1/sqrt(E); GQA only with enable_gqa), computed by
-    SageAttn2-8b where it can and by torch's SDPA otherwise (a one-time warning per reason), so
-    `F.scaled_dot_product_attention = sage_attn.scaled_dot_product_attention` is safe anywhere."""
+    SageAttn2-8b where it can and is faster, by torch's SDPA otherwise: arguments the library
+    does not take (a one-time warning per reason), and shapes where the library's crossover
+    table says torch's SDPA is faster on this GPU (silently; set_dropin_crossover(False) turns
+    that off; under torch.compile the same choice is made inside the op). So
+    `F.scaled_dot_product_attention = sage_attn.scaled_dot_product_attention` is safe anywhere
+    and not slower than SDPA where the table was measured."""
     reason = _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
     if reason is not None:
         _warn_once(reason)
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    # SDPA takes any strides; the kernels need a contiguous head_dim.
-    q = query if query.stride(-1) == 1 else query.contiguous()
-    k = key if key.stride(-1) == 1 else key.contiguous()
-    v = value if value.stride(-1) == 1 else value.contiguous()
+    q, k, v = _dropin_args(query, key, value)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
     o, _ = _call(q, k, v, _lib.LAYOUT_HND, mask, s, None, None, None, None, False,
-                 _FALLBACK_SDPA)
+                 _FALLBACK_SDPA, _lib.KERNEL_AUTO)
     return o

@@ -1,12 +1,13 @@
-// Pieces both SageAttention2 kernels (attn/mma, attn/sm90) share, for the accumulator layout they
-// have in common: a warp owns 16 query rows, a thread rows g and g+8 and, per 8-column tile,
+// Pieces both SageAttention2 kernels (attn/mma, attn/sm90) share (each with its own params struct:
+// the fields used here have the same names), for the accumulator layout they have in common: a warp owns 16 query rows, a thread rows g and g+8 and, per 8-column tile,
 // columns 2t and 2t+1 (element e of a tile: row g + 8·(e/2), column 2t + e%2).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "attn/mma/params.h"
+#include <cstdint>
+
 #include "ptx/cvt.cuh"
 #include "ptx/math.cuh"
 
@@ -26,8 +27,8 @@ __device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* dst, float 
 // How many keys of the block starting at key j0 (block_k keys) rows row_a and row_a + 8 see: the
 // Nk edge and, when causal, the diagonal (query i sees keys j <= i + causal_offset). The mask is
 // then a 32-bit compare per score.
-template <bool kCausal, int kBlockKeys>
-__device__ __forceinline__ void visible_keys(const mma::AttnParams& p, int64_t row_a, int64_t j0,
+template <bool kCausal, int kBlockKeys, typename Params>
+__device__ __forceinline__ void visible_keys(const Params& p, int64_t row_a, int64_t j0,
                                              int (&visible)[2]) {
   for (int r = 0; r < 2; ++r) {
     const int64_t row = row_a + 8 * r;
@@ -73,8 +74,8 @@ __device__ __forceinline__ void pack_p_e4m3(uint32_t (&pf)[kChunks][4], PAt p_at
 // kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 when it sums the
 // E4M3-range values P~ · 448 the kernel computed directly. vsc / vmean: this head's V scales
 // and means (D floats each), from global memory or staged in shared memory by the caller.
-template <int D, typename OutT, int kLUnit, typename OAt>
-__device__ __forceinline__ void finalize(const mma::AttnParams& p, OAt o_at, const float (&m)[2],
+template <int D, typename OutT, int kLUnit, typename Params, typename OAt>
+__device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float (&m)[2],
                                          float (&l)[2], int64_t b, int64_t h, int64_t bh,
                                          int64_t row_a, int t, const float* vsc,
                                          const float* vmean) {

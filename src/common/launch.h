@@ -6,14 +6,16 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 
 namespace sage {
 
 struct LaunchShape {
   dim3 grid, block;
   size_t smem = 0;           // dynamic shared memory bytes
-  bool programmatic = true;  // false: an ordinary stream-ordered launch (measurement builds)
+  bool programmatic = true;  // false: an ordinary stream-ordered launch
 };
 
 // kernel<<<shape.grid, shape.block, shape.smem, stream>>>(args...) with the
@@ -32,6 +34,19 @@ cudaError_t launch_pdl(void (*kernel)(Params...), const LaunchShape& shape, cuda
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
+// cudaFuncSetAttribute(kKernel, MaxDynamicSharedMemorySize, bytes) once per device (the attribute
+// belongs to the kernel in the device's context; setting it on every call cost host time).
+template <auto kKernel>
+cudaError_t set_max_dynamic_smem_once(int device, int bytes) {
+  static std::atomic<uint64_t> done{0};  // bit d: set on device d (devices 0..63)
+  const uint64_t bit = device >= 0 && device < 64 ? uint64_t(1) << device : 0;
+  if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  const cudaError_t e =
+      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_release);
+  return e;
 }
 
 }  // namespace sage

@@ -9,7 +9,7 @@
 //                (0.5 B) K + 4 scales per 64 keys, and E4M3 Vᵀ (1 B)
 //   quant_q      reads Q (2 B/elem; again from L2 for the mean with Q smoothing), writes
 //                INT8/INT4 Q + scales + the LSE correction (4 B/row); skipped when the sm90
-//                kernel quantizes Q itself (Plan::fused_q: attn/sm90 quantize_q_tile)
+//                kernel quantizes Q itself (PrepassPlan::quantize_q false: attn/sm90 producer)
 //   delta_s      (Q smoothing only) reads K (2 B/elem), writes 4 B per (Q block, key)
 // Per call: Q 2 B read, K 2 B and V 4 B read, ~1 + 1 + 1 (+0.5) B written per element. V is
 // read twice (its exact channel mean and range, then quantize): the sm90 kernel's wgmma
@@ -47,7 +47,7 @@
 namespace sage::quant {
 namespace {
 
-using mma::Plan;
+using Plan = PrepassPlan;
 
 // Programmatic dependent launch (sm_90+; nothing below): every pre-pass kernel is launched with
 // programmatic stream serialization (launch_pdl, common/launch.h), so it may start while the
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(256, 2)
   pdl_enter();
   using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
   constexpr int kLanes = D / 8, kTokenLanes = 256 / kLanes;
-  constexpr int kPerLane = mma::kStatTokens / kTokenLanes, kBatch = 2;
+  constexpr int kPerLane = kStatTokens / kTokenLanes, kBatch = 2;
   constexpr int kSteps = kPerLane / kBatch;
   static_assert(kPerLane % kBatch == 0, "whole batches per token lane");
   // Σk and Σv partials of every token lane, then (reused) their max and min.
@@ -158,8 +158,8 @@ __global__ void __launch_bounds__(256, 2)
     mn[i] = T2(T(INFINITY), T(INFINITY));
   }
   uint32_t bad = 0u;
-  const int64_t n0 = chunk * mma::kStatTokens + tl;
-  const int64_t n1 = min(seq_kv, (chunk + 1) * mma::kStatTokens);
+  const int64_t n0 = chunk * kStatTokens + tl;
+  const int64_t n1 = min(seq_kv, (chunk + 1) * kStatTokens);
   uint4 kr[2][kBatch], vr[2][kBatch];
   auto load = [&](int step, uint4 (&kb)[kBatch], uint4 (&vb)[kBatch]) {
     for (int u = 0; u < kBatch; ++u) {
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(256, 3)
   pdl_enter();
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   constexpr int kChunks = D / 32, kW = D / 16;
-  static_assert(mma::kBlockK == 64, "16 four-key groups a block");
+  static_assert(kBlockK == 64, "16 four-key groups a block");
   __shared__ float group_max[8][4];
   __shared__ __align__(16) float km[D];
   __shared__ __align__(16) float vm[D];
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(256, 3)
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t kb = blockIdx.x;
   const int j = threadIdx.x / 4, part = threadIdx.x % 4, warp = threadIdx.x / 32;
-  const int64_t key = kb * mma::kBlockK + j;
+  const int64_t key = kb * kBlockK + j;
   const bool valid = key < seq_kv;
   // V item: 4-key group g (lane % 16), channel slice sl (two a warp).
   const int g = threadIdx.x % 16, sl = warp * 2 + (threadIdx.x % 32) / 16;
@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(256, 3)
   uint32_t vr[4][kW / 2];  // rows vkey0 + {0, 1, 8, 9}, kW elements each
   uint32_t vkeep = 0u;     // byte u: 0xFF when key vkey0 + {0, 1, 8, 9}[u] exists
   for (int u = 0; u < 4; ++u) {
-    const int64_t n = kb * mma::kBlockK + vkey0 + (u % 2) + 8 * (u / 2);
+    const int64_t n = kb * kBlockK + vkey0 + (u % 2) + 8 * (u / 2);
     for (int i = 0; i < kW / 2; ++i) vr[u][i] = 0u;
     if (n < seq_kv) {
       load_raw<kVec, kW>(row_ptr(v, vs, b, h, n) + sl * kW, vr[u]);
@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(256, 3)
 
   // V: E4M3 pairs (keys vkey0, vkey0 + 1) and (vkey0 + 8, vkey0 + 9) of each channel, one word.
   {
-    uint8_t* vdst = vq + (int64_t(bh) * D + sl * kW) * nk_pad + kb * mma::kBlockK + 4 * g;
+    uint8_t* vdst = vq + (int64_t(bh) * D + sl * kW) * nk_pad + kb * kBlockK + 4 * g;
     for (int e = 0; e < kW; ++e) {
       const int c = sl * kW + e;
       const float m = vm[c], s = vi[c];
@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(256, 3)
   for (int w = 0; w < 8; ++w) amax = fmaxf(amax, group_max[w][t]);
   const QuantScale s = make_quant_scale(amax, qmax);
   if (threadIdx.x < 32 && threadIdx.x % 8 == 0)
-    k_scale[(int64_t(bh) * k_blocks + kb) * mma::kKGroups + t] = s.scale;
+    k_scale[(int64_t(bh) * k_blocks + kb) * kKGroups + t] = s.scale;
   const bool fast = !k_nan && finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
   quantize_store_row_part<T, D, kBits>(
@@ -423,10 +423,10 @@ __global__ void __launch_bounds__(512, 2)
   constexpr int kChunks = D / 32;
   __shared__ float mean[kSmooth ? D : 1];
   __shared__ __align__(16) double km_d[D];
-  __shared__ float row_max[mma::kBlockQ];
+  __shared__ float row_max[kBlockQ];
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t qb = blockIdx.x;
-  const int64_t r0 = qb * mma::kBlockQ;
+  const int64_t r0 = qb * kBlockQ;
   const float* km = k_mean + (int64_t(b) * heads_kv + h / group_ratio) * D;
   const int r = threadIdx.x / 4, part = threadIdx.x % 4;
   const int64_t row = r0 + r;
@@ -441,7 +441,7 @@ __global__ void __launch_bounds__(512, 2)
     const int c = threadIdx.x;
     km_d[c] = double(km[c]);
     if constexpr (kSmooth) {
-      const int64_t r1 = min(seq_q, r0 + mma::kBlockQ);
+      const int64_t r1 = min(seq_q, r0 + kBlockQ);
       double s = 0;
       for (int64_t rr = r0; rr < r1; ++rr) s += double(to_float(row_ptr(q, qs, b, h, rr)[c]));
       const float m = float(s / double(r1 - r0));
@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(512, 2)
   amax = fmaxf(row_max[r], row_max[r ^ 8]);  // the group: rows {g, g+8} of a 16-row slice
   const QuantScale s = make_quant_scale(amax, qmax);
   if (part == 0 && r % 16 < 8)
-    q_scale[(int64_t(bh) * q_blocks + qb) * mma::kQGroups + (r / 16) * 8 + r % 8] = s.scale;
+    q_scale[(int64_t(bh) * q_blocks + qb) * kQGroups + (r / 16) * 8 + r % 8] = s.scale;
   const bool fast = bad == 0u && !mean_special && finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
   quantize_store_row_part<T, D, kBits>(qq + (int64_t(bh) * nq_pad + row) * (D * kBits / 8), raw,
@@ -590,7 +590,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
                      dim3(256)}, st, k, v, in.k_strides, in.v_strides, p.seq_kv, f32(p.k_mean),
                      f32(p.v_mean), f32(p.v_inv), p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale),
                      ws + p.v));
-    if (err != cudaSuccess || p.fused_q) return;  // fused_q: the attention kernel quantizes Q
+    if (err != cudaSuccess || !p.quantize_q) return;  // the sm90 kernel quantizes Q itself
     auto qk = p.smooth_q ? quant_q_kernel<T, D, kBits, decltype(vq)::value, true>
                          : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
     check(launch_pdl(qk, {dim3(unsigned(p.q_blocks), unsigned(p.heads_q), unsigned(p.batch)),

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "attn/mma/params.h"
+#include "quant/layout.h"
 #include "sage/sage.h"
 
 namespace sage::quant {
@@ -23,15 +23,8 @@ struct PrepassInputs {
   float scale;  // softmax scale (for the LSE correction)
 };
 
-// True when every row of a 16-bit tensor starts 16-byte aligned (base and strides in elements),
-// so every 8-element chunk of a row is one 16-byte load (and a TMA map can describe it).
-inline bool rows_aligned16(const void* base, const sage_strides& s) {
-  const uint64_t bytes = uint64_t(s.batch) | uint64_t(s.head) | uint64_t(s.token);  // ×2 below
-  return ((reinterpret_cast<uintptr_t>(base) | (bytes << 1)) & 15u) == 0;
-}
-
 // Runs every pre-pass kernel on `stream`, writing the workspace laid out by `plan`.
-cudaError_t run_prepass(const mma::Plan& plan, const PrepassInputs& in, uint8_t* workspace,
+cudaError_t run_prepass(const PrepassPlan& plan, const PrepassInputs& in, uint8_t* workspace,
                         cudaStream_t stream);
 
 }  // namespace sage::quant

@@ -14,7 +14,9 @@
 #include <cuda_fp16.h>
 
 #include "attn/epilogue.cuh"
+#include "attn/mma/launch.h"
 #include "attn/mma/params.h"
+#include "common/launch.h"
 #include "ptx/async.cuh"
 #include "ptx/cvt.cuh"
 #include "ptx/ldmatrix.cuh"
@@ -216,12 +218,11 @@ namespace sage::mma {
 
 // Picks the instantiation for (INT8/INT4, output dtype, mask, accumulation) of one head dim.
 template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel>
-cudaError_t launch_one(const AttnParams& p, cudaStream_t stream) {
+cudaError_t launch_one(const AttnParams& p, int device, cudaStream_t stream) {
   constexpr int kSmem = 2 * Tile<D, kBits>::kStageBytes;
-  auto kernel = attention_kernel<D, kBits, OutT, kCausal, kTwoLevel>;
+  constexpr auto kernel = attention_kernel<D, kBits, OutT, kCausal, kTwoLevel>;
   if (kSmem > 48 * 1024) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    const cudaError_t e = set_max_dynamic_smem_once<kernel>(device, kSmem);
     if (e != cudaSuccess) return e;
   }
   const dim3 grid(unsigned(p.q_blocks), unsigned(p.batch * p.heads_q));
@@ -230,22 +231,21 @@ cudaError_t launch_one(const AttnParams& p, cudaStream_t stream) {
 }
 
 template <int D, int kBits, typename OutT>
-cudaError_t launch_mask(const AttnParams& p, bool causal, bool two_level, cudaStream_t stream) {
-  if (two_level)
-    return causal ? launch_one<D, kBits, OutT, true, true>(p, stream)
-                  : launch_one<D, kBits, OutT, false, true>(p, stream);
-  return causal ? launch_one<D, kBits, OutT, true, false>(p, stream)
-                : launch_one<D, kBits, OutT, false, false>(p, stream);
+cudaError_t launch_mask(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
+  if (c.two_level)
+    return c.causal ? launch_one<D, kBits, OutT, true, true>(p, c.device, stream)
+                    : launch_one<D, kBits, OutT, false, true>(p, c.device, stream);
+  return c.causal ? launch_one<D, kBits, OutT, true, false>(p, c.device, stream)
+                  : launch_one<D, kBits, OutT, false, false>(p, c.device, stream);
 }
 
 template <int D>
-cudaError_t launch_attention(const AttnParams& p, int bits, bool bf16_out, bool causal,
-                             bool two_level, cudaStream_t stream) {
-  if (bits == 8)
-    return bf16_out ? launch_mask<D, 8, __nv_bfloat16>(p, causal, two_level, stream)
-                    : launch_mask<D, 8, __half>(p, causal, two_level, stream);
-  return bf16_out ? launch_mask<D, 4, __nv_bfloat16>(p, causal, two_level, stream)
-                  : launch_mask<D, 4, __half>(p, causal, two_level, stream);
+cudaError_t launch_attention(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
+  if (c.bits == 8)
+    return c.bf16 ? launch_mask<D, 8, __nv_bfloat16>(p, c, stream)
+                  : launch_mask<D, 8, __half>(p, c, stream);
+  return c.bf16 ? launch_mask<D, 4, __nv_bfloat16>(p, c, stream)
+                : launch_mask<D, 4, __half>(p, c, stream);
 }
 
 }  // namespace sage::mma

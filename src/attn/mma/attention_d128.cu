@@ -2,6 +2,5 @@
 #include "attn/mma/attention.cuh"
 
 namespace sage::mma {
-template cudaError_t launch_attention<128>(const AttnParams&, int, bool, bool, bool,
-                                                   cudaStream_t);
+template cudaError_t launch_attention<128>(const AttnParams&, const LaunchConfig&, cudaStream_t);
 }  // namespace sage::mma

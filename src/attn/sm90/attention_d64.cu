@@ -2,5 +2,5 @@
 #include "attn/sm90/launch.cuh"
 
 namespace sage::sm90 {
-template cudaError_t launch_attention<64>(const mma::AttnParams&, bool, bool, cudaStream_t);
+template cudaError_t launch_attention<64>(const Params&, const LaunchConfig&, cudaStream_t);
 }  // namespace sage::sm90

@@ -1,21 +1,25 @@
-// Host entry of the Hopper (sm_90a) SageAttn2-8b kernel: one launcher per head dim.
+// Host entry of the Hopper (sm_90a) SageAttn2-8b kernel: one launcher per head dim
+// (attention_d*.cu). The plan (src/api) has chosen everything; the launcher builds the TMA
+// descriptors and launches the instantiation it names.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include "attn/mma/params.h"
+#include "attn/sm90/params.h"
 
 namespace sage::sm90 {
 
-// True when this kernel takes the plan: 8-bit Q·K, no Q smoothing (ΔS stays on mma.sync).
-inline bool supports(const mma::Plan& plan) {
-  return plan.bits == 8 && !plan.smooth_q && (plan.head_dim == 64 || plan.head_dim == 128);
-}
+struct LaunchConfig {
+  int consumers = 2;  // consumer warpgroups (2, or 3 at D = 64 with fused Q): tiles of 64·consumers rows
+  bool bf16 = false;  // output (and fused Q's input) dtype: bf16, else fp16
+  bool causal = false;
+  int device = 0;     // the current device and its SM count (the persistent grid's size)
+  int sms = 1;
+};
 
 template <int D>
-cudaError_t launch_attention(const mma::AttnParams& p, bool bf16_out, bool causal,
-                             cudaStream_t stream);
-extern template cudaError_t launch_attention<64>(const mma::AttnParams&, bool, bool, cudaStream_t);
-extern template cudaError_t launch_attention<128>(const mma::AttnParams&, bool, bool, cudaStream_t);
+cudaError_t launch_attention(const Params& p, const LaunchConfig& cfg, cudaStream_t stream);
+extern template cudaError_t launch_attention<64>(const Params&, const LaunchConfig&, cudaStream_t);
+extern template cudaError_t launch_attention<128>(const Params&, const LaunchConfig&, cudaStream_t);
 
 }  // namespace sage::sm90

@@ -1,0 +1,171 @@
+// The planner (plan.h): which kernel, which tile, which pre-pass steps, which workspace layout,
+// and what the call computes (its emulation config). Host code; any architecture.
+#include "api/plan.h"
+
+#include "attn/mma/params.h"
+#include "attn/sm90/traits.h"
+#include "common/error.h"
+
+namespace sage::api {
+namespace {
+
+// The sm90 kernel's tile: three consumer warpgroups at D = 64 with fused Q (their 192-row tiles
+// have no pre-pass Q layout), except causal with fewer than 2048 query rows, where the 192-row
+// tiles lost (H100, kernel-only, causal 1k 173 vs 187 TOPS; three won everywhere else: non-causal
+// 4k 484 vs 424, 16k 550 vs 474; causal 4k 392 vs 380, 16k 517 vs 465).
+int sm90_consumers(int64_t head_dim, bool causal, int64_t seq_q, bool fused_q) {
+  return head_dim == 64 && fused_q && !(causal && seq_q < 2048) ? 3 : 2;
+}
+
+int sm90_poly_every(int64_t head_dim, int consumers) {
+  return head_dim == 128 ? sm90::Traits<128, 2>::kPolyEvery
+                         : (consumers == 3 ? sm90::Traits<64, 3>::kPolyEvery
+                                           : sm90::Traits<64, 2>::kPolyEvery);
+}
+
+}  // namespace
+
+bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv) {
+  // H100 (sm_90), B=4 H=32 fp16 N(0,1), one process, end to end under CUDA-graph replay: the
+  // smallest N of the standard grid (1k, 2k, 4k, 8k, ...) from which sage-8b beat SDPA cuDNN
+  // fp16 (issue 17's table: D=128 2k 510 vs 616, 4k 661 vs 573; causal 4k 513 vs 489; D=64
+  // causal 4k 347 vs 412, 8k 451 vs 424). Both lengths must reach it: fewer queries or fewer
+  // keys leave the pre-pass and the per-tile work less to amortize over.
+  struct Crossover {
+    int cc;
+    int64_t head_dim;
+    bool causal;
+    int64_t min_seq;
+  };
+  static constexpr Crossover kTable[] = {
+      {90, 128, false, 4096}, {90, 128, true, 4096}, {90, 64, false, 4096}, {90, 64, true, 8192},
+  };
+  const bool causal = mask != SAGE_MASK_NONE;
+  for (const Crossover& c : kTable)
+    if (c.cc == cc && c.head_dim == head_dim && c.causal == causal)
+      return seq_q < c.min_seq || seq_kv < c.min_seq;
+  return false;
+}
+
+sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Device& dev,
+                      Plan* out) {
+  const sage_quant_config& c = r.quant;
+  const ref::Problem& p = r.problem;
+  if (r.exact)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "variant = EXACT has no GPU kernel (float64 runs on the CPU reference)");
+  if (a.dtype != SAGE_DTYPE_FP16 && a.dtype != SAGE_DTYPE_BF16)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "dtype = FP32 has no GPU kernel: pass fp16 or bf16 (fp32 runs on the CPU "
+                     "reference)");
+  const int64_t D = p.head_dim;
+  if (D != 64 && D != 128)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "head_dim = %lld has no GPU kernel yet (supported: 64, 128)",
+                     static_cast<long long>(D));
+  const bool kernel_shape = c.granularity == SAGE_GRANULARITY_PER_THREAD_MMA &&
+                            c.block_q == mma::kBlockQ && c.warps == mma::kWarps &&
+                            c.block_k == mma::kBlockK && (c.softmax_block_k == 0 ||
+                                                          c.softmax_block_k == c.block_k);
+  const bool kernel_pv = c.pv_format == SAGE_PV_FP8_E4M3 && c.v_scale == SAGE_V_SCALE_PER_CHANNEL &&
+                         c.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL && c.pv_flush_interval == 1 &&
+                         c.exp2_poly_every == 0;
+  if ((c.qk_format != SAGE_QK_INT8 && c.qk_format != SAGE_QK_INT4) || !kernel_shape || !kernel_pv)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "quant: no GPU kernel for this combination; the GPU kernels take qk_format "
+                     "INT8/INT4, granularity PER_THREAD_MMA with block_q %d, warps %d, block_k %d "
+                     "(softmax_block_k 0), pv_format FP8_E4M3, v_scale PER_CHANNEL, pv_accum "
+                     "TWO_LEVEL with pv_flush_interval 1, exp2_poly_every 0 (any smoothing); "
+                     "sage_attention_plan() reports what the chosen kernel computes",
+                     mma::kBlockQ, mma::kWarps, mma::kBlockK);
+  if (reinterpret_cast<uintptr_t>(a.o) % 4 != 0 || r.o.batch % 2 || r.o.head % 2 || r.o.token % 2)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "o: the GPU kernels store channel pairs, so o must be 4-byte aligned and its "
+                     "strides even (o = %p, strides {%lld, %lld, %lld})",
+                     a.o, static_cast<long long>(r.o.batch), static_cast<long long>(r.o.head),
+                     static_cast<long long>(r.o.token));
+  if (dev.cc < 89)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "the GPU is sm_%d%d; the SageAttention2 kernels need sm_89 or newer (FP8 MMA)",
+                     dev.cc / 10, dev.cc % 10);
+  const bool bits8 = c.qk_format == SAGE_QK_INT8, smooth_q = c.smooth & SAGE_SMOOTH_Q;
+  const bool causal = p.mask != SAGE_MASK_NONE;
+
+  // The family: the wgmma kernel on sm_90 where it applies (8-bit, no Q smoothing: ΔS stays on
+  // mma.sync); args.kernel forces one (tests and benchmarks compare them).
+  const bool sm90_ok = dev.cc == 90 && bits8 && !smooth_q;
+  if (a.kernel == SAGE_KERNEL_SM90 && !sm90_ok)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "kernel = SM90: the wgmma kernel needs an sm_90 GPU (this is sm_%d%d), "
+                     "qk_format INT8 and no Q smoothing",
+                     dev.cc / 10, dev.cc % 10);
+  Plan plan;
+  plan.family = sm90_ok && a.kernel != SAGE_KERNEL_MMA ? Family::kSm90 : Family::kMma;
+  // The sm90 kernel quantizes Q itself (reading it once, through TMA, a tile ahead of its use)
+  // when a TMA map can describe Q: rows 16-byte aligned, positive strides;
+  // SAGE_OPTION_PREPASS_Q keeps the pre-pass's quant_q (to compare the two).
+  plan.fused_q = plan.family == Family::kSm90 && !(a.options & SAGE_OPTION_PREPASS_Q) &&
+                 quant::rows_aligned16(a.q, r.q) && r.q.batch > 0 && r.q.head > 0 &&
+                 r.q.token > 0;
+  plan.prepass = quant::make_prepass_plan(
+      p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, D, bits8 ? 8 : 4, smooth_q,
+      c.smooth & SAGE_SMOOTH_K, c.smooth & SAGE_SMOOTH_V,
+      ref::mean_token_stride(p.seq_kv, c.k_mean_tokens));  // as the emulation samples K's mean
+  plan.prepass.quantize_q = !plan.fused_q;
+  plan.launches = 3 + (plan.fused_q ? 0 : 1) + (smooth_q ? 1 : 0) + 1;
+  plan.prefer_sdpa = prefer_sdpa(dev.cc, D, p.mask, p.seq_q, p.seq_kv);
+
+  // What the call computes, as the CPU emulation's config.
+  sage_quant_config e = c;
+  e.granularity = SAGE_GRANULARITY_PER_THREAD_MMA;
+  e.pv_format = SAGE_PV_FP8_E4M3;
+  e.v_scale = SAGE_V_SCALE_PER_CHANNEL;
+  e.pv_flush_interval = 1;
+  e.accum_chunk = 32;  // keys of one k32 MMA step
+  e.block_k = quant::kBlockK;
+  if (plan.family == Family::kSm90) {
+    plan.consumers = sm90_consumers(D, causal, p.seq_q, plan.fused_q);
+    plan.block_q = 64 * plan.consumers;
+    plan.block_k = sm90::kBlockK;
+    // The wgmma E4M3 accumulator: each k32 step's products aligned to its largest addend and cut
+    // to 13 bits after its leading one (docs/fp8-accumulator.md), over the whole sequence.
+    e.pv_accum = SAGE_PV_ACCUM_ALIGNED;
+    e.accum_mantissa_bits = 13;
+    e.block_q = plan.block_q;
+    e.warps = plan.block_q / 16;
+    e.softmax_block_k = sm90::kBlockK;
+    e.exp2_poly_every = sm90_poly_every(D, plan.consumers);
+  } else {
+    plan.block_q = mma::kBlockQ;
+    plan.block_k = mma::kBlockK;
+    // Two-level P·V accumulation guards an FP8 MMA accumulator narrower than fp32 (the paper's
+    // FP22 on sm_89). sm_90's mma.sync one is a true fp32 (measured, docs/fp8-accumulator.md):
+    // one level there.
+    plan.two_level = dev.cc != 90;
+    e.pv_accum = plan.two_level ? SAGE_PV_ACCUM_TWO_LEVEL : SAGE_PV_ACCUM_FP32;
+    e.accum_mantissa_bits = 13;  // FP22 as the paper measured on Ada (not measured here)
+    e.block_q = mma::kBlockQ;
+    e.warps = mma::kWarps;
+    e.softmax_block_k = 0;
+    e.exp2_poly_every = 0;
+  }
+  plan.emulation = e;
+  *out = plan;
+  return SAGE_OK;
+}
+
+void describe(const Plan& plan, sage_plan_info* info) {
+  *info = sage_plan_info{};
+  info->struct_size = sizeof(sage_plan_info);
+  info->backend = SAGE_BACKEND_CUDA;
+  info->kernel = plan.family == Family::kSm90 ? SAGE_KERNEL_SM90 : SAGE_KERNEL_MMA;
+  info->block_q = plan.block_q;
+  info->block_k = plan.block_k;
+  info->fused_q = plan.fused_q;
+  info->launches = plan.launches;
+  info->prefer_sdpa = plan.prefer_sdpa;
+  info->workspace_size = plan.prepass.total;
+  info->emulation = plan.emulation;
+}
+
+}  // namespace sage::api

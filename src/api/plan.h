@@ -1,0 +1,47 @@
+// The planner: validated arguments plus the device's properties in, one plan out — the kernel
+// family, its tile configuration, the pre-pass steps and the workspace layout, the crossover hint
+// for the SDPA drop-in, and the config whose CPU emulation computes what the call runs. The one
+// place a GPU kernel is chosen; the launchers carry the plan out and decide nothing. Host C++
+// (no CUDA), so the CPU tests check it with described devices.
+#pragma once
+
+#include "api/backend.h"
+#include "quant/layout.h"
+#include "sage/sage.h"
+
+namespace sage::api {
+
+// The GPU a call runs on, as the planner needs it (cuda_backend.cu queries it once per device).
+struct Device {
+  int index = 0;
+  int cc = 0;   // compute capability, major·10 + minor
+  int sms = 0;  // multiprocessors
+};
+
+enum class Family { kMma, kSm90 };
+
+struct Plan {
+  Family family = Family::kMma;
+  quant::PrepassPlan prepass;  // the workspace layout and the pre-pass's steps
+  int block_q = 0, block_k = 0;
+  int consumers = 0;       // sm90: consumer warpgroups (tile rows = 64 · consumers)
+  bool fused_q = false;    // sm90: Q quantized inside the kernel (no quant_q launch)
+  bool two_level = false;  // mma: P·V in a fresh accumulator per key block, added into fp32
+  bool prefer_sdpa = false;
+  int launches = 0;        // kernels launched per call
+  sage_quant_config emulation{};
+};
+
+// Plans a CUDA call (r.backend == CUDA): SAGE_ERROR_UNSUPPORTED, with a message naming the
+// argument, where no kernel takes the arguments on this device.
+sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Device& dev,
+                      Plan* plan);
+
+// The crossover table: true where a dense fp16 SDPA (cuDNN) measured faster than this library's
+// call for this head dim, mask and length on this architecture (unmeasured architectures: false).
+bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv);
+
+// The public description of a plan (sage_plan_info).
+void describe(const Plan& plan, sage_plan_info* info);
+
+}  // namespace sage::api

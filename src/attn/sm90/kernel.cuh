@@ -1,0 +1,96 @@
+// SageAttention2-8b on Hopper (sm_90a; other architectures compile an empty body): wgmma
+// s8·s8→s32 for Q·Kᵀ and E4M3 for P̃·V, K and Vᵀ tiles brought by TMA onto mbarriers, warp
+// specialization (a producer warpgroup, kCons consumer warpgroups of 64 query rows), persistent
+// CTAs walking their tiles (query block, head) from the scheduler, launched as a programmatic
+// dependent of the pre-pass. docs/sm90-kernel.md says how it works and what limits it.
+//
+// It reads the same pre-pass products as the mma.sync kernel and does the same quantization: a
+// warp owns 16 query rows (one Q scale for rows g, g+8), K scales per 64-key group (a 128-key
+// block holds two), Vᵀ keys permuted inside each 32 so the S accumulator converts to the P^
+// A-operand in place. What differs — 128-key softmax blocks, the polynomial 2^x share, the
+// wgmma's E4M3 accumulator — is in its CPU emulation (sage_attention_plan's emulation config).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "attn/sm90/mainloop.cuh"
+#include "attn/sm90/params.h"
+#include "attn/sm90/pipeline.cuh"
+#include "attn/sm90/producer.cuh"
+#include "attn/sm90/scheduler.cuh"
+#include "attn/sm90/trace.cuh"
+#include "attn/sm90/traits.h"
+#include "ptx/async.cuh"
+#include "ptx/tma.cuh"
+#include "ptx/wgmma.cuh"
+
+namespace sage::sm90 {
+
+template <int D, typename OutT, bool kCausal, int kCons>
+__global__ void __launch_bounds__(Traits<D, kCons>::kThreads, 1)
+    attention_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Tr = Traits<D, kCons>;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ SharedStorage<D, kCons> sh;
+  const Tiles<Tr> tiles(smem_raw);
+#ifdef SAGE_SM90_TRACE
+  uint32_t* const trace = maps.trace;
+#else
+  uint32_t* const trace = nullptr;
+#endif
+  // Q from the pre-pass (TMA of its INT8 128-row blocks) exists for two consumers only.
+  const bool fused_q = kCons != 2 || p.fused_q;
+
+  if (threadIdx.x == 0) {
+    // Q buffers fill on TMA's bytes, or on every quantizing thread's arrival (each releases its
+    // own writes); the scheduler ring is read by every consumer and quantizing thread.
+    sh.bar.init(fused_q ? kQuantWarps * 32 : 1, Tr::kConsumerWarps);
+    sh.sched.init(kCons * 128 + (fused_q ? kQuantWarps * 32 : 0));
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  // Everything above overlapped the pre-pass's tail; nothing is read from global memory before
+  // the kernels this one depends on have finished.
+  ptx::grid_dependency_wait();
+
+  if (threadIdx.x < 128) {  // ---- the producer warpgroup ----
+    ptx::setmaxnreg_dec<Tr::kProducerRegs>();
+    const Producer<D, OutT, kCausal, kCons> producer{p, maps, sh, tiles};
+    if (fused_q && threadIdx.x >= 32)
+      producer.quantize_tiles();  // warps 1-3: Q of each tile, a tile ahead
+    else if (threadIdx.x == 0)
+      producer.load_tiles(fused_q);  // the scheduler and the TMA loads
+    return;
+  }
+
+  // ---- the consumer warpgroups ----
+  ptx::setmaxnreg_inc<Tr::kConsumerRegs>();
+  Consumer<D, OutT, kCausal, kCons> c{p, sh, tiles, trace, fused_q};
+  c.start();
+  for (int it = 0;; ++it) {
+    tile_event(trace, it, 0);
+    const TileInfo ti = sh.sched.read(it);
+    if (ti.done) break;
+    tile_event(trace, it, 1);
+    c.begin_tile(ti, it);  // V statistics on their way, softmax state reset, Q in place
+    if (ti.n_blocks > 0) {
+      c.first_block();  // Q·Kᵀ(0), softmax(0)
+      int kb = 1;
+      for (; kb + 1 < ti.n_blocks; kb += 2) {  // Q·Kᵀ(kb) + P̃·V(kb-1), softmax(kb), ...
+        c.template step<1>(kb);
+        c.template step<0>(kb + 1);
+      }
+      if (kb < ti.n_blocks) c.template step<1>(kb);
+      c.last_pv();  // P̃·V(n-1)
+    } else {
+      c.skip_tile();
+    }
+    c.end_tile();  // O / l · v_scale + v_mean, LSE
+  }
+#endif
+}
+
+}  // namespace sage::sm90

@@ -1,0 +1,257 @@
+// The Hopper kernel's consumers (sm_90a): consumer warpgroup c owns rows 64c .. 64c+63 of each
+// tile; a warp 16 of them, a thread rows g and g+8. Per tile: Q·Kᵀ (wgmma s8, A and B from
+// shared memory) and the online softmax of each 128-key block, P̃·V (wgmma E4M3, A = P^ from
+// registers, B = the Vᵀ tile) one block late so that it runs under the next block's softmax.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "attn/epilogue.cuh"
+#include "attn/sm90/epilogue.cuh"
+#include "attn/sm90/params.h"
+#include "attn/sm90/pipeline.cuh"
+#include "attn/sm90/producer.cuh"
+#include "attn/sm90/softmax.cuh"
+#include "attn/sm90/trace.cuh"
+#include "attn/sm90/traits.h"
+#include "ptx/barrier.cuh"
+#include "ptx/tma.cuh"
+#include "ptx/wgmma.cuh"
+#include "quant/layout.h"
+
+namespace sage::sm90 {
+
+using Stage0 = std::integral_constant<int, 0>;
+using Stage1 = std::integral_constant<int, 1>;
+
+template <int D>
+__device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc) {
+  if constexpr (D == 128)
+    ptx::wgmma_m64n128k32_e4m3(o, p, desc, /*accumulate=*/true);
+  else
+    ptx::wgmma_m64n64k32_e4m3(o, p, desc, /*accumulate=*/true);
+}
+
+// Every wgmma of the loop is issued unconditionally: a conditional GEMM in the loop, or a wgmma
+// in flight across the merge of an if/else, made ptxas serialize every wgmma of the kernel
+// (C7514, C7512). Hence block 0 alone before the loop (first_block), two blocks a turn of the
+// loop (the ring's stage is then a compile-time constant: descriptors, barriers and offsets fold
+// into immediates), the odd last one after it, and the last P̃·V alone (last_pv).
+template <int D, typename OutT, bool kCausal, int kCons>
+struct Consumer {
+  using Tr = Traits<D, kCons>;
+  static constexpr bool kTurnAfterMax = Tr::turn_after_max(kCausal);
+  static_assert(kStages == 2, "the loop is unrolled over a two-stage ring");
+
+  const Params& p;
+  SharedStorage<D, kCons>& sh;
+  const Tiles<Tr>& tiles;
+  uint32_t* trace;
+  const bool fused_q;
+  const int warp = threadIdx.x / 32 - 4;  // the 16-row slab of the tile (0 .. kConsumerWarps-1)
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int consumer = warp / 4;
+  RingPhase phase;  // the K/Vᵀ ring's phases, in step with the producer's
+
+  // The tile in hand.
+  int it, qbuf, n_blocks, first_masked_block;
+  int64_t b, h, bh, bhk, row_a;
+  float q_scale_log2;
+  const float* k_scale;
+  uint64_t q_desc, k_desc, v_desc;
+  float m[2], l[2];  // the rows' running max (base 2) and sum
+  float o[D / 2];    // the P̃·V accumulator
+  uint32_t pf[4][4];  // P^ of the previous block: the A operand of its P̃·V (issued one block late)
+
+  // Turns (a soft ping-pong): a consumer waits for its turn before issuing Q·Kᵀ(kb) (and
+  // P̃·V(kb-1) behind it) and passes it once its Q·Kᵀ has landed (or its row maxima are taken,
+  // kTurnAfterMax), so the next consumer's GEMMs enter the tensor cores' queue after this one's
+  // Q·Kᵀ instead of beside it. The queue takes about eight m64n128k32 wgmmas per SM before wgmma
+  // issue blocks the warp (tools/probes/wgmma_issue.cu: 16 back to back take 625 cycles to issue,
+  // 8 take 103), so with both consumers issuing their eight at once the second stalled ~500
+  // cycles. Passing the turn right after the issue (FlashAttention-3's ping-pong: the other
+  // consumer then issues into a full queue) or serializing the softmaxes was slower.
+  __device__ __forceinline__ static void take_turn() { ptx::turn_wait<Tr::kBarTurn, kCons>(); }
+  __device__ __forceinline__ static void pass_turn() { ptx::turn_pass<Tr::kBarTurn, kCons>(); }
+  // Consumer 0 issues first: the last one hands it the first turn.
+  __device__ __forceinline__ void start() const {
+    if (consumer == kCons - 1) pass_turn();
+  }
+
+  __device__ __forceinline__ void release(uint64_t* bar) const {
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(bar);
+  }
+
+  // Tile ti (this CTA's it-th): its V statistics on their way, the softmax state reset, and its Q
+  // in place (with fused Q, the CTA's first tile quantized here by every consumer warp too).
+  __device__ __forceinline__ void begin_tile(const TileInfo& ti, int tile_index) {
+    it = tile_index;
+    qbuf = it & 1;
+    n_blocks = ti.n_blocks;
+    b = ti.b, h = ti.h, bh = ti.bh, bhk = ti.bhk;
+    const int64_t first_row = int64_t(ti.qb) * Tr::kBlockQ;
+    row_a = first_row + warp * 16 + g;
+    const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
+    first_masked_block = min_end > 0 ? int(min_end / kBlockK) : 0;  // blocks before: unmasked
+    // This warpgroup's 64 Q rows are the A operand of Q·Kᵀ straight from shared memory (A from
+    // registers held across the loop was miscompiled at D = 128: ptxas gave the P^ fragments the
+    // Q fragments' registers).
+    const uint8_t* q_wg = tiles.q + qbuf * Tr::kQTile + consumer * 64 * D;
+    // The Q scale: from the pre-pass (loaded before the wait), or from the quantizing warps.
+    q_scale_log2 = fused_q ? 0.0f
+                           : p.q_scale[(bh * p.q_blocks + ti.qb) * quant::kQGroups + warp * 8 + g];
+    k_scale = p.k_scale + bhk * p.k_blocks * quant::kKGroups;
+    load_v_stats<D>(p, sh.v_stat[qbuf][consumer], bhk);
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.0f;
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    if (fused_q && it == 0) {
+      // The CTA's first Q tile: quantized with warps 1-3 (kFirstQWarps), then released by them.
+      ptx::mbar_wait(&sh.bar.staged, 0);
+      quantize_q<D, OutT>(p, sh, tiles, ti, 0, kQuantWarps * 32 + threadIdx.x - 128,
+                          Tr::kFirstQWarps);
+      ptx::named_bar_sync(Tr::kBarFirstQ, Tr::kFirstQWarps * 32);
+    }
+    ptx::mbar_wait(&sh.bar.full_q[qbuf], (it >> 1) & 1);
+    if (fused_q) q_scale_log2 = sh.q_sc[qbuf][warp * 8 + g];
+    q_scale_log2 *= p.scale_log2;
+    tile_event(trace, it, 2);
+    // Descriptors computed once: a stage and a k-step add (bytes >> 4) to the start address.
+    q_desc = ptx::wgmma_desc<D>(q_wg);
+    k_desc = ptx::wgmma_desc<D>(tiles.k);
+    v_desc = ptx::wgmma_desc<128>(tiles.v);
+  }
+
+  // The scale products f of keys 0-63 and 64-127 of block kb (their K scale groups).
+  __device__ __forceinline__ void scales(int kb, float (&f)[2]) const {
+    f[0] = q_scale_log2 * k_scale[(2 * kb) * quant::kKGroups + t];
+    f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * quant::kKGroups + t];
+  }
+
+  // Q·Kᵀ of block kb (in stage st) into sacc, seeded with kMagic (softmax.cuh); its scales into f
+  // (loaded before the wait: the wgmma asm orders memory, the load hides behind it).
+  template <int st>
+  __device__ __forceinline__ void issue_qk(int (&sacc)[64], float (&f)[2], int kb) {
+    for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
+    scales(kb, f);
+    take_turn();
+    ptx::mbar_wait(&sh.bar.full_k[st], phase.full(kb, st));
+    ptx::wgmma_fence_regs(sacc);
+    ptx::wgmma_fence();
+    for (int s = 0; s < Tr::kQkSteps; ++s)
+      ptx::wgmma_m64n128k32_s8_ss(sacc, q_desc + uint64_t(s * 32 >> 4),
+                                  k_desc + uint64_t((st * Tr::kKTile + s * 32) >> 4),
+                                  /*accumulate=*/true);
+    ptx::wgmma_commit();
+  }
+
+  // P̃·V of block kb (in stage st; A = pf).
+  template <int st>
+  __device__ __forceinline__ void issue_pv(int kb) {
+    ptx::mbar_wait(&sh.bar.full_v[st], phase.full(kb, st));
+    ptx::wgmma_fence_regs(o);
+    ptx::wgmma_fence();
+    for (int c = 0; c < Tr::kPvSteps; ++c)
+      pv_wgmma<D>(o, pf[c], v_desc + uint64_t((st * Tr::kVTile + c * 32) >> 4));
+    ptx::wgmma_commit();
+  }
+
+  __device__ __forceinline__ void softmax(int (&sacc)[64], int kb, const float (&f)[2],
+                                          float (&alpha)[2]) {
+    softmax_block<Tr::kPolyEvery>(
+        sacc, kb < first_masked_block, f, m, l, alpha, t,
+        [&](int (&vis)[2]) {
+          attn::visible_keys<kCausal, kBlockK>(p, row_a, int64_t(kb) * kBlockK, vis);
+        },
+        [] {
+          if constexpr (kTurnAfterMax) pass_turn();
+        });
+  }
+
+  // O *= alpha, skipped when no row of the warp saw its max move (most blocks after the first
+  // few): a warp-uniform branch outside any wgmma's flight.
+  __device__ __forceinline__ void rescale_o(const float (&alpha)[2]) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
+      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
+  }
+
+  __device__ __forceinline__ void pack_p(const int (&pe)[64]) {
+    attn::pack_p_e4m3(pf, [&](int n, int e) { return __int_as_float(pe[4 * n + e]); });
+  }
+
+  // Block 0: Q·Kᵀ, its softmax, P^.
+  __device__ __forceinline__ void first_block() {
+    int sacc[64];
+    float f[2], alpha[2];
+    issue_qk<0>(sacc, f, 0);
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(sacc);
+    if constexpr (!kTurnAfterMax) pass_turn();
+    release(&sh.bar.empty_k[0]);
+    softmax(sacc, 0, f, alpha);
+    pack_p(sacc);
+    tile_event(trace, it, 3);
+  }
+
+  // Step kb >= 1 (in stage st; block kb-1 in the other), on entry pf = P^(kb-1): issue Q·Kᵀ(kb),
+  // then P̃·V(kb-1) behind it; wait for Q·Kᵀ(kb) only and run the softmax of kb while P̃·V(kb-1)
+  // is on the tensor cores; wait for it, O *= alpha, pf = P^(kb). (Two S register sets, Q·Kᵀ(kb+1)
+  // in flight during softmax(kb), do not fit the consumers' registers: ptxas serialized every
+  // wgmma or spilled.)
+  template <int st>
+  __device__ __forceinline__ void step(int kb) {
+    int sacc[64];
+    float f[2];
+    trace_event(trace, kb, 0);
+    issue_qk<st>(sacc, f, kb);
+    trace_event(trace, kb, 1);
+    issue_pv<1 - st>(kb - 1);
+    trace_event(trace, kb, 2);
+    ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P̃·V(kb-1) may still run
+    ptx::wgmma_fence_regs(sacc);
+    if constexpr (!kTurnAfterMax) pass_turn();
+    trace_event(trace, kb, 3);
+    release(&sh.bar.empty_k[st]);
+    float alpha[2];
+    softmax(sacc, kb, f, alpha);
+    trace_event(trace, kb, 4);
+    ptx::wgmma_wait<0>();  // P̃·V(kb-1) landed: O may be rescaled, pf rewritten
+    ptx::wgmma_fence_regs(o);
+    trace_event(trace, kb, 5);
+    release(&sh.bar.empty_v[1 - st]);
+    rescale_o(alpha);
+    pack_p(sacc);
+    trace_event(trace, kb, 6);
+  }
+
+  // The last block's P̃·V, in turn like every GEMM issue (each consumer takes and passes the turn
+  // n_blocks + 1 times a tile; the arrival the last consumer began with is left over at exit).
+  __device__ __forceinline__ void last_pv() {
+    tile_event(trace, it, 4);
+    release(&sh.bar.empty_q[qbuf]);  // every Q·Kᵀ of the tile has landed: the Q buffer is free
+    take_turn();
+    if ((n_blocks - 1) & 1)
+      issue_pv<1>(n_blocks - 1);
+    else
+      issue_pv<0>(n_blocks - 1);
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(o);
+    pass_turn();
+    release(&sh.bar.empty_v[(n_blocks - 1) % kStages]);
+    tile_event(trace, it, 5);
+  }
+
+  // A tile no key is visible to (causal): Q was never read.
+  __device__ __forceinline__ void skip_tile() const { release(&sh.bar.empty_q[qbuf]); }
+
+  __device__ __forceinline__ void end_tile() {
+    store_tile<D, OutT>(p, o, m, l, sh.v_stat[qbuf][consumer], Tr::kBarEpilogue + consumer, b, h,
+                        bh, row_a, t);
+    tile_event(trace, it, 6);
+    phase.next_tile(n_blocks);
+  }
+};
+
+}  // namespace sage::sm90

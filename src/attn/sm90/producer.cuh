@@ -1,0 +1,178 @@
+// The Hopper kernel's producer warpgroup (sm_90a): thread 0 schedules the tiles and issues the
+// TMA loads of K and Vᵀ (and of Q when the pre-pass quantized it); warps 1-3 quantize Q from the
+// caller's fp16/bf16 (fused Q), a tile ahead of the consumers.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "attn/sm90/params.h"
+#include "attn/sm90/pipeline.cuh"
+#include "attn/sm90/scheduler.cuh"
+#include "attn/sm90/traits.h"
+#include "common/formats.h"
+#include "ptx/barrier.cuh"
+#include "ptx/tma.cuh"
+#include "quant/elements.cuh"
+
+namespace sage::sm90 {
+
+// The TMA descriptors of the pre-pass's Q, K and Vᵀ and of the caller's Q.
+struct TmaMaps {
+  CUtensorMap q;     // 3-D: {D bytes, nq_pad rows, B*Hq}, box {D, 128, 1}
+  CUtensorMap k;     // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
+  CUtensorMap v;     // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
+  CUtensorMap q_in;  // fused Q: the caller's Q, 4-D {D, Nq, Hq, B} 16-bit, box {D, kBlockQ, 1, 1}
+#ifdef SAGE_SM90_TRACE
+  uint32_t* trace;   // the phase trace's buffer (trace.cuh)
+#endif
+};
+
+// Quantizes the staged Q tile (2·kQGroups rows x D fp16/bf16, row-major, rows past seq_q zero:
+// TMA's out-of-bounds fill) as the pre-pass's quant_q does: INT8 per thread group (rows g, g+8 of
+// each 16-row slab: the rows one consumer thread's accumulator holds), scale max|q| / 127, into the
+// INT8 tile in the layout the Q·Kᵀ wgmma reads (TMA's 128-byte swizzle for 128-byte rows, 64-byte
+// for 64-byte rows), and the group scales into q_sc. With km (this KV head's K mean; LSE asked
+// for) also each row's LSE shift scale · q·k_mean (exact products summed in double, as quant_q).
+// qt: the thread's index among the n_warps·32 quantizing threads. Eight lanes take a group
+// (four a row, D/32 16-byte chunks each: a three-step max), a warp four groups at a time: the
+// latency of a pass (shared loads, shuffles, two divisions) is paid 6 times a tile, not 22.
+template <int D, typename T, int kQGroups>
+__device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* q_tile, float* q_sc,
+                                                int qt, int n_warps, const float* km, float* shift,
+                                                int64_t row0, int64_t seq_q, float scale) {
+  constexpr int kLanesPerGroup = 8, kGroupsPerPass = 32 / kLanesPerGroup;
+  constexpr int kChunks = D / 32;                    // 16-byte chunks per lane: c·4 + part
+  constexpr uint32_t kSwizzle = D == 128 ? 7u : 3u;  // 16-byte chunk ^= (byte offset >> 7) & this
+  const int lane = qt % 32, li = lane % kLanesPerGroup;
+  const int hi = li / 4, part = li % 4;
+#pragma unroll 1
+  for (int g0 = (qt / 32) * kGroupsPerPass; g0 < kQGroups; g0 += n_warps * kGroupsPerPass) {
+    const int grp = g0 + lane / kLanesPerGroup;
+    const int r = 16 * (grp / 8) + grp % 8 + 8 * hi;
+    uint4 w[kChunks];
+    for (int c = 0; c < kChunks; ++c)
+      w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
+    float amax = 0.0f;  // NaN stays out, as fmaxf drops it (quant_q's float path)
+    for (int c = 0; c < kChunks; ++c)
+      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(quant::elem_float<T>(w[c], e)));
+    for (int m = 1; m < kLanesPerGroup; m *= 2)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+    const QuantScale sc = make_quant_scale(amax, float(kInt8Max));
+    // As quant_q: without NaN or infinity among this lane's elements and with a finite scale, no
+    // product can leave [-127, 127] and none is NaN, so the clamp and the NaN test are skipped.
+    const bool fast = quant::special_any<T>(w) == 0u && quant::finite_scale(amax, sc.inv);
+    quant::quantize_store_row_part<T, D, 8>(
+        q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast, 0xFFFFFFFFu,
+        [r](int d0) {
+          const uint32_t off = uint32_t(r * D + d0);
+          return int(off ^ (((off >> 7) & kSwizzle) << 4));
+        });
+    if (li == 0) q_sc[grp] = sc.scale;
+    if (km) {  // the staged row again (still in place), so w need not live this long
+      double sh = 0;
+      for (int c = 0; c < kChunks; ++c) {
+        const uint4 x = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
+        for (int e = 0; e < 8; ++e)
+          sh = __fma_rn(double(quant::elem_float<T>(x, e)), double(km[(c * 4 + part) * 8 + e]), sh);
+      }
+      for (int m = 1; m < 4; m *= 2) sh += __shfl_xor_sync(0xffffffffu, sh, m);
+      if (part == 0 && row0 + r < seq_q) shift[row0 + r] = float(double(scale) * sh);
+    }
+  }
+}
+
+// Tile ti's staged Q quantized into Q buffer qbuf by quantizing thread qt of n_warps warps (warps
+// 1-3 every tile; with every consumer warp for the CTA's first) and made visible to the wgmma
+// (the async proxy). The caller then syncs its quantizing threads.
+template <int D, typename InT, int kCons>
+__device__ __forceinline__ void quantize_q(const Params& p, SharedStorage<D, kCons>& sh,
+                                           const Tiles<Traits<D, kCons>>& tiles,
+                                           const TileInfo& ti, int qbuf, int qt, int n_warps) {
+  using Tr = Traits<D, kCons>;
+  quantize_q_tile<D, InT, Tr::kQGroups>(
+      tiles.q_staged, tiles.q + qbuf * Tr::kQTile, sh.q_sc[qbuf], qt, n_warps,
+      p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr, p.lse_shift + ti.bh * p.seq_q,
+      int64_t(ti.qb) * Tr::kBlockQ, p.seq_q, p.scale);
+  ptx::fence_proxy_async_smem();
+}
+
+template <int D, typename InT, bool kCausal, int kCons>
+struct Producer {
+  using Tr = Traits<D, kCons>;
+  const Params& p;
+  const TmaMaps& maps;
+  SharedStorage<D, kCons>& sh;
+  const Tiles<Tr>& tiles;
+
+  // The caller's Q of tile ti staged by TMA (16-bit, rows past Nq zero).
+  __device__ __forceinline__ void stage_q(const TileInfo& ti) const {
+    ptx::mbar_arrive_expect_tx(&sh.bar.staged, Tr::kQStaged);
+    ptx::tma_load_4d(tiles.q_staged, &maps.q_in, &sh.bar.staged, 0, ti.qb * Tr::kBlockQ, ti.h,
+                     ti.b);
+  }
+
+  // Warps 1-3 (fused Q): each tile's Q, staged by TMA, quantized into the Q buffer once the
+  // consumers have released it (the buffer frees when the tile before last is done); the next
+  // tile's staging load goes out as soon as every quantizing thread has read this one. The CTA's
+  // first tile, staged by the scheduling thread, is quantized with every consumer warp.
+  __device__ __forceinline__ void quantize_tiles() const {
+    const int qt = threadIdx.x - 32;
+    TileInfo ti = sh.sched.read(0);
+    for (int it = 0; !ti.done; ++it) {
+      const int qbuf = it & 1;
+      ptx::mbar_wait(&sh.bar.staged, it & 1);
+      ptx::mbar_wait(&sh.bar.empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first lap passes at once
+      quantize_q<D, InT>(p, sh, tiles, ti, qbuf, qt, it == 0 ? Tr::kFirstQWarps : kQuantWarps);
+      if (it == 0)  // every quantizing thread, the consumers' too: the staged tile is free
+        ptx::named_bar_sync(Tr::kBarFirstQ, Tr::kFirstQWarps * 32);
+      else
+        ptx::named_bar_sync(Tr::kBarQuant, kQuantWarps * 32);
+      ptx::mbar_arrive(&sh.bar.full_q[qbuf]);
+      ti = sh.sched.read(it + 1);
+      if (qt == 0 && !ti.done) stage_q(ti);
+    }
+  }
+
+  // Thread 0: draws each round's tile one round ahead, publishes it, and issues its loads: Q
+  // (pre-pass Q) and the K/Vᵀ blocks into the ring as stages free up.
+  __device__ __forceinline__ void load_tiles(bool fused_q) const {
+    const TileScheduler<kCausal, Tr::kBlockQ> sched(p);
+    RingPhase phase;
+    TileInfo ti = sched.decode(sched.tile_of(0));
+    // The first tile's Q before any K/V load: every CTA starts at once, and the ~12 MB of first Q
+    // tiles and K/V stages they ask for together made each CTA's first Q tile wait ~13.7k cycles
+    // (at N = 1k) while nothing can start without it.
+    if (fused_q && !ti.done) stage_q(ti);
+    sh.sched.publish(0, ti);
+    for (int it = 0; !ti.done; ++it) {
+      const TileInfo next = sched.decode(sched.tile_of(it + 1));
+      sh.sched.publish(it + 1, next);  // the quantizing warps prepare its Q during this tile
+      const int qbuf = it & 1;
+      if (!fused_q) {
+        ptx::mbar_wait(&sh.bar.empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first lap at once
+        ptx::mbar_arrive_expect_tx(&sh.bar.full_q[qbuf], Tr::kQTile);
+        ptx::tma_load_3d(tiles.q + qbuf * Tr::kQTile, &maps.q, &sh.bar.full_q[qbuf], 0,
+                         ti.qb * Tr::kBlockQ, int(ti.bh));
+      }
+      for (int kb = 0; kb < ti.n_blocks; ++kb) {
+        const int s = kb % kStages;
+        const uint32_t parity = phase.empty(kb, s);
+        ptx::mbar_wait(&sh.bar.empty_k[s], parity);
+        ptx::mbar_arrive_expect_tx(&sh.bar.full_k[s], Tr::kKTile);
+        ptx::tma_load_3d(tiles.k + s * Tr::kKTile, &maps.k, &sh.bar.full_k[s], 0, kb * kBlockK,
+                         ti.bhk);
+        ptx::mbar_wait(&sh.bar.empty_v[s], parity);
+        ptx::mbar_arrive_expect_tx(&sh.bar.full_v[s], Tr::kVTile);
+        ptx::tma_load_3d(tiles.v + s * Tr::kVTile, &maps.v, &sh.bar.full_v[s], kb * kBlockK, 0,
+                         ti.bhk);
+      }
+      phase.next_tile(ti.n_blocks);
+      ti = next;
+    }
+    sched.finish();
+  }
+};
+
+}  // namespace sage::sm90

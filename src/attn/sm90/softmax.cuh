@@ -1,0 +1,104 @@
+// The Hopper kernel's online softmax of one 128-key block (sm_90a), per consumer thread: rows g and
+// g+8 of its warp's 16, 64 scores (2 rows x 32 keys) straight from the Q·Kᵀ accumulator.
+//
+// The S accumulator starts at the bits of 1.5·2^23 (kMagic), so the exact int32 score x
+// (|x| < 2^21 for int8 at D <= 128) comes out of the wgmma as the bits of the float
+// 1.5·2^23 + x: the int -> float conversion costs nothing, the max can be taken on the bits, and
+// the softmax of a visible score is one FFMA and one 2^x:
+//   P~ · 448 = 2^(x·f - m + log2 448) = 2^(y·f - bias),  y = 1.5·2^23 + x,
+//   bias = 1.5·2^23·f + m - log2 448,
+// where f = q_scale · k_scale · scale · log2 e. Rounding bias costs at most 0.75·f in the
+// exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). The softmax
+// writes P~ · 448 (the E4M3-range values P^ is packed from) over the scores, as float bits, and
+// l sums them (the epilogue's kLUnit 448). What bounds the kernel is this softmax's instruction
+// issue (without it the same loop runs > 2800 TOPS), hence about seven instructions a score.
+#pragma once
+
+#include "attn/epilogue.cuh"
+#include "ptx/math.cuh"
+
+namespace sage::sm90 {
+
+// 1.5·2^23: a float whose unit in the last place is 1, so adding it rounds to an integer held in
+// the low mantissa bits (exp2_poly), and its bits plus an int32 x are the float 1.5·2^23 + x.
+constexpr float kMagicF = 12582912.0f;
+constexpr int kMagic = 0x4B400000;                    // the bits of kMagicF: the S seed
+constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
+
+// 2^x for x <= 9 (in [-125, 9] exactly enough; below, a value under 2^-125 that E4M3 and the row
+// sum cannot see), on the FMA and integer pipes: x = n + r with n = round(x), |r| <= 1/2;
+// 2^r by a degree-3 polynomial fitted for relative error (max 1.0e-4); n added to the exponent.
+__device__ __forceinline__ float exp2_poly(float x) {
+  x = fmaxf(x, -125.0f);
+  const float t = x + kMagicF;  // 1.5·2^23 + n: the low bits of t hold n
+  const float r = x - (t - kMagicF);
+  float q = fmaf(0.0550089331f, r, 0.242210972f);
+  q = fmaf(q, r, 0.693282928f);
+  q = fmaf(q, r, 1.0f);
+  return __int_as_float(__float_as_int(q) + (__float_as_int(t) << 23));
+}
+
+// Register i of the 64 scores takes the polynomial (one in kPolyEvery; 0: none).
+template <int kPolyEvery>
+__device__ __forceinline__ constexpr bool poly_at(int i) {
+  return kPolyEvery > 0 && i % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1;
+}
+
+// The online softmax of one block over the thread's 64 scores sacc (seeded), in place: P~ · 448
+// as float bits. f: the scale products of keys 0-63 and 64-127 (their K scale groups). m, l: the
+// rows' running max and sum (l scaled by alpha, returned for O). unmasked: every key of the block
+// is visible to every row of the tile (CTA-uniform), else visible() gives the keys each row sees
+// (the diagonal, the Nk edge). at_max() runs once the rows' maxima are known (where a consumer
+// may pass the GEMM-issue turn).
+template <int kPolyEvery, typename Visible, typename AtMax>
+__device__ __forceinline__ void softmax_block(int (&sacc)[64], bool unmasked, const float (&f)[2],
+                                              float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                              int t, Visible visible, AtMax at_max) {
+  float row_max[2], m_use[2];
+  float part[2][4] = {};  // four partial sums per row: short FADD chains
+  if (unmasked) {
+    int mx[2][2];
+    for (int r = 0; r < 2; ++r)
+      for (int h = 0; h < 2; ++h) {  // a tree over the 16 scores of (row r, key half h)
+        int v[16];
+        for (int j = 0; j < 16; ++j) v[j] = sacc[32 * h + 4 * (j / 2) + 2 * r + (j & 1)];
+        for (int w = 16; w > 1; w /= 2)
+          for (int j = 0; j < w / 2; ++j) v[j] = max(v[j], v[j + w / 2]);
+        mx[r][h] = v[0];
+      }
+    for (int r = 0; r < 2; ++r)
+      row_max[r] = fmaxf((__int_as_float(mx[r][0]) - kMagicF) * f[0],
+                         (__int_as_float(mx[r][1]) - kMagicF) * f[1]);
+    attn::online_max(row_max, m, l, alpha, m_use);
+    at_max();
+    float bias[2][2];
+    for (int r = 0; r < 2; ++r)
+      for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
+    for (int i = 0; i < 64; ++i) {
+      const float x = fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
+      const float e = poly_at<kPolyEvery>(i) ? exp2_poly(x) : ptx::ex2(x);
+      part[(i / 2) & 1][i / 16] += e;
+      sacc[i] = __float_as_int(e);
+    }
+  } else {  // scores as floats, hidden ones -inf
+    int vis[2];
+    visible(vis);
+    row_max[0] = row_max[1] = -INFINITY;
+    for (int i = 0; i < 64; ++i) {
+      const bool hidden = (i / 4) * 8 + 2 * t + (i & 1) >= vis[(i / 2) & 1];
+      const float x = hidden ? -INFINITY : (__int_as_float(sacc[i]) - kMagicF) * f[i / 32];
+      row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], x);
+      sacc[i] = __float_as_int(x);
+    }
+    attn::online_max(row_max, m, l, alpha, m_use);
+    at_max();
+    for (int i = 0; i < 64; ++i) {
+      const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[(i / 2) & 1] - kLog2E4m3Max));
+      part[(i / 2) & 1][i / 16] += e;
+      sacc[i] = __float_as_int(e);
+    }
+  }
+  for (int r = 0; r < 2; ++r) l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
+}
+
+}  // namespace sage::sm90

@@ -1,0 +1,74 @@
+// The Hopper (sm_90a) kernel's fixed choices, per head dim D and number of consumer warpgroups:
+// tile sizes, register and shared-memory budgets, the named barriers, and the softmax's chosen
+// constants. Plain C++ (no CUDA types): the planner (src/api) reads the tile sizes from here.
+#pragma once
+
+namespace sage::sm90 {
+
+constexpr int kBlockK = 128;     // keys per block = the N of the Q·Kᵀ wgmma
+constexpr int kStages = 2;       // K and Vᵀ tiles in flight (the consumer loop is unrolled by 2)
+constexpr int kQuantWarps = 3;   // warps 1-3 of the producer warpgroup quantize Q (fused Q)
+constexpr int kSchedSlots = 4;   // tiles published ahead to the CTA (the scheduler ring)
+
+// kCons consumer warpgroups own 64 query rows each: 2, or 3 at D = 64 (a third warp per scheduler
+// hides the softmax's latency there; at D = 128, S + O + P^ do not fit the 160 registers three
+// would get). The planner chooses; the pre-pass's Q layout (128-row blocks) fits two only.
+template <int D, int kCons>
+struct Traits {
+  static_assert(D == 64 || D == 128, "head dims 64 and 128");
+  static_assert(kCons == 2 || kCons == 3, "two or three consumer warpgroups");
+  static constexpr int kBlockQ = 64 * kCons;
+  static constexpr int kThreads = 128 * (kCons + 1);
+  static constexpr int kConsumerWarps = 4 * kCons;
+  static constexpr int kQGroups = kBlockQ / 2;  // Q scale groups: rows {g, g+8} of each 16
+  static constexpr int kQkSteps = D / 32;       // k32 wgmma steps along the head dim
+  static constexpr int kPvSteps = kBlockK / 32;  // k32 wgmma steps along a block's keys
+
+  // Registers per thread after setmaxnreg. The CTA's pool is what the launch allocated (ptxas's
+  // count under __launch_bounds__(kThreads, 1): 168 for 384 threads, 128 for 512);
+  // setmaxnreg.inc waits until the pool holds what it asks for, so a split over the pool hangs
+  // every consumer. A consumer thread holds S (64 int32), O (D/2 fp32) and P^ (16): at 232 its
+  // loop has no spills; 40 lets the quantizing warps run without spilling in theirs. Three
+  // consumers (D = 64: O is 32 registers): 32 / 160.
+  static constexpr int kAlloc = kCons == 2 ? 168 : 128;
+  static constexpr int kProducerRegs = kCons == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = kCons == 2 ? 232 : 160;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kCons == kAlloc * kThreads,
+                "the setmaxnreg split must fit the launch allocation exactly");
+
+  // Named barriers (0 is __syncthreads).
+  enum Barrier : int {
+    kBarEpilogue = 1,             // + c: consumer warpgroup c alone (its epilogue)
+    kBarTurn = 1 + kCons,         // + c: consumer c's turn to issue GEMMs (a ring of kCons)
+    kBarQuant = 1 + 2 * kCons,    // the Q-quantizing warps
+    kBarFirstQ = 2 + 2 * kCons,   // the quantizing warps with every consumer warp (first Q tile)
+  };
+  // The CTA's first Q tile is quantized by warps 1-3 and every consumer warp: nothing can start
+  // before it (warps 1-3 alone took ~18k cycles for it at N = 1k, ~7 % of the kernel).
+  static constexpr int kFirstQWarps = kQuantWarps + kConsumerWarps;
+
+  // Shared memory (the swizzled tiles, 1024-byte aligned): two Q tiles (the next tile's Q lands
+  // while this one's last blocks run), kStages K and Vᵀ tiles, and with fused Q one staged
+  // fp16/bf16 Q tile.
+  static constexpr int kQTile = kBlockQ * D;   // [kBlockQ rows][D bytes] INT8 (A of Q·Kᵀ)
+  static constexpr int kKTile = kBlockK * D;   // [128 keys][D bytes] INT8
+  static constexpr int kVTile = D * kBlockK;   // [D channels][128 keys] E4M3
+  static constexpr int kQStaged = kBlockQ * D * 2;  // [kBlockQ rows][D elements], not swizzled
+  static constexpr int kBytes = 2 * kQTile + kStages * (kKTile + kVTile) + 1024;  // + alignment
+  static constexpr int kBytesFused = kBytes + kQStaged;
+
+  // One score in kPolyEvery takes 2^x from a polynomial on the FMA pipe instead of MUFU.EX2
+  // (16 results per SM per clock), at register positions i % kPolyEvery == kPolyEvery - 1 of the
+  // thread's 64 scores (0: none). At D = 128 (two warps a scheduler) the MUFU queue is a limit
+  // and one in eight measured best; at D = 64 three warps a scheduler move the limit to issue,
+  // where the polynomial's extra instructions cost more than they relieve.
+  static constexpr int kPolyEvery = D == 128 ? 8 : 0;
+
+  // Where a consumer passes the GEMM-issue turn: once its Q·Kᵀ has landed, or (D = 128
+  // non-causal: two consumers with blocks of equal length) once its row maxima are taken, which
+  // sends the other consumer's Q·Kᵀ out later and its maxima under this one's 2^x. Causal tiles
+  // (uneven blocks) and D = 64's three-consumer ring lost with the later turn.
+  static constexpr bool turn_after_max(bool causal) { return D == 128 && !causal && kCons == 2; }
+};
+
+}  // namespace sage::sm90
