@@ -526,7 +526,7 @@ TEST(Accumulator, MantissaBitsAndFlushIntervalAreMonotone) {
 }
 
 // The wgmma accumulator model against what the H100 probe measured
-// (bench/results/probes/2026-11-22-h100-wgmma_accum.txt): 32 products of 2^-12 per step added to
+// (bench/results/probes/2026-11-22-h100-wgmma_accum.json): 32 products of 2^-12 per step added to
 // c = 2^m survive at m = 0 and are lost from m = 2 on when chained in the accumulator; a fresh
 // accumulator per step followed by an fp32 add keeps them up to m = 16 (fp32's limit).
 TEST(Accumulator, AlignedStepReproducesTheWgmmaProbe) {

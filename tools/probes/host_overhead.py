@@ -1,6 +1,9 @@
-# Where a small call's time goes: GPU time per call when calls run back to back (what
-# sage_attn.bench times), host time per call (enqueue only, no sync), and device time per kernel
-# (torch.profiler). A call is host-bound when the host time reaches the back-to-back time.
+# Probe (CUDA GPU, torch and an installed sage_attn): where a small sageattn call's time goes.
+# For D 64/128, causal or not, B=4 H=32 N=1k (and D=64 causal 2k) it prints, per call: the GPU
+# time when calls run back to back (what sage_attn.bench times), the host time (enqueue only, no
+# sync), each kernel's device time (torch.profiler: the pre-pass kernels and the attention
+# kernel), and the same two times for SDPA. A call is host-bound when its host time reaches its
+# back-to-back time. Run: python tools/probes/host_overhead.py
 import re, sys, time
 import torch, sage_attn
 from torch.profiler import profile, ProfilerActivity
