@@ -1,21 +1,22 @@
 """python -m sage_attn.bench: the standard grid of BENCHMARKS.md with the baselines in the same
-process. For every (head_dim, N, causal): end-to-end TOPS of sage (fp16 in, fp16 out: pre-pass and
-kernel, timed with CUDA events, median of samples), kernel-only TOPS (the attention kernel's own
-duration read with torch.profiler/CUPTI), SDPA cuDNN and SDPA flash, and accuracy (cos, rel-L1,
-RMSE, max-abs) of every implementation against float64 on the first heads. Writes
-<out>/<date>-<gpu>[-tag].json (the schema of BENCHMARKS.md) and a PNG plot (TOPS vs N per head dim
-and mask, the paper's Fig. 5)."""
+process. For every (head_dim, N, causal) and implementation: eager end-to-end TOPS (fp16 in, fp16
+out, CUDA events, median of samples), TOPS under CUDA-graph replay (the GPU's time alone: the
+figure the bar is judged on), host microseconds per eager call, sage's kernel-only TOPS (the
+attention kernel's own duration read with torch.profiler/CUPTI), cuDNN's FP8 attention on inputs
+quantized beforehand (kernel-only, the anchor), and accuracy (cos, rel-L1, RMSE, max-abs) against
+float64 on the first heads. Writes <out>/<date>-<gpu>[-tag].json (the schema of BENCHMARKS.md,
+plus host_us and the SDPA drop-in's choice) and a PNG plot (TOPS vs N per head dim and mask, the
+paper's Fig. 5); prints a table per implementation and, last, the summary the bar reads."""
 from __future__ import annotations
 
-import argparse
+import contextlib
 import datetime
-import json
 import math
-import os
 import pathlib
 import statistics
 import subprocess
 import sys
+import time
 import warnings
 
 import torch
@@ -24,9 +25,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sage_attn
 
-# sage-8b is what the library picks (the wgmma kernel on sm_90); sage-8b-mma forces the mma.sync
-# kernel (SAGE_KERNEL=mma) for comparison.
-IMPLS = ("sage-8b", "sage-8b-mma", "sage-4b", "sdpa-cudnn", "sdpa-flash")
+from ._bench_common import (IMPLS, flops, impl_table, new_row, parse_args, plot,
+                            summary_table, tops, write_json)
+from ._bench_cudnn import CudnnFp8Attention
+
+__all__ = ["IMPLS", "main"]
 
 
 def reference64(q, k, v, causal, scale=None, rows=None, top_left=False):
@@ -109,25 +112,90 @@ def make_inputs(b, h, n, d, kind, gen):
     return one(4.0), one(8.0), one(8.0)  # q, k, v (BENCHMARKS.md's channel-bias inputs)
 
 
-def impl_fn(impl, q, k, v, causal):
-    if impl == "sage-8b":
-        return lambda: sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=8)
-    if impl == "sage-8b-mma":
-        def run_mma():
-            os.environ["SAGE_KERNEL"] = "mma"
-            try:
-                return sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=8)
-            finally:
-                del os.environ["SAGE_KERNEL"]
-        return run_mma
-    if impl == "sage-4b":
-        return lambda: sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=4)
-    backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}[impl]
+def graph_ms(fn, target_s=0.25, est_ms=None):
+    """Median GPU milliseconds per call under CUDA-graph replay: warm-up on a side stream (as
+    torch documents for capture), a few calls captured into one graph (enough for about 2 ms of
+    work per replay), replays timed with time_ms."""
+    calls = 1 if not est_ms else max(1, min(10, int(2.0 / est_ms)))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        return time_ms(graph.replay, target_s) / calls
+    finally:
+        del graph
 
-    def run():
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return run
+
+def host_us(fn, est_ms, calls=20, samples=5):
+    """Median CPU microseconds per eager call: back-to-back calls started right after a
+    synchronize, few enough (at most `calls`, and about 50 ms of GPU work) that the launch queue
+    never fills and no call waits for the GPU."""
+    n = max(2, min(calls, int(50.0 / max(est_ms, 1e-3))))
+    per_call = []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        per_call.append((time.perf_counter() - t0) / n * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
+class Impl:
+    """What the bench runs for one row: `fn` (the timed call), `output()` (the result of the last
+    call, for accuracy), the drop-in's choice, and a context every call of the row runs in (SDPA's
+    backend choice: entered once, so that its cost is not in the host time)."""
+
+    def __init__(self, fn, output=None, choice=None, kernel_only=False, context=None):
+        self.fn, self.kernel_only, self.choice = fn, kernel_only, choice
+        self._output = output
+        self.context = context if context is not None else contextlib.nullcontext()
+
+    def first_output(self):
+        out = self.fn()
+        return self._output() if self._output is not None else out
+
+
+def dropin_choice(q, k, v, causal):
+    """What sage_attn.scaled_dot_product_attention runs for these arguments ("sage" or "sdpa"),
+    from the library's plan; None where the package has no dropin_backend."""
+    backend = getattr(sage_attn, "dropin_backend", None)
+    if backend is None:
+        return None
+    try:
+        choice = backend(q, k, v, is_causal=causal, enable_gqa=False)
+    except Exception as e:  # a report, not a reason to stop the bench
+        print(f"sage_attn.dropin_backend failed ({type(e).__name__}: {e})", flush=True)
+        return None
+    return None if choice is None else str(choice)
+
+
+def make_impl(impl, q, k, v, causal):
+    """The Impl for one implementation name; raises when it cannot be set up."""
+    if impl == "sage-8b":
+        return Impl(lambda: sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=8))
+    if impl == "sage-8b-mma":
+        return Impl(lambda: sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=8, kernel="mma"))
+    if impl == "sage-4b":
+        return Impl(lambda: sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=4))
+    if impl == "sdpa-dropin":
+        # Top-left causal like SDPA (the same mask as the reference's here: Nq = Nk).
+        return Impl(lambda: sage_attn.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                    choice=dropin_choice(q, k, v, causal))
+    if impl == "cudnn-fp8":
+        anchor = CudnnFp8Attention(q, k, v, causal)
+        return Impl(anchor, output=anchor.result, kernel_only=True)
+    backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}[impl]
+    return Impl(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                context=sdpa_kernel(backend))
 
 
 def gpu_info():
@@ -141,74 +209,82 @@ def gpu_info():
     return props.name, driver
 
 
-def plot(rows, path, title):
+def _why(e):
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _shape(d, n, causal):
+    return f"D={d:<3d} N={n:<6d} {'causal    ' if causal else 'non-causal'}"
+
+
+def measure(name, q, k, v, causal, ref, args):
+    """One row: every figure that applies to `name`, null where it does not or where a step
+    failed (each failure printed on one line; the bench goes on)."""
+    b, h, n, d = q.shape
+    row = new_row(name, d, n, b, h, causal)
+    label = f"{name:11s} {_shape(d, n, causal)}"
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-        return False
-    dims = sorted({r["head_dim"] for r in rows})
-    causals = sorted({r["causal"] for r in rows})
-    fig, axes = plt.subplots(len(dims), len(causals), figsize=(6 * len(causals), 4.2 * len(dims)),
-                             squeeze=False)
-    for i, d in enumerate(dims):
-        for j, causal in enumerate(causals):
-            ax = axes[i][j]
-            for impl in IMPLS:
-                pts = sorted((r["seq_len"], r["e2e_tops"], r["kernel_tops"]) for r in rows
-                             if r["impl"] == impl and r["head_dim"] == d and r["causal"] == causal
-                             and r["e2e_tops"] is not None)
-                if not pts:
-                    continue
-                xs = [p[0] for p in pts]
-                line, = ax.plot(xs, [p[1] for p in pts], marker="o", label=impl)
-                if any(p[2] for p in pts):
-                    ax.plot(xs, [p[2] for p in pts], ls="--", color=line.get_color(),
-                            label=f"{impl} kernel-only")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks([1024 * 2**e for e in range(6)], ["1k", "2k", "4k", "8k", "16k", "32k"])
-            ax.set_ylim(bottom=0)
-            ax.set_title(f"D={d}, {'causal' if causal else 'non-causal'}")
-            ax.set_xlabel("sequence length")
-            ax.set_ylabel("TOPS")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return True
+        impl = make_impl(name, q, k, v, causal)
+    except Exception as e:  # an impl that cannot be set up (or is missing): a null row
+        print(f"{label}: not run ({_why(e)})", flush=True)
+        return row
+    try:
+        with impl.context:
+            return _measure(impl, row, label, q, causal, ref, args)
+    except Exception as e:  # a failure while timing: the figures so far, the rest null
+        print(f"{label}: stopped ({_why(e)})", flush=True)
+        return row
+
+
+def _measure(impl, row, label, q, causal, ref, args):
+    b, h, n, d = q.shape
+    try:
+        out = impl.first_output()
+    except Exception as e:  # an impl that cannot run this shape: a null row
+        print(f"{label}: not run ({_why(e)})", flush=True)
+        return row
+    row["choice"] = impl.choice
+    if ref is not None and out is not None:
+        row.update(accuracy(out[0, :ref.shape[0]], ref))
+    del out
+    fl = flops(b, h, n, d, causal)
+    ms = time_ms(impl.fn, args.seconds)
+    row["ms"] = round(ms, 4)
+    notes = []
+    if impl.kernel_only:
+        row["kernel_tops"] = tops(fl, ms)
+    else:
+        row["e2e_tops"] = tops(fl, ms)
+        if row["impl"].startswith("sage"):
+            kms = kernel_ms(impl.fn)
+            row["kernel_tops"] = tops(fl, kms)
+        if not args.no_host:
+            row["host_us"] = round(host_us(impl.fn, ms), 1)
+    if not args.no_graph:
+        try:
+            row["graph_tops"] = tops(fl, graph_ms(impl.fn, args.seconds, ms))
+        except Exception as e:  # not capturable: the column stays null
+            notes.append(f"no CUDA graph ({_why(e)})")
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                pass
+    fmt = lambda x, f="{:7.1f}": "      -" if x is None else f.format(x)  # noqa: E731
+    acc = (f" | cos {row['cos']:.5f} rel-L1 {row['rel_l1']:.4f} rmse {row['rmse']:.2e} "
+           f"max {row['max_abs']:.3f}") if row["cos"] is not None else ""
+    print(f"{label} {ms:9.3f} ms  eager {fmt(row['e2e_tops'])}  graph {fmt(row['graph_tops'])}  "
+          f"kernel {fmt(row['kernel_tops'])} TOPS  host {fmt(row['host_us'])} us"
+          + (f"  choice {row['choice']}" if row["choice"] else "") + acc
+          + "".join(f"\n{label}: {x}" for x in notes), flush=True)
+    return row
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m sage_attn.bench", description=__doc__)
-    ap.add_argument("--out", default="bench/results", help="directory for the JSON and the PNG")
-    ap.add_argument("--dims", default="64,128")
-    ap.add_argument("--seqs", default="1024,2048,4096,8192,16384,32768")
-    ap.add_argument("--causal", default="both", choices=["both", "0", "1"])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--impls", default="sage-8b,sdpa-cudnn,sdpa-flash",
-                    help="comma list of " + ",".join(IMPLS))
-    ap.add_argument("--inputs", default="normal", choices=["normal", "bias"])
-    ap.add_argument("--accuracy-heads", type=int, default=8,
-                    help="heads of batch 0 checked against float64 (0: no accuracy columns)")
-    ap.add_argument("--seconds", type=float, default=0.25, help="timed seconds per figure")
-    ap.add_argument("--commit", default=None)
-    ap.add_argument("--tag", default="", help="suffix of the output file names")
-    ap.add_argument("--seed", type=int, default=None)
-    args = ap.parse_args(argv)
+    args = parse_args(argv, __doc__)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark", file=sys.stderr)
         return 2
-    impls = args.impls.split(",")
-    for i in impls:
-        if i not in IMPLS:
-            ap.error(f"--impls: unknown implementation {i!r} (known: {', '.join(IMPLS)})")
-    dims = [int(x) for x in args.dims.split(",")]
-    seqs = [int(x) for x in args.seqs.split(",")]
-    causals = {"both": [False, True], "0": [False], "1": [True]}[args.causal]
     commit = args.commit
     if commit is None:
         try:
@@ -220,47 +296,22 @@ def main(argv=None):
     gen.manual_seed(args.seed if args.seed is not None else torch.seed() % 2**31)
     name, driver = gpu_info()
     b, h = args.batch, args.heads
+    cudnn_version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {cudnn_version}, "
+          f"sage {sage_attn.version()}, commit {commit}; B={b} H={h}, {args.inputs} inputs",
+          flush=True)
     rows = []
-    print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, sage {sage_attn.version()}, "
-          f"commit {commit}; B={b} H={h}, {args.inputs} inputs", flush=True)
-    for d in dims:
-        for causal in causals:
-            for n in seqs:
+    for d in args.dims:
+        for causal in args.causals:
+            for n in args.seqs:
                 q, k, v = make_inputs(b, h, n, d, args.inputs, gen)
-                flops = 4.0 * b * h * n * n * d / (2 if causal else 1)
                 ref = None
                 if args.accuracy_heads > 0:
                     ah = min(args.accuracy_heads, h)
                     ref = reference64(q[0, :ah], k[0, :ah], v[0, :ah], causal)
-                for impl in impls:
-                    fn = impl_fn(impl, q, k, v, causal)
-                    try:
-                        out = fn()
-                    except Exception as e:  # an impl that cannot run this shape: a null row
-                        print(f"{impl:10s} D={d:<3d} N={n:<6d} {'causal' if causal else 'non-causal'}:"
-                              f" not run ({type(e).__name__}: {e})", flush=True)
-                        out = None
-                    row = {"impl": impl, "head_dim": d, "seq_len": n, "batch": b, "heads": h,
-                           "causal": causal, "e2e_tops": None, "kernel_tops": None, "ms": None,
-                           "cos": None, "rel_l1": None, "rmse": None, "max_abs": None}
-                    if out is not None:
-                        if ref is not None:
-                            row.update(accuracy(out[0, :ref.shape[0]], ref))
-                        del out
-                        ms = time_ms(fn, args.seconds)
-                        row["ms"] = round(ms, 4)
-                        row["e2e_tops"] = round(flops / ms / 1e9, 2)
-                        if impl.startswith("sage"):
-                            kms = kernel_ms(fn)
-                            row["kernel_tops"] = round(flops / kms / 1e9, 2) if kms else None
-                    rows.append(row)
-                    if row["ms"] is not None:
-                        kt = f"{row['kernel_tops']:7.1f}" if row["kernel_tops"] else "      -"
-                        acc = (f" | cos {row['cos']:.5f} rel-L1 {row['rel_l1']:.4f} rmse "
-                               f"{row['rmse']:.2e} max {row['max_abs']:.3f}") if row["cos"] is not None else ""
-                        print(f"{impl:10s} D={d:<3d} N={n:<6d} {'causal    ' if causal else 'non-causal'}"
-                              f" {ms:9.3f} ms  e2e {row['e2e_tops']:7.1f} TOPS  kernel {kt}{acc}",
-                              flush=True)
+                for impl in args.impls:
+                    rows.append(measure(impl, q, k, v, causal, ref, args))
+                    torch.cuda.empty_cache()
                 del q, k, v, ref
                 torch.cuda.empty_cache()
     date = datetime.date.today().isoformat()
@@ -268,41 +319,18 @@ def main(argv=None):
     stem = f"{date}-{gpu_slug}" + (f"-{args.tag}" if args.tag else "")
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc = {"gpu": name, "driver": driver, "cuda": torch.version.cuda, "torch": torch.__version__,
-           "commit": commit, "date": date, "input": args.inputs, "rows": rows}
-    with open(out_dir / f"{stem}.json", "w") as f:
-        f.write("{" + ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in doc.items()
-                                if k != "rows"))
-        f.write(', "rows": [\n' + ",\n".join("  " + json.dumps(r) for r in rows) + "\n]}\n")
+    meta = {"gpu": name, "driver": driver, "cuda": torch.version.cuda, "torch": torch.__version__,
+            "cudnn": cudnn_version, "commit": commit, "date": date, "input": args.inputs}
+    write_json(out_dir / f"{stem}.json", meta, rows)
     print(f"wrote {out_dir / (stem + '.json')}")
     if plot(rows, out_dir / f"{stem}.png", f"{name}, B={b} H={h}, {args.inputs} inputs, "
             f"commit {commit}"):
         print(f"wrote {out_dir / (stem + '.png')}")
     print()
-    print(markdown_table(rows))
+    print(impl_table(rows))
+    print()
+    print(summary_table(rows))
     return 0
-
-
-def markdown_table(rows):
-    """One line per (D, causal, N): e2e TOPS of each impl (kernel-only in brackets) and rel-L1."""
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
-    head = "| D | causal | N | " + " | ".join(impls) + " | " + " | ".join(f"{i} rel-L1" for i in impls) + " |"
-    lines = [head, "|" + "---|" * (3 + 2 * len(impls))]
-    keys = sorted({(r["head_dim"], r["causal"], r["seq_len"]) for r in rows})
-    for d, c, n in keys:
-        cells, accs = [], []
-        for i in impls:
-            r = next((r for r in rows if (r["impl"], r["head_dim"], r["causal"], r["seq_len"]) ==
-                      (i, d, c, n)), None)
-            if r is None or r["e2e_tops"] is None:
-                cells.append("-")
-                accs.append("-")
-                continue
-            cells.append(f"{r['e2e_tops']:.0f}" + (f" ({r['kernel_tops']:.0f})" if r["kernel_tops"] else ""))
-            accs.append(f"{r['rel_l1']:.4f}" if r["rel_l1"] is not None else "-")
-        lines.append(f"| {d} | {'yes' if c else 'no'} | {n // 1024}k | " + " | ".join(cells) +
-                     " | " + " | ".join(accs) + " |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -144,16 +144,33 @@ bool run_bench(const BenchOptions& opt, std::vector<BenchRow>* rows) {
           a.batch = t.B, a.heads_q = t.H, a.heads_kv = t.H, a.seq_q = N, a.seq_kv = N, a.head_dim = D;
           a.mask = causal ? SAGE_MASK_CAUSAL_TOP_LEFT : SAGE_MASK_NONE;
           a.variant = variant == "sage-4b" ? SAGE_VARIANT_SAGE2_4B : SAGE_VARIANT_SAGE2_8B;
+          a.kernel = opt.kernel;
+          a.options = opt.options;
+          const std::string impl = bench_impl_name(variant, opt);
+          // A forced kernel family may have no kernel for a shape or this GPU: that row is
+          // skipped with the library's reason, the rest of the grid still runs.
+          auto skip_or_fail = [&](sage_status st) {
+            std::fprintf(st == SAGE_ERROR_UNSUPPORTED ? stdout : stderr, "%s%s D=%" PRId64
+                         " N=%" PRId64 " %s: %s\n", st == SAGE_ERROR_UNSUPPORTED ? "" : "sage bench: ",
+                         impl.c_str(), D, N, causal ? "causal" : "non-causal", sage_last_error());
+            return st == SAGE_ERROR_UNSUPPORTED;
+          };
           size_t ws = 0;
-          if (sage_attention_workspace_size(&a, &ws) != SAGE_OK) {
-            std::fprintf(stderr, "sage bench: %s\n", sage_last_error());
+          if (const sage_status st = sage_attention_workspace_size(&a, &ws); st != SAGE_OK) {
+            if (skip_or_fail(st)) continue;
             return false;
           }
           BENCH_CUDA(cudaMalloc(&t.ws, ws));
           a.workspace = t.ws, a.workspace_size = ws;
           api::Resolved r;
-          if (api::validate(&a, &r) != SAGE_OK) {
-            std::fprintf(stderr, "sage bench: %s\n", sage_last_error());
+          if (const sage_status st = api::validate(&a, &r); st != SAGE_OK) {
+            if (skip_or_fail(st)) continue;
+            return false;
+          }
+          if (const sage_status st = cuda::attention_stages(r, a, cuda::kStagePrepass |
+                                                                      cuda::kStageKernel);
+              st != SAGE_OK) {
+            if (skip_or_fail(st)) continue;
             return false;
           }
           cudaEvent_t e0, e1;
@@ -185,7 +202,7 @@ bool run_bench(const BenchOptions& opt, std::vector<BenchRow>* rows) {
           const double flops = 4.0 * double(t.B * t.H) * double(N) * double(N) * double(D) *
                                (causal ? 0.5 : 1.0);
           BenchRow row;
-          row.impl = variant;
+          row.impl = impl;
           row.head_dim = D, row.seq_len = N, row.batch = t.B, row.heads = t.H;
           row.causal = causal != 0;
           row.ms = e2e_ms;
@@ -194,7 +211,7 @@ bool run_bench(const BenchOptions& opt, std::vector<BenchRow>* rows) {
           row.acc = sampled_accuracy(t, causal != 0, opt.accuracy_rows, opt.threads);
           std::printf("%-8s D=%-3" PRId64 " N=%-6" PRId64 " %-10s e2e %8.3f ms %7.1f TOPS | "
                       "kernel %7.1f TOPS | cos %.5f rel-L1 %.4f rmse %.4f max %.4f\n",
-                      variant.c_str(), D, N, causal ? "causal" : "non-causal", e2e_ms,
+                      row.impl.c_str(), D, N, causal ? "causal" : "non-causal", e2e_ms,
                       row.e2e_tops, row.kernel_tops, row.acc.cos, row.acc.rel_l1, row.acc.rmse,
                       row.acc.max_abs);
           std::fflush(stdout);

@@ -19,7 +19,13 @@ struct BenchOptions {
   double seconds = 0.5;                      // timed time per figure (bounded to 3..50 runs)
   int accuracy_rows = 64;                    // sampled query rows per checked head
   int threads = 0;
+  sage_kernel kernel = SAGE_KERNEL_AUTO;     // args.kernel: the plan's choice, or a forced family
+  uint32_t options = 0;                      // args.options: SAGE_OPTION_* flags
 };
+
+// The row name of a variant run with opt's kernel and options, e.g. "sage-8b", "sage-8b-mma",
+// "sage-8b-sm90-prepass-q".
+std::string bench_impl_name(const std::string& variant, const BenchOptions& opt);
 
 struct BenchRow {
   std::string impl;

@@ -22,6 +22,18 @@
 #include "ref/reference.h"
 #include "ref/synthetic.h"
 
+namespace sage::tool {
+
+std::string bench_impl_name(const std::string& variant, const BenchOptions& opt) {
+  std::string name = variant;
+  if (opt.kernel == SAGE_KERNEL_MMA) name += "-mma";
+  if (opt.kernel == SAGE_KERNEL_SM90) name += "-sm90";
+  if (opt.options & SAGE_OPTION_PREPASS_Q) name += "-prepass-q";
+  return name;
+}
+
+}  // namespace sage::tool
+
 namespace {
 
 using namespace sage;
@@ -55,12 +67,15 @@ void usage(FILE* f) {
                "  --batch B --heads H    (default 4 x 32)   --seconds S (timed per figure, 0.5)\n"
                "  --bias                 channel-bias inputs (Q += 4·randn(H,D), K, V += 8·randn)\n"
                "  --accuracy-rows R      sampled rows per checked head (64)\n"
+               "  --kernel auto|mma|sm90 the kernel family (args.kernel; default auto, the plan's\n"
+               "                         choice); a forced family skips the shapes it cannot run\n"
+               "  --prepass-q            sm90: Q quantized by the pre-pass (SAGE_OPTION_PREPASS_Q)\n"
                "  --out FILE             JSON in the bench/results schema; --commit C labels it\n");
 }
 
 struct Options {
   std::map<std::string, std::string> values;
-  bool json = false, causal = false, bias = false;
+  bool json = false, causal = false, bias = false, prepass_q = false;
   std::string get(const std::string& k, const std::string& def) const {
     auto it = values.find(k);
     return it == values.end() ? def : it->second;
@@ -76,12 +91,14 @@ bool parse_options(int argc, char** argv, Options* o) {
       continue;
     }
     if (a == "--bias") { o->bias = true; continue; }
+    if (a == "--prepass-q") { o->prepass_q = true; continue; }
     static const char* with_value[] = {"--q", "--k", "--v", "--layout", "--batch", "--heads",
                                        "--kv-heads", "--seq", "--seq-kv", "--dim", "--seed",
                                        "--q-bias", "--k-bias", "--v-bias", "--token-spread",
                                        "--q-outlier", "--k-outlier", "--outlier-channels", "--sink",
                                        "--threads", "--variants", "--dims", "--seqs", "--causal",
-                                       "--seconds", "--accuracy-rows", "--out", "--commit"};
+                                       "--seconds", "--accuracy-rows", "--out", "--commit",
+                                       "--kernel"};
     bool known = false;
     for (const char* w : with_value) known |= a == w;
     if (!known) {
@@ -300,6 +317,18 @@ int cmd_bench(const Options& o) {
       std::fprintf(stderr, "sage: --variants takes sage-8b and/or sage-4b, not '%s'\n", v.c_str());
       return 2;
     }
+  const std::string kernel = o.get("kernel", "auto");
+  if (kernel == "auto") {
+    b.kernel = SAGE_KERNEL_AUTO;
+  } else if (kernel == "mma") {
+    b.kernel = SAGE_KERNEL_MMA;
+  } else if (kernel == "sm90") {
+    b.kernel = SAGE_KERNEL_SM90;
+  } else {
+    std::fprintf(stderr, "sage: --kernel takes auto, mma or sm90, not '%s'\n", kernel.c_str());
+    return 2;
+  }
+  if (o.prepass_q) b.options |= SAGE_OPTION_PREPASS_Q;
   if (o.bias) b.q_bias = 4, b.k_bias = 8, b.v_bias = 8;
   std::vector<tool::BenchRow> rows;
   if (!tool::run_bench(b, &rows)) return 1;

@@ -1,0 +1,132 @@
+"""The benchmark's report code (sage_attn._bench_common): command line, JSON rows, the tables
+the bar is read from, the plot. No torch or GPU needed: synthetic rows."""
+import json
+
+import pytest
+
+from sage_attn import _bench_common as bc
+
+
+def synthetic_rows():
+    rows = []
+    for causal in (False, True):
+        for n in (1024, 4096):
+            def row(impl, **figures):
+                r = bc.new_row(impl, 128, n, 4, 32, causal)
+                r.update(figures)
+                rows.append(r)
+            row("sage-8b", e2e_tops=500.0 + n / 64, graph_tops=600.0 + n / 64, kernel_tops=900.0,
+                ms=1.0, cos=0.999, rel_l1=0.038, rmse=0.01, max_abs=0.1, host_us=42.4)
+            row("sdpa-cudnn", e2e_tops=420.0, graph_tops=585.0, ms=1.0, rel_l1=0.0003,
+                host_us=30.0)
+            row("cudnn-fp8", kernel_tops=550.0 if n == 1024 else 941.0, graph_tops=560.0,
+                ms=0.5, rel_l1=0.059)
+            row("sdpa-dropin", e2e_tops=400.0, graph_tops=590.0, host_us=50.0,
+                choice="sdpa" if n == 1024 else "sage")
+    rows.append(bc.new_row("sdpa-flash", 128, 1024, 4, 32, False))  # a row that did not run
+    return rows
+
+
+def test_parse_args_defaults():
+    a = bc.parse_args([])
+    assert a.dims == [64, 128]
+    assert a.seqs == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert a.causals == [False, True]
+    assert a.impls == bc.DEFAULT_IMPLS.split(",")
+    assert set(a.impls) <= set(bc.IMPLS)
+    assert "cudnn-fp8" in a.impls and "sdpa-dropin" in a.impls
+    assert not a.no_graph and not a.no_host
+
+
+def test_parse_args_values():
+    a = bc.parse_args(["--dims", "128", "--seqs", "1024,4096", "--causal", "1", "--impls",
+                       "sage-8b-mma,cudnn-fp8", "--no-graph", "--seconds", "0.1"])
+    assert a.dims == [128] and a.seqs == [1024, 4096] and a.causals == [True]
+    assert a.impls == ["sage-8b-mma", "cudnn-fp8"] and a.no_graph and a.seconds == 0.1
+
+
+@pytest.mark.parametrize("argv", [["--impls", "sage-9b"], ["--dims", "64,x"], ["--seqs", "0"],
+                                  ["--causal", "2"], ["--seconds", "0"], ["--batch", "0"]])
+def test_parse_args_rejects(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bc.parse_args(argv)
+    assert e.value.code == 2
+    assert "usage" in capsys.readouterr().err
+
+
+def test_flops_and_tops():
+    assert bc.flops(4, 32, 1024, 128, False) == 4.0 * 4 * 32 * 1024 * 1024 * 128
+    assert bc.flops(4, 32, 1024, 128, True) == bc.flops(4, 32, 1024, 128, False) / 2
+    assert bc.tops(1e12, 1.0) == 1000.0  # 1e12 FLOPs in 1 ms
+    assert bc.tops(1e12, None) is None and bc.tops(1e12, 0.0) is None
+
+
+def test_json_schema(tmp_path):
+    rows = synthetic_rows()
+    meta = {"gpu": "NVIDIA H100 80GB HBM3", "driver": "580", "cuda": "13.0", "torch": "2.11",
+            "commit": "abc", "date": "2026-11-25", "input": "normal"}
+    path = tmp_path / "r.json"
+    bc.write_json(path, meta, rows)
+    doc = json.loads(path.read_text())
+    for k in ("gpu", "driver", "cuda", "torch", "commit", "date"):
+        assert doc[k] == meta[k]
+    assert len(doc["rows"]) == len(rows)
+    for r in doc["rows"]:
+        assert list(r) == list(bc.ROW_FIELDS)  # every field, in order, null where it does not apply
+    fp8 = next(r for r in doc["rows"] if r["impl"] == "cudnn-fp8")
+    assert fp8["e2e_tops"] is None and fp8["kernel_tops"] == 550.0 and fp8["host_us"] is None
+    dropin = [r["choice"] for r in doc["rows"] if r["impl"] == "sdpa-dropin"]
+    assert set(dropin) == {"sage", "sdpa"}
+    flash = next(r for r in doc["rows"] if r["impl"] == "sdpa-flash")
+    assert all(flash[k] is None for k in ("e2e_tops", "graph_tops", "ms", "cos", "choice"))
+    # One row per line, so result files diff line by line.
+    assert path.read_text().count("\n") == len(rows) + 2
+
+
+def test_summary_row_is_min_of_anchors():
+    rows = synthetic_rows()
+    s = bc.summary_row(rows, 128, False, 1024)
+    assert s["R"] == 550.0  # cuDNN FP8 kernel-only below SDPA cuDNN graph (585)
+    assert s["ratio"] == pytest.approx(s["sage_graph"] / 550.0)
+    assert s["choice"] == "sdpa" and s["sage_host_us"] == 42.4 and s["cudnn_host_us"] == 30.0
+    s = bc.summary_row(rows, 128, False, 4096)
+    assert s["R"] == 585.0 and s["choice"] == "sage"
+    empty = bc.summary_row(rows, 64, False, 1024)  # no rows at all: all missing, no crash
+    assert empty["R"] is None and empty["ratio"] is None
+
+
+def test_summary_row_with_one_anchor_missing():
+    rows = [r for r in synthetic_rows() if r["impl"] != "cudnn-fp8"]
+    assert bc.summary_row(rows, 128, True, 4096)["R"] == 585.0
+
+
+def test_summary_table():
+    text = bc.summary_table(synthetic_rows())
+    lines = text.splitlines()
+    assert lines[0].startswith("| D | causal | N | sage graph | sage eager | cuDNN fp16 graph")
+    assert "R" in lines[0] and "sage graph / R" in lines[0] and "drop-in" in lines[0]
+    ncols = lines[0].count("|")
+    assert all(line.count("|") == ncols for line in lines)
+    assert len(lines) == 2 + 4  # header, rule, (causal x N)
+    first = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert first[:3] == ["128", "no", "1k"]
+    assert first[3] == "616" and first[7] == "550" and first[8] == "550"
+    assert first[9] == f"{616 / 550:.2f}" and first[10] == "42" and first[11] == "30"
+    assert first[12] == "sdpa"
+
+
+def test_impl_table():
+    text = bc.impl_table(synthetic_rows())
+    lines = text.splitlines()
+    assert "cudnn-fp8" in lines[0] and "sage-8b rel-L1" in lines[0]
+    ncols = lines[0].count("|")
+    assert all(line.count("|") == ncols for line in lines)
+    assert "(550)" in lines[2]  # kernel-only figure in brackets
+    assert "616 / 516 (900)" in lines[2]  # graph / eager (kernel-only)
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "p.png"
+    assert bc.plot(synthetic_rows(), path, "synthetic")
+    assert path.stat().st_size > 1000
