@@ -2,6 +2,10 @@
 // Q/K quantization, base-2 online softmax over key blocks, P~ and V quantization, and the P·V
 // accumulator as the hardware keeps it (exact sums inside one MMA, truncation to a few mantissa
 // bits on each add, flushed into fp32 every few key blocks). Host code; mirrors the GPU kernels.
+// softmax_block_k > block_k or exp2_poly_every > 0 selects the sm90 (wgmma) kernel's softmax
+// form: softmax blocks over several K scale blocks, P~·448 computed as one 2^x (in fp32 with the
+// kernel's seeded-accumulator FFMA), the polynomial 2^x on its share of the scores, row sums in
+// the kernel's per-thread partial sums, and its finalize (see run()).
 //
 // `Real` is the arithmetic of everything that is not quantized: float reproduces the GPU's fp32
 // registers; double gives the same quantization with ideal arithmetic around it (used to show
@@ -22,6 +26,11 @@ namespace {
 
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.6931471805599453;
+// 1.5·2^23: a float whose unit in the last place is 1 (the sm90 kernel's kMagicF: its S
+// accumulator is seeded with these bits, so a score comes out as the float 1.5·2^23 + x).
+constexpr float kMagicF = 12582912.0f;
+// exp2_poly's coefficients (the sm90 kernel's): 2^r ~ 1 + c1 r + c2 r^2 + c3 r^3 on |r| <= 1/2.
+constexpr float kExp2Poly[4] = {1.0f, 0.693282928f, 0.242210972f, 0.0550089331f};
 
 template <typename Real>
 constexpr Real neg_inf() {
@@ -76,21 +85,63 @@ int v_block_exponent(float amax) {
 }
 
 double mma_aligned_step(double acc, const double* products, int n, int bits) {
-  int e_max = std::numeric_limits<int>::min();
-  auto exponent_of = [&](double x) {
-    if (x == 0.0) return;
-    int e = 0;
-    std::frexp(x, &e);
-    e_max = std::max(e_max, e);
-  };
-  exponent_of(acc);
-  for (int i = 0; i < n; ++i) exponent_of(products[i]);
-  if (e_max == std::numeric_limits<int>::min()) return 0.0;
+  // The largest exponent among the addends is the exponent of the largest magnitude (frexp's
+  // exponent is monotone in |x|): one frexp per step instead of one per addend (the emulation
+  // calls this for every (row, channel, 32 keys) of the sm90 configuration).
+  double amax = std::fabs(acc);
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(products[i]));
+  if (amax == 0.0) return 0.0;
+  if (!std::isfinite(amax)) {  // inf or NaN: whatever the grid, the sum is not finite
+    double sum = acc;
+    for (int i = 0; i < n; ++i) sum += products[i];
+    return double(float(sum));
+  }
+  int e_max = 0;
+  std::frexp(amax, &e_max);
   // The largest addend keeps its leading bit and `bits` more; the others are cut to that grid.
-  const double quantum = std::ldexp(1.0, e_max - 1 - bits);
-  double sum = std::trunc(acc / quantum) * quantum;  // exact: multiples of quantum, few bits
-  for (int i = 0; i < n; ++i) sum += std::trunc(products[i] / quantum) * quantum;
+  // Scaling by the power of two 2^(bits + 1 - e_max) is exact, so trunc cuts at the grid.
+  const double quantum = std::ldexp(1.0, e_max - 1 - bits), inv = std::ldexp(1.0, bits + 1 - e_max);
+  double sum = std::trunc(acc * inv) * quantum;  // exact: multiples of quantum, few bits
+  for (int i = 0; i < n; ++i) sum += std::trunc(products[i] * inv) * quantum;
   return double(float(sum));  // the accumulator register is fp32
+}
+
+float exp2_poly(float x) {
+  // The sm90 kernel's exp2_poly (attn/sm90/attention.cuh) operation for operation: n = round(x)
+  // by adding 1.5·2^23 (round to nearest even), r = x - n, Horner with fmaf, n added to the
+  // exponent field (integer add of n << 23, wrapping as the GPU's 32-bit add).
+  x = std::fmax(x, -125.0f);
+  const float t = x + kMagicF;
+  const float r = x - (t - kMagicF);
+  float q = std::fmaf(kExp2Poly[3], r, kExp2Poly[2]);
+  q = std::fmaf(q, r, kExp2Poly[1]);
+  q = std::fmaf(q, r, 1.0f);
+  uint32_t qb = 0, tb = 0;
+  std::memcpy(&qb, &q, sizeof qb);
+  std::memcpy(&tb, &t, sizeof tb);
+  const uint32_t out = qb + (tb << 23);
+  float y = 0;
+  std::memcpy(&y, &out, sizeof y);
+  return y;
+}
+
+double exp2_poly(double x) {
+  // The same approximation with ideal arithmetic around it (the double emulation).
+  x = std::max(x, -125.0);
+  const double n = std::nearbyint(x);  // round to nearest even, as the float add of 1.5·2^23
+  const double r = x - n;
+  const double q = ((double(kExp2Poly[3]) * r + double(kExp2Poly[2])) * r +
+                    double(kExp2Poly[1])) * r + 1.0;
+  return std::ldexp(q, int(n));
+}
+
+bool exp2_poly_at(int64_t row, int64_t key, int every) {
+  if (every <= 0) return false;
+  // Register i of the m64n128 accumulator of the thread holding (row, key): 8-key tile
+  // (key mod 128) / 8 gives i / 4, the row half (row mod 16) / 8 gives bit 1, the key's parity
+  // bit 0 (sage.h, exp2_poly_every).
+  const int64_t i = 4 * ((key % 128) / 8) + 2 * ((row % 16) / 8) + key % 2;
+  return i % every == every - 1;
 }
 
 namespace {
@@ -245,8 +296,21 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     pr.q = quantize_groups(x, Nq, D, q_layout, cfg.qk_format);
   });
 
-  // --- The attention kernel: one item per (batch, q head, Q block), streaming key blocks.
+  // --- The attention kernel: one item per (batch, q head, Q block), streaming softmax blocks of
+  // sbk keys (block_k, unless softmax_block_k asks for more: K's scale groups stay per block_k).
   const Real scale_log2 = Real(p.scale * kLog2e);
+  const int64_t sbk = cfg.softmax_block_k > 0 ? cfg.softmax_block_k : bk;
+  // The sm90 kernel's softmax form (the file comment). Its scores are modelled in fp32 as the
+  // kernel forms them where that form exists (integer Q·K, no ΔS: the kernel has no Q smoothing):
+  // f = (q_scale · scale·log2 e) · k_scale, the max over Q^K^·f, and in a block every row sees all
+  // of, the exponent of P~·448 as one FFMA on the seeded accumulator 1.5·2^23 + Q^K^
+  // (attn/sm90/attention.cuh, consumer). The double emulation keeps ideal arithmetic.
+  const bool sm90 = sbk > bk || cfg.exp2_poly_every > 0;
+  const bool sm90_scores = sm90 && std::is_same_v<Real, float> && exact_qk_in_float && !smooth_q;
+  // In the sm90 form 2^x gives P~·p_scale directly: x = s - m + log2 p_scale.
+  const Real log2_p_scale = Real(std::log2(double(pv.p_scale)));
+  const bool aligned = cfg.pv_accum == SAGE_PV_ACCUM_ALIGNED;
+  const int bits = cfg.accum_mantissa_bits;
   parallel_for(p.batch * p.heads_q * q_blocks, threads, [&](int64_t item) {
     const int64_t qb = item % q_blocks, bh = item / q_blocks;
     const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
@@ -262,29 +326,48 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
             Real(dot<double>(&pr.q_mean[size_t(qb * D)], &kp.k_smooth[size_t(j * D)], D));
 
     // Online-softmax state per row: running max m (base 2), sum l, output O, and the MMA
-    // accumulator R (a double holding exactly what the hardware register holds).
+    // accumulator R (a double holding exactly what the hardware register holds). The sm90 form
+    // keeps each row's sum as the kernel's four threads t of the row do (t holds keys
+    // {8a + 2t, 8a + 2t + 1}): l4 [rows][4], in units of P~·p_scale.
     std::vector<Real> m(size_t(rows), neg_inf<Real>()), l(size_t(rows), Real(0));
+    std::vector<Real> l4(sm90 ? size_t(rows * 4) : 0, Real(0));
     std::vector<Real> O(size_t(rows * D), Real(0));
     std::vector<double> R(size_t(rows * D), 0.0);
-    std::vector<int> pending(size_t(rows), 0);  // key blocks in R since the last flush
-    std::vector<Real> s(static_cast<size_t>(bk)), phat(static_cast<size_t>(bk));
+    std::vector<int> pending(size_t(rows), 0);  // softmax blocks in R since the last flush
+    std::vector<Real> s(static_cast<size_t>(sbk)), phat(static_cast<size_t>(sbk));
+    std::vector<Real> qk(sm90_scores ? size_t(sbk) : 0), fk(sm90_scores ? size_t(sbk) : 0);
     std::vector<double> chunk(dims);
     std::vector<double> step(size_t(std::max(1, cfg.accum_chunk)));  // one MMA step's products
     int64_t visible_max = 0;
     for (int64_t r = 0; r < rows; ++r) visible_max = std::max(visible_max, p.visible_keys(r0 + r));
+    // The sm90 kernel's fast path: a softmax block whose every key the tile's first row sees (so
+    // every row does; the kernel's kb < first_masked_block) skips the mask, takes the FFMA form
+    // and the polynomial 2^x. The tile is this Q block (block_q = the kernel's tile rows).
+    const int64_t tile_visible = p.visible_keys(r0);
 
-    for (int64_t kb = 0; kb * bk < visible_max; ++kb) {
-      const int64_t j0 = kb * bk, j1 = std::min(Nk, j0 + bk);
-      const Real* flush_scale = block_v_scale ? &kp.v_scale[size_t(kb * D)] : nullptr;
+    for (int64_t kb = 0; kb * sbk < visible_max; ++kb) {
+      const int64_t j0 = kb * sbk, j1 = std::min(Nk, j0 + sbk);
+      const bool full_block = sm90 && j0 + sbk <= tile_visible;
+      // Per-key-block V scales: sbk == bk whenever they are on (quant_config_error).
+      const Real* flush_scale = block_v_scale ? &kp.v_scale[size_t(j0 / bk * D)] : nullptr;
       // SAGE_V_SCALE_PER_BLOCK: P~ = 2^(x + e - m) carries the block's 2^e, and the row sum is
       // taken back down by 2^-e, so m + log2 l is still log2 Σ 2^x.
-      const int v_exp = kp.v_exponent[size_t(kb)];
+      const int v_exp = kp.v_exponent[size_t(j0 / bk)];
       const Real score_shift = Real(v_exp), sum_scale = std::ldexp(Real(1), -v_exp);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r0 + r, n = p.visible_keys(i);
-        if (j0 >= n) continue;  // block fully masked for this row: the kernel skips it
+        double* acc = &R[size_t(r * D)];
+        if (j0 >= n) {
+          // Block fully masked for this row: the mma kernel skips it. The sm90 kernel's wgmma
+          // still adds the row's zero products, which cuts the held value to its own grid (a
+          // step without products); the rest is unchanged (alpha = 1, nothing added to l).
+          if (sm90 && aligned)
+            for (int64_t d = 0; d < D; ++d) acc[d] = mma_aligned_step(acc[d], nullptr, 0, bits);
+          continue;
+        }
         const Real* qi = &pr.q.values[size_t(i * D)];
         const Real qs = pr.q.scale[size_t(i)];
+        const Real q_scale_log2 = qs * scale_log2;  // sm90_scores: the kernel's q_scale_log2
         Real row_max = neg_inf<Real>();
         for (int64_t j = j0; j < j1; ++j) {
           if (j >= n) {
@@ -292,26 +375,60 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
             continue;
           }
           const Real* kj = &kp.k.values[size_t(j * D)];
-          const Real acc = (std::is_same_v<Real, float> && exact_qk_in_float)
-                               ? Real(dot<float>(qi, kj, D))
-                               : Real(dot<double>(qi, kj, D));
-          const Real x =
-              (acc * (qs * kp.k.scale[size_t(j)]) + delta_s[size_t(j)]) * scale_log2 + score_shift;
+          const Real a = (std::is_same_v<Real, float> && exact_qk_in_float)
+                             ? Real(dot<float>(qi, kj, D))
+                             : Real(dot<double>(qi, kj, D));
+          Real x;
+          if (sm90_scores) {
+            const Real f = q_scale_log2 * kp.k.scale[size_t(j)];
+            qk[size_t(j - j0)] = a;
+            fk[size_t(j - j0)] = f;
+            x = a * f;
+          } else {
+            x = (a * (qs * kp.k.scale[size_t(j)]) + delta_s[size_t(j)]) * scale_log2 + score_shift;
+          }
           s[size_t(j - j0)] = x;
           row_max = std::max(row_max, x);
         }
         const Real m_new = std::max(m[size_t(r)], row_max);
         const Real alpha = std::exp2(m[size_t(r)] - m_new);  // 0 on the first block
-        Real row_sum = 0;
-        for (int64_t j = j0; j < j1; ++j) {
-          const Real pt = j < n ? std::exp2(s[size_t(j - j0)] - m_new) : Real(0);
-          row_sum += pt;
-          phat[size_t(j - j0)] = pv.quantize(pt * Real(pv.p_scale));
+        if (!sm90) {
+          Real row_sum = 0;
+          for (int64_t j = j0; j < j1; ++j) {
+            const Real pt = j < n ? std::exp2(s[size_t(j - j0)] - m_new) : Real(0);
+            row_sum += pt;
+            phat[size_t(j - j0)] = pv.quantize(pt * Real(pv.p_scale));
+          }
+          l[size_t(r)] = l[size_t(r)] * alpha + row_sum * sum_scale;
+        } else {
+          // e = P~·p_scale = 2^(s - m + log2 p_scale); summed per thread t and 32-key quarter,
+          // in key order, then l_t = l_t·alpha + ((p0 + p1) + (p2 + p3)) (the kernel's part[]).
+          Real part[4][4] = {};
+          const Real m_shift = m_new - log2_p_scale;
+          for (int64_t j = j0; j < j1; ++j) {
+            Real e = 0;
+            if (j < n) {
+              Real x = s[size_t(j - j0)] - m_shift;
+              if constexpr (std::is_same_v<Real, float>) {
+                if (full_block && sm90_scores) {
+                  const float f = fk[size_t(j - j0)];
+                  x = std::fmaf(kMagicF + qk[size_t(j - j0)], f, -std::fmaf(kMagicF, f, m_shift));
+                }
+              }
+              e = full_block && exp2_poly_at(i, j, cfg.exp2_poly_every) ? exp2_poly(x)
+                                                                        : std::exp2(x);
+            }
+            part[((j - j0) % 8) / 2][((j - j0) / 32) % 4] += e;
+            phat[size_t(j - j0)] = pv.quantize(e);
+          }
+          Real* lt = &l4[size_t(r * 4)];
+          for (int t = 0; t < 4; ++t) {
+            lt[t] *= alpha;
+            lt[t] += (part[t][0] + part[t][1]) + (part[t][2] + part[t][3]);
+          }
         }
         m[size_t(r)] = m_new;
-        l[size_t(r)] = l[size_t(r)] * alpha + row_sum * sum_scale;
         Real* o = &O[size_t(r * D)];
-        double* acc = &R[size_t(r * D)];
         for (int64_t d = 0; d < D; ++d) {
           o[d] *= alpha;
           acc[d] = double(Real(acc[d]) * alpha);
@@ -328,18 +445,24 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
           }
           if (cfg.pv_accum == SAGE_PV_ACCUM_FP32) {  // rounded to Real: fp32 for the emulation
             for (int64_t d = 0; d < D; ++d) acc[d] = double(Real(acc[d] + chunk[size_t(d)]));
-          } else if (cfg.pv_accum == SAGE_PV_ACCUM_ALIGNED) {  // product by product (wgmma)
+          } else if (aligned) {  // product by product (wgmma)
             for (int64_t d = 0; d < D; ++d) {
-              int64_t n = 0;
+              int64_t n_step = 0;
               for (int64_t j = c0; j < c1; ++j)
-                step[size_t(n++)] = double(phat[size_t(j - j0)]) * double(kp.v[size_t(j * D + d)]);
-              acc[d] = mma_aligned_step(acc[d], step.data(), int(n), cfg.accum_mantissa_bits);
+                step[size_t(n_step++)] =
+                    double(phat[size_t(j - j0)]) * double(kp.v[size_t(j * D + d)]);
+              acc[d] = mma_aligned_step(acc[d], step.data(), int(n_step), bits);
             }
           } else {
             for (int64_t d = 0; d < D; ++d)
-              acc[d] = truncate_mantissa(acc[d] + chunk[size_t(d)], cfg.accum_mantissa_bits);
+              acc[d] = truncate_mantissa(acc[d] + chunk[size_t(d)], bits);
           }
         }
+        // The sm90 kernel runs all sbk / accum_chunk steps of a block; those past Nk add zero
+        // products: the held value is cut to its own grid.
+        const int64_t steps_run = (j1 - j0 + cfg.accum_chunk - 1) / cfg.accum_chunk;
+        if (sm90 && aligned && steps_run * cfg.accum_chunk < sbk)
+          for (int64_t d = 0; d < D; ++d) acc[d] = mma_aligned_step(acc[d], nullptr, 0, bits);
         const bool flush = cfg.pv_accum == SAGE_PV_ACCUM_FP32 ||
                            (cfg.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL &&
                             ++pending[size_t(r)] == cfg.pv_flush_interval);
@@ -363,6 +486,22 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
         continue;
       }
       const Real* flush_scale = block_v_scale ? &kp.v_scale[size_t((n - 1) / bk * D)] : nullptr;
+      if (sm90) {
+        // The kernel's finalize (attn/epilogue.cuh, kLUnit = 448): the threads' sums added
+        // (l0 + l1) + (l2 + l3), O · (v_scale · (1 / l)) + v_mean, and the LSE from l / 448.
+        const Real* lt = &l4[size_t(r * 4)];
+        const Real lsum = (lt[0] + lt[1]) + (lt[2] + lt[3]);
+        const Real inv = Real(1) / lsum;
+        for (int64_t d = 0; d < D; ++d) {
+          const Real o = O[size_t(r * D + d)] + Real(R[size_t(r * D + d)]);
+          dst[d] = o * (kp.v_scale[size_t(d)] * inv) + kp.v_mean[size_t(d)];
+        }
+        if (lse)
+          lse[bh * Nq + i] =
+              (m[size_t(r)] + std::log2(lsum * (Real(1) / Real(pv.p_scale)))) * Real(kLn2) +
+              pr.lse_shift[size_t(i)];
+        continue;
+      }
       const Real denom = l[size_t(r)] * Real(pv.p_scale);
       for (int64_t d = 0; d < D; ++d) {
         const Real acc = Real(R[size_t(r * D + d)]);

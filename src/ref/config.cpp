@@ -95,6 +95,22 @@ std::string quant_config_error(const sage_quant_config& c) {
       (c.pv_accum == SAGE_PV_ACCUM_HW || c.pv_accum == SAGE_PV_ACCUM_ALIGNED))
     return "quant.v_scale per (block, channel) cannot be used with pv_accum = HW or ALIGNED (the "
            "hardware accumulator is never flushed, so block scales cannot be applied)";
+  if (c.softmax_block_k < 0 || c.softmax_block_k > 65536 ||
+      (c.softmax_block_k > 0 && c.softmax_block_k % c.block_k != 0))
+    return bad("softmax_block_k (0, or a multiple of block_k up to 65536)", c.softmax_block_k);
+  if (c.exp2_poly_every != 0 && c.exp2_poly_every != 2 && c.exp2_poly_every != 4 &&
+      c.exp2_poly_every != 8 && c.exp2_poly_every != 16)
+    return bad("exp2_poly_every (0, 2, 4, 8 or 16)", c.exp2_poly_every);
+  // The sm90 kernel's softmax form (softmax blocks over several K blocks, or the polynomial 2^x)
+  // is modelled with per-channel V scales only: a per-key-block V scale would have to act inside
+  // a softmax block (the kernel has none of these).
+  if ((c.softmax_block_k > c.block_k || c.exp2_poly_every != 0) &&
+      c.v_scale != SAGE_V_SCALE_PER_CHANNEL)
+    return "quant.v_scale = " + std::to_string(c.v_scale) +
+           " needs to be per channel with softmax_block_k = " + std::to_string(c.softmax_block_k) +
+           " (block_k = " + std::to_string(c.block_k) +
+           ") and exp2_poly_every = " + std::to_string(c.exp2_poly_every) +
+           " (the sm90 softmax form is modelled with per-channel V scales only)";
   // The power-of-two exponent is chosen so that |V| / 2^e < 256 fits E4M3's 448; other formats
   // would need another rule, and without a V format there is nothing to scale.
   if (c.v_scale == SAGE_V_SCALE_PER_BLOCK && c.pv_format != SAGE_PV_FP8_E4M3)

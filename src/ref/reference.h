@@ -111,6 +111,16 @@ GroupLayout k_group_layout(const sage_quant_config& cfg);
 // (SAGE_PV_ACCUM_ALIGNED; accum_chunk products a step.)
 double mma_aligned_step(double acc, const double* products, int n, int bits);
 
+// The sm90 kernel's polynomial 2^x (sage_quant_config.exp2_poly_every), bit for bit as the GPU
+// computes it: n = round(x) (x clamped at -125), r = x - n, a degree-3 polynomial in r by fmaf,
+// n added to the exponent field; relative error about 1e-4. The double overload evaluates the
+// same polynomial in double (the double emulation's ideal arithmetic).
+float exp2_poly(float x);
+double exp2_poly(double x);
+// Whether score (row, key) takes exp2_poly when every `every`-th accumulator register does
+// (sage.h, exp2_poly_every; every <= 0: never). Rows and keys are absolute indices.
+bool exp2_poly_at(int64_t row, int64_t key, int every);
+
 // The exponent e of SAGE_V_SCALE_PER_BLOCK for a key block whose largest |V - v_mean| (over its
 // keys and every channel) is amax: V^ = E4M3(V / 2^e) with amax / 2^e in [128, 256), under E4M3's
 // 448 with the top of its range used (below 128 only for amax < 2^-113, where e stops at -120).
