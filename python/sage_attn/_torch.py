@@ -191,9 +191,11 @@ def _plan_of(q, k, v, layout, mask, scale):
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: int, mask: int,
                   scale: float, qk_bits: Optional[int], smooth_q: Optional[bool],
                   smooth_k: Optional[bool], smooth_v: Optional[bool], return_lse: bool,
-                  fallback: int, kernel: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  fallback: int, family: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    # (family: the kernel family, sage_attention_args.kernel; an op argument named "kernel"
+    # collides with Inductor's FallbackKernel.create.)
     o, lse = _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
-                        return_lse, fallback, kernel)
+                        return_lse, fallback, family)
     if lse is None:  # an op returns tensors
         lse = torch.empty((0,), dtype=torch.float32, device=q.device)
     return o, lse
@@ -201,7 +203,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: int
 
 @_attention_op.register_fake
 def _(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse, fallback,
-      kernel=0):
+      family=0):
     hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
     lse_shape = (q.shape[0], q.shape[hi], q.shape[ni]) if return_lse else (0,)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),

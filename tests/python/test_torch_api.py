@@ -329,9 +329,18 @@ class _Block(torch.nn.Module):
         return sage_attn.sageattn(q, x, x, is_causal=True, qk_bits=8)
 
 
+@pytest.fixture
+def dropin_always_sage():
+    """The SDPA drop-in runs sage on every shape it can (its crossover table set aside), so
+    that small test shapes exercise the library."""
+    sage_attn.set_dropin_crossover(False)
+    yield
+    sage_attn.set_dropin_crossover(True)
+
+
 @gpu
 @pytest.mark.parametrize("use_sdpa", [False, True])
-def test_gpu_torch_compile_fullgraph(gen, monkeypatch, use_sdpa):
+def test_gpu_torch_compile_fullgraph(gen, monkeypatch, use_sdpa, dropin_always_sage):
     torch._dynamo.reset()
     monkeypatch.setattr(F, "scaled_dot_product_attention", sage_attn.scaled_dot_product_attention)
     block = _Block(use_sdpa)
@@ -348,7 +357,7 @@ def test_gpu_torch_compile_fullgraph(gen, monkeypatch, use_sdpa):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("nq,nk", [(1000, 1000), (300, 1000), (1, 517), (128, 128)])
 @pytest.mark.parametrize("hkv", [4, 2, 1])
-def test_gpu_sdpa_semantics(gen, d, nq, nk, hkv):
+def test_gpu_sdpa_semantics(gen, d, nq, nk, hkv, dropin_always_sage):
     q, k, v = randn(gen, (2, 4, nq, d)), randn(gen, (2, hkv, nk, d)), randn(gen, (2, hkv, nk, d))
     gqa = hkv == 2  # one key head (hkv 1) is plain broadcasting in SDPA, no enable_gqa needed
     with torch.no_grad():
@@ -364,6 +373,39 @@ def test_gpu_sdpa_semantics(gen, d, nq, nk, hkv):
             TORCH_SDPA(q, k, v)
         with pytest.raises(RuntimeError):
             sage_attn.scaled_dot_product_attention(q, k, v)
+
+
+@gpu
+def test_gpu_dropin_crossover(gen):
+    """The drop-in asks the library's plan whether torch's SDPA is faster for a shape: what it
+    reports (dropin_backend) is what it runs, bit for bit torch's output where it hands over."""
+    short = [randn(gen, (1, 2, 256, 128)) for _ in range(3)]
+    long_ = [randn(gen, (1, 2, 8192, 128)) for _ in range(3)]
+    cc = torch.cuda.get_device_capability()
+    with torch.no_grad():
+        for q, k, v in (short, long_):
+            for causal in (False, True):
+                choice = sage_attn.dropin_backend(q, k, v, is_causal=causal)
+                assert choice in ("sage", "sdpa")
+                got = sage_attn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                want = TORCH_SDPA(q, k, v, is_causal=causal)
+                if choice == "sdpa":
+                    assert torch.equal(got, want)
+                else:
+                    m = metrics(got, want.double())
+                    assert m["cos"] > 0.999 and not torch.equal(got, want), m
+        if cc == (9, 0):  # the table's measured architecture: short shapes go to torch
+            assert sage_attn.dropin_backend(*short) == "sdpa"
+            assert sage_attn.dropin_backend(*long_) == "sage"
+        sage_attn.set_dropin_crossover(False)
+        try:
+            assert sage_attn.dropin_backend(*short) == "sage"
+            got = sage_attn.scaled_dot_product_attention(*short)
+            assert not torch.equal(got, TORCH_SDPA(*short))
+        finally:
+            sage_attn.set_dropin_crossover(True)
+        with pytest.raises(TypeError):
+            sage_attn.set_dropin_crossover(1)
 
 
 @gpu

@@ -1,0 +1,163 @@
+// The planner (src/api/plan.h) on described devices, without a GPU: which kernel family and tile
+// it picks, the pre-pass steps, the workspace, the crossover hint, the emulation config it
+// reports, and its refusals (each naming the argument).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "api/plan.h"
+#include "common/error.h"
+#include "ref/reference.h"
+
+namespace {
+
+using sage::api::Device;
+using sage::api::Family;
+using sage::api::Plan;
+
+constexpr Device kH100{0, 90, 132}, kAda{0, 89, 128}, kBlackwell{0, 120, 84}, kAmpere{0, 86, 84};
+
+// Host buffers standing in for device tensors (the planner reads shapes, strides and pointer
+// alignment only).
+struct Call {
+  std::vector<uint16_t> q, k, v, o;
+  sage_attention_args a{};
+  Call(int64_t nq, int64_t nk, int64_t d, sage_mask mask = SAGE_MASK_NONE,
+       sage_variant variant = SAGE_VARIANT_SAGE2_8B)
+      : q(size_t(2 * 4 * nq * d)), k(size_t(2 * 2 * nk * d)), v(k.size()), o(q.size()) {
+    sage_attention_args_init(&a);
+    a.q = q.data(), a.k = k.data(), a.v = v.data(), a.o = o.data();
+    a.batch = 2, a.heads_q = 4, a.heads_kv = 2, a.seq_q = nq, a.seq_kv = nk, a.head_dim = d;
+    a.mask = mask;
+    a.variant = variant;
+  }
+  sage_status plan(const Device& dev, Plan* p) const {
+    // Validated as host pointers (the CPU backend, which refuses a forced kernel), then planned
+    // as the CUDA backend would.
+    sage::api::Resolved r;
+    sage_attention_args host = a;
+    host.kernel = SAGE_KERNEL_AUTO;
+    const sage_status s = sage::api::validate(&host, &r);
+    if (s != SAGE_OK) return s;
+    return sage::api::make_plan(r, a, dev, p);
+  }
+};
+
+Plan must_plan(const Call& c, const Device& dev) {
+  Plan p;
+  EXPECT_EQ(c.plan(dev, &p), SAGE_OK) << sage_last_error();
+  return p;
+}
+
+TEST(Planner, ChoosesTheFamilyPerArchitectureAndVariant) {
+  EXPECT_EQ(must_plan(Call(1000, 1000, 128), kH100).family, Family::kSm90);
+  EXPECT_EQ(must_plan(Call(1000, 1000, 64), kH100).family, Family::kSm90);
+  // 4-bit and Q smoothing stay on mma.sync; every other architecture runs mma.sync.
+  EXPECT_EQ(must_plan(Call(1000, 1000, 128, SAGE_MASK_NONE, SAGE_VARIANT_SAGE2_4B), kH100).family,
+            Family::kMma);
+  EXPECT_EQ(must_plan(Call(1000, 1000, 128), kAda).family, Family::kMma);
+  EXPECT_EQ(must_plan(Call(1000, 1000, 128), kBlackwell).family, Family::kMma);
+  // args.kernel forces a family, or is refused naming the kernel.
+  Call forced(1000, 1000, 128);
+  forced.a.kernel = SAGE_KERNEL_MMA;
+  EXPECT_EQ(must_plan(forced, kH100).family, Family::kMma);
+  forced.a.kernel = SAGE_KERNEL_SM90;
+  Plan p;
+  EXPECT_EQ(forced.plan(kAda, &p), SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("kernel = SM90"), std::string::npos);
+  Call forced4(1000, 1000, 128, SAGE_MASK_NONE, SAGE_VARIANT_SAGE2_4B);
+  forced4.a.kernel = SAGE_KERNEL_SM90;
+  EXPECT_EQ(forced4.plan(kH100, &p), SAGE_ERROR_UNSUPPORTED);
+}
+
+TEST(Planner, Sm90TileAndFusedQ) {
+  const Plan d128 = must_plan(Call(3000, 3000, 128), kH100);
+  EXPECT_EQ(d128.consumers, 2);
+  EXPECT_EQ(d128.block_q, 128);
+  EXPECT_EQ(d128.block_k, 128);
+  EXPECT_TRUE(d128.fused_q);
+  EXPECT_FALSE(d128.prepass.quantize_q);
+  // D = 64: three consumer warpgroups with fused Q, except causal under 2048 query rows.
+  EXPECT_EQ(must_plan(Call(3000, 3000, 64), kH100).consumers, 3);
+  EXPECT_EQ(must_plan(Call(3000, 3000, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).consumers, 3);
+  EXPECT_EQ(must_plan(Call(1500, 3000, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).consumers, 2);
+  // Pre-pass Q (the option, or a Q a TMA map cannot describe): two consumers, quant_q runs.
+  Call pre(3000, 3000, 64);
+  pre.a.options = SAGE_OPTION_PREPASS_Q;
+  const Plan pq = must_plan(pre, kH100);
+  EXPECT_FALSE(pq.fused_q);
+  EXPECT_TRUE(pq.prepass.quantize_q);
+  EXPECT_EQ(pq.consumers, 2);
+  EXPECT_EQ(pq.launches, d128.launches + 1);
+  Call odd(3000, 3000, 64);
+  odd.a.q = odd.q.data() + 1;  // rows 2-byte aligned only
+  EXPECT_FALSE(must_plan(odd, kH100).fused_q);
+  // The workspace depends on the shapes and the config only (callers cache it per shape).
+  EXPECT_EQ(pq.prepass.total, must_plan(Call(3000, 3000, 64), kH100).prepass.total);
+}
+
+TEST(Planner, EmulationConfigIsWhatRuns) {
+  for (const int64_t d : {64, 128}) {
+    for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
+      const Plan p = must_plan(Call(2500, 2000, d, mask), kH100);
+      const sage_quant_config& e = p.emulation;
+      EXPECT_EQ(sage::ref::quant_config_error(e), "");
+      EXPECT_EQ(e.pv_accum, SAGE_PV_ACCUM_ALIGNED);
+      EXPECT_EQ(e.accum_mantissa_bits, 13);
+      EXPECT_EQ(e.accum_chunk, 32);
+      EXPECT_EQ(e.block_q, p.block_q);
+      EXPECT_EQ(e.warps * 16, p.block_q);
+      EXPECT_EQ(e.block_k, 64);
+      EXPECT_EQ(e.softmax_block_k, 128);
+      EXPECT_EQ(e.exp2_poly_every, d == 128 ? 8 : 0);
+      EXPECT_EQ(e.qk_format, SAGE_QK_INT8);
+      EXPECT_EQ(e.smooth, unsigned(SAGE_SMOOTH_K | SAGE_SMOOTH_V));
+    }
+  }
+  // mma.sync: fp32 accumulation on sm_90 (measured), two-level over FP22 elsewhere.
+  const Plan mma90 = must_plan(Call(1000, 1000, 128, SAGE_MASK_NONE, SAGE_VARIANT_SAGE2_4B), kH100);
+  EXPECT_EQ(mma90.emulation.pv_accum, SAGE_PV_ACCUM_FP32);
+  EXPECT_FALSE(mma90.two_level);
+  EXPECT_EQ(mma90.emulation.qk_format, SAGE_QK_INT4);
+  const Plan mma89 = must_plan(Call(1000, 1000, 128), kAda);
+  EXPECT_EQ(mma89.emulation.pv_accum, SAGE_PV_ACCUM_TWO_LEVEL);
+  EXPECT_TRUE(mma89.two_level);
+  EXPECT_EQ(mma89.emulation.softmax_block_k, 0);
+  EXPECT_EQ(sage::ref::quant_config_error(mma89.emulation), "");
+}
+
+TEST(Planner, CrossoverTable) {
+  // Measured on the H100: sage from 4k (8k for D = 64 causal), both lengths.
+  EXPECT_TRUE(must_plan(Call(2048, 2048, 128), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(4096, 4096, 128), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(1, 8192, 128), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(8192, 77, 128), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(4096, 4096, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(8192, 8192, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
+  // Unmeasured architectures keep sage.
+  EXPECT_FALSE(must_plan(Call(1024, 1024, 128), kAda).prefer_sdpa);
+  EXPECT_FALSE(sage::api::prefer_sdpa(120, 128, SAGE_MASK_NONE, 512, 512));
+}
+
+TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {
+  Plan p;
+  auto refused = [&](const Call& c, const Device& dev, const char* word) {
+    EXPECT_EQ(c.plan(dev, &p), SAGE_ERROR_UNSUPPORTED) << word;
+    EXPECT_NE(std::string(sage_last_error()).find(word), std::string::npos) << sage_last_error();
+  };
+  refused(Call(100, 100, 96), kH100, "head_dim");
+  refused(Call(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_EXACT), kH100, "EXACT");
+  refused(Call(100, 100, 128), kAmpere, "sm_86");
+  Call custom(100, 100, 128);
+  custom.a.variant = SAGE_VARIANT_CUSTOM;
+  custom.a.quant.exp2_poly_every = 8;  // an sm90 emulation knob: the kernels take the preset's
+  refused(custom, kH100, "quant");
+  Call odd(100, 100, 128);
+  odd.a.o_strides = {4 * 100 * 129, 100 * 129, 129};
+  odd.o.resize(size_t(2 * 4 * 100 * 129));
+  odd.a.o = odd.o.data();
+  refused(odd, kH100, "o:");
+}
+
+}  // namespace
