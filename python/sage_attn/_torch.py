@@ -125,12 +125,11 @@ def _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth
         # faster on this GPU: decided here, inside the op, so that compiled graphs decide alike.
         return _torch_sdpa(q, k, v, is_causal=mask != _lib.MASK_NONE, scale=scale,
                            enable_gqa=q.shape[1] != k.shape[1]), None
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o = q.new_empty(q.shape)  # (new_empty: fewer arguments to parse than torch.empty)
     lse = None
     if return_lse:
         hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
-        lse = torch.empty((q.shape[0], q.shape[hi], q.shape[ni]), dtype=torch.float32,
-                          device=q.device)
+        lse = q.new_empty((q.shape[0], q.shape[hi], q.shape[ni]), dtype=torch.float32)
     try:
         if q.is_cuda:
             device = q.device
@@ -169,7 +168,7 @@ def _run_cuda(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
     a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
     a.lse = lse.data_ptr() if lse is not None else None
     a.stream = stream
-    ws = torch.empty(max(prep.workspace, 1), dtype=torch.uint8, device=q.device)
+    ws = q.new_empty((max(prep.workspace, 1),), dtype=torch.uint8)
     a.workspace, a.workspace_size = ws.data_ptr(), prep.workspace
     _lib.run(a)
 
@@ -229,6 +228,16 @@ def _call(*args):
 
 
 def _check_tensors(q, k, v, layout_name):
+    # The common case in one expression (host time: every check below costs a few attribute
+    # reads a tensor); anything else goes through the checks that name what is wrong.
+    tensor = torch.Tensor
+    if (type(q) is tensor and type(k) is tensor and type(v) is tensor):
+        dt, qs, ks = q.dtype, q.shape, k.shape
+        if (dt is k.dtype and dt is v.dtype and (dt in _GPU_DTYPES or not q.is_cuda)
+                and dt in _DTYPE_CODES and q.device == k.device == v.device and len(qs) == 4
+                and len(ks) == 4 and ks == v.shape and qs[0] == ks[0] and qs[3] == ks[3]
+                and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1):
+            return
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")

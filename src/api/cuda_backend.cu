@@ -94,49 +94,46 @@ sage_status plan_call(const api::Resolved& r, const sage_attention_args& a, api:
   return api::make_plan(r, a, *dev, plan);
 }
 
-// The sm90 kernel's view of the workspace and the caller's tensors.
-sm90::Params sm90_params(const api::Resolved& r, const sage_attention_args& a, const api::Plan& plan,
-                         uint8_t* ws) {
+// What both kernels' params structs (sm90::Params, mma::AttnParams) hold alike, under the same
+// names: the pre-pass products they read, the caller's output and LSE, the problem.
+template <typename P>
+void fill_common(P& x, const api::Resolved& r, const sage_attention_args& a, const api::Plan& plan,
+                 uint8_t* ws) {
   const quant::PrepassPlan& w = plan.prepass;
   const ref::Problem& p = r.problem;
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
+  x.q = ws + w.q, x.k = ws + w.k, x.v = ws + w.v;
+  x.q_scale = f32(w.q_scale), x.k_scale = f32(w.k_scale);
+  x.v_scale = f32(w.v_scale), x.v_mean = f32(w.v_mean);
+  x.lse_shift = f32(w.lse_shift);
+  x.o = a.o, x.o_batch = r.o.batch, x.o_head = r.o.head, x.o_token = r.o.token;
+  x.lse = a.lse, x.lse_batch = r.lse.batch, x.lse_head = r.lse.head, x.lse_token = r.lse.token;
+  x.batch = p.batch, x.heads_q = p.heads_q, x.heads_kv = p.heads_kv;
+  x.seq_q = p.seq_q, x.seq_kv = p.seq_kv, x.nq_pad = w.nq_pad, x.nk_pad = w.nk_pad;
+  x.q_blocks = w.q_blocks, x.k_blocks = w.k_blocks;
+  x.causal_offset = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
+  x.scale_log2 = float(p.scale * 1.4426950408889634);
+}
+
+sm90::Params sm90_params(const api::Resolved& r, const sage_attention_args& a,
+                         const api::Plan& plan, uint8_t* ws) {
   sm90::Params s{};
-  s.q = ws + w.q, s.k = ws + w.k, s.v = ws + w.v;
-  s.q_scale = f32(w.q_scale), s.k_scale = f32(w.k_scale);
-  s.v_scale = f32(w.v_scale), s.v_mean = f32(w.v_mean), s.k_mean = f32(w.k_mean);
-  s.lse_shift = f32(w.lse_shift);
+  fill_common(s, r, a, plan, ws);
+  const quant::PrepassPlan& w = plan.prepass;
+  s.k_mean = reinterpret_cast<const float*>(ws + w.k_mean);  // fused Q's LSE shift
   s.tile_counter = reinterpret_cast<unsigned*>(ws + w.tile_counter);
   s.q_in = a.q, s.q_in_batch = r.q.batch, s.q_in_head = r.q.head, s.q_in_token = r.q.token;
-  s.o = a.o, s.o_batch = r.o.batch, s.o_head = r.o.head, s.o_token = r.o.token;
-  s.lse = a.lse, s.lse_batch = r.lse.batch, s.lse_head = r.lse.head, s.lse_token = r.lse.token;
-  s.batch = p.batch, s.heads_q = p.heads_q, s.heads_kv = p.heads_kv;
-  s.seq_q = p.seq_q, s.seq_kv = p.seq_kv, s.nq_pad = w.nq_pad, s.nk_pad = w.nk_pad;
-  s.q_blocks = w.q_blocks, s.k_blocks = w.k_blocks;
-  s.causal_offset = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
-  s.scale_log2 = float(p.scale * 1.4426950408889634);
-  s.scale = float(p.scale);
+  s.scale = float(r.problem.scale);
   s.fused_q = plan.fused_q;
   return s;
 }
 
-// The mma.sync kernel's view of the workspace and the caller's tensors.
 mma::AttnParams mma_params(const api::Resolved& r, const sage_attention_args& a,
                            const api::Plan& plan, uint8_t* ws) {
-  const quant::PrepassPlan& w = plan.prepass;
-  const ref::Problem& p = r.problem;
-  auto f32 = [&](size_t off) { return reinterpret_cast<const float*>(ws + off); };
   mma::AttnParams m{};
-  m.q = ws + w.q, m.q_scale = f32(w.q_scale), m.k = ws + w.k, m.k_scale = f32(w.k_scale);
-  m.v = ws + w.v, m.v_scale = f32(w.v_scale), m.v_mean = f32(w.v_mean);
-  m.delta_s = w.smooth_q ? f32(w.delta_s) : nullptr;
-  m.lse_shift = f32(w.lse_shift);
-  m.o = a.o, m.o_batch = r.o.batch, m.o_head = r.o.head, m.o_token = r.o.token;
-  m.lse = a.lse, m.lse_batch = r.lse.batch, m.lse_head = r.lse.head, m.lse_token = r.lse.token;
-  m.batch = p.batch, m.heads_q = p.heads_q, m.heads_kv = p.heads_kv;
-  m.seq_q = p.seq_q, m.seq_kv = p.seq_kv, m.nq_pad = w.nq_pad, m.nk_pad = w.nk_pad;
-  m.q_blocks = w.q_blocks, m.k_blocks = w.k_blocks;
-  m.causal_offset = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
-  m.scale_log2 = float(p.scale * 1.4426950408889634);
+  fill_common(m, r, a, plan, ws);
+  const quant::PrepassPlan& w = plan.prepass;
+  m.delta_s = w.smooth_q ? reinterpret_cast<const float*>(ws + w.delta_s) : nullptr;
   return m;
 }
 

@@ -26,11 +26,13 @@ int sm90_poly_every(int64_t head_dim, int consumers) {
 }  // namespace
 
 bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv) {
-  // H100 (sm_90), B=4 H=32 fp16 N(0,1), one process, end to end under CUDA-graph replay: the
-  // smallest N of the standard grid (1k, 2k, 4k, 8k, ...) from which sage-8b beat SDPA cuDNN
-  // fp16 (issue 17's table: D=128 2k 510 vs 616, 4k 661 vs 573; causal 4k 513 vs 489; D=64
-  // causal 4k 347 vs 412, 8k 451 vs 424). Both lengths must reach it: fewer queries or fewer
-  // keys leave the pre-pass and the per-tile work less to amortize over.
+  // H100 (sm_90), B=4 H=32 fp16 N(0,1), one process (bench/results/2026-11-25-h100.json), end
+  // to end under CUDA-graph replay: the smallest N of the standard grid (1k, 2k, 4k, 8k, ...)
+  // from which sage-8b beat SDPA cuDNN fp16 by a margin the run-to-run spread (~5 %) cannot
+  // undo. D=128: 2k 521 vs 557, 4k 593 vs 542; causal 4k 506 vs 502 (a tie: 8k), 8k 583 vs 539
+  // (eager 647 vs 521). D=64: 2k 394 vs 427, 4k 481 vs 439; causal 4k 357 vs 394, 8k 465 vs
+  // 420. Both lengths must reach it: fewer queries or fewer keys leave the pre-pass and the
+  // per-tile work less to amortize over.
   struct Crossover {
     int cc;
     int64_t head_dim;
@@ -38,7 +40,7 @@ bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_
     int64_t min_seq;
   };
   static constexpr Crossover kTable[] = {
-      {90, 128, false, 4096}, {90, 128, true, 4096}, {90, 64, false, 4096}, {90, 64, true, 8192},
+      {90, 128, false, 4096}, {90, 128, true, 8192}, {90, 64, false, 4096}, {90, 64, true, 8192},
   };
   const bool causal = mask != SAGE_MASK_NONE;
   for (const Crossover& c : kTable)

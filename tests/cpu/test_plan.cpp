@@ -128,13 +128,15 @@ TEST(Planner, EmulationConfigIsWhatRuns) {
 }
 
 TEST(Planner, CrossoverTable) {
-  // Measured on the H100: sage from 4k (8k for D = 64 causal), both lengths.
+  // Measured on the H100: sage from 4k (8k causal), both lengths.
   EXPECT_TRUE(must_plan(Call(2048, 2048, 128), kH100).prefer_sdpa);
   EXPECT_FALSE(must_plan(Call(4096, 4096, 128), kH100).prefer_sdpa);
   EXPECT_TRUE(must_plan(Call(1, 8192, 128), kH100).prefer_sdpa);
   EXPECT_TRUE(must_plan(Call(8192, 77, 128), kH100).prefer_sdpa);
   EXPECT_TRUE(must_plan(Call(4096, 4096, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
   EXPECT_FALSE(must_plan(Call(8192, 8192, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(4096, 4096, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(8192, 8192, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT), kH100).prefer_sdpa);
   // Unmeasured architectures keep sage.
   EXPECT_FALSE(must_plan(Call(1024, 1024, 128), kAda).prefer_sdpa);
   EXPECT_FALSE(sage::api::prefer_sdpa(120, 128, SAGE_MASK_NONE, 512, 512));
