@@ -35,8 +35,10 @@ if getattr(_torch_sdpa, "__module__", "").startswith("sage_attn"):
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 _DTYPE_CODES = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16,
                 torch.float32: _lib.DTYPE_FP32}
-# The op's fallback argument: what to do when the library has no kernel for valid arguments.
-_RAISE, _FALLBACK_SDPA = 0, 1
+# The op's fallback argument: what to do when the library has no kernel for valid arguments
+# (raise, or torch's SDPA for the drop-in), and whether the drop-in's crossover is still to be
+# asked (_FALLBACK_SDPA: inside the op, as under torch.compile) or was asked already (eager).
+_RAISE, _FALLBACK_SDPA, _FALLBACK_SDPA_ROUTED = 0, 1, 2
 KERNELS = {None: _lib.KERNEL_AUTO, "auto": _lib.KERNEL_AUTO, "mma": _lib.KERNEL_MMA,
            "sm90": _lib.KERNEL_SM90}
 
@@ -71,6 +73,14 @@ class _Prepared:
         self.prefer_sdpa = bool(info.prefer_sdpa)
 
 
+class _Unsupported:
+    """A CUDA call's shape the library has no kernel for (kept, so each call need not ask)."""
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
+
+
 _prepared: dict = {}
 _PREPARED_MAX = 512  # shapes kept (a model has a handful; a sweep may have many)
 
@@ -91,10 +101,19 @@ def _prepare(key, q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smoot
                     kernel)
     a.backend = _lib.BACKEND_CUDA
     a.stream = stream
-    prep = _Prepared(a, _lib.plan(a))
+    try:
+        prep = _Prepared(a, _lib.plan(a))
+    except _lib.SageUnsupportedError as e:
+        prep = _Unsupported(e)
     if len(_prepared) >= _PREPARED_MAX:
         _prepared.clear()
     _prepared[key] = prep
+    return prep
+
+
+def _planned(prep):
+    if type(prep) is _Unsupported:
+        raise prep.error
     return prep
 
 
@@ -146,7 +165,7 @@ def _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth
             a.backend = _lib.BACKEND_CPU
             _lib.run(a)
     except _lib.SageUnsupportedError as e:
-        if fallback != _FALLBACK_SDPA:
+        if fallback == _RAISE:
             raise
         # Only reached from the SDPA drop-in, which asks for top-left causal in HND, no LSE.
         _warn_once(f"no kernel for this call ({e})")
@@ -164,6 +183,7 @@ def _run_cuda(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
     if prep is None:
         prep = _prepare(key, q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
                         smooth_v, kernel, stream)
+    prep = _planned(prep)
     a = _lib.AttentionArgs.from_buffer_copy(prep.args)
     a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
     a.lse = lse.data_ptr() if lse is not None else None
@@ -183,7 +203,7 @@ def _plan_of(q, k, v, layout, mask, scale):
         with torch.cuda.device(q.device):
             prep = _prepare(key, q, k, v, o, None, layout, mask, scale, None, None, None, None,
                             _lib.KERNEL_AUTO, _current_stream(q.device))
-    return prep
+    return _planned(prep)
 
 
 @torch.library.custom_op("sage_attn::attention", mutates_args=())
@@ -327,9 +347,9 @@ def _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa
         return f"dtype {query.dtype} (only float16 and bfloat16 with one dtype for q, k, v)"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "inputs that are not 4-D [B, H, N, D]"
-    if query.shape[-1] not in (64, 128) or key.shape[-1] != query.shape[-1] or \
-            value.shape[-1] != query.shape[-1]:
-        return f"head_dim {query.shape[-1]}/{value.shape[-1]} (supported: 64 and 128, equal for q, k, v)"
+    # (Which head dims have a kernel is the library's to say: the plan, below.)
+    if key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
+        return f"head_dim {query.shape[-1]}/{key.shape[-1]}/{value.shape[-1]} (must be equal)"
     if key.shape != value.shape or key.shape[0] != query.shape[0]:
         return "key/value/query shapes that do not match"
     hq, hkv = query.shape[1], key.shape[1]
@@ -367,13 +387,18 @@ def _dropin_args(query, key, value):
     return q, k, v
 
 
-def _dropin_prefers_sdpa(q, k, v, mask, scale):
-    if not _use_crossover:
-        return False
+def _dropin_route(q, k, v, mask, scale):
+    """None: the drop-in runs sage; else it hands the call to torch's SDPA, with this reason to
+    warn about ("": the crossover table, silently)."""
     try:
-        return _plan_of(q, k, v, _lib.LAYOUT_HND, mask, scale).prefer_sdpa
-    except _lib.SageUnsupportedError:
-        return False  # the call itself falls back, with its warning
+        prep = _plan_of(q, k, v, _lib.LAYOUT_HND, mask, scale)
+    except _lib.SageUnsupportedError as e:
+        return f"no kernel for this call ({e})"
+    return "" if _use_crossover and prep.prefer_sdpa else None
+
+
+def _dropin_prefers_sdpa(q, k, v, mask, scale):
+    return _dropin_route(q, k, v, mask, scale) == ""
 
 
 def dropin_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -386,7 +411,7 @@ def dropin_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     q, k, v = _dropin_args(query, key, value)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
-    return "sdpa" if _dropin_prefers_sdpa(q, k, v, mask, s) else "sage"
+    return "sage" if _dropin_route(q, k, v, mask, s) is None else "sdpa"
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -407,6 +432,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     q, k, v = _dropin_args(query, key, value)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
+    if not torch.compiler.is_compiling():  # (compiled graphs decide inside the op)
+        route = _dropin_route(q, k, v, mask, s)
+        if route is not None:
+            if route:
+                _warn_once(route)
+            return _torch_sdpa(query, key, value, is_causal=is_causal, scale=scale,
+                               enable_gqa=enable_gqa)
     o, _ = _call(q, k, v, _lib.LAYOUT_HND, mask, s, None, None, None, None, False,
-                 _FALLBACK_SDPA, _lib.KERNEL_AUTO)
+                 _FALLBACK_SDPA if torch.compiler.is_compiling() else _FALLBACK_SDPA_ROUTED,
+                 _lib.KERNEL_AUTO)
     return o
