@@ -169,15 +169,18 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
   r.exact = a.variant == SAGE_VARIANT_EXACT;
 
   // Backend: where the pointers live decides AUTO; an explicit choice must match them.
-  const bool on_device = cuda::pointer_kind(a.q) == cuda::PointerKind::kDevice;
-  const sage_backend want = a.backend == SAGE_BACKEND_AUTO
-                                ? (on_device ? SAGE_BACKEND_CUDA : SAGE_BACKEND_CPU)
-                                : a.backend;
+  // (One query a pointer: each is a driver call, part of every call's host time.)
   const void* ptrs[] = {a.q, a.k, a.v, a.o, a.lse};
   const char* names[] = {"q", "k", "v", "o", "lse"};
+  bool on_device[5] = {};
+  for (int i = 0; i < 5; ++i)
+    on_device[i] = ptrs[i] && cuda::pointer_kind(ptrs[i]) == cuda::PointerKind::kDevice;
+  const sage_backend want = a.backend == SAGE_BACKEND_AUTO
+                                ? (on_device[0] ? SAGE_BACKEND_CUDA : SAGE_BACKEND_CPU)
+                                : a.backend;
   for (int i = 0; i < 5; ++i) {
     if (!ptrs[i]) continue;
-    const bool dev = cuda::pointer_kind(ptrs[i]) == cuda::PointerKind::kDevice;
+    const bool dev = on_device[i];
     SAGE_CHECK_ARG(dev == (want == SAGE_BACKEND_CUDA),
                    "%s = %p is %s memory but the backend is %s (all pointers must be on the "
                    "backend's side)",
