@@ -160,21 +160,33 @@ __global__ void __launch_bounds__(256, 2)
   uint32_t bad = 0u;
   const int64_t n0 = chunk * kStatTokens + tl;
   const int64_t n1 = min(seq_kv, (chunk + 1) * kStatTokens);
+  // This token lane's tokens n0, n0 + kTokenLanes, ...: their count, their rows (a pointer that
+  // steps by kTokenLanes rows) and whether K's mean samples them (n % k_stride == 0, kept as a
+  // running residue): per token an add and a compare, not row_ptr's 64-bit products and a
+  // division, which were most of the instructions between the loads.
+  const int count = n1 > n0 ? int((n1 - n0 + kTokenLanes - 1) / kTokenLanes) : 0;
+  const T* k_row = row_ptr(k, ks, b, h, n0) + d0;
+  const T* v_row = row_ptr(v, vs, b, h, n0) + d0;
+  const int64_t k_step = int64_t(kTokenLanes) * ks.token, v_step = int64_t(kTokenLanes) * vs.token;
+  // 32-bit: a head of 2^32 tokens cannot be in memory.
+  uint32_t residue = uint32_t(n0) % k_stride;
+  const uint32_t residue_step = uint32_t(kTokenLanes) % k_stride;
   uint4 kr[2][kBatch], vr[2][kBatch];
   auto load = [&](int step, uint4 (&kb)[kBatch], uint4 (&vb)[kBatch]) {
     for (int u = 0; u < kBatch; ++u) {
-      const int64_t n = n0 + int64_t(step * kBatch + u) * kTokenLanes;
       kb[u] = vb[u] = make_uint4(0u, 0u, 0u, 0u);  // zeros add nothing to Σk
-      if (n < n1) {
-        // 32-bit: a head of 2^32 tokens cannot be in memory.
-        if (uint32_t(n) % k_stride == 0u) kb[u] = load_raw8<kVec>(row_ptr(k, ks, b, h, n) + d0);
-        vb[u] = load_raw8<kVec>(row_ptr(v, vs, b, h, n) + d0);
+      if (step * kBatch + u < count) {
+        if (residue == 0u) kb[u] = load_raw8<kVec>(k_row);
+        vb[u] = load_raw8<kVec>(v_row);
       }
+      k_row += k_step, v_row += v_step;
+      residue += residue_step;
+      if (residue >= k_stride) residue -= k_stride;
     }
   };
   auto accumulate = [&](int step, const uint4 (&kb)[kBatch], const uint4 (&vb)[kBatch]) {
     for (int u = 0; u < kBatch; ++u) {
-      if (n0 + int64_t(step * kBatch + u) * kTokenLanes >= n1) continue;
+      if (step * kBatch + u >= count) continue;
       bad |= special2<T>(kb[u].x) | special2<T>(kb[u].y) | special2<T>(kb[u].z) |
              special2<T>(kb[u].w) | special2<T>(vb[u].x) | special2<T>(vb[u].y) |
              special2<T>(vb[u].z) | special2<T>(vb[u].w);
