@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "common/error.h"
+#include "common/exp2_poly.h"
 #include "common/formats.h"
 #include "ref/reference.h"
 
@@ -26,12 +27,6 @@ namespace {
 
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.6931471805599453;
-// 1.5·2^23: a float whose unit in the last place is 1 (the sm90 kernel's kMagicF: its S
-// accumulator is seeded with these bits, so a score comes out as the float 1.5·2^23 + x).
-constexpr float kMagicF = 12582912.0f;
-// exp2_poly's coefficients (the sm90 kernel's): 2^r ~ 1 + c1 r + c2 r^2 + c3 r^3 on |r| <= 1/2.
-constexpr float kExp2Poly[4] = {1.0f, 0.693282928f, 0.242210972f, 0.0550089331f};
-
 template <typename Real>
 constexpr Real neg_inf() {
   return -std::numeric_limits<Real>::infinity();
@@ -106,32 +101,13 @@ double mma_aligned_step(double acc, const double* products, int n, int bits) {
   return double(float(sum));  // the accumulator register is fp32
 }
 
-float exp2_poly(float x) {
-  // The sm90 kernel's exp2_poly (attn/sm90/attention.cuh) operation for operation: n = round(x)
-  // by adding 1.5·2^23 (round to nearest even), r = x - n, Horner with fmaf, n added to the
-  // exponent field (integer add of n << 23, wrapping as the GPU's 32-bit add).
-  x = std::fmax(x, -125.0f);
-  const float t = x + kMagicF;
-  const float r = x - (t - kMagicF);
-  float q = std::fmaf(kExp2Poly[3], r, kExp2Poly[2]);
-  q = std::fmaf(q, r, kExp2Poly[1]);
-  q = std::fmaf(q, r, 1.0f);
-  uint32_t qb = 0, tb = 0;
-  std::memcpy(&qb, &q, sizeof qb);
-  std::memcpy(&tb, &t, sizeof tb);
-  const uint32_t out = qb + (tb << 23);
-  float y = 0;
-  std::memcpy(&y, &out, sizeof y);
-  return y;
-}
-
 double exp2_poly(double x) {
   // The same approximation with ideal arithmetic around it (the double emulation).
   x = std::max(x, -125.0);
   const double n = std::nearbyint(x);  // round to nearest even, as the float add of 1.5·2^23
   const double r = x - n;
-  const double q = ((double(kExp2Poly[3]) * r + double(kExp2Poly[2])) * r +
-                    double(kExp2Poly[1])) * r + 1.0;
+  const double q =
+      ((double(kExp2PolyC3) * r + double(kExp2PolyC2)) * r + double(kExp2PolyC1)) * r + 1.0;
   return std::ldexp(q, int(n));
 }
 
@@ -304,7 +280,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
   // kernel forms them where that form exists (integer Q·K, no ΔS: the kernel has no Q smoothing):
   // f = (q_scale · scale·log2 e) · k_scale, the max over Q^K^·f, and in a block every row sees all
   // of, the exponent of P~·448 as one FFMA on the seeded accumulator 1.5·2^23 + Q^K^
-  // (attn/sm90/attention.cuh, consumer). The double emulation keeps ideal arithmetic.
+  // (attn/sm90/softmax.cuh). The double emulation keeps ideal arithmetic.
   const bool sm90 = sbk > bk || cfg.exp2_poly_every > 0;
   const bool sm90_scores = sm90 && std::is_same_v<Real, float> && exact_qk_in_float && !smooth_q;
   // In the sm90 form 2^x gives P~·p_scale directly: x = s - m + log2 p_scale.

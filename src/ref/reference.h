@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/exp2_poly.h"
 #include "sage/sage.h"
 
 namespace sage::ref {
@@ -111,11 +112,10 @@ GroupLayout k_group_layout(const sage_quant_config& cfg);
 // (SAGE_PV_ACCUM_ALIGNED; accum_chunk products a step.)
 double mma_aligned_step(double acc, const double* products, int n, int bits);
 
-// The sm90 kernel's polynomial 2^x (sage_quant_config.exp2_poly_every), bit for bit as the GPU
-// computes it: n = round(x) (x clamped at -125), r = x - n, a degree-3 polynomial in r by fmaf,
-// n added to the exponent field; relative error about 1e-4. The double overload evaluates the
-// same polynomial in double (the double emulation's ideal arithmetic).
-float exp2_poly(float x);
+// The sm90 kernel's polynomial 2^x (sage_quant_config.exp2_poly_every): the float overload is the
+// kernel's own function (common/exp2_poly.h); the double one evaluates the same polynomial in
+// double (the double emulation's ideal arithmetic).
+using sage::exp2_poly;
 double exp2_poly(double x);
 // Whether score (row, key) takes exp2_poly when every `every`-th accumulator register does
 // (sage.h, exp2_poly_every; every <= 0: never). Rows and keys are absolute indices.

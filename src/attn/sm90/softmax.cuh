@@ -15,28 +15,13 @@
 #pragma once
 
 #include "attn/epilogue.cuh"
+#include "common/exp2_poly.h"  // kMagicF, exp2_poly: shared with the CPU emulation
 #include "ptx/math.cuh"
 
 namespace sage::sm90 {
 
-// 1.5·2^23: a float whose unit in the last place is 1, so adding it rounds to an integer held in
-// the low mantissa bits (exp2_poly), and its bits plus an int32 x are the float 1.5·2^23 + x.
-constexpr float kMagicF = 12582912.0f;
 constexpr int kMagic = 0x4B400000;                    // the bits of kMagicF: the S seed
 constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
-
-// 2^x for x <= 9 (in [-125, 9] exactly enough; below, a value under 2^-125 that E4M3 and the row
-// sum cannot see), on the FMA and integer pipes: x = n + r with n = round(x), |r| <= 1/2;
-// 2^r by a degree-3 polynomial fitted for relative error (max 1.0e-4); n added to the exponent.
-__device__ __forceinline__ float exp2_poly(float x) {
-  x = fmaxf(x, -125.0f);
-  const float t = x + kMagicF;  // 1.5·2^23 + n: the low bits of t hold n
-  const float r = x - (t - kMagicF);
-  float q = fmaf(0.0550089331f, r, 0.242210972f);
-  q = fmaf(q, r, 0.693282928f);
-  q = fmaf(q, r, 1.0f);
-  return __int_as_float(__float_as_int(q) + (__float_as_int(t) << 23));
-}
 
 // Register i of the 64 scores takes the polynomial (one in kPolyEvery; 0: none).
 template <int kPolyEvery>
