@@ -12,20 +12,12 @@ from torch.profiler import ProfilerActivity, profile
 
 import sage_attn
 from sage_attn import _lib
-from sage_attn.bench import host_us
+from sage_attn.bench import host_us, time_ms
 from sage_attn import _torch as T
 
 
-def gpu_us(fn, n=50):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1e3 / n
+def gpu_us(fn):
+    return time_ms(fn, 0.05) * 1e3
 
 
 def kernels_us(fn, n=5):
@@ -83,9 +75,8 @@ steps = {
     "_key + dict lookup": lambda: T._prepared.get(T._key(q, k, v, _lib.LAYOUT_HND, mask, scale,
                                                           None, None, True, None, False,
                                                           _lib.KERNEL_AUTO)),
-    "torch.empty (o)": lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device),
-    "torch.empty (workspace)": lambda: torch.empty(prep.workspace, dtype=torch.uint8,
-                                                   device=q.device),
+    "new_empty (o)": lambda: q.new_empty(q.shape),
+    "new_empty (workspace)": lambda: q.new_empty((prep.workspace,), dtype=torch.uint8),
     "current device + stream": lambda: (torch.cuda.current_device(),
                                         T._current_stream(q.device)),
     "args copy + 8 fields": lambda: _lib.AttentionArgs.from_buffer_copy(prep.args),
