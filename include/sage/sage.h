@@ -125,6 +125,8 @@ typedef enum sage_kernel {
 
 /* sage_attention_args.options flags. */
 #define SAGE_OPTION_PREPASS_Q 1u /* sm90: Q quantized by the pre-pass instead of inside the kernel */
+#define SAGE_OPTION_PREPASS_KV_SPLIT 2u /* K/V pre-pass in three launches (statistics, finalize,
+                                           quantize) where it would run as one cluster launch */
 
 /* Smoothing flags (SPEC.md §2.1, §2.2, §2.10). */
 #define SAGE_SMOOTH_Q 1u

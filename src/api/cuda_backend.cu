@@ -80,6 +80,9 @@ sage_status current_device(api::Device* out) {
       entry.err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, index);
     if (entry.err != cudaSuccess) cudaGetLastError();
     entry.dev = {index, major * 10 + minor, sms};
+    // K/V's one-launch pre-pass needs thread-block clusters (sm_90+) that hold a head's chunks.
+    if (entry.err == cudaSuccess && entry.dev.cc >= 90)
+      entry.dev.kv_cluster = quant::max_kv_cluster(index);
   });
   if (entry.err != cudaSuccess)
     return set_error(SAGE_ERROR_CUDA, "cannot query device %d: %s", index,
@@ -180,7 +183,7 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   const ref::Problem& p = r.problem;
   const quant::PrepassInputs in{a.q, a.k, a.v, a.dtype, r.q, r.k, r.v, float(p.scale)};
   cudaError_t e = cudaSuccess;
-  if (stages & kStagePrepass) e = quant::run_prepass(plan.prepass, in, ws, stream);
+  if (stages & kStagePrepass) e = quant::run_prepass(plan.prepass, in, ws, dev.index, stream);
   if (e != cudaSuccess)
     return set_error(SAGE_ERROR_CUDA, "pre-pass launch: %s", cudaGetErrorString(e));
   if (!(stages & kStageKernel)) return SAGE_OK;

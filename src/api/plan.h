@@ -16,6 +16,7 @@ struct Device {
   int index = 0;
   int cc = 0;   // compute capability, major·10 + minor
   int sms = 0;  // multiprocessors
+  int kv_cluster = 0;  // the largest cluster K/V's one-launch pre-pass runs with (0: none)
 };
 
 enum class Family { kMma, kSm90 };

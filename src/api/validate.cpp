@@ -123,7 +123,7 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
   const int64_t kernel = enum_value(a.kernel);
   SAGE_CHECK_ARG(kernel >= SAGE_KERNEL_AUTO && kernel <= SAGE_KERNEL_SM90,
                  "kernel = %" PRId64 " is unknown", kernel);
-  SAGE_CHECK_ARG((a.options & ~SAGE_OPTION_PREPASS_Q) == 0u,
+  SAGE_CHECK_ARG((a.options & ~(SAGE_OPTION_PREPASS_Q | SAGE_OPTION_PREPASS_KV_SPLIT)) == 0u,
                  "options = 0x%x has unknown flag bits", unsigned(a.options));
 
   Resolved r;

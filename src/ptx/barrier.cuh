@@ -47,6 +47,20 @@ __device__ __forceinline__ void turn_pass() {
   }
 }
 
+// barrier.cluster.arrive.release + barrier.cluster.wait.acquire (sm_90+): every thread of the
+// thread-block cluster waits for all of them; memory written before the barrier by any thread of
+// the cluster (global included) is visible after it to every other. Traps below sm_90, where
+// nothing launches a cluster.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "barrier.cluster.arrive.release.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
 // The SM's 32-bit cycle counter (%clock), ordered with the surrounding memory operations.
 __device__ __forceinline__ uint32_t sm_clock() {
   uint32_t c;

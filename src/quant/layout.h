@@ -51,6 +51,12 @@ struct PrepassPlan {
   // k_mean_samples of them; sage_quant_config::k_mean_tokens); V's statistics over every token.
   int64_t k_mean_stride = 1, k_mean_samples = 0;
   bool quantize_q = true;       // false: the sm90 kernel quantizes Q itself (fused Q)
+  // K/V in one launch (kv_prepass_kernel, sm_90+): one CTA per statistics chunk and one
+  // thread-block cluster per KV head, so each chunk's K and V are read from memory once, staged
+  // in shared memory through the statistics, the cluster barrier and the quantization. 0: the
+  // three-launch path (kv_stats, kv_finalize, quant_kv), for heads of more chunks than a cluster
+  // holds and GPUs without clusters.
+  int kv_cluster = 0;
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
          kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, delta_s = 0,
@@ -60,7 +66,7 @@ struct PrepassPlan {
 inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t heads_kv,
                                      int64_t seq_q, int64_t seq_kv, int64_t head_dim, int bits,
                                      bool smooth_q, bool smooth_k, bool smooth_v,
-                                     int64_t k_mean_stride) {
+                                     int64_t k_mean_stride, int max_kv_cluster) {
   PrepassPlan p;
   p.batch = batch, p.heads_q = heads_q, p.heads_kv = heads_kv;
   p.seq_q = seq_q, p.seq_kv = seq_kv, p.head_dim = head_dim, p.bits = bits;
@@ -72,6 +78,7 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   p.row_bytes = head_dim * bits / 8;
   // K/V statistics are reduced in fixed-size token chunks (deterministic, no atomics).
   p.stat_chunks = (seq_kv + kStatTokens - 1) / kStatTokens;
+  p.kv_cluster = p.stat_chunks <= max_kv_cluster ? int(p.stat_chunks) : 0;
   p.k_mean_stride = k_mean_stride;
   p.k_mean_samples = (seq_kv + p.k_mean_stride - 1) / p.k_mean_stride;
   const int64_t bq = batch * heads_q, bk = batch * heads_kv;

@@ -40,6 +40,7 @@
 #include "common/formats.h"
 #include "common/launch.h"
 #include "ptx/async.cuh"
+#include "ptx/barrier.cuh"
 #include "ptx/cvt.cuh"
 #include "quant/elements.cuh"
 #include "quant/prepass.h"
@@ -122,254 +123,278 @@ __device__ __forceinline__ void load8(const T* row, int64_t d0, float (&x)[8]) {
   }
 }
 
-// Per (kv head, chunk of kStatTokens tokens, channel): Σk over the chunk's tokens n with
-// n % k_stride == 0 (the K mean's sample: the other K rows are not read), Σv (double), max v,
-// min v. 256 threads: D/8 lanes cover a token's channels 8 at a time, the rest split the tokens
-// (token lane tl takes tokens tl, tl + 256/(D/8), ... of the chunk, summed in that order);
-// partial results are combined in a fixed order (deterministic). The loads are
-// software-pipelined: those of the next kBatch tokens are issued before the sums of the current
-// ones. The sums run on
-// scaled_double values: every partial sum is x·2^-kScaleExp of the converting sum's value (fp16
-// sums of a chunk are exact either way; for bf16 a result is either exact in both or a normal
-// double in both, and rounding commutes with a power of two), so one exact multiply per sum at
-// the end gives the same bits. Max and min run on packed pairs in the input format (exact, NaN
-// skipped as fmaxf/fminf do). A chunk holding Inf/NaN redoes its sums with conversions (any
-// thread seeing one sends the whole CTA there). The partials go through shared memory with
-// channel c of a token lane at (c % 8)·(D/8) + c / 8 (no bank conflicts on either side).
+// ---- Staging a chunk of K/V rows in shared memory --------------------------------------------
+// Rows of a chunk sit at a pitch of 2·D + 16 bytes (the 16 spread the rows that quant_kv_block's
+// V groups read together over the banks: at most two-way conflicts), K rows then V rows.
+template <int D>
+struct Stage {
+  static constexpr int kPitch = 2 * D + 16;
+  static constexpr int kRows = kStatTokens;           // rows a full stage holds
+  static constexpr int kV = kRows * kPitch;           // V's offset
+  static constexpr int kBytes = 2 * kV;               // K and V: 139 KB at D = 128
+  static constexpr int kHalfBytes = kBytes / 2;       // K and V of half a chunk (kv_stats)
+};
+
+// 16 bytes from global to shared memory: cp.async (in flight with every other copy of the
+// thread until stage_rows' wait) when every row is 16-byte aligned, else eight 2-byte loads.
+template <bool kVec, typename T>
+__device__ __forceinline__ void copy16(uint8_t* dst, const T* src) {
+  if constexpr (kVec)
+    ptx::cp_async_16(dst, src);
+  else
+    *reinterpret_cast<uint4*>(dst) = load_raw8<false>(src);
+}
+
+// Stages rows n0 + r (r < count, at most `capacity` rows of the stage) of K and V: V's every
+// row, K's every row when all_k, else only the rows the K mean samples (n % k_stride == 0);
+// rows past `valid` (the sequence's end) are zero-filled. 256 threads: D/8 lanes a row.
 template <typename T, int D, bool kVec>
-__global__ void __launch_bounds__(256, 2)
-    kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
-                    int64_t chunks, uint32_t k_stride, KvStat* out) {
-  pdl_enter();
+__device__ __forceinline__ void stage_rows(const T* k, const T* v, const sage_strides& ks,
+                                           const sage_strides& vs, int b, int h, int64_t n0,
+                                           int count, int valid, uint32_t k_stride, bool all_k,
+                                           int capacity, uint8_t* smem) {
+  constexpr int kPieces = D / 8, kRowStep = 256 / kPieces;
+  const int piece = threadIdx.x % kPieces;
+  int r = threadIdx.x / kPieces;
+  const T* k_row = row_ptr(k, ks, b, h, n0 + r) + piece * 8;
+  const T* v_row = row_ptr(v, vs, b, h, n0 + r) + piece * 8;
+  const int64_t k_step = int64_t(kRowStep) * ks.token, v_step = int64_t(kRowStep) * vs.token;
+  // Whether K's mean samples row n0 + r, as a running residue (no division per row).
+  uint32_t residue = uint32_t((n0 + r) % int64_t(k_stride));
+  const uint32_t residue_step = uint32_t(kRowStep) % k_stride;
+  const int v_off = capacity * Stage<D>::kPitch;
+  for (; r < count; r += kRowStep) {
+    uint8_t* kd = smem + r * Stage<D>::kPitch + piece * 16;
+    uint8_t* vd = kd + v_off;
+    if (r < valid) {
+      copy16<kVec>(vd, v_row);
+      if (all_k || residue == 0u) copy16<kVec>(kd, k_row);
+    } else {
+      *reinterpret_cast<uint4*>(vd) = *reinterpret_cast<uint4*>(kd) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    k_row += k_step, v_row += v_step;
+    residue += residue_step;
+    if (residue >= k_stride) residue -= k_stride;
+  }
+  if constexpr (kVec) {
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
+// ---- Statistics of a chunk -------------------------------------------------------------------
+// Per (kv head, chunk of kStatTokens tokens, channel): Σk over the chunk's tokens n with
+// n % k_stride == 0 (K's mean sample), Σv (double), max v, min v. 256 threads: a thread takes a
+// channel pair (one 32-bit word of a staged row) and one of kSlices = 512/D token slices (rows
+// r ≡ slice mod kSlices of the chunk, in order; K: the sampled rows i ≡ slice mod kSlices); the
+// slices are then added in order (fixed order: deterministic, no atomics). The sums run on
+// scaled_double values (x·2^-kScaleExp exactly for finite x: no fp32→fp64 conversion); an
+// Inf/NaN element adds its converted value times 2^-kScaleExp instead (Inf or NaN either way), so
+// the final multiply by 2^kScaleExp gives the converting sum's bits. Max and min run on packed
+// pairs in the input format (exact; NaN skipped as fmaxf/fminf do).
+template <typename T, int D>
+struct ChunkStats {
   using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-  constexpr int kLanes = D / 8, kTokenLanes = 256 / kLanes;
-  constexpr int kPerLane = kStatTokens / kTokenLanes, kBatch = 2;
-  constexpr int kSteps = kPerLane / kBatch;
-  static_assert(kPerLane % kBatch == 0, "whole batches per token lane");
-  // Σk and Σv partials of every token lane, then (reused) their max and min.
-  __shared__ double red[2][kTokenLanes][D];
-  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
-  const int64_t chunk = blockIdx.x;
-  const int lane = threadIdx.x % kLanes, tl = threadIdx.x / kLanes, d0 = lane * 8;
-  double sk[8] = {}, sv[8] = {};
-  T2 mx[4], mn[4];
-  for (int i = 0; i < 4; ++i) {
-    mx[i] = T2(T(-INFINITY), T(-INFINITY));
-    mn[i] = T2(T(INFINITY), T(INFINITY));
-  }
-  uint32_t bad = 0u;
-  const int64_t n0 = chunk * kStatTokens + tl;
-  const int64_t n1 = min(seq_kv, (chunk + 1) * kStatTokens);
-  // This token lane's tokens n0, n0 + kTokenLanes, ...: their count, their rows (a pointer that
-  // steps by kTokenLanes rows) and whether K's mean samples them (n % k_stride == 0, kept as a
-  // running residue): per token an add and a compare, not row_ptr's 64-bit products and a
-  // division, which were most of the instructions between the loads.
-  const int count = n1 > n0 ? int((n1 - n0 + kTokenLanes - 1) / kTokenLanes) : 0;
-  const T* k_row = row_ptr(k, ks, b, h, n0) + d0;
-  const T* v_row = row_ptr(v, vs, b, h, n0) + d0;
-  const int64_t k_step = int64_t(kTokenLanes) * ks.token, v_step = int64_t(kTokenLanes) * vs.token;
-  // 32-bit: a head of 2^32 tokens cannot be in memory.
-  uint32_t residue = uint32_t(n0) % k_stride;
-  const uint32_t residue_step = uint32_t(kTokenLanes) % k_stride;
-  uint4 kr[2][kBatch], vr[2][kBatch];
-  auto load = [&](int step, uint4 (&kb)[kBatch], uint4 (&vb)[kBatch]) {
-    for (int u = 0; u < kBatch; ++u) {
-      kb[u] = vb[u] = make_uint4(0u, 0u, 0u, 0u);  // zeros add nothing to Σk
-      if (step * kBatch + u < count) {
-        if (residue == 0u) kb[u] = load_raw8<kVec>(k_row);
-        vb[u] = load_raw8<kVec>(v_row);
-      }
-      k_row += k_step, v_row += v_step;
-      residue += residue_step;
-      if (residue >= k_stride) residue -= k_stride;
-    }
-  };
-  auto accumulate = [&](int step, const uint4 (&kb)[kBatch], const uint4 (&vb)[kBatch]) {
-    for (int u = 0; u < kBatch; ++u) {
-      if (step * kBatch + u >= count) continue;
-      bad |= special2<T>(kb[u].x) | special2<T>(kb[u].y) | special2<T>(kb[u].z) |
-             special2<T>(kb[u].w) | special2<T>(vb[u].x) | special2<T>(vb[u].y) |
-             special2<T>(vb[u].z) | special2<T>(vb[u].w);
-      const uint32_t kw[4] = {kb[u].x, kb[u].y, kb[u].z, kb[u].w};
-      const uint32_t vw[4] = {vb[u].x, vb[u].y, vb[u].z, vb[u].w};
-      for (int i = 0; i < 4; ++i) {
-        sk[2 * i] += scaled_double_lo<T>(kw[i]);
-        sk[2 * i + 1] += scaled_double_hi<T>(kw[i]);
-        sv[2 * i] += scaled_double_lo<T>(vw[i]);
-        sv[2 * i + 1] += scaled_double_hi<T>(vw[i]);
-        const T2 x = *reinterpret_cast<const T2*>(&vw[i]);
-        mx[i] = __hmax2(mx[i], x), mn[i] = __hmin2(mn[i], x);
-      }
-    }
-  };
-  load(0, kr[0], vr[0]);
-#pragma unroll 1
-  for (int step = 0; step < kSteps; step += 2) {
-    if (step + 1 < kSteps) load(step + 1, kr[1], vr[1]);
-    accumulate(step, kr[0], vr[0]);
-    if (step + 1 < kSteps) {
-      if (step + 2 < kSteps) load(step + 2, kr[0], vr[0]);
-      accumulate(step + 1, kr[1], vr[1]);
-    }
-  }
-  if (__syncthreads_or(bad != 0u)) {
-    // Inf or NaN in the chunk: the sums as the emulation writes them, converting each value.
-    for (int i = 0; i < 8; ++i) sk[i] = 0.0, sv[i] = 0.0;
-    for (int64_t n = n0; n < n1; n += kTokenLanes) {
-      float kx[8], vx[8];
-      const bool sampled = uint32_t(n) % k_stride == 0u;
-      if (sampled) load8(row_ptr(k, ks, b, h, n), d0, kx);
-      load8(row_ptr(v, vs, b, h, n), d0, vx);
-      for (int i = 0; i < 8; ++i) {
-        if (sampled) sk[i] += double(kx[i]);
-        sv[i] += double(vx[i]);
-      }
-    }
-  } else {
-    for (int i = 0; i < 8; ++i)
-      sk[i] = __dmul_rn(sk[i], Bits<T>::kUnscale), sv[i] = __dmul_rn(sv[i], Bits<T>::kUnscale);
-  }
-  KvStat* dst = out + (int64_t(bh) * chunks + chunk) * D;
-  // Two rounds through shared memory (sums, then max/min), each reduced over the token lanes in
-  // order by 2·D threads (one per channel and quantity).
-  for (int i = 0; i < 8; ++i)
-    red[0][tl][i * kLanes + lane] = sk[i], red[1][tl][i * kLanes + lane] = sv[i];
-  __syncthreads();
-  for (int c2 = threadIdx.x; c2 < 2 * D; c2 += 256) {
-    const int q = c2 / D, pos = c2 % D, c = (pos % kLanes) * 8 + pos / kLanes;
-    double s = 0;
-    for (int t = 0; t < kTokenLanes; ++t) s += red[q][t][pos];
-    if (q == 0)
-      dst[c].sum_k = s;
+  static constexpr int kWords = D / 2, kSlices = 256 / kWords;
+  double sk[2] = {0, 0}, sv[2] = {0, 0};
+  T2 mx = T2(T(-INFINITY), T(-INFINITY)), mn = T2(T(INFINITY), T(INFINITY));
+  int sampled = 0;  // K rows sampled so far in the chunk (their index i picks the slice)
+
+  __device__ static void add(double& s, uint32_t bits16) {
+    if (special2<T>(bits16))
+      s += __dmul_rn(double(Bits<T>::to_float(bits16)), 1.0 / Bits<T>::kUnscale);
     else
-      dst[c].sum_v = s;
+      s += scaled_double_lo<T>(bits16);
   }
-  __syncthreads();
-  float(*red_f)[kTokenLanes][D] = reinterpret_cast<float(*)[kTokenLanes][D]>(&red[0][0][0]);
-  for (int i = 0; i < 4; ++i) {
-    const float2 a = to_float2(mx[i]), z = to_float2(mn[i]);
-    red_f[0][tl][(2 * i) * kLanes + lane] = a.x, red_f[0][tl][(2 * i + 1) * kLanes + lane] = a.y;
-    red_f[1][tl][(2 * i) * kLanes + lane] = z.x, red_f[1][tl][(2 * i + 1) * kLanes + lane] = z.y;
+  // Adds staged rows [0, count) (chunk rows r0 + r) to this thread's slice.
+  __device__ void accumulate(const uint8_t* smem, int capacity, int r0, int count, int64_t n0,
+                             uint32_t k_stride) {
+    const int word = threadIdx.x % kWords, slice = threadIdx.x / kWords;
+    const uint8_t* kcol = smem + word * 4;
+    const uint8_t* vcol = kcol + capacity * Stage<D>::kPitch;
+    for (int r = (slice - r0 % kSlices + kSlices) % kSlices; r < count; r += kSlices) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(vcol + r * Stage<D>::kPitch);
+      add(sv[0], w & 0xFFFFu);
+      add(sv[1], w >> 16);
+      const T2 x = *reinterpret_cast<const T2*>(&w);
+      mx = __hmax2(mx, x), mn = __hmin2(mn, x);
+    }
+    // K: sampled rows of the chunk r = first + i·k_stride; this slice takes i ≡ slice.
+    const int64_t first = (int64_t(k_stride) - n0 % k_stride) % k_stride;  // chunk row of i = 0
+    for (int64_t i = slice;; i += kSlices) {
+      const int64_t r = first + i * k_stride - r0;
+      if (r >= count) break;
+      if (r < 0) continue;
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(kcol + r * Stage<D>::kPitch);
+      add(sk[0], w & 0xFFFFu);
+      add(sk[1], w >> 16);
+    }
   }
-  __syncthreads();
-  for (int c2 = threadIdx.x; c2 < 2 * D; c2 += 256) {
-    const int q = c2 / D, pos = c2 % D, c = (pos % kLanes) * 8 + pos / kLanes;
-    float m = red_f[q][0][pos];
-    for (int t = 1; t < kTokenLanes; ++t)
-      m = q == 0 ? fmaxf(m, red_f[0][t][pos]) : fminf(m, red_f[1][t][pos]);
-    if (q == 0)
-      dst[c].max_v = m;
-    else
-      dst[c].min_v = m;
+  // Adds the slices in order and writes the chunk's statistics (dst: D of them). `red`: 3·256
+  // doubles of shared memory; ends with a __syncthreads.
+  __device__ void write(double* red, KvStat* dst) const {
+    const int word = threadIdx.x % kWords, slice = threadIdx.x / kWords;
+    static_assert(kSlices * D == 512, "kStatRed's layout");
+    double* rk = red;                                  // Σk [slice][channel]
+    double* rv = red + 512;                            // Σv [slice][channel]
+    float* rm = reinterpret_cast<float*>(red + 1024);  // [2][slice][channel]: max, min
+    const float2 a = to_float2(mx), z = to_float2(mn);
+    const int c = 2 * word, at = slice * D + c;
+    rk[at] = __dmul_rn(sk[0], Bits<T>::kUnscale), rk[at + 1] = __dmul_rn(sk[1], Bits<T>::kUnscale);
+    rv[at] = __dmul_rn(sv[0], Bits<T>::kUnscale), rv[at + 1] = __dmul_rn(sv[1], Bits<T>::kUnscale);
+    rm[at] = a.x, rm[at + 1] = a.y;
+    rm[kSlices * D + at] = z.x, rm[kSlices * D + at + 1] = z.y;
+    __syncthreads();
+    for (int ch = threadIdx.x; ch < D; ch += blockDim.x) {
+      KvStat s{rk[ch], rv[ch], rm[ch], rm[kSlices * D + ch]};
+      for (int t = 1; t < kSlices; ++t) {
+        s.sum_k += rk[t * D + ch];
+        s.sum_v += rv[t * D + ch];
+        s.max_v = fmaxf(s.max_v, rm[t * D + ch]);
+        s.min_v = fminf(s.min_v, rm[kSlices * D + t * D + ch]);
+      }
+      dst[ch] = s;
+    }
+    __syncthreads();
   }
+};
+// Shared memory of ChunkStats::write, in doubles: Σk and Σv [kSlices][D] (512 each), then max
+// and min as floats [2][kSlices][D] (512 doubles' room).
+constexpr int kStatRed = 1536;
+
+// The chunk statistics of one KV head reduced in chunk order: k_mean (over the k_samples sampled
+// tokens), v_mean (zero without smoothing), and the E4M3 scale of V - v_mean, for channel c.
+// kv_finalize_kernel and kv_prepass_kernel both call it.
+struct ChannelFinal {
+  float k_mean, v_mean, v_scale, v_inv;
+};
+__device__ __forceinline__ ChannelFinal finalize_channel(const KvStat* stats, int64_t chunks,
+                                                         int64_t dim, int64_t c, int64_t seq_kv,
+                                                         int64_t k_samples, bool smooth_k,
+                                                         bool smooth_v) {
+  constexpr int kBatch = 8;  // the statistics of kBatch chunks are loaded before their sums
+  double sk = 0, sv = 0;
+  float mx = -INFINITY, mn = INFINITY;
+  for (int64_t i0 = 0; i0 < chunks; i0 += kBatch) {
+    KvStat s[kBatch];
+    for (int u = 0; u < kBatch; ++u)
+      if (i0 + u < chunks) s[u] = stats[(i0 + u) * dim + c];
+    for (int u = 0; u < kBatch; ++u) {
+      if (i0 + u >= chunks) break;
+      sk += s[u].sum_k;
+      sv += s[u].sum_v;
+      mx = fmaxf(mx, s[u].max_v);
+      mn = fminf(mn, s[u].min_v);
+    }
+  }
+  const float km = smooth_k ? float(sk / double(k_samples)) : 0.0f;
+  const float vm = smooth_v ? float(sv / double(seq_kv)) : 0.0f;
+  // max |fl(v - vm)| over the channel: subtraction is monotonic, so the extremes decide.
+  const float amax = fmaxf(__fsub_rn(mx, vm), __fsub_rn(vm, mn));
+  const QuantScale q = make_quant_scale(amax, kE4M3Max);
+  return {km, vm, q.scale, q.inv};
 }
 
-// k_mean (over the k_samples sampled tokens), v_mean (zero without smoothing), and the E4M3 scale
-// of V - v_mean per channel. The chunks are summed in order; the statistics of kBatch chunks are
-// loaded before their sums.
-__global__ void __launch_bounds__(128)
-    kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t k_samples, int64_t dim,
-                       int64_t chunks,
-                       bool smooth_k, bool smooth_v, float* k_mean, float* v_mean, float* v_scale,
-                       float* v_inv, unsigned* tile_counter) {
-  pdl_enter();
-  // The attention kernel's tile counters start at zero (it leaves them so; this covers a fresh
-  // workspace).
-  if (blockIdx.x == 0 && threadIdx.x < 2) tile_counter[threadIdx.x] = 0u;
-  constexpr int kBatch = 8;
-  const int64_t bh = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-    double sk = 0, sv = 0;
-    float mx = -INFINITY, mn = INFINITY;
-    for (int64_t i0 = 0; i0 < chunks; i0 += kBatch) {
-      KvStat s[kBatch];
-      for (int u = 0; u < kBatch; ++u)
-        if (i0 + u < chunks) s[u] = stats[(bh * chunks + i0 + u) * dim + c];
-      for (int u = 0; u < kBatch; ++u) {
-        if (i0 + u >= chunks) break;
-        sk += s[u].sum_k;
-        sv += s[u].sum_v;
-        mx = fmaxf(mx, s[u].max_v);
-        mn = fminf(mn, s[u].min_v);
-      }
-    }
-    const float km = smooth_k ? float(sk / double(k_samples)) : 0.0f;
-    const float vm = smooth_v ? float(sv / double(seq_kv)) : 0.0f;
-    // max |fl(v - vm)| over the channel: subtraction is monotonic, so the extremes decide.
-    const float amax = fmaxf(__fsub_rn(mx, vm), __fsub_rn(vm, mn));
-    const QuantScale q = make_quant_scale(amax, kE4M3Max);
-    k_mean[bh * dim + c] = km;
-    v_mean[bh * dim + c] = vm;
-    v_scale[bh * dim + c] = q.scale;
-    v_inv[bh * dim + c] = q.inv;
-  }
-}
-
-// One CTA (256 threads) per 64-key block, K and V together (the loads of both in flight at once).
-// K: 4 threads a key (part p holds 8-channel chunks p, p+4, ...), kept in registers between the
-// max pass and the quantize pass; the 4 groups are keys {8i+2t, 8i+2t+1}. Its max is taken on
-// the bits of |k - k_mean| (non-negative floats order as their bits; NaN orders above Inf, so a
-// NaN is seen and sends the thread to the float max, which skips it, and to quantize_bits). With
-// no NaN and a finite group amax and inv, quantize_bits' clamp and NaN test cannot act (see
-// quant_q) and are skipped. V: E4M3 of (V - v_mean) / v_scale, written transposed
-// ([channel][key]) with the keys of each 32-chunk in MMA operand order (v_position_of_key):
-// positions 4g..4g+3 of a block hold keys 16(g/4) + 2(g%4) + {0, 1, 8, 9}, so a thread takes
-// such a 4-key group for a slice of W = D/16 channels and stores one 4-byte word per channel;
-// the 16 groups of a slice are 16 lanes of a warp, whose words make the channel's 64-byte row.
-template <typename T, int D, int kBits, bool kVec>
-__global__ void __launch_bounds__(256, 3)
-    quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
-                    const float* k_mean, const float* v_mean, const float* v_inv, int64_t nk_pad,
-                    int64_t k_blocks, uint8_t* kq, float* k_scale, uint8_t* vq) {
-  pdl_enter();
-  constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
-  constexpr int kChunks = D / 32, kW = D / 16;
-  static_assert(kBlockK == 64, "16 four-key groups a block");
-  __shared__ float group_max[8][4];
-  __shared__ __align__(16) float km[D];
-  __shared__ __align__(16) float vm[D];
-  __shared__ __align__(16) float vi[D];
-  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
-  const int64_t kb = blockIdx.x;
-  const int j = threadIdx.x / 4, part = threadIdx.x % 4, warp = threadIdx.x / 32;
-  const int64_t key = kb * kBlockK + j;
-  const bool valid = key < seq_kv;
-  // V item: 4-key group g (lane % 16), channel slice sl (two a warp).
-  const int g = threadIdx.x % 16, sl = warp * 2 + (threadIdx.x % 32) / 16;
-  const int vkey0 = 16 * (g / 4) + 2 * (g % 4);
-  // Every load of the thread first: its K row part, then its V rows.
+// ---- K/V quantization of a 64-key block ------------------------------------------------------
+// 256 threads a block. K: 4 threads a key (part p holds 8-channel chunks p, p+4, ...), kept in
+// registers between the max pass and the quantize pass; the 4 groups are keys {8i+2t, 8i+2t+1}.
+// V: E4M3 of (V - v_mean) / v_scale, written transposed ([channel][key]) with the keys of each
+// 32-chunk in MMA operand order (v_position_of_key): positions 4g..4g+3 of a block hold keys
+// 16(g/4) + 2(g%4) + {0, 1, 8, 9}, so a thread takes such a 4-key group for a slice of W = D/16
+// channels and stores one 4-byte word per channel; the 16 groups of a slice are 16 lanes of a
+// warp, whose words make the channel's 64-byte row.
+template <int D>
+struct KvBlock {
+  static constexpr int kChunks = D / 32, kW = D / 16;
   uint4 kr[kChunks];
-  for (int ci = 0; ci < kChunks; ++ci) {
-    kr[ci] = make_uint4(0u, 0u, 0u, 0u);
-    if (valid) kr[ci] = load_raw8<kVec>(row_ptr(k, ks, b, h, key) + (ci * 4 + part) * 8);
-  }
   uint32_t vr[4][kW / 2];  // rows vkey0 + {0, 1, 8, 9}, kW elements each
   uint32_t vkeep = 0u;     // byte u: 0xFF when key vkey0 + {0, 1, 8, 9}[u] exists
+  __device__ static int key() { return threadIdx.x / 4; }
+  __device__ static int part() { return threadIdx.x % 4; }
+  __device__ static int group() { return threadIdx.x % 16; }                       // V: g
+  __device__ static int slice() { return threadIdx.x / 32 * 2 + threadIdx.x % 32 / 16; }  // V: sl
+  __device__ static int vkey(int u) {  // V row u of the thread's group, in the block
+    const int g = group();
+    return 16 * (g / 4) + 2 * (g % 4) + (u % 2) + 8 * (u / 2);
+  }
+};
+
+// Loads block kb from global memory (quant_kv_kernel): every load of the thread is issued first.
+template <typename T, int D, bool kVec>
+__device__ __forceinline__ KvBlock<D> load_block_global(const T* k, const T* v,
+                                                        const sage_strides& ks,
+                                                        const sage_strides& vs, int b, int h,
+                                                        int64_t kb, int64_t seq_kv) {
+  using B = KvBlock<D>;
+  B x;
+  const int64_t key = kb * kBlockK + B::key();
+  for (int ci = 0; ci < B::kChunks; ++ci) {
+    x.kr[ci] = make_uint4(0u, 0u, 0u, 0u);
+    if (key < seq_kv) x.kr[ci] = load_raw8<kVec>(row_ptr(k, ks, b, h, key) + (ci * 4 + B::part()) * 8);
+  }
   for (int u = 0; u < 4; ++u) {
-    const int64_t n = kb * kBlockK + vkey0 + (u % 2) + 8 * (u / 2);
-    for (int i = 0; i < kW / 2; ++i) vr[u][i] = 0u;
+    const int64_t n = kb * kBlockK + B::vkey(u);
+    for (int i = 0; i < B::kW / 2; ++i) x.vr[u][i] = 0u;
     if (n < seq_kv) {
-      load_raw<kVec, kW>(row_ptr(v, vs, b, h, n) + sl * kW, vr[u]);
-      vkeep |= 0xFFu << (8 * u);
+      load_raw<kVec, B::kW>(row_ptr(v, vs, b, h, n) + B::slice() * B::kW, x.vr[u]);
+      x.vkeep |= 0xFFu << (8 * u);
     }
   }
-  if (threadIdx.x < D) {
-    const int c = threadIdx.x;
-    km[c] = k_mean[int64_t(bh) * D + c];
-    vm[c] = v_mean[int64_t(bh) * D + c];
-    vi[c] = v_inv[int64_t(bh) * D + c];
+  return x;
+}
+
+// Loads the block at stage row r0 (kv_prepass_kernel: rows past the sequence were zero-filled).
+template <int D>
+__device__ __forceinline__ KvBlock<D> load_block_staged(const uint8_t* smem, int r0, int64_t key0,
+                                                        int64_t seq_kv) {
+  using B = KvBlock<D>;
+  B x;
+  const uint8_t* krow = smem + (r0 + B::key()) * Stage<D>::kPitch;
+  for (int ci = 0; ci < B::kChunks; ++ci)
+    x.kr[ci] = *reinterpret_cast<const uint4*>(krow + (ci * 4 + B::part()) * 16);
+  for (int u = 0; u < 4; ++u) {
+    const uint8_t* vrow = smem + Stage<D>::kV + (r0 + B::vkey(u)) * Stage<D>::kPitch +
+                          B::slice() * B::kW * 2;
+    if constexpr (B::kW == 8) {
+      const uint4 w = *reinterpret_cast<const uint4*>(vrow);
+      x.vr[u][0] = w.x, x.vr[u][1] = w.y, x.vr[u][2] = w.z, x.vr[u][3] = w.w;
+    } else {
+      const uint2 w = *reinterpret_cast<const uint2*>(vrow);
+      x.vr[u][0] = w.x, x.vr[u][1] = w.y;
+    }
+    if (key0 + B::vkey(u) < seq_kv) x.vkeep |= 0xFFu << (8 * u);
   }
-  __syncthreads();
+  return x;
+}
+
+// Quantizes and stores block kb. km, vm, vi: the head's k_mean, v_mean and 1/v_scale in shared
+// memory; group_max: [8][4] floats of shared memory (one __syncthreads inside: a caller that
+// loops over blocks alternates two). K's max is taken on the bits of |k - k_mean| (non-negative
+// floats order as their bits; NaN orders above Inf, so a NaN is seen and sends the thread to the
+// float max, which skips it, and to quantize_bits). With no NaN and a finite group amax and inv,
+// quantize_bits' clamp and NaN test cannot act (see quant_q) and are skipped.
+template <typename T, int D, int kBits>
+__device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, int bh,
+                                               const float* km, const float* vm, const float* vi,
+                                               float (*group_max)[4], int64_t seq_kv,
+                                               int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
+                                               float* k_scale, uint8_t* vq) {
+  using B = KvBlock<D>;
+  constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
+  const int j = B::key(), part = B::part(), warp = threadIdx.x / 32;
+  const int64_t key = kb * kBlockK + j;
+  const bool valid = key < seq_kv;
 
   // K: max |k - k_mean| of the part, then over the 4 parts of a key and its pair key (j ^ 1 is
   // 4 lanes away): one group in this warp.
   uint32_t abits = 0u;
-  for (int ci = 0; ci < kChunks; ++ci) {
+  for (int ci = 0; ci < B::kChunks; ++ci) {
     const float4 m0 = *reinterpret_cast<const float4*>(&km[(ci * 4 + part) * 8]);
     const float4 m1 = *reinterpret_cast<const float4*>(&km[(ci * 4 + part) * 8 + 4]);
     const float mk[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
     for (int e = 0; e < 8; ++e)
-      abits = max(abits, __float_as_uint(fabsf(__fsub_rn(elem_float<T>(kr[ci], e), mk[e]))));
+      abits = max(abits, __float_as_uint(fabsf(__fsub_rn(elem_float<T>(x.kr[ci], e), mk[e]))));
   }
   const bool k_nan = abits > 0x7F800000u;
   float amax = 0.0f;
@@ -377,10 +402,10 @@ __global__ void __launch_bounds__(256, 3)
     if (!k_nan) {
       amax = __uint_as_float(abits);
     } else {
-      for (int ci = 0; ci < kChunks; ++ci)
+      for (int ci = 0; ci < B::kChunks; ++ci)
         for (int e = 0; e < 8; ++e) {
           const int c = (ci * 4 + part) * 8 + e;
-          amax = fmaxf(amax, fabsf(__fsub_rn(elem_float<T>(kr[ci], e), km[c])));
+          amax = fmaxf(amax, fabsf(__fsub_rn(elem_float<T>(x.kr[ci], e), km[c])));
         }
     }
   }
@@ -390,16 +415,18 @@ __global__ void __launch_bounds__(256, 3)
 
   // V: E4M3 pairs (keys vkey0, vkey0 + 1) and (vkey0 + 8, vkey0 + 9) of each channel, one word.
   {
-    uint8_t* vdst = vq + (int64_t(bh) * D + sl * kW) * nk_pad + kb * kBlockK + 4 * g;
-    for (int e = 0; e < kW; ++e) {
-      const int c = sl * kW + e;
+    const int sl = B::slice();
+    uint8_t* vdst = vq + (int64_t(bh) * D + sl * B::kW) * nk_pad + kb * kBlockK + 4 * B::group();
+    for (int e = 0; e < B::kW; ++e) {
+      const int c = sl * B::kW + e;
       const float m = vm[c], s = vi[c];
       auto val = [&](int u) {
-        const uint32_t bits = (e % 2) ? vr[u][e / 2] >> 16 : vr[u][e / 2] & 0xFFFFu;
+        const uint32_t bits = (e % 2) ? x.vr[u][e / 2] >> 16 : x.vr[u][e / 2] & 0xFFFFu;
         return __fmul_rn(__fsub_rn(Bits<T>::to_float(bits), m), s);
       };
       const uint32_t lo = ptx::cvt_e4m3x2(val(0), val(1)), hi = ptx::cvt_e4m3x2(val(2), val(3));
-      *reinterpret_cast<uint32_t*>(vdst + int64_t(e) * nk_pad) = __byte_perm(lo, hi, 0x5410) & vkeep;
+      *reinterpret_cast<uint32_t*>(vdst + int64_t(e) * nk_pad) =
+          __byte_perm(lo, hi, 0x5410) & x.vkeep;
     }
   }
   __syncthreads();
@@ -412,8 +439,135 @@ __global__ void __launch_bounds__(256, 3)
   const bool fast = !k_nan && finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
   quantize_store_row_part<T, D, kBits>(
-      kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8), kr,
-      [&](float x, int c) { return __fsub_rn(x, km[c]); }, part, s.inv, qmax, fast, keep);
+      kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8), x.kr,
+      [&](float y, int c) { return __fsub_rn(y, km[c]); }, part, s.inv, qmax, fast, keep);
+}
+
+// ---- The kernels -----------------------------------------------------------------------------
+// K/V in one launch (PrepassPlan::kv_cluster): one CTA per chunk of kStatTokens tokens, one
+// cluster per KV head (grid (chunks, heads, batch), cluster (chunks, 1, 1)). Each CTA stages its
+// chunk's K and V rows (every byte read from memory once), writes the chunk's statistics, meets
+// the rest of its cluster at the cluster barrier, reduces the head's statistics itself (the
+// kv_finalize step: k_mean, v_mean, V's scale; the cluster's first CTA also stores them for the
+// attention kernel and quant_q), and quantizes its staged rows.
+template <typename T, int D, int kBits, bool kVec>
+__global__ void __launch_bounds__(256, 1)
+    kv_prepass_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
+                      int64_t chunks, uint32_t k_stride, int64_t k_samples, bool smooth_k,
+                      bool smooth_v, KvStat* stats, float* k_mean, float* v_mean, float* v_scale,
+                      float* v_inv, unsigned* tile_counter, int64_t nk_pad, int64_t k_blocks,
+                      uint8_t* kq, float* k_scale, uint8_t* vq) {
+  pdl_enter();
+  extern __shared__ __align__(16) uint8_t stage[];
+  __shared__ double red[kStatRed];
+  __shared__ float group_max[2][8][4];
+  __shared__ __align__(16) float km[D];
+  __shared__ __align__(16) float vm[D];
+  __shared__ __align__(16) float vi[D];
+  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
+  const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
+  const int rows = int(min(int64_t(kStatTokens), seq_kv - n0));
+  stage_rows<T, D, kVec>(k, v, ks, vs, b, h, n0, kStatTokens, rows, k_stride, true,
+                         Stage<D>::kRows, stage);
+  ChunkStats<T, D> st;
+  st.accumulate(stage, Stage<D>::kRows, 0, rows, n0, k_stride);
+  KvStat* head_stats = stats + int64_t(bh) * chunks * D;
+  st.write(red, head_stats + chunk * D);
+  __threadfence();
+  ptx::cluster_sync();  // every chunk's statistics of the head are written
+  if (threadIdx.x < D) {
+    const int c = threadIdx.x;
+    const ChannelFinal f =
+        finalize_channel(head_stats, chunks, D, c, seq_kv, k_samples, smooth_k, smooth_v);
+    km[c] = f.k_mean, vm[c] = f.v_mean, vi[c] = f.v_inv;
+    if (chunk == 0) {
+      const int64_t at = int64_t(bh) * D + c;
+      k_mean[at] = f.k_mean, v_mean[at] = f.v_mean, v_scale[at] = f.v_scale, v_inv[at] = f.v_inv;
+    }
+  }
+  // The attention kernel's tile counters start at zero (it leaves them so; this covers a fresh
+  // workspace).
+  if (bh == 0 && chunk == 0 && threadIdx.x < 2) tile_counter[threadIdx.x] = 0u;
+  __syncthreads();
+  constexpr int kBlocks = kStatTokens / kBlockK;
+  for (int i = 0; i < kBlocks; ++i) {
+    const int64_t kb = chunk * kBlocks + i;
+    if (kb >= k_blocks) break;
+    const KvBlock<D> x = load_block_staged<D>(stage, i * kBlockK, kb * kBlockK, seq_kv);
+    quant_kv_block<T, D, kBits>(x, kb, bh, km, vm, vi, group_max[i % 2], seq_kv, nk_pad,
+                                k_blocks, kq, k_scale, vq);
+  }
+}
+
+// The three-launch path's statistics: kv_prepass_kernel's first step alone, staging half a chunk
+// at a time (V's rows and the rows K's mean samples) in 70 KB of shared memory at D = 128, so it
+// also runs where a block gets less than the whole chunk's 139 KB (sm_89, sm_120).
+template <typename T, int D, bool kVec>
+__global__ void __launch_bounds__(256, 2)
+    kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
+                    int64_t chunks, uint32_t k_stride, KvStat* out) {
+  pdl_enter();
+  extern __shared__ __align__(16) uint8_t stage[];
+  __shared__ double red[kStatRed];
+  constexpr int kHalf = kStatTokens / 2;
+  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
+  const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
+  const int rows = int(min(int64_t(kStatTokens), seq_kv - n0));
+  ChunkStats<T, D> st;
+  for (int r0 = 0; r0 < rows; r0 += kHalf) {
+    if (r0 > 0) __syncthreads();  // every thread is done with the previous half
+    const int count = min(kHalf, rows - r0);
+    stage_rows<T, D, kVec>(k, v, ks, vs, b, h, n0 + r0, count, count, k_stride, false, kHalf,
+                           stage);
+    st.accumulate(stage, kHalf, r0, count, n0, k_stride);
+  }
+  st.write(red, out + (int64_t(bh) * chunks + chunk) * D);
+}
+
+// The three-launch path's finalize: one CTA per KV head, a thread per channel.
+__global__ void __launch_bounds__(128)
+    kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t k_samples, int64_t dim,
+                       int64_t chunks, bool smooth_k, bool smooth_v, float* k_mean, float* v_mean,
+                       float* v_scale, float* v_inv, unsigned* tile_counter) {
+  pdl_enter();
+  // The attention kernel's tile counters start at zero (it leaves them so; this covers a fresh
+  // workspace).
+  if (blockIdx.x == 0 && threadIdx.x < 2) tile_counter[threadIdx.x] = 0u;
+  const int64_t bh = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
+    const ChannelFinal f = finalize_channel(stats + bh * chunks * dim, chunks, dim, c, seq_kv,
+                                            k_samples, smooth_k, smooth_v);
+    k_mean[bh * dim + c] = f.k_mean;
+    v_mean[bh * dim + c] = f.v_mean;
+    v_scale[bh * dim + c] = f.v_scale;
+    v_inv[bh * dim + c] = f.v_inv;
+  }
+}
+
+// The three-launch path's quantization: one CTA (256 threads) per 64-key block, K and V loaded
+// together (the loads of both in flight at once) before the head's means and scales.
+template <typename T, int D, int kBits, bool kVec>
+__global__ void __launch_bounds__(256, 3)
+    quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
+                    const float* k_mean, const float* v_mean, const float* v_inv, int64_t nk_pad,
+                    int64_t k_blocks, uint8_t* kq, float* k_scale, uint8_t* vq) {
+  pdl_enter();
+  __shared__ float group_max[8][4];
+  __shared__ __align__(16) float km[D];
+  __shared__ __align__(16) float vm[D];
+  __shared__ __align__(16) float vi[D];
+  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
+  const int64_t kb = blockIdx.x;
+  const KvBlock<D> x = load_block_global<T, D, kVec>(k, v, ks, vs, b, h, kb, seq_kv);
+  if (threadIdx.x < D) {
+    const int c = threadIdx.x;
+    km[c] = k_mean[int64_t(bh) * D + c];
+    vm[c] = v_mean[int64_t(bh) * D + c];
+    vi[c] = v_inv[int64_t(bh) * D + c];
+  }
+  __syncthreads();
+  quant_kv_block<T, D, kBits>(x, kb, bh, km, vm, vi, group_max, seq_kv, nk_pad, k_blocks, kq,
+                              k_scale, vq);
 }
 
 // One CTA (512 threads, 4 a row) per 128-row Q block: optional block mean (kSmooth), the LSE
@@ -560,7 +714,8 @@ __global__ void __launch_bounds__(64)
 }
 
 template <typename T, int D>
-cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cudaStream_t st) {
+cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int device,
+                       cudaStream_t st) {
   const T* q = static_cast<const T*>(in.q);
   const T* k = static_cast<const T*>(in.k);
   const T* v = static_cast<const T*>(in.v);
@@ -572,6 +727,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
   };
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
   KvStat* stats = reinterpret_cast<KvStat*>(ws + p.kv_stats);
+  unsigned* tile_counter = reinterpret_cast<unsigned*>(ws + p.tile_counter);
   const bool vec_kv = rows_aligned16(k, in.k_strides) && rows_aligned16(v, in.v_strides);
   const bool vec_q = rows_aligned16(q, in.q_strides);
 
@@ -579,29 +735,43 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
   auto check = [&](cudaError_t e) {
     if (err == cudaSuccess) err = e;
   };
-  auto stats_kernel = [&](auto vec) {
+  // K and V: one launch (a cluster per head), or statistics, finalize and quantization.
+  auto kv = [&](auto bits, auto vec) {
+    constexpr int kBits = decltype(bits)::value;
     constexpr bool kVec = decltype(vec)::value;
-    check(launch_pdl(kv_stats_kernel<T, D, kVec>, {kv_grid(p.stat_chunks), dim3(256)}, st, k, v,
+    if (p.kv_cluster > 0) {
+      constexpr auto kernel = kv_prepass_kernel<T, D, kBits, kVec>;
+      check(set_max_dynamic_smem_once<kernel>(device, Stage<D>::kBytes));
+      if (p.kv_cluster > 8)
+        check(set_attribute_once<kernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(device,
+                                                                                       1));
+      LaunchShape shape{kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)};
+      shape.cluster = unsigned(p.kv_cluster);
+      check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, p.seq_kv,
+                       p.stat_chunks, uint32_t(p.k_mean_stride), p.k_mean_samples, p.smooth_k,
+                       p.smooth_v, stats, f32(p.k_mean), f32(p.v_mean), f32(p.v_scale),
+                       f32(p.v_inv), tile_counter, p.nk_pad, p.k_blocks, ws + p.k,
+                       f32(p.k_scale), ws + p.v));
+      return;
+    }
+    constexpr auto stats_kernel = kv_stats_kernel<T, D, kVec>;
+    check(set_max_dynamic_smem_once<stats_kernel>(device, Stage<D>::kHalfBytes));
+    check(launch_pdl(stats_kernel,
+                     {kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kHalfBytes)}, st, k, v,
                      in.k_strides, in.v_strides, p.seq_kv, p.stat_chunks,
                      uint32_t(p.k_mean_stride), stats));
+    if (err != cudaSuccess) return;
+    check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D)}, st, stats, p.seq_kv,
+                     p.k_mean_samples, int64_t(D), p.stat_chunks, p.smooth_k, p.smooth_v,
+                     f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter));
+    if (err != cudaSuccess) return;
+    check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(256)}, st, k,
+                     v, in.k_strides, in.v_strides, p.seq_kv, f32(p.k_mean), f32(p.v_mean),
+                     f32(p.v_inv), p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale), ws + p.v));
   };
-  if (vec_kv)
-    stats_kernel(std::true_type{});
-  else
-    stats_kernel(std::false_type{});
-  if (err != cudaSuccess) return err;
-  check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D)}, st, stats, p.seq_kv,
-                   p.k_mean_samples, int64_t(D),
-                   p.stat_chunks, p.smooth_k, p.smooth_v, f32(p.k_mean), f32(p.v_mean),
-                   f32(p.v_scale), f32(p.v_inv),
-                   reinterpret_cast<unsigned*>(ws + p.tile_counter)));
-  if (err != cudaSuccess) return err;
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
-    check(launch_pdl(quant_kv_kernel<T, D, kBits, decltype(vkv)::value>, {kv_grid(p.k_blocks),
-                     dim3(256)}, st, k, v, in.k_strides, in.v_strides, p.seq_kv, f32(p.k_mean),
-                     f32(p.v_mean), f32(p.v_inv), p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale),
-                     ws + p.v));
+    kv(bits, vkv);
     if (err != cudaSuccess || !p.quantize_q) return;  // the sm90 kernel quantizes Q itself
     auto qk = p.smooth_q ? quant_q_kernel<T, D, kBits, decltype(vq)::value, true>
                          : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
@@ -633,19 +803,53 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, cuda
 }
 
 template <typename T>
-cudaError_t launch_all(const Plan& p, const PrepassInputs& in, uint8_t* ws, cudaStream_t st) {
-  const cudaError_t e =
-      p.head_dim == 64 ? launch_dim<T, 64>(p, in, ws, st) : launch_dim<T, 128>(p, in, ws, st);
+cudaError_t launch_all(const Plan& p, const PrepassInputs& in, uint8_t* ws, int device,
+                       cudaStream_t st) {
+  const cudaError_t e = p.head_dim == 64 ? launch_dim<T, 64>(p, in, ws, device, st)
+                                         : launch_dim<T, 128>(p, in, ws, device, st);
   const cudaError_t last = cudaGetLastError();  // also clears a launch error just returned
   return e != cudaSuccess ? e : last;
 }
 
 }  // namespace
 
-cudaError_t run_prepass(const Plan& plan, const PrepassInputs& in, uint8_t* workspace,
+int max_kv_cluster(int device) {
+  // The largest instantiation (D = 128: 139 KB of staged rows a CTA) decides for all.
+  constexpr auto kernel = kv_prepass_kernel<__half, 128, 8, true>;
+  if (set_max_dynamic_smem_once<kernel>(device, Stage<128>::kBytes) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  for (int cluster : {16, 8}) {
+    if (cluster > 8 &&
+        set_attribute_once<kernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(device, 1) !=
+            cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(cluster);
+    attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(cluster));
+    cfg.blockDim = dim3(256);
+    cfg.dynamicSmemBytes = Stage<128>::kBytes;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0)
+      return cluster;
+    cudaGetLastError();
+  }
+  return 0;
+}
+
+cudaError_t run_prepass(const Plan& plan, const PrepassInputs& in, uint8_t* workspace, int device,
                         cudaStream_t stream) {
-  return in.dtype == SAGE_DTYPE_BF16 ? launch_all<__nv_bfloat16>(plan, in, workspace, stream)
-                                     : launch_all<__half>(plan, in, workspace, stream);
+  return in.dtype == SAGE_DTYPE_BF16
+             ? launch_all<__nv_bfloat16>(plan, in, workspace, device, stream)
+             : launch_all<__half>(plan, in, workspace, device, stream);
 }
 
 }  // namespace sage::quant

@@ -23,8 +23,13 @@ struct PrepassInputs {
   float scale;  // softmax scale (for the LSE correction)
 };
 
-// Runs every pre-pass kernel on `stream`, writing the workspace laid out by `plan`.
+// Runs every pre-pass kernel on `stream` (device `device`, the current one), writing the
+// workspace laid out by `plan`.
 cudaError_t run_prepass(const PrepassPlan& plan, const PrepassInputs& in, uint8_t* workspace,
-                        cudaStream_t stream);
+                        int device, cudaStream_t stream);
+
+// The largest thread-block cluster (16, 8, or 0: none) with which K/V's one-launch pre-pass
+// (PrepassPlan::kv_cluster) can be resident on device `device` (sm_90+; queried once a device).
+int max_kv_cluster(int device);
 
 }  // namespace sage::quant

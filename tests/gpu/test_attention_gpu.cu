@@ -104,19 +104,22 @@ struct GpuRun {
 // scale 0: 1/sqrt(D). The plan is taken from the same args the call gets.
 GpuRun run_gpu(const Case& c, const std::vector<uint16_t>& q, const std::vector<uint16_t>& k,
                const std::vector<uint16_t>& v, KernelChoice kc = {SAGE_KERNEL_AUTO, 0u, "auto"},
-               float scale = 0.0f) {
+               float scale = 0.0f, int kv_shift = 0) {
   GpuRun r;
   const size_t o_elems = size_t(c.B * c.Hq * c.Nq * c.D), lse_elems = size_t(c.B * c.Hq * c.Nq);
-  DeviceBuffer dq(q.size() * 2), dk(k.size() * 2), dv(v.size() * 2), dout(o_elems * 2),
-      dlse(lse_elems * 4);
+  // kv_shift: K and V start that many elements into their buffers (1: rows 2-byte aligned only).
+  DeviceBuffer dq(q.size() * 2), dk((k.size() + 8) * 2), dv((v.size() + 8) * 2),
+      dout(o_elems * 2), dlse(lse_elems * 4);
+  uint16_t* kp = static_cast<uint16_t*>(dk.ptr) + kv_shift;
+  uint16_t* vp = static_cast<uint16_t*>(dv.ptr) + kv_shift;
   cudaMemcpy(dq.ptr, q.data(), q.size() * 2, cudaMemcpyHostToDevice);
-  cudaMemcpy(dk.ptr, k.data(), k.size() * 2, cudaMemcpyHostToDevice);
-  cudaMemcpy(dv.ptr, v.data(), v.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(kp, k.data(), k.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(vp, v.data(), v.size() * 2, cudaMemcpyHostToDevice);
   cudaMemset(dout.ptr, 0xFF, o_elems * 2);  // NaN in fp16 and bf16
   cudaMemset(dlse.ptr, 0xFF, lse_elems * 4);
   sage_attention_args a;
   sage_attention_args_init(&a);
-  a.q = dq.ptr, a.k = dk.ptr, a.v = dv.ptr, a.o = dout.ptr, a.lse = static_cast<float*>(dlse.ptr);
+  a.q = dq.ptr, a.k = kp, a.v = vp, a.o = dout.ptr, a.lse = static_cast<float*>(dlse.ptr);
   a.batch = c.B, a.heads_q = c.Hq, a.heads_kv = c.Hkv, a.seq_q = c.Nq, a.seq_kv = c.Nk;
   a.head_dim = c.D, a.layout = c.layout, a.dtype = c.dtype, a.mask = c.mask;
   a.variant = c.variant;
@@ -501,6 +504,54 @@ TEST(GpuAttention, FusedQQuantizationMatchesPrepass) {
     EXPECT_EQ(differ, 0u) << "outputs differ in " << differ << " of " << fused.o.size();
     for (size_t i = 0; i < fused.lse.size(); ++i)
       ASSERT_NEAR(fused.lse[i], prepass.lse[i], 1e-6 * (1 + std::fabs(prepass.lse[i]))) << i;
+  }
+}
+
+// K/V's pre-pass as one cluster launch (a CTA per 256-token chunk, a cluster per KV head) and as
+// three launches (SAGE_OPTION_PREPASS_KV_SPLIT) take the same statistics in the same order and
+// quantize with the same operations, so O and LSE must agree bit for bit: for rows 16-byte
+// aligned (staged by cp.async) and for K and V one element off (rows 2-byte aligned: staged by
+// plain loads), from one chunk to sixteen (partial last chunks), fp16 and bf16, D 64 and 128,
+// GQA, both masks, both kernel families and the 4-bit mma kernel. Where the device holds the
+// clusters, the split plan launches two kernels more.
+TEST(GpuAttention, OneLaunchKvPrepassMatchesThreeLaunches) {
+  SAGE_REQUIRE_GPU();
+  const std::vector<KernelChoice> kernels = kernels_of_this_gpu();
+  if (kernels.empty()) GTEST_SKIP() << "no SageAttention2 kernel below sm_89";
+  std::mt19937_64 rng(sage::test::fresh_seed());
+  for (const Case& c : {Case{1, 4, 2, 70, 1, 64, kNone, kHND, kF16, k8, 4},
+                        Case{2, 4, 2, 90, 255, 128, kBR, kNHD, kBF16, k8, 4},
+                        Case{1, 3, 3, 130, 1000, 128, kNone, kHND, kF16, k8, 4},
+                        Case{1, 2, 1, 64, 2049, 64, kTL, kNHD, kBF16, k8, 4},
+                        Case{1, 2, 2, 100, 4096, 128, kNone, kNHD, kF16, k8, 4},
+                        Case{1, 2, 2, 257, 700, 128, kNone, kHND, kF16, k4, 4}}) {
+    SCOPED_TRACE(name(c));
+    const Inputs in = draw_inputs(rng, c);
+    for (const KernelChoice& kc : kernels) {
+      if (kc.options != 0u || (kc.kernel == SAGE_KERNEL_SM90 && c.variant == k4)) continue;
+      SCOPED_TRACE(kc.label);
+      const KernelChoice split{kc.kernel, SAGE_OPTION_PREPASS_KV_SPLIT, "split"};
+      const GpuRun one = run_gpu(c, in.qd, in.kd, in.vd, kc);
+      const GpuRun three = run_gpu(c, in.qd, in.kd, in.vd, split);
+      const GpuRun one_off = run_gpu(c, in.qd, in.kd, in.vd, kc, 0.0f, 1);
+      const GpuRun three_off = run_gpu(c, in.qd, in.kd, in.vd, split, 0.0f, 1);
+      for (const GpuRun* g : {&one, &three, &one_off, &three_off}) ASSERT_EQ(g->status, SAGE_OK) << g->error;
+      if (compute_capability() == 90 && c.Nk <= 2048)
+        EXPECT_EQ(three.plan.launches, one.plan.launches + 2);
+      std::printf("    %-6s %s: launches %d (one-launch K/V plan) / %d (split)\n", kc.label,
+                  name(c).c_str(), one.plan.launches, three.plan.launches);
+      for (const GpuRun* g : {&three, &one_off, &three_off}) {
+        size_t differ = 0, lse_differ = 0;
+        for (size_t i = 0; i < one.o.size(); ++i) differ += one.o[i] != g->o[i];
+        for (size_t i = 0; i < one.lse.size(); ++i)
+          lse_differ += std::memcmp(&one.lse[i], &g->lse[i], 4) != 0;
+        EXPECT_EQ(differ, 0u) << "O differs in " << differ << " of " << one.o.size();
+        EXPECT_EQ(lse_differ, 0u) << "LSE differs in " << lse_differ << " of " << one.lse.size();
+      }
+      size_t nan = 0;
+      for (uint16_t x : one.o) nan += (x & 0x7FFFu) > (c.dtype == kF16 ? 0x7C00u : 0x7F80u);
+      EXPECT_EQ(nan, 0u) << "poison left in O";
+    }
   }
 }
 

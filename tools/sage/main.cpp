@@ -29,6 +29,7 @@ std::string bench_impl_name(const std::string& variant, const BenchOptions& opt)
   if (opt.kernel == SAGE_KERNEL_MMA) name += "-mma";
   if (opt.kernel == SAGE_KERNEL_SM90) name += "-sm90";
   if (opt.options & SAGE_OPTION_PREPASS_Q) name += "-prepass-q";
+  if (opt.options & SAGE_OPTION_PREPASS_KV_SPLIT) name += "-kv-split";
   return name;
 }
 
@@ -70,12 +71,14 @@ void usage(FILE* f) {
                "  --kernel auto|mma|sm90 the kernel family (args.kernel; default auto, the plan's\n"
                "                         choice); a forced family skips the shapes it cannot run\n"
                "  --prepass-q            sm90: Q quantized by the pre-pass (SAGE_OPTION_PREPASS_Q)\n"
+               "  --kv-split             K/V pre-pass in three launches, not one cluster launch\n"
+               "                         (SAGE_OPTION_PREPASS_KV_SPLIT)\n"
                "  --out FILE             JSON in the bench/results schema; --commit C labels it\n");
 }
 
 struct Options {
   std::map<std::string, std::string> values;
-  bool json = false, causal = false, bias = false, prepass_q = false;
+  bool json = false, causal = false, bias = false, prepass_q = false, kv_split = false;
   std::string get(const std::string& k, const std::string& def) const {
     auto it = values.find(k);
     return it == values.end() ? def : it->second;
@@ -92,6 +95,7 @@ bool parse_options(int argc, char** argv, Options* o) {
     }
     if (a == "--bias") { o->bias = true; continue; }
     if (a == "--prepass-q") { o->prepass_q = true; continue; }
+    if (a == "--kv-split") { o->kv_split = true; continue; }
     static const char* with_value[] = {"--q", "--k", "--v", "--layout", "--batch", "--heads",
                                        "--kv-heads", "--seq", "--seq-kv", "--dim", "--seed",
                                        "--q-bias", "--k-bias", "--v-bias", "--token-spread",
@@ -329,6 +333,7 @@ int cmd_bench(const Options& o) {
     return 2;
   }
   if (o.prepass_q) b.options |= SAGE_OPTION_PREPASS_Q;
+  if (o.kv_split) b.options |= SAGE_OPTION_PREPASS_KV_SPLIT;
   if (o.bias) b.q_bias = 4, b.k_bias = 8, b.v_bias = 8;
   std::vector<tool::BenchRow> rows;
   if (!tool::run_bench(b, &rows)) return 1;
