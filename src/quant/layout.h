@@ -20,7 +20,7 @@ constexpr int kBlockQ = 128;
 constexpr int kBlockK = 64;
 constexpr int kQGroups = 64;      // Q scales per 128-row block: 8 warps x 8 lane groups
 constexpr int kKGroups = 4;       // K scales per 64-key block
-constexpr int kStatTokens = 256;  // tokens per K/V statistics chunk (fixed-order reduction)
+constexpr int kStatTokens = 128;  // tokens per K/V statistics chunk (fixed-order reduction)
 
 // The key order of one 32-key chunk of Vᵀ: position kappa holds key perm(kappa), so that the
 // S accumulator a thread holds is directly the A operand of the P·V MMA (see prepass.cu).

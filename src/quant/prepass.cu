@@ -131,8 +131,7 @@ struct Stage {
   static constexpr int kPitch = 2 * D + 16;
   static constexpr int kRows = kStatTokens;           // rows a full stage holds
   static constexpr int kV = kRows * kPitch;           // V's offset
-  static constexpr int kBytes = 2 * kV;               // K and V: 139 KB at D = 128
-  static constexpr int kHalfBytes = kBytes / 2;       // K and V of half a chunk (kv_stats)
+  static constexpr int kBytes = 2 * kV;               // K and V: 70 KB at D = 128
 };
 
 // 16 bytes from global to shared memory: cp.async (in flight with every other copy of the
@@ -451,7 +450,7 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
 // kv_finalize step: k_mean, v_mean, V's scale; the cluster's first CTA also stores them for the
 // attention kernel and quant_q), and quantizes its staged rows.
 template <typename T, int D, int kBits, bool kVec>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(256, 2)
     kv_prepass_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
                       int64_t chunks, uint32_t k_stride, int64_t k_samples, bool smooth_k,
                       bool smooth_v, KvStat* stats, float* k_mean, float* v_mean, float* v_scale,
@@ -499,9 +498,8 @@ __global__ void __launch_bounds__(256, 1)
   }
 }
 
-// The three-launch path's statistics: kv_prepass_kernel's first step alone, staging half a chunk
-// at a time (V's rows and the rows K's mean samples) in 70 KB of shared memory at D = 128, so it
-// also runs where a block gets less than the whole chunk's 139 KB (sm_89, sm_120).
+// The three-launch path's statistics: kv_prepass_kernel's first step alone (V's rows and the
+// rows K's mean samples staged).
 template <typename T, int D, bool kVec>
 __global__ void __launch_bounds__(256, 2)
     kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
@@ -509,18 +507,13 @@ __global__ void __launch_bounds__(256, 2)
   pdl_enter();
   extern __shared__ __align__(16) uint8_t stage[];
   __shared__ double red[kStatRed];
-  constexpr int kHalf = kStatTokens / 2;
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
   const int rows = int(min(int64_t(kStatTokens), seq_kv - n0));
+  stage_rows<T, D, kVec>(k, v, ks, vs, b, h, n0, rows, rows, k_stride, false, Stage<D>::kRows,
+                         stage);
   ChunkStats<T, D> st;
-  for (int r0 = 0; r0 < rows; r0 += kHalf) {
-    if (r0 > 0) __syncthreads();  // every thread is done with the previous half
-    const int count = min(kHalf, rows - r0);
-    stage_rows<T, D, kVec>(k, v, ks, vs, b, h, n0 + r0, count, count, k_stride, false, kHalf,
-                           stage);
-    st.accumulate(stage, kHalf, r0, count, n0, k_stride);
-  }
+  st.accumulate(stage, Stage<D>::kRows, 0, rows, n0, k_stride);
   st.write(red, out + (int64_t(bh) * chunks + chunk) * D);
 }
 
@@ -755,9 +748,9 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
       return;
     }
     constexpr auto stats_kernel = kv_stats_kernel<T, D, kVec>;
-    check(set_max_dynamic_smem_once<stats_kernel>(device, Stage<D>::kHalfBytes));
+    check(set_max_dynamic_smem_once<stats_kernel>(device, Stage<D>::kBytes));
     check(launch_pdl(stats_kernel,
-                     {kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kHalfBytes)}, st, k, v,
+                     {kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)}, st, k, v,
                      in.k_strides, in.v_strides, p.seq_kv, p.stat_chunks,
                      uint32_t(p.k_mean_stride), stats));
     if (err != cudaSuccess) return;
@@ -814,7 +807,7 @@ cudaError_t launch_all(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
 }  // namespace
 
 int max_kv_cluster(int device) {
-  // The largest instantiation (D = 128: 139 KB of staged rows a CTA) decides for all.
+  // The largest instantiation (D = 128: 70 KB of staged rows a CTA) decides for all.
   constexpr auto kernel = kv_prepass_kernel<__half, 128, 8, true>;
   if (set_max_dynamic_smem_once<kernel>(device, Stage<128>::kBytes) != cudaSuccess) {
     cudaGetLastError();

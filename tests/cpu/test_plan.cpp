@@ -97,13 +97,13 @@ TEST(Planner, Sm90TileAndFusedQ) {
   EXPECT_EQ(pq.prepass.total, must_plan(Call(3000, 3000, 64), kH100).prepass.total);
 }
 
-// K/V's pre-pass runs as one cluster launch where a cluster holds every 256-token chunk of a head
-// (16 on the H100: N <= 4096), else (and with SAGE_OPTION_PREPASS_KV_SPLIT, or without clusters)
+// K/V's pre-pass runs as one cluster launch where a cluster holds every 128-token chunk of a head
+// (16 on the H100: N <= 2048), else (and with SAGE_OPTION_PREPASS_KV_SPLIT, or without clusters)
 // as three launches; the workspace is the same either way.
 TEST(Planner, KvPrepassOneLaunchWhereAClusterHoldsTheHead) {
-  for (const int64_t nk : {1, 255, 256, 257, 1000, 4096}) {
+  for (const int64_t nk : {1, 127, 128, 129, 1000, 2048}) {
     const Plan p = must_plan(Call(700, nk, 128), kH100);
-    EXPECT_EQ(p.prepass.kv_cluster, (nk + 255) / 256) << nk;
+    EXPECT_EQ(p.prepass.kv_cluster, (nk + 127) / 128) << nk;
     Call split(700, nk, 128);
     split.a.options = SAGE_OPTION_PREPASS_KV_SPLIT;
     const Plan s = must_plan(split, kH100);
@@ -111,10 +111,10 @@ TEST(Planner, KvPrepassOneLaunchWhereAClusterHoldsTheHead) {
     EXPECT_EQ(s.launches, p.launches + 2) << nk;
     EXPECT_EQ(s.prepass.total, p.prepass.total) << nk;
   }
-  EXPECT_EQ(must_plan(Call(700, 4097, 128), kH100).prepass.kv_cluster, 0);
+  EXPECT_EQ(must_plan(Call(700, 2049, 128), kH100).prepass.kv_cluster, 0);
   constexpr Device kH100Cluster8{0, 90, 132, 8};
-  EXPECT_EQ(must_plan(Call(700, 2048, 64), kH100Cluster8).prepass.kv_cluster, 8);
-  EXPECT_EQ(must_plan(Call(700, 2049, 64), kH100Cluster8).prepass.kv_cluster, 0);
+  EXPECT_EQ(must_plan(Call(700, 1024, 64), kH100Cluster8).prepass.kv_cluster, 8);
+  EXPECT_EQ(must_plan(Call(700, 1025, 64), kH100Cluster8).prepass.kv_cluster, 0);
   EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).prepass.kv_cluster, 0);
   EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).launches, 5);  // 3 K/V, quant_q, attention
 }
