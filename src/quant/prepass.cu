@@ -198,36 +198,54 @@ struct ChunkStats {
   static constexpr int kWords = D / 2, kSlices = 256 / kWords;
   double sk[2] = {0, 0}, sv[2] = {0, 0};
   T2 mx = T2(T(-INFINITY), T(-INFINITY)), mn = T2(T(INFINITY), T(INFINITY));
-  int sampled = 0;  // K rows sampled so far in the chunk (their index i picks the slice)
 
-  __device__ static void add(double& s, uint32_t bits16) {
-    if (special2<T>(bits16))
-      s += __dmul_rn(double(Bits<T>::to_float(bits16)), 1.0 / Bits<T>::kUnscale);
-    else
-      s += scaled_double_lo<T>(bits16);
-  }
-  // Adds staged rows [0, count) (chunk rows r0 + r) to this thread's slice.
+  // Adds staged rows [0, count) (chunk rows r0 + r) to this thread's slice: scaled_double sums
+  // first; a slice that held an Inf or NaN redoes its sums converting every value (times
+  // 2^-kScaleExp, so the final multiply gives the converting sum's bits).
   __device__ void accumulate(const uint8_t* smem, int capacity, int r0, int count, int64_t n0,
                              uint32_t k_stride) {
     const int word = threadIdx.x % kWords, slice = threadIdx.x / kWords;
     const uint8_t* kcol = smem + word * 4;
     const uint8_t* vcol = kcol + capacity * Stage<D>::kPitch;
-    for (int r = (slice - r0 % kSlices + kSlices) % kSlices; r < count; r += kSlices) {
+    const int v_first = (slice - r0 % kSlices + kSlices) % kSlices;
+    // K: sampled rows of the chunk r = first + i·k_stride (chunk rows); this slice takes
+    // i ≡ slice, i.e. staged rows k_first, k_first + k_step, ...
+    const int64_t first = (int64_t(k_stride) - n0 % k_stride) % k_stride;
+    int64_t k_first = first + int64_t(slice) * k_stride - r0;
+    const int64_t k_step = int64_t(kSlices) * k_stride;
+    if (k_first < 0) k_first += (-k_first + k_step - 1) / k_step * k_step;
+    const double sk0[2] = {sk[0], sk[1]}, sv0[2] = {sv[0], sv[1]};
+    uint32_t bad = 0u;
+#pragma unroll 4
+    for (int r = v_first; r < count; r += kSlices) {
       const uint32_t w = *reinterpret_cast<const uint32_t*>(vcol + r * Stage<D>::kPitch);
-      add(sv[0], w & 0xFFFFu);
-      add(sv[1], w >> 16);
+      bad |= special2<T>(w);
+      sv[0] += scaled_double_lo<T>(w);
+      sv[1] += scaled_double_hi<T>(w);
       const T2 x = *reinterpret_cast<const T2*>(&w);
       mx = __hmax2(mx, x), mn = __hmin2(mn, x);
     }
-    // K: sampled rows of the chunk r = first + i·k_stride; this slice takes i ≡ slice.
-    const int64_t first = (int64_t(k_stride) - n0 % k_stride) % k_stride;  // chunk row of i = 0
-    for (int64_t i = slice;; i += kSlices) {
-      const int64_t r = first + i * k_stride - r0;
-      if (r >= count) break;
-      if (r < 0) continue;
+    for (int64_t r = k_first; r < count; r += k_step) {
       const uint32_t w = *reinterpret_cast<const uint32_t*>(kcol + r * Stage<D>::kPitch);
-      add(sk[0], w & 0xFFFFu);
-      add(sk[1], w >> 16);
+      bad |= special2<T>(w);
+      sk[0] += scaled_double_lo<T>(w);
+      sk[1] += scaled_double_hi<T>(w);
+    }
+    if (bad == 0u) return;
+    constexpr double kScale = 1.0 / Bits<T>::kUnscale;
+    auto conv = [&](uint32_t bits16) {
+      return __dmul_rn(double(Bits<T>::to_float(bits16)), kScale);
+    };
+    sv[0] = sv0[0], sv[1] = sv0[1], sk[0] = sk0[0], sk[1] = sk0[1];
+    for (int r = v_first; r < count; r += kSlices) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(vcol + r * Stage<D>::kPitch);
+      sv[0] += conv(w & 0xFFFFu);
+      sv[1] += conv(w >> 16);
+    }
+    for (int64_t r = k_first; r < count; r += k_step) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(kcol + r * Stage<D>::kPitch);
+      sk[0] += conv(w & 0xFFFFu);
+      sk[1] += conv(w >> 16);
     }
   }
   // Adds the slices in order and writes the chunk's statistics (dst: D of them). `red`: 3·256
@@ -735,9 +753,6 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     if (p.kv_cluster > 0) {
       constexpr auto kernel = kv_prepass_kernel<T, D, kBits, kVec>;
       check(set_max_dynamic_smem_once<kernel>(device, Stage<D>::kBytes));
-      if (p.kv_cluster > 8)
-        check(set_attribute_once<kernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(device,
-                                                                                       1));
       LaunchShape shape{kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)};
       shape.cluster = unsigned(p.kv_cluster);
       check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, p.seq_kv,
@@ -807,34 +822,29 @@ cudaError_t launch_all(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
 }  // namespace
 
 int max_kv_cluster(int device) {
-  // The largest instantiation (D = 128: 70 KB of staged rows a CTA) decides for all.
+  // Portable clusters only: 16-CTA clusters (non-portable on the H100) measured slower than the
+  // three launches at N = 2048 (docs/sm90-kernel.md, Tried 41). The largest instantiation
+  // (D = 128: 70 KB of staged rows a CTA) decides for all.
+  constexpr int kCluster = 8;
   constexpr auto kernel = kv_prepass_kernel<__half, 128, 8, true>;
   if (set_max_dynamic_smem_once<kernel>(device, Stage<128>::kBytes) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
-  for (int cluster : {16, 8}) {
-    if (cluster > 8 &&
-        set_attribute_once<kernel, cudaFuncAttributeNonPortableClusterSizeAllowed>(device, 1) !=
-            cudaSuccess) {
-      cudaGetLastError();
-      continue;
-    }
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(cluster);
-    attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(unsigned(cluster));
-    cfg.blockDim = dim3(256);
-    cfg.dynamicSmemBytes = Stage<128>::kBytes;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0)
-      return cluster;
-    cudaGetLastError();
-  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(kCluster);
+  attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(kCluster));
+  cfg.blockDim = dim3(256);
+  cfg.dynamicSmemBytes = Stage<128>::kBytes;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0)
+    return kCluster;
+  cudaGetLastError();
   return 0;
 }
 

@@ -28,7 +28,7 @@ struct PrepassInputs {
 cudaError_t run_prepass(const PrepassPlan& plan, const PrepassInputs& in, uint8_t* workspace,
                         int device, cudaStream_t stream);
 
-// The largest thread-block cluster (16, 8, or 0: none) with which K/V's one-launch pre-pass
+// The largest thread-block cluster (8, or 0: none) with which K/V's one-launch pre-pass
 // (PrepassPlan::kv_cluster) can be resident on device `device` (sm_90+; queried once a device).
 int max_kv_cluster(int device);
 

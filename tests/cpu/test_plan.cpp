@@ -16,7 +16,7 @@ using sage::api::Device;
 using sage::api::Family;
 using sage::api::Plan;
 
-constexpr Device kH100{0, 90, 132, 16}, kAda{0, 89, 128}, kBlackwell{0, 120, 84}, kAmpere{0, 86, 84};
+constexpr Device kH100{0, 90, 132, 8}, kAda{0, 89, 128}, kBlackwell{0, 120, 84}, kAmpere{0, 86, 84};
 
 // Host buffers standing in for device tensors (the planner reads shapes, strides and pointer
 // alignment only).
@@ -98,10 +98,10 @@ TEST(Planner, Sm90TileAndFusedQ) {
 }
 
 // K/V's pre-pass runs as one cluster launch where a cluster holds every 128-token chunk of a head
-// (16 on the H100: N <= 2048), else (and with SAGE_OPTION_PREPASS_KV_SPLIT, or without clusters)
+// (8 on the H100: N <= 1024), else (and with SAGE_OPTION_PREPASS_KV_SPLIT, or without clusters)
 // as three launches; the workspace is the same either way.
 TEST(Planner, KvPrepassOneLaunchWhereAClusterHoldsTheHead) {
-  for (const int64_t nk : {1, 127, 128, 129, 1000, 2048}) {
+  for (const int64_t nk : {1, 127, 128, 129, 1000, 1024}) {
     const Plan p = must_plan(Call(700, nk, 128), kH100);
     EXPECT_EQ(p.prepass.kv_cluster, (nk + 127) / 128) << nk;
     Call split(700, nk, 128);
@@ -111,10 +111,8 @@ TEST(Planner, KvPrepassOneLaunchWhereAClusterHoldsTheHead) {
     EXPECT_EQ(s.launches, p.launches + 2) << nk;
     EXPECT_EQ(s.prepass.total, p.prepass.total) << nk;
   }
-  EXPECT_EQ(must_plan(Call(700, 2049, 128), kH100).prepass.kv_cluster, 0);
-  constexpr Device kH100Cluster8{0, 90, 132, 8};
-  EXPECT_EQ(must_plan(Call(700, 1024, 64), kH100Cluster8).prepass.kv_cluster, 8);
-  EXPECT_EQ(must_plan(Call(700, 1025, 64), kH100Cluster8).prepass.kv_cluster, 0);
+  EXPECT_EQ(must_plan(Call(700, 1025, 128), kH100).prepass.kv_cluster, 0);
+  EXPECT_EQ(must_plan(Call(700, 2048, 64), kH100).prepass.kv_cluster, 0);
   EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).prepass.kv_cluster, 0);
   EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).launches, 5);  // 3 K/V, quant_q, attention
 }
