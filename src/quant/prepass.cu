@@ -1,9 +1,12 @@
-// Pre-pass kernels of the mma.sync path (sm_89+), each the GPU twin of a step of the CPU
+// Pre-pass kernels of both attention kernels (sm_89+), each the GPU twin of a step of the CPU
 // emulation (src/ref/attention_quant.cpp), with the same float operations in the same order where
 // the result is quantized. Bytes moved (B·H·N·D elements of 2 bytes each for Q, K, V):
+//   kv_prepass   (sm_90+, a KV head of at most 8 chunks: PrepassPlan::kv_cluster) reads K and V
+//                once (2+2 B/elem), writes the chunk statistics, INT8/INT4 K + scales and E4M3
+//                Vᵀ as the next three do, in one launch
 //   kv_stats     reads V (2 B/elem) and every k_mean_stride-th row of K (the smoothing mean
 //                of K from a sample: ~256 rows a head with the presets), writes 24 B per (head,
-//                256-token chunk, channel)
+//                128-token chunk, channel)
 //   kv_finalize  reads those statistics, writes 16 B per (head, channel)
 //   quant_kv     reads K and V (2+2 B/elem, kept in registers), writes INT8 (1 B) or INT4
 //                (0.5 B) K + 4 scales per 64 keys, and E4M3 Vᵀ (1 B)
@@ -11,20 +14,21 @@
 //                INT8/INT4 Q + scales + the LSE correction (4 B/row); skipped when the sm90
 //                kernel quantizes Q itself (PrepassPlan::quantize_q false: attn/sm90 producer)
 //   delta_s      (Q smoothing only) reads K (2 B/elem), writes 4 B per (Q block, key)
-// Per call: Q 2 B read, K 2 B and V 4 B read, ~1 + 1 + 1 (+0.5) B written per element. V is
-// read twice (its exact channel mean and range, then quantize): the sm90 kernel's wgmma
-// accumulator needs V - v_mean to sum to zero (docs/sm90-kernel.md, Tried and rejected).
+// Per call: Q 2 B read, K 2 B and V 4 B read (2 B with kv_prepass), ~1 + 1 + 1 (+0.5) B written
+// per element. In three launches V is read twice (its exact channel mean and range, then
+// quantize): the sm90 kernel's wgmma accumulator needs V - v_mean to sum to zero
+// (docs/sm90-kernel.md, Tried and rejected).
 //
 // Throughput notes (the kernels are memory-bound only if nothing else is slower):
-// - A thread issues every load of its rows before it uses any (kv_stats: the next batch of tokens
-//   before the sums of the current one), as 16-byte non-coherent loads when every row of the
-//   tensor is 16-byte aligned, decided once on the host: kVec.
+// - A thread issues every load of its rows before it uses any (kv_stats, kv_prepass: a whole
+//   chunk staged by cp.async), as 16-byte loads when every row of the tensor is 16-byte aligned,
+//   decided once on the host: kVec.
 // - No fp32→fp64 conversion instruction on the hot paths (F2F.F64 issues at a small fraction of
 //   the FP64 rate). The sums of kv_stats and the LSE dot product of quant_q need each fp16/bf16
 //   value x as a double: its sign, exponent and mantissa bits placed in a double's fields give
 //   exactly x·2^-kScaleExp (subnormals included), a power-of-two multiply (or, for sums, the
 //   scale invariance of the rounding) gives x itself. Inf/NaN inputs break that and take the
-//   original converting path (detected per chunk or per thread).
+//   original converting path (detected per slice or per thread).
 // - Integer quantization rounds with the 1.5·2^23 addition instead of FRND + F2I, and drops the
 //   clamp and NaN test where they cannot act (no NaN, finite group amax and inv); no per-element
 //   branches (rows past the sequence are zeroed by a mask on the packed word).
@@ -248,7 +252,7 @@ struct ChunkStats {
       sk[1] += conv(w >> 16);
     }
   }
-  // Adds the slices in order and writes the chunk's statistics (dst: D of them). `red`: 3·256
+  // Adds the slices in order and writes the chunk's statistics (dst: D of them). `red`: kStatRed
   // doubles of shared memory; ends with a __syncthreads.
   __device__ void write(double* red, KvStat* dst) const {
     const int word = threadIdx.x % kWords, slice = threadIdx.x / kWords;
