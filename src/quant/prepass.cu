@@ -148,14 +148,14 @@ __device__ __forceinline__ void copy16(uint8_t* dst, const T* src) {
     *reinterpret_cast<uint4*>(dst) = load_raw8<false>(src);
 }
 
-// Stages rows n0 + r (r < count, at most `capacity` rows of the stage) of K and V: V's every
-// row, K's every row when all_k, else only the rows the K mean samples (n % k_stride == 0);
-// rows past `valid` (the sequence's end) are zero-filled. 256 threads: D/8 lanes a row.
+// Stages the chunk's rows n0 + r (r < kStatTokens) of K and V: V's every row, K's every row when
+// all_k, else only the rows the K mean samples (n % k_stride == 0); rows past `rows` (the
+// sequence's end) are zero-filled. 256 threads: D/8 lanes a row.
 template <typename T, int D, bool kVec>
 __device__ __forceinline__ void stage_rows(const T* k, const T* v, const sage_strides& ks,
                                            const sage_strides& vs, int b, int h, int64_t n0,
-                                           int count, int valid, uint32_t k_stride, bool all_k,
-                                           int capacity, uint8_t* smem) {
+                                           int rows, uint32_t k_stride, bool all_k,
+                                           uint8_t* smem) {
   constexpr int kPieces = D / 8, kRowStep = 256 / kPieces;
   const int piece = threadIdx.x % kPieces;
   int r = threadIdx.x / kPieces;
@@ -165,11 +165,10 @@ __device__ __forceinline__ void stage_rows(const T* k, const T* v, const sage_st
   // Whether K's mean samples row n0 + r, as a running residue (no division per row).
   uint32_t residue = uint32_t((n0 + r) % int64_t(k_stride));
   const uint32_t residue_step = uint32_t(kRowStep) % k_stride;
-  const int v_off = capacity * Stage<D>::kPitch;
-  for (; r < count; r += kRowStep) {
+  for (; r < Stage<D>::kRows; r += kRowStep) {
     uint8_t* kd = smem + r * Stage<D>::kPitch + piece * 16;
-    uint8_t* vd = kd + v_off;
-    if (r < valid) {
+    uint8_t* vd = kd + Stage<D>::kV;
+    if (r < rows) {
       copy16<kVec>(vd, v_row);
       if (all_k || residue == 0u) copy16<kVec>(kd, k_row);
     } else {
@@ -203,25 +202,20 @@ struct ChunkStats {
   double sk[2] = {0, 0}, sv[2] = {0, 0};
   T2 mx = T2(T(-INFINITY), T(-INFINITY)), mn = T2(T(INFINITY), T(INFINITY));
 
-  // Adds staged rows [0, count) (chunk rows r0 + r) to this thread's slice: scaled_double sums
-  // first; a slice that held an Inf or NaN redoes its sums converting every value (times
-  // 2^-kScaleExp, so the final multiply gives the converting sum's bits).
-  __device__ void accumulate(const uint8_t* smem, int capacity, int r0, int count, int64_t n0,
-                             uint32_t k_stride) {
+  // Sums the staged chunk's rows [0, rows) into this thread's slice: scaled_double sums first;
+  // a slice that held an Inf or NaN redoes its sums converting every value (times 2^-kScaleExp,
+  // so the final multiply gives the converting sum's bits).
+  __device__ void accumulate(const uint8_t* smem, int rows, int64_t n0, uint32_t k_stride) {
     const int word = threadIdx.x % kWords, slice = threadIdx.x / kWords;
     const uint8_t* kcol = smem + word * 4;
-    const uint8_t* vcol = kcol + capacity * Stage<D>::kPitch;
-    const int v_first = (slice - r0 % kSlices + kSlices) % kSlices;
-    // K: sampled rows of the chunk r = first + i·k_stride (chunk rows); this slice takes
-    // i ≡ slice, i.e. staged rows k_first, k_first + k_step, ...
+    const uint8_t* vcol = kcol + Stage<D>::kV;
+    // K: the sampled rows of the chunk are r = first + i·k_stride; this slice takes i ≡ slice.
     const int64_t first = (int64_t(k_stride) - n0 % k_stride) % k_stride;
-    int64_t k_first = first + int64_t(slice) * k_stride - r0;
+    const int64_t k_first = first + int64_t(slice) * k_stride;
     const int64_t k_step = int64_t(kSlices) * k_stride;
-    if (k_first < 0) k_first += (-k_first + k_step - 1) / k_step * k_step;
-    const double sk0[2] = {sk[0], sk[1]}, sv0[2] = {sv[0], sv[1]};
     uint32_t bad = 0u;
 #pragma unroll 4
-    for (int r = v_first; r < count; r += kSlices) {
+    for (int r = slice; r < rows; r += kSlices) {
       const uint32_t w = *reinterpret_cast<const uint32_t*>(vcol + r * Stage<D>::kPitch);
       bad |= special2<T>(w);
       sv[0] += scaled_double_lo<T>(w);
@@ -229,7 +223,7 @@ struct ChunkStats {
       const T2 x = *reinterpret_cast<const T2*>(&w);
       mx = __hmax2(mx, x), mn = __hmin2(mn, x);
     }
-    for (int64_t r = k_first; r < count; r += k_step) {
+    for (int64_t r = k_first; r < rows; r += k_step) {
       const uint32_t w = *reinterpret_cast<const uint32_t*>(kcol + r * Stage<D>::kPitch);
       bad |= special2<T>(w);
       sk[0] += scaled_double_lo<T>(w);
@@ -240,13 +234,13 @@ struct ChunkStats {
     auto conv = [&](uint32_t bits16) {
       return __dmul_rn(double(Bits<T>::to_float(bits16)), kScale);
     };
-    sv[0] = sv0[0], sv[1] = sv0[1], sk[0] = sk0[0], sk[1] = sk0[1];
-    for (int r = v_first; r < count; r += kSlices) {
+    sv[0] = sv[1] = sk[0] = sk[1] = 0.0;
+    for (int r = slice; r < rows; r += kSlices) {
       const uint32_t w = *reinterpret_cast<const uint32_t*>(vcol + r * Stage<D>::kPitch);
       sv[0] += conv(w & 0xFFFFu);
       sv[1] += conv(w >> 16);
     }
-    for (int64_t r = k_first; r < count; r += k_step) {
+    for (int64_t r = k_first; r < rows; r += k_step) {
       const uint32_t w = *reinterpret_cast<const uint32_t*>(kcol + r * Stage<D>::kPitch);
       sk[0] += conv(w & 0xFFFFu);
       sk[1] += conv(w >> 16);
@@ -488,10 +482,9 @@ __global__ void __launch_bounds__(256, 2)
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
   const int rows = int(min(int64_t(kStatTokens), seq_kv - n0));
-  stage_rows<T, D, kVec>(k, v, ks, vs, b, h, n0, kStatTokens, rows, k_stride, true,
-                         Stage<D>::kRows, stage);
+  stage_rows<T, D, kVec>(k, v, ks, vs, b, h, n0, rows, k_stride, true, stage);
   ChunkStats<T, D> st;
-  st.accumulate(stage, Stage<D>::kRows, 0, rows, n0, k_stride);
+  st.accumulate(stage, rows, n0, k_stride);
   KvStat* head_stats = stats + int64_t(bh) * chunks * D;
   st.write(red, head_stats + chunk * D);
   __threadfence();
@@ -532,10 +525,9 @@ __global__ void __launch_bounds__(256, 2)
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
   const int rows = int(min(int64_t(kStatTokens), seq_kv - n0));
-  stage_rows<T, D, kVec>(k, v, ks, vs, b, h, n0, rows, rows, k_stride, false, Stage<D>::kRows,
-                         stage);
+  stage_rows<T, D, kVec>(k, v, ks, vs, b, h, n0, rows, k_stride, false, stage);
   ChunkStats<T, D> st;
-  st.accumulate(stage, Stage<D>::kRows, 0, rows, n0, k_stride);
+  st.accumulate(stage, rows, n0, k_stride);
   st.write(red, out + (int64_t(bh) * chunks + chunk) * D);
 }
 
@@ -835,16 +827,10 @@ int max_kv_cluster(int device) {
     cudaGetLastError();
     return 0;
   }
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(kCluster);
-  attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(kCluster));
-  cfg.blockDim = dim3(256);
-  cfg.dynamicSmemBytes = Stage<128>::kBytes;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  LaunchShape shape{dim3(unsigned(kCluster)), dim3(256), size_t(Stage<128>::kBytes)};
+  shape.cluster = unsigned(kCluster);
+  cudaLaunchAttribute attr[2];
+  const cudaLaunchConfig_t cfg = launch_config(shape, nullptr, attr);
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0)
     return kCluster;
