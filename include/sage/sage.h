@@ -224,6 +224,68 @@ typedef struct sage_plan_info {
                                   pointers) computes what this call runs, accumulator included */
 } sage_plan_info;
 
+/* ---- The backward pass: SageBwd (paper 004, Algorithm 3) ----------------------------------
+ * dQ, dK, dV of O = softmax(Q·Kᵀ·scale + mask)·V from Q, K, V, the forward's O and LSE, and dO.
+ * SageBwd recomputes S = Q·Kᵀ and P = exp(S - LSE) and runs five matmuls; each can be INT8 with
+ * per-block scales (ψ: one scale max|x|/127 per block_q x D, block_k x D or block_q x block_k
+ * tile) or stay in the input dtype with fp32 accumulation. The paper's choice is every matmul
+ * but dO·Vᵀ in INT8 (SAGE_BWD_INT8_DEFAULT): dP = dO·Vᵀ is the product whose error reaches dQ and
+ * dK through dS over the whole sequence. */
+#define SAGE_BWD_INT8_QK 1u   /* S = Q·Kᵀ (recomputed) */
+#define SAGE_BWD_INT8_PDO 2u  /* dV += Pᵀ·dO */
+#define SAGE_BWD_INT8_DOV 4u  /* dP = dO·Vᵀ */
+#define SAGE_BWD_INT8_DSK 8u  /* dQ += dS·K */
+#define SAGE_BWD_INT8_DSQ 16u /* dK += dSᵀ·Q */
+#define SAGE_BWD_INT8_DEFAULT (SAGE_BWD_INT8_QK | SAGE_BWD_INT8_PDO | SAGE_BWD_INT8_DSK | \
+                               SAGE_BWD_INT8_DSQ)
+
+/* sage_backward_args.options flags. */
+#define SAGE_BWD_OPTION_DETERMINISTIC 1u /* CUDA: dQ summed in a fixed order (no atomics) */
+
+typedef struct sage_backward_config {
+  uint32_t int8;   /* SAGE_BWD_INT8_* flags: which matmuls are INT8 */
+  uint32_t smooth; /* 0 or SAGE_SMOOTH_K: quantize K - mean(K) (exact: see docs/backward.md) */
+  int32_t block_q; /* query rows of one ψ block (Q, dO; P and dS tiles are block_q x block_k) */
+  int32_t block_k; /* key rows of one ψ block (K) */
+  sage_granularity granularity; /* of P and dS within a block_q x block_k tile: PER_BLOCK (the
+                                   paper: one scale a tile) or PER_TOKEN (the scales that factor
+                                   out of each product: P and dS per key for dV = Pᵀ·dO and
+                                   dK = dSᵀ·Q, dS per query for dQ = dS·K) */
+} sage_backward_config;
+
+typedef struct sage_backward_args {
+  size_t struct_size; /* sizeof(sage_backward_args), set by sage_backward_args_init */
+
+  const void* q, *k, *v; /* the forward's inputs, shapes as in sage_attention_args */
+  const void* o;         /* the forward's output, q's shape */
+  const float* lse;      /* the forward's LSE, [B, Hq, Nq] fp32 (natural log) */
+  const void* d_o;       /* dL/dO, q's shape */
+  void* dq;              /* outputs dL/dQ, dL/dK, dL/dV in dtype: shapes of q, k, v; they must */
+  void* dk;              /* not overlap each other or an input (dK and dV are summed over the */
+  void* dv;              /* query heads of a GQA group) */
+
+  int64_t batch, heads_q, heads_kv, seq_q, seq_kv, head_dim;
+  sage_layout layout;
+  sage_strides q_strides, k_strides, v_strides, o_strides, lse_strides, do_strides, dq_strides,
+      dk_strides, dv_strides;
+  sage_dtype dtype; /* of q, k, v, o, d_o, dq, dk, dv */
+
+  float scale; /* softmax scale; 0 = 1/sqrt(head_dim) */
+  sage_mask mask;
+
+  sage_variant variant; /* AUTO: SageBwd as the hardware runs it; EXACT: float64 (CPU only);
+                           CUSTOM: .config as given (the CPU runs any; CUDA refuses a config its
+                           kernel does not compute) */
+  sage_backward_config config;
+
+  sage_backend backend;
+  void* stream;
+  void* workspace; /* device memory of sage_backward_workspace_size() bytes (CUDA) */
+  size_t workspace_size;
+  int32_t num_threads; /* CPU reference threads; 0 = all */
+  uint32_t options;    /* SAGE_BWD_OPTION_* flags */
+} sage_backward_args;
+
 /* Library version, e.g. "0.1.0". */
 SAGE_API const char* sage_version(void);
 SAGE_API void sage_version_numbers(int* major, int* minor, int* patch);
@@ -248,6 +310,14 @@ SAGE_API sage_status sage_attention_plan(const sage_attention_args* args, sage_p
 
 /* Validate the args and run attention. Writes o (and lse); never touches the inputs. */
 SAGE_API sage_status sage_attention(const sage_attention_args* args);
+
+/* Defaults: HND, fp16, no mask, AUTO variant and backend, config = SageBwd's (block 64 x 64,
+ * K smoothed, every matmul but dO·Vᵀ in INT8). */
+SAGE_API sage_status sage_backward_args_init(sage_backward_args* args);
+/* Bytes of device workspace sage_attention_backward() needs for these args (0 on the CPU). */
+SAGE_API sage_status sage_backward_workspace_size(const sage_backward_args* args, size_t* bytes);
+/* Validate the args and write dq, dk, dv; never touches the inputs. */
+SAGE_API sage_status sage_attention_backward(const sage_backward_args* args);
 
 #ifdef __cplusplus
 } /* extern "C" */

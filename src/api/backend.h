@@ -23,6 +23,16 @@ struct Resolved {
 // argument and returns its status. Touches no memory the pointers point to.
 sage_status validate(const sage_attention_args* args, Resolved* out);
 
+// sage_backward_args after validation.
+struct ResolvedBackward {
+  ref::Problem problem;
+  sage_backward_config config{};
+  bool exact = false;  // SAGE_VARIANT_EXACT: float64, CPU only
+  sage_backend backend = SAGE_BACKEND_CPU;
+  sage_strides q{}, k{}, v{}, o{}, lse{}, d_o{}, dq{}, dk{}, dv{};
+};
+sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* out);
+
 }  // namespace sage::api
 
 namespace sage::cuda {
@@ -37,6 +47,9 @@ std::string describe_devices(bool* has_gpu);
 sage_status workspace_size(const api::Resolved& r, const sage_attention_args& args, size_t* bytes);
 sage_status plan_info(const api::Resolved& r, const sage_attention_args& args, sage_plan_info* info);
 sage_status attention(const api::Resolved& r, const sage_attention_args& args);
+sage_status backward_workspace_size(const api::ResolvedBackward& r,
+                                    const sage_backward_args& args, size_t* bytes);
+sage_status backward(const api::ResolvedBackward& r, const sage_backward_args& args);
 
 // The two stages of a GPU call, separately (the benchmark's kernel-only figure): the pre-pass
 // writes the workspace, the kernel reads it. attention() runs both.

@@ -206,3 +206,16 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
 }
 
 }  // namespace sage::cuda
+
+namespace sage::cuda {
+
+sage_status backward_workspace_size(const api::ResolvedBackward&, const sage_backward_args&,
+                                    size_t*) {
+  return set_error(SAGE_ERROR_UNSUPPORTED, "the CUDA backward pass is not built yet");
+}
+
+sage_status backward(const api::ResolvedBackward&, const sage_backward_args&) {
+  return set_error(SAGE_ERROR_UNSUPPORTED, "the CUDA backward pass is not built yet");
+}
+
+}  // namespace sage::cuda

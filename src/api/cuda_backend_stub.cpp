@@ -29,3 +29,16 @@ sage_status attention(const api::Resolved&, const sage_attention_args&) {
 }
 
 }  // namespace sage::cuda
+
+namespace sage::cuda {
+
+sage_status backward_workspace_size(const api::ResolvedBackward&, const sage_backward_args&,
+                                    size_t*) {
+  return set_error(SAGE_ERROR_UNSUPPORTED, "backend = CUDA, but libsage was built without CUDA");
+}
+
+sage_status backward(const api::ResolvedBackward&, const sage_backward_args&) {
+  return set_error(SAGE_ERROR_UNSUPPORTED, "backend = CUDA, but libsage was built without CUDA");
+}
+
+}  // namespace sage::cuda

@@ -41,6 +41,76 @@ void run_cpu(const Resolved& r, const sage_attention_args& a) {
       }
 }
 
+// The backward on the CPU: the forward's O and LSE and the gradients go through contiguous
+// scratch; dq, dk, dv are written only once everything is computed.
+void run_cpu_backward(const sage::api::ResolvedBackward& r, const sage_backward_args& a) {
+  namespace ref = sage::ref;
+  const ref::Problem& p = r.problem;
+  const ref::TensorView q{a.q, a.dtype, r.q}, k{a.k, a.dtype, r.k}, v{a.v, a.dtype, r.v},
+      d_o{a.d_o, a.dtype, r.d_o};
+  const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_kv;
+  const size_t q_elems = size_t(p.out_elems()), k_elems = size_t(p.batch * p.heads_kv * Nk * D);
+  std::vector<double> dq(q_elems), dk(k_elems), dv(k_elems);
+  auto o_at = [&](int64_t bh, int64_t i, int64_t d) {
+    return ref::load_element(a.o, a.dtype, (bh / p.heads_q) * r.o.batch +
+                                               (bh % p.heads_q) * r.o.head + i * r.o.token + d);
+  };
+  auto lse_at = [&](int64_t bh, int64_t i) {
+    return a.lse[(bh / p.heads_q) * r.lse.batch + (bh % p.heads_q) * r.lse.head + i * r.lse.token];
+  };
+  if (r.exact) {
+    std::vector<double> of(q_elems), lf(size_t(p.lse_elems()));
+    for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh)
+      for (int64_t i = 0; i < Nq; ++i) {
+        lf[size_t(bh * Nq + i)] = lse_at(bh, i);
+        for (int64_t d = 0; d < D; ++d) of[size_t((bh * Nq + i) * D + d)] = o_at(bh, i, d);
+      }
+    ref::attention_backward_exact(p, q, k, v, of.data(), lf.data(), d_o, dq.data(), dk.data(),
+                                  dv.data(), a.num_threads);
+  } else {
+    std::vector<float> of(q_elems), lf(size_t(p.lse_elems()));
+    for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh)
+      for (int64_t i = 0; i < Nq; ++i) {
+        lf[size_t(bh * Nq + i)] = lse_at(bh, i);
+        for (int64_t d = 0; d < D; ++d) of[size_t((bh * Nq + i) * D + d)] = o_at(bh, i, d);
+      }
+    std::vector<float> dqf(q_elems), dkf(k_elems), dvf(k_elems);
+    ref::attention_backward_quant(p, r.config, q, k, v, of.data(), lf.data(), d_o, dqf.data(),
+                                  dkf.data(), dvf.data(), a.num_threads);
+    dq.assign(dqf.begin(), dqf.end());
+    dk.assign(dkf.begin(), dkf.end());
+    dv.assign(dvf.begin(), dvf.end());
+  }
+  auto store = [&](void* dst, const sage_strides& st, int64_t heads, int64_t n,
+                   const std::vector<double>& src) {
+    for (int64_t bh = 0; bh < p.batch * heads; ++bh)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t base = (bh / heads) * st.batch + (bh % heads) * st.head + i * st.token;
+        for (int64_t d = 0; d < D; ++d)
+          ref::store_element(dst, a.dtype, base + d, src[size_t((bh * n + i) * D + d)]);
+      }
+  };
+  store(a.dq, r.dq, p.heads_q, Nq, dq);
+  store(a.dk, r.dk, p.heads_kv, Nk, dk);
+  store(a.dv, r.dv, p.heads_kv, Nk, dv);
+}
+
+// Runs a CPU reference call, turning its exceptions into statuses.
+template <typename Fn>
+sage_status guarded(Fn&& fn) {
+  try {
+    fn();
+  } catch (const sage::Error& e) {
+    return sage::set_error(e.status, "%s", e.message.c_str());
+  } catch (const std::bad_alloc&) {
+    return sage::set_error(SAGE_ERROR_OUT_OF_MEMORY,
+                           "the CPU reference could not allocate its scratch memory");
+  } catch (const std::exception& e) {
+    return sage::set_error(SAGE_ERROR_INTERNAL, "CPU reference failed: %s", e.what());
+  }
+  return SAGE_OK;
+}
+
 }  // namespace
 
 extern "C" {
@@ -136,17 +206,39 @@ sage_status sage_attention(const sage_attention_args* args) {
   Resolved r;
   SAGE_RETURN_IF_ERROR(sage::api::validate(args, &r));
   if (r.backend == SAGE_BACKEND_CUDA) return sage::cuda::attention(r, *args);
-  try {
-    run_cpu(r, *args);
-  } catch (const sage::Error& e) {
-    return sage::set_error(e.status, "%s", e.message.c_str());
-  } catch (const std::bad_alloc&) {
-    return sage::set_error(SAGE_ERROR_OUT_OF_MEMORY,
-                           "the CPU reference could not allocate its scratch memory");
-  } catch (const std::exception& e) {
-    return sage::set_error(SAGE_ERROR_INTERNAL, "CPU reference failed: %s", e.what());
-  }
+  return guarded([&] { run_cpu(r, *args); });
+}
+
+sage_status sage_backward_args_init(sage_backward_args* args) {
+  sage::clear_error();
+  SAGE_CHECK_ARG(args != nullptr, "args is NULL");
+  *args = sage_backward_args{};
+  args->struct_size = sizeof(sage_backward_args);
+  args->layout = SAGE_LAYOUT_HND;
+  args->dtype = SAGE_DTYPE_FP16;
+  args->mask = SAGE_MASK_NONE;
+  args->variant = SAGE_VARIANT_AUTO;
+  args->backend = SAGE_BACKEND_AUTO;
+  args->config = sage::ref::backward_preset();
   return SAGE_OK;
+}
+
+sage_status sage_backward_workspace_size(const sage_backward_args* args, size_t* bytes) {
+  sage::clear_error();
+  SAGE_CHECK_ARG(bytes != nullptr, "bytes is NULL");
+  sage::api::ResolvedBackward r;
+  SAGE_RETURN_IF_ERROR(sage::api::validate_backward(args, &r));
+  if (r.backend == SAGE_BACKEND_CUDA) return sage::cuda::backward_workspace_size(r, *args, bytes);
+  *bytes = 0;
+  return SAGE_OK;
+}
+
+sage_status sage_attention_backward(const sage_backward_args* args) {
+  sage::clear_error();
+  sage::api::ResolvedBackward r;
+  SAGE_RETURN_IF_ERROR(sage::api::validate_backward(args, &r));
+  if (r.backend == SAGE_BACKEND_CUDA) return sage::cuda::backward(r, *args);
+  return guarded([&] { run_cpu_backward(r, *args); });
 }
 
 }  // extern "C"

@@ -87,14 +87,9 @@ bool overlap(const Range& a, const Range& b) {
   return a.lo < b.hi && b.lo < a.hi;
 }
 
-}  // namespace
-
-sage_status validate(const sage_attention_args* args, Resolved* out) {
-  SAGE_CHECK_ARG(args != nullptr, "args is NULL");
-  SAGE_CHECK_ARG(args->struct_size == sizeof(sage_attention_args),
-                 "args.struct_size = %zu, expected %zu (initialise with sage_attention_args_init)",
-                 args->struct_size, sizeof(sage_attention_args));
-  const sage_attention_args& a = *args;
+// The checks the forward and backward arguments share: enums, sizes, scale, threads.
+template <typename Args>
+sage_status check_common(const Args& a) {
   const int64_t dtype = enum_value(a.dtype), layout = enum_value(a.layout),
                 mask = enum_value(a.mask), variant = enum_value(a.variant),
                 backend = enum_value(a.backend);
@@ -120,6 +115,52 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
                  a.head_dim);
   SAGE_CHECK_ARG(std::isfinite(a.scale), "scale = %g is not finite", double(a.scale));
   SAGE_CHECK_ARG(a.num_threads >= 0, "num_threads = %d must be >= 0", int(a.num_threads));
+  return SAGE_OK;
+}
+
+template <typename Args>
+ref::Problem problem_of(const Args& a) {
+  return {a.batch,
+          a.heads_q,
+          a.heads_kv,
+          a.seq_q,
+          a.seq_kv,
+          a.head_dim,
+          a.scale != 0.0f ? double(a.scale) : 1.0 / std::sqrt(double(a.head_dim)),
+          a.mask};
+}
+
+// The backend: where the pointers live decides AUTO; an explicit choice must match them.
+// (One query a pointer: each is a driver call, part of every call's host time.)
+sage_status resolve_backend(sage_backend requested, const void* const* ptrs,
+                            const char* const* names, int n, sage_backend* out) {
+  bool on_device[16] = {};
+  for (int i = 0; i < n; ++i)
+    on_device[i] = ptrs[i] && cuda::pointer_kind(ptrs[i]) == cuda::PointerKind::kDevice;
+  const sage_backend want = requested == SAGE_BACKEND_AUTO
+                                ? (on_device[0] ? SAGE_BACKEND_CUDA : SAGE_BACKEND_CPU)
+                                : requested;
+  for (int i = 0; i < n; ++i) {
+    if (!ptrs[i]) continue;
+    SAGE_CHECK_ARG(on_device[i] == (want == SAGE_BACKEND_CUDA),
+                   "%s = %p is %s memory but the backend is %s (all pointers must be on the "
+                   "backend's side)",
+                   names[i], ptrs[i], on_device[i] ? "device" : "host",
+                   want == SAGE_BACKEND_CUDA ? "CUDA" : "the CPU reference");
+  }
+  *out = want;
+  return SAGE_OK;
+}
+
+}  // namespace
+
+sage_status validate(const sage_attention_args* args, Resolved* out) {
+  SAGE_CHECK_ARG(args != nullptr, "args is NULL");
+  SAGE_CHECK_ARG(args->struct_size == sizeof(sage_attention_args),
+                 "args.struct_size = %zu, expected %zu (initialise with sage_attention_args_init)",
+                 args->struct_size, sizeof(sage_attention_args));
+  const sage_attention_args& a = *args;
+  SAGE_RETURN_IF_ERROR(check_common(a));
   const int64_t kernel = enum_value(a.kernel);
   SAGE_CHECK_ARG(kernel >= SAGE_KERNEL_AUTO && kernel <= SAGE_KERNEL_SM90,
                  "kernel = %" PRId64 " is unknown", kernel);
@@ -127,14 +168,7 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
                  "options = 0x%x has unknown flag bits", unsigned(a.options));
 
   Resolved r;
-  r.problem = {a.batch,
-               a.heads_q,
-               a.heads_kv,
-               a.seq_q,
-               a.seq_kv,
-               a.head_dim,
-               a.scale != 0.0f ? double(a.scale) : 1.0 / std::sqrt(double(a.head_dim)),
-               a.mask};
+  r.problem = problem_of(a);
   r.q = a.q_strides;
   r.k = a.k_strides;
   r.v = a.v_strides;
@@ -168,29 +202,94 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
   }
   r.exact = a.variant == SAGE_VARIANT_EXACT;
 
-  // Backend: where the pointers live decides AUTO; an explicit choice must match them.
-  // (One query a pointer: each is a driver call, part of every call's host time.)
   const void* ptrs[] = {a.q, a.k, a.v, a.o, a.lse};
   const char* names[] = {"q", "k", "v", "o", "lse"};
-  bool on_device[5] = {};
-  for (int i = 0; i < 5; ++i)
-    on_device[i] = ptrs[i] && cuda::pointer_kind(ptrs[i]) == cuda::PointerKind::kDevice;
-  const sage_backend want = a.backend == SAGE_BACKEND_AUTO
-                                ? (on_device[0] ? SAGE_BACKEND_CUDA : SAGE_BACKEND_CPU)
-                                : a.backend;
-  for (int i = 0; i < 5; ++i) {
-    if (!ptrs[i]) continue;
-    const bool dev = on_device[i];
-    SAGE_CHECK_ARG(dev == (want == SAGE_BACKEND_CUDA),
-                   "%s = %p is %s memory but the backend is %s (all pointers must be on the "
-                   "backend's side)",
-                   names[i], ptrs[i], dev ? "device" : "host",
-                   want == SAGE_BACKEND_CUDA ? "CUDA" : "the CPU reference");
-  }
+  sage_backend want = SAGE_BACKEND_CPU;
+  SAGE_RETURN_IF_ERROR(resolve_backend(a.backend, ptrs, names, 5, &want));
   SAGE_CHECK_ARG(want == SAGE_BACKEND_CUDA || a.kernel == SAGE_KERNEL_AUTO,
                  "kernel = %" PRId64 " chooses a GPU kernel, but the backend is the CPU reference",
                  kernel);
   r.backend = want;
+  *out = r;
+  return SAGE_OK;
+}
+
+}  // namespace sage::api
+
+namespace sage::api {
+
+sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* out) {
+  SAGE_CHECK_ARG(args != nullptr, "args is NULL");
+  SAGE_CHECK_ARG(args->struct_size == sizeof(sage_backward_args),
+                 "args.struct_size = %zu, expected %zu (initialise with sage_backward_args_init)",
+                 args->struct_size, sizeof(sage_backward_args));
+  const sage_backward_args& a = *args;
+  SAGE_RETURN_IF_ERROR(check_common(a));
+  SAGE_CHECK_ARG((a.options & ~SAGE_BWD_OPTION_DETERMINISTIC) == 0u,
+                 "options = 0x%x has unknown flag bits", unsigned(a.options));
+  SAGE_CHECK_ARG(a.variant == SAGE_VARIANT_AUTO || a.variant == SAGE_VARIANT_EXACT ||
+                     a.variant == SAGE_VARIANT_CUSTOM,
+                 "variant = %" PRId64 " has no backward (AUTO, EXACT or CUSTOM)",
+                 enum_value(a.variant));
+
+  ResolvedBackward r;
+  r.problem = problem_of(a);
+  r.q = a.q_strides;
+  r.k = a.k_strides;
+  r.v = a.v_strides;
+  r.o = a.o_strides;
+  r.lse = a.lse_strides;
+  r.d_o = a.do_strides;
+  r.dq = a.dq_strides;
+  r.dk = a.dk_strides;
+  r.dv = a.dv_strides;
+  const int64_t es = dtype_size(a.dtype), D = a.head_dim;
+  Range q, k, v, o, lse, d_o, dq, dk, dv;
+  SAGE_RETURN_IF_ERROR(
+      check_tensor("q", a.q, &r.q, a.layout, a.heads_q, a.seq_q, a.batch, D, es, false, &q));
+  SAGE_RETURN_IF_ERROR(
+      check_tensor("k", a.k, &r.k, a.layout, a.heads_kv, a.seq_kv, a.batch, D, es, false, &k));
+  SAGE_RETURN_IF_ERROR(
+      check_tensor("v", a.v, &r.v, a.layout, a.heads_kv, a.seq_kv, a.batch, D, es, false, &v));
+  SAGE_RETURN_IF_ERROR(
+      check_tensor("o", a.o, &r.o, a.layout, a.heads_q, a.seq_q, a.batch, D, es, false, &o));
+  SAGE_RETURN_IF_ERROR(check_tensor("lse", a.lse, &r.lse, SAGE_LAYOUT_HND, a.heads_q, a.seq_q,
+                                    a.batch, 1, 4, false, &lse));
+  SAGE_RETURN_IF_ERROR(check_tensor("d_o", a.d_o, &r.d_o, a.layout, a.heads_q, a.seq_q, a.batch,
+                                    D, es, false, &d_o));
+  SAGE_RETURN_IF_ERROR(
+      check_tensor("dq", a.dq, &r.dq, a.layout, a.heads_q, a.seq_q, a.batch, D, es, true, &dq));
+  SAGE_RETURN_IF_ERROR(check_tensor("dk", a.dk, &r.dk, a.layout, a.heads_kv, a.seq_kv, a.batch,
+                                    D, es, true, &dk));
+  SAGE_RETURN_IF_ERROR(check_tensor("dv", a.dv, &r.dv, a.layout, a.heads_kv, a.seq_kv, a.batch,
+                                    D, es, true, &dv));
+  const Range* outputs[] = {&dq, &dk, &dv};
+  for (int i = 0; i < 3; ++i) {
+    for (const Range* in : {&q, &k, &v, &o, &lse, &d_o})
+      SAGE_CHECK_ARG(!overlap(*outputs[i], *in),
+                     "%s overlaps %s: an output must not alias an input", outputs[i]->name,
+                     in->name);
+    for (int j = 0; j < i; ++j)
+      SAGE_CHECK_ARG(!overlap(*outputs[i], *outputs[j]), "%s overlaps %s", outputs[i]->name,
+                     outputs[j]->name);
+  }
+
+  if (a.variant == SAGE_VARIANT_CUSTOM) {
+    const std::string e = ref::backward_config_error(a.config);
+    if (!e.empty()) return set_error(SAGE_ERROR_INVALID_ARGUMENT, "%s", e.c_str());
+    r.config = a.config;
+  } else {
+    r.config = ref::backward_preset();
+  }
+  r.exact = a.variant == SAGE_VARIANT_EXACT;
+
+  const void* ptrs[] = {a.q, a.k, a.v, a.o, a.lse, a.d_o, a.dq, a.dk, a.dv};
+  const char* names[] = {"q", "k", "v", "o", "lse", "d_o", "dq", "dk", "dv"};
+  SAGE_RETURN_IF_ERROR(resolve_backend(a.backend, ptrs, names, 9, &r.backend));
+  if (r.exact && r.backend == SAGE_BACKEND_CUDA)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "variant = EXACT (float64) runs on the CPU reference only; pass host "
+                     "pointers");
   *out = r;
   return SAGE_OK;
 }

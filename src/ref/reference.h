@@ -127,6 +127,33 @@ bool exp2_poly_at(int64_t row, int64_t key, int every);
 // 0 when amax is zero, subnormal, inf or NaN.
 int v_block_exponent(float amax);
 
+// ---- Backward (backward.cpp) ----
+// o and lse are the forward's outputs, contiguous [B, Hq, Nq, D] and [B, Hq, Nq] (natural log,
+// -inf for a fully masked row); d_o has q's shape. dq is written contiguous [B, Hq, Nq, D], dk
+// and dv contiguous [B, Hkv, Nk, D] (summed over each GQA group).
+void attention_backward_exact(const Problem& p, const TensorView& q, const TensorView& k,
+                              const TensorView& v, const double* o, const double* lse,
+                              const TensorView& d_o, double* dq, double* dk, double* dv,
+                              int threads = 0);
+// SageBwd (paper 004, Algorithm 3) as the GPU computes it, every unquantized value in fp32.
+void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
+                              const TensorView& q, const TensorView& k, const TensorView& v,
+                              const float* o, const float* lse, const TensorView& d_o, float* dq,
+                              float* dk, float* dv, int threads = 0);
+sage_backward_config backward_preset();
+// Empty when `cfg` is usable, else a message naming the bad field and its value.
+std::string backward_config_error(const sage_backward_config& cfg);
+
+// ψ of the backward: the scale of a block whose largest |x| is amax. Unlike make_quant_scale, a
+// NaN amax gives a NaN scale and an infinite one an infinite scale (inverse 0), so a non-finite
+// input makes the dequantized products non-finite instead of vanishing.
+struct BwdScale {
+  float scale, inv;
+};
+BwdScale bwd_scale(float amax);
+// max that keeps a NaN (std::max and fmaxf drop it).
+float nan_max(float a, float b);
+
 struct Metrics {
   double cos = 0, rel_l1 = 0, rmse = 0, max_abs = 0;
 };

@@ -1,0 +1,444 @@
+// The CPU reference of the attention backward pass: float64 gradients (the truth), and the
+// emulation of SageBwd (paper 004, Algorithm 3) with a switch per matmul between INT8 with
+// per-block scales ψ and the input dtype with fp32 accumulation. Host code; mirrors src/bwd.
+//
+// Both recompute S and P = exp(S - LSE) from the forward's LSE, D = rowsum(dO∘O) from its O,
+// dP = dO·Vᵀ, dS = P∘(dP - D), then dV = Pᵀ·dO, dQ = scale·dS·K, dK = scale·dSᵀ·Q. dK and dV sum
+// over the query heads of a GQA group. Fully masked rows (LSE = -inf) have P = 0.
+//
+// K smoothing: K^ quantizes K - k̄ (k̄ the channel mean over all keys). S then lacks q_i·k̄ on
+// row i, a per-row constant: the LSE the backward uses drops it too (L' = L - scale·q_i·k̄), so
+// P is unchanged. dQ = dS·(K - k̄) + rowsum(dS)·k̄ and rowsum(dS) = Σ_j P_ij dP_ij - D_i = 0
+// (D_i = dO_i·O_i = Σ_j P_ij dO_i·V_j): the term vanishes, dQ is unchanged; dK = dSᵀ·Q and
+// dV = Pᵀ·dO never see K. So smoothing changes no gradient in exact arithmetic, and under
+// quantization ψ(K - k̄) has a finer step wherever K has a channel bias.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "common/error.h"
+#include "common/formats.h"
+#include "ref/reference.h"
+
+namespace sage::ref {
+namespace {
+
+constexpr double kLog2e = 1.4426950408889634;
+
+double dot64(const double* a, const double* b, int64_t n) {
+  double acc[4] = {0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int l = 0; l < 4; ++l) acc[l] += a[i + l] * b[i + l];
+  for (; i < n; ++i) acc[0] += a[i] * b[i];
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+// fp32 dot product with independent partial sums; exact when both operands are INT8 values
+// (every partial sum stays below 2^24 for head dims and blocks up to 512).
+float dot32(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
+  for (; i < n; ++i) acc[0] += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+std::vector<double> to_f64(const std::vector<float>& f) {
+  return std::vector<double>(f.begin(), f.end());
+}
+
+}  // namespace
+
+BwdScale bwd_scale(float amax) {
+  if (std::isnan(amax)) return {amax, 0.0f};  // the dequantized products come out NaN
+  if (!(amax > 0.0f)) return {0.0f, 0.0f};
+  return {amax / float(kInt8Max), float(kInt8Max) / amax};  // inf: scale inf, inv 0 -> NaN out
+}
+
+float nan_max(float a, float b) {
+  return (std::isnan(a) || std::isnan(b)) ? std::numeric_limits<float>::quiet_NaN()
+                                          : std::max(a, b);
+}
+
+sage_backward_config backward_preset() {
+  sage_backward_config c{};
+  c.int8 = SAGE_BWD_INT8_DEFAULT;
+  c.smooth = SAGE_SMOOTH_K;
+  c.block_q = 64;
+  c.block_k = 64;
+  // Per token, not the paper's per block: at N = 2k, D = 128 (N(0,1)) dQ's cosine against
+  // float64 is 0.99979 against 0.99882 (rel-L1 2.0 % against 4.9 %), at no extra cost in the
+  // kernel's reductions (tests/cpu/test_backward.cpp).
+  c.granularity = SAGE_GRANULARITY_PER_TOKEN;
+  return c;
+}
+
+std::string backward_config_error(const sage_backward_config& c) {
+  const uint32_t all = SAGE_BWD_INT8_QK | SAGE_BWD_INT8_PDO | SAGE_BWD_INT8_DOV |
+                       SAGE_BWD_INT8_DSK | SAGE_BWD_INT8_DSQ;
+  if (c.int8 & ~all)
+    return "config.int8 = 0x" + std::to_string(c.int8) + " has unknown flag bits";
+  if (c.smooth & ~uint32_t(SAGE_SMOOTH_K))
+    return "config.smooth = " + std::to_string(c.smooth) +
+           " is invalid (the backward smooths K only: 0 or SAGE_SMOOTH_K)";
+  if (enum_value(c.granularity) != SAGE_GRANULARITY_PER_BLOCK &&
+      enum_value(c.granularity) != SAGE_GRANULARITY_PER_TOKEN)
+    return "config.granularity = " + std::to_string(enum_value(c.granularity)) +
+           " is invalid for the backward (PER_BLOCK or PER_TOKEN)";
+  if (c.block_q < 1 || c.block_q > 512)
+    return "config.block_q = " + std::to_string(c.block_q) + " is outside 1..512";
+  if (c.block_k < 1 || c.block_k > 512)
+    return "config.block_k = " + std::to_string(c.block_k) + " is outside 1..512";
+  return {};
+}
+
+void attention_backward_exact(const Problem& p, const TensorView& q, const TensorView& k,
+                              const TensorView& v, const double* o, const double* lse,
+                              const TensorView& d_o, double* dq, double* dk, double* dv,
+                              int threads) {
+  const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_kv, G = p.group_ratio();
+  const size_t dims = size_t(D);
+  // Per (batch, q head): Q and dO; per (batch, kv head): K and V, in double.
+  std::vector<std::vector<double>> qs(size_t(p.batch * p.heads_q)), dos(qs.size()),
+      ks(size_t(p.batch * p.heads_kv)), vs(ks.size());
+  std::vector<double> delta(size_t(p.lse_elems()));  // D_i = dO_i·O_i
+  parallel_for(int64_t(qs.size()), threads, [&](int64_t bh) {
+    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+    qs[size_t(bh)] = to_f64(load_matrix(q, b, h, Nq, D));
+    dos[size_t(bh)] = to_f64(load_matrix(d_o, b, h, Nq, D));
+    for (int64_t i = 0; i < Nq; ++i)
+      delta[size_t(bh * Nq + i)] =
+          dot64(dos[size_t(bh)].data() + i * D, o + (bh * Nq + i) * D, D);
+  });
+  parallel_for(int64_t(ks.size()), threads, [&](int64_t bh) {
+    ks[size_t(bh)] = to_f64(load_matrix(k, bh / p.heads_kv, bh % p.heads_kv, Nk, D));
+    vs[size_t(bh)] = to_f64(load_matrix(v, bh / p.heads_kv, bh % p.heads_kv, Nk, D));
+  });
+  // dS_ij for one (q head, row i, key j), recomputed by both passes.
+  auto prob = [&](int64_t bh, int64_t i, int64_t j, double* p_out) {
+    const int64_t kv = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
+    const double L = lse[bh * Nq + i];
+    if (j >= p.visible_keys(i) || !(L > -std::numeric_limits<double>::infinity())) {
+      *p_out = 0.0;
+      return 0.0;
+    }
+    const double s = p.scale * dot64(qs[size_t(bh)].data() + i * D, ks[size_t(kv)].data() + j * D, D);
+    const double pij = std::exp(s - L);
+    const double dp = dot64(dos[size_t(bh)].data() + i * D, vs[size_t(kv)].data() + j * D, D);
+    *p_out = pij;
+    return pij * (dp - delta[size_t(bh * Nq + i)]);
+  };
+  // dQ: one task per (batch, q head, row).
+  parallel_for(p.batch * p.heads_q * Nq, threads, [&](int64_t item) {
+    const int64_t bh = item / Nq, i = item % Nq;
+    const int64_t kv = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
+    std::vector<double> acc(dims, 0.0);
+    for (int64_t j = 0; j < Nk; ++j) {
+      double pij;
+      const double ds = prob(bh, i, j, &pij);
+      if (ds == 0.0) continue;
+      const double* kj = ks[size_t(kv)].data() + j * D;
+      for (int64_t d = 0; d < D; ++d) acc[size_t(d)] += ds * kj[d];
+    }
+    for (int64_t d = 0; d < D; ++d) dq[item * D + d] = p.scale * acc[size_t(d)];
+  });
+  // dK, dV: one task per (batch, kv head, key), over every query of the group.
+  parallel_for(p.batch * p.heads_kv * Nk, threads, [&](int64_t item) {
+    const int64_t bkv = item / Nk, j = item % Nk;
+    const int64_t b = bkv / p.heads_kv, hkv = bkv % p.heads_kv;
+    std::vector<double> ak(dims, 0.0), av(dims, 0.0);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t bh = b * p.heads_q + hkv * G + g;
+      for (int64_t i = 0; i < Nq; ++i) {
+        double pij;
+        const double ds = prob(bh, i, j, &pij);
+        const double* qi = qs[size_t(bh)].data() + i * D;
+        const double* doi = dos[size_t(bh)].data() + i * D;
+        for (int64_t d = 0; d < D; ++d) {
+          ak[size_t(d)] += ds * qi[d];
+          av[size_t(d)] += pij * doi[d];
+        }
+      }
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      dk[item * D + d] = p.scale * ak[size_t(d)];
+      dv[item * D + d] = av[size_t(d)];
+    }
+  });
+}
+
+namespace {
+
+// One matrix quantized with one ψ scale per block of `block` rows (values are integers).
+struct BlockQuant {
+  std::vector<float> values;  // [rows][dim]
+  std::vector<float> scale;   // [blocks]
+};
+
+BlockQuant psi_rows(const std::vector<float>& x, int64_t rows, int64_t dim, int64_t block) {
+  BlockQuant r;
+  r.values.resize(x.size());
+  const int64_t blocks = (rows + block - 1) / block;
+  r.scale.resize(size_t(blocks));
+  for (int64_t bl = 0; bl < blocks; ++bl) {
+    const int64_t r0 = bl * block, r1 = std::min(rows, r0 + block);
+    float amax = 0.0f;
+    for (int64_t i = r0 * dim; i < r1 * dim; ++i) amax = nan_max(amax, std::fabs(x[size_t(i)]));
+    const BwdScale s = bwd_scale(amax);
+    r.scale[size_t(bl)] = s.scale;
+    for (int64_t i = r0 * dim; i < r1 * dim; ++i)
+      r.values[size_t(i)] = float(quantize_int(x[size_t(i)], s.inv, kInt8Max));
+  }
+  return r;
+}
+
+float round_to(sage_dtype dtype, float x) {
+  switch (dtype) {
+    case SAGE_DTYPE_FP16: return round_fp16(x);
+    case SAGE_DTYPE_BF16: return round_bf16(x);
+    default: return x;
+  }
+}
+
+}  // namespace
+
+void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
+                              const TensorView& q, const TensorView& k, const TensorView& v,
+                              const float* o, const float* lse, const TensorView& d_o, float* dq,
+                              float* dk, float* dv, int threads) {
+  if (const std::string e = backward_config_error(cfg); !e.empty())
+    throw Error{SAGE_ERROR_INVALID_ARGUMENT, e};
+  const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_kv, G = p.group_ratio();
+  const int64_t bq = cfg.block_q, bk = cfg.block_k;
+  const int64_t q_blocks = (Nq + bq - 1) / bq, k_blocks = (Nk + bk - 1) / bk;
+  const bool i8_qk = cfg.int8 & SAGE_BWD_INT8_QK, i8_pdo = cfg.int8 & SAGE_BWD_INT8_PDO,
+             i8_dov = cfg.int8 & SAGE_BWD_INT8_DOV, i8_dsk = cfg.int8 & SAGE_BWD_INT8_DSK,
+             i8_dsq = cfg.int8 & SAGE_BWD_INT8_DSQ;
+  const bool smooth_k = (cfg.smooth & SAGE_SMOOTH_K) && (i8_qk || i8_dsk);
+  const bool per_token = cfg.granularity == SAGE_GRANULARITY_PER_TOKEN;
+  const sage_dtype dt = q.dtype;
+  const float scale_log2 = float(p.scale * kLog2e);
+  const size_t dims = size_t(D);
+
+  // Pre-pass, per (batch, q head): Q, Q^, dO, dO^, L' (log2 units) and D = rowsum(dO∘O).
+  struct QSide {
+    std::vector<float> q, d_o, lse2, delta;
+    BlockQuant q8, do8;
+  };
+  struct KSide {
+    std::vector<float> k, v;
+    BlockQuant k8, v8;
+    std::vector<float> k_mean;
+  };
+  std::vector<KSide> kside(size_t(p.batch * p.heads_kv));
+  parallel_for(int64_t(kside.size()), threads, [&](int64_t bkv) {
+    KSide& s = kside[size_t(bkv)];
+    s.k = load_matrix(k, bkv / p.heads_kv, bkv % p.heads_kv, Nk, D);
+    s.v = load_matrix(v, bkv / p.heads_kv, bkv % p.heads_kv, Nk, D);
+    s.k_mean.assign(dims, 0.0f);
+    if (smooth_k) {
+      std::vector<double> sum(dims, 0.0);
+      for (int64_t j = 0; j < Nk; ++j)
+        for (int64_t d = 0; d < D; ++d) sum[size_t(d)] += s.k[size_t(j * D + d)];
+      for (int64_t d = 0; d < D; ++d) s.k_mean[size_t(d)] = float(sum[size_t(d)] / double(Nk));
+    }
+    std::vector<float> ks(s.k.size());
+    for (int64_t j = 0; j < Nk; ++j)
+      for (int64_t d = 0; d < D; ++d)
+        ks[size_t(j * D + d)] = s.k[size_t(j * D + d)] - s.k_mean[size_t(d)];
+    s.k8 = psi_rows(ks, Nk, D, bk);
+    if (i8_dov) s.v8 = psi_rows(s.v, Nk, D, bk);
+  });
+  std::vector<QSide> qside(size_t(p.batch * p.heads_q));
+  parallel_for(int64_t(qside.size()), threads, [&](int64_t bh) {
+    QSide& s = qside[size_t(bh)];
+    const int64_t b = bh / p.heads_q, kv = b * p.heads_kv + (bh % p.heads_q) / G;
+    s.q = load_matrix(q, b, bh % p.heads_q, Nq, D);
+    s.d_o = load_matrix(d_o, b, bh % p.heads_q, Nq, D);
+    s.q8 = psi_rows(s.q, Nq, D, bq);
+    s.do8 = psi_rows(s.d_o, Nq, D, bq);
+    s.lse2.resize(size_t(Nq));
+    s.delta.resize(size_t(Nq));
+    const float* km = kside[size_t(kv)].k_mean.data();
+    for (int64_t i = 0; i < Nq; ++i) {
+      const float L = lse[bh * Nq + i];
+      // Row i's scores lack scale·q_i·k̄ when K is smoothed (and Q·Kᵀ is the INT8 one).
+      const float shift = (smooth_k && i8_qk) ? float(p.scale) * dot32(s.q.data() + i * D, km, D)
+                                              : 0.0f;
+      // A fully masked row (L = -inf) gets +inf, so that every P = 2^(s - inf) is 0.
+      s.lse2[size_t(i)] = L == -std::numeric_limits<float>::infinity()
+                              ? std::numeric_limits<float>::infinity()
+                              : (L - shift) * float(kLog2e);
+      s.delta[size_t(i)] = dot32(s.d_o.data() + i * D, o + (bh * Nq + i) * D, D);
+    }
+  });
+
+  // One (query block, key block) tile of one q head: P, dS and their INT8 forms. Per block, one
+  // ψ scale covers the tile; per token, each product gets the scales that factor out of its sum:
+  // dV = Pᵀ·dO and dK = dSᵀ·Q sum over queries, so P and dS take one scale per key (column);
+  // dQ = dS·K sums over keys, so dS takes one scale per query (row) there.
+  struct Tile {
+    int64_t r0, r1, c0, c1;
+    std::vector<float> P, dS, P8, dS8_row, dS8_col;  // [rows][cols]
+    std::vector<float> p_scale, ds_row_scale, ds_col_scale;  // [cols], [rows], [cols]
+    bool empty = true;  // every entry masked: contributes nothing (the kernel skips it)
+  };
+  auto tile = [&](int64_t bh, int64_t ib, int64_t jb, Tile& t) {
+    const int64_t kv = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
+    const QSide& qs = qside[size_t(bh)];
+    const KSide& ks = kside[size_t(kv)];
+    t.r0 = ib * bq;
+    t.r1 = std::min(Nq, t.r0 + bq);
+    t.c0 = jb * bk;
+    t.c1 = std::min(Nk, t.c0 + bk);
+    const int64_t rows = t.r1 - t.r0, cols = t.c1 - t.c0;
+    t.P.assign(size_t(rows * cols), 0.0f);
+    t.dS.assign(t.P.size(), 0.0f);
+    t.empty = true;
+    std::vector<float> p_max(size_t(cols), 0.0f), ds_col_max(size_t(cols), 0.0f),
+        ds_row_max(size_t(rows), 0.0f);
+    const float qk_scale = i8_qk ? qs.q8.scale[size_t(ib)] * ks.k8.scale[size_t(jb)] : 1.0f;
+    const float dov_scale = i8_dov ? qs.do8.scale[size_t(ib)] * ks.v8.scale[size_t(jb)] : 1.0f;
+    for (int64_t i = t.r0; i < t.r1; ++i) {
+      const int64_t visible = std::min(t.c1, p.visible_keys(i));
+      for (int64_t j = t.c0; j < visible; ++j) {
+        t.empty = false;
+        const float s = i8_qk ? dot32(qs.q8.values.data() + i * D, ks.k8.values.data() + j * D, D)
+                              : dot32(qs.q.data() + i * D, ks.k.data() + j * D, D);
+        const float pij = std::exp2(s * (qk_scale * scale_log2) - qs.lse2[size_t(i)]);
+        const float dp =
+            i8_dov ? dot32(qs.do8.values.data() + i * D, ks.v8.values.data() + j * D, D) * dov_scale
+                   : dot32(qs.d_o.data() + i * D, ks.v.data() + j * D, D);
+        const float ds = pij * (dp - qs.delta[size_t(i)]);
+        const int64_t r = i - t.r0, c = j - t.c0;
+        t.P[size_t(r * cols + c)] = pij;
+        t.dS[size_t(r * cols + c)] = ds;
+        p_max[size_t(c)] = nan_max(p_max[size_t(c)], pij);
+        ds_col_max[size_t(c)] = nan_max(ds_col_max[size_t(c)], std::fabs(ds));
+        ds_row_max[size_t(r)] = nan_max(ds_row_max[size_t(r)], std::fabs(ds));
+      }
+    }
+    if (!per_token) {  // one scale for the whole tile
+      float pm = 0.0f, dm = 0.0f;
+      for (float x : p_max) pm = nan_max(pm, x);
+      for (float x : ds_col_max) dm = nan_max(dm, x);
+      std::fill(p_max.begin(), p_max.end(), pm);
+      std::fill(ds_col_max.begin(), ds_col_max.end(), dm);
+      std::fill(ds_row_max.begin(), ds_row_max.end(), dm);
+    }
+    t.p_scale.resize(size_t(cols));
+    t.ds_col_scale.resize(size_t(cols));
+    t.ds_row_scale.resize(size_t(rows));
+    std::vector<float> p_inv(size_t(cols), 0.0f), dc_inv(size_t(cols), 0.0f), dr_inv(size_t(rows), 0.0f);
+    for (int64_t c = 0; c < cols; ++c) {
+      const BwdScale ps = bwd_scale(p_max[size_t(c)]), ds = bwd_scale(ds_col_max[size_t(c)]);
+      t.p_scale[size_t(c)] = ps.scale;
+      p_inv[size_t(c)] = ps.inv;
+      t.ds_col_scale[size_t(c)] = ds.scale;
+      dc_inv[size_t(c)] = ds.inv;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const BwdScale ds = bwd_scale(ds_row_max[size_t(r)]);
+      t.ds_row_scale[size_t(r)] = ds.scale;
+      dr_inv[size_t(r)] = ds.inv;
+    }
+    t.P8.resize(t.P.size());
+    t.dS8_row.resize(t.P.size());
+    t.dS8_col.resize(t.P.size());
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const size_t x = size_t(r * cols + c);
+        t.P8[x] = i8_pdo ? float(quantize_int(t.P[x], p_inv[size_t(c)], kInt8Max))
+                         : round_to(dt, t.P[x]);
+        t.dS8_row[x] = i8_dsk ? float(quantize_int(t.dS[x], dr_inv[size_t(r)], kInt8Max))
+                              : round_to(dt, t.dS[x]);
+        t.dS8_col[x] = i8_dsq ? float(quantize_int(t.dS[x], dc_inv[size_t(c)], kInt8Max))
+                              : round_to(dt, t.dS[x]);
+      }
+  };
+
+  // dK, dV: one task per (batch, kv head, key block), over the group's heads and query blocks.
+  parallel_for(p.batch * p.heads_kv * k_blocks, threads, [&](int64_t item) {
+    const int64_t bkv = item / k_blocks, jb = item % k_blocks;
+    const int64_t b = bkv / p.heads_kv, hkv = bkv % p.heads_kv;
+    const int64_t c0 = jb * bk, cols = std::min(Nk, c0 + bk) - c0;
+    std::vector<float> ak(size_t(cols * D), 0.0f), av(ak.size(), 0.0f), part(dims);
+    Tile t;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t bh = b * p.heads_q + hkv * G + g;
+      const QSide& qs = qside[size_t(bh)];
+      for (int64_t ib = 0; ib < q_blocks; ++ib) {
+        tile(bh, ib, jb, t);
+        if (t.empty) continue;
+        const int64_t rows = t.r1 - t.r0;
+        for (int64_t c = 0; c < cols; ++c) {
+          // dV_j += Pᵀ·dO over this tile's rows: one block product, then scaled into fp32.
+          std::fill(part.begin(), part.end(), 0.0f);
+          for (int64_t r = 0; r < rows; ++r) {
+            const float pv = t.P8[size_t(r * cols + c)];
+            if (pv == 0.0f) continue;
+            const float* src = i8_pdo ? qs.do8.values.data() + (t.r0 + r) * D
+                                      : qs.d_o.data() + (t.r0 + r) * D;
+            for (int64_t d = 0; d < D; ++d) part[size_t(d)] += pv * src[d];
+          }
+          const float pdo_scale = i8_pdo ? t.p_scale[size_t(c)] * qs.do8.scale[size_t(ib)] : 1.0f;
+          for (int64_t d = 0; d < D; ++d) av[size_t(c * D + d)] += part[size_t(d)] * pdo_scale;
+          // dK_j += dSᵀ·Q.
+          std::fill(part.begin(), part.end(), 0.0f);
+          for (int64_t r = 0; r < rows; ++r) {
+            const size_t at = size_t(r * cols + c);
+            const float ds = t.dS8_col[at];
+            if (ds == 0.0f) continue;
+            const float* src = i8_dsq ? qs.q8.values.data() + (t.r0 + r) * D
+                                      : qs.q.data() + (t.r0 + r) * D;
+            for (int64_t d = 0; d < D; ++d) part[size_t(d)] += ds * src[d];
+          }
+          const float dsq_scale =
+              i8_dsq ? t.ds_col_scale[size_t(c)] * qs.q8.scale[size_t(ib)] : 1.0f;
+          for (int64_t d = 0; d < D; ++d) ak[size_t(c * D + d)] += part[size_t(d)] * dsq_scale;
+        }
+      }
+    }
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t at = (bkv * Nk + c0 + c) * D + d;
+        dk[at] = ak[size_t(c * D + d)] * float(p.scale);
+        dv[at] = av[size_t(c * D + d)];
+      }
+  });
+
+  // dQ: one task per (batch, q head, query block), over the key blocks.
+  parallel_for(p.batch * p.heads_q * q_blocks, threads, [&](int64_t item) {
+    const int64_t bh = item / q_blocks, ib = item % q_blocks;
+    const int64_t kv = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
+    const KSide& ks = kside[size_t(kv)];
+    const int64_t r0 = ib * bq, rows = std::min(Nq, r0 + bq) - r0;
+    std::vector<float> acc(size_t(rows * D), 0.0f), part(dims);
+    Tile t;
+    for (int64_t jb = 0; jb < k_blocks; ++jb) {
+      tile(bh, ib, jb, t);
+      if (t.empty) continue;
+      const int64_t cols = t.c1 - t.c0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float dsk_scale = i8_dsk ? t.ds_row_scale[size_t(r)] * ks.k8.scale[size_t(jb)] : 1.0f;
+        std::fill(part.begin(), part.end(), 0.0f);
+        for (int64_t c = 0; c < cols; ++c) {
+          const size_t at = size_t(r * cols + c);
+          const float ds = t.dS8_row[at];
+          if (ds == 0.0f) continue;
+          const float* src = i8_dsk ? ks.k8.values.data() + (t.c0 + c) * D
+                                    : ks.k.data() + (t.c0 + c) * D;
+          for (int64_t d = 0; d < D; ++d) part[size_t(d)] += ds * src[d];
+        }
+        for (int64_t d = 0; d < D; ++d) acc[size_t(r * D + d)] += part[size_t(d)] * dsk_scale;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < D; ++d)
+        dq[(bh * Nq + r0 + r) * D + d] = acc[size_t(r * D + d)] * float(p.scale);
+  });
+}
+
+}  // namespace sage::ref
