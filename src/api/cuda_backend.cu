@@ -10,6 +10,7 @@
 #include "api/plan.h"
 #include "attn/mma/launch.h"
 #include "attn/sm90/launch.h"
+#include "bwd/launch.h"
 #include "common/error.h"
 #include "quant/prepass.h"
 
@@ -208,14 +209,101 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
 }  // namespace sage::cuda
 
 namespace sage::cuda {
+namespace {
 
-sage_status backward_workspace_size(const api::ResolvedBackward&, const sage_backward_args&,
-                                    size_t*) {
-  return set_error(SAGE_ERROR_UNSUPPORTED, "the CUDA backward pass is not built yet");
+// What the GPU backward runs, or why it cannot: refused with UNSUPPORTED, never approximated.
+sage_status check_backward(const api::ResolvedBackward& r, const sage_backward_args& a,
+                           const api::Device& dev) {
+  const ref::Problem& p = r.problem;
+  if (dev.cc < 80)
+    return set_error(SAGE_ERROR_UNSUPPORTED, "the backward needs sm_80 or newer (device: sm_%d)",
+                     dev.cc);
+  if (p.head_dim != 64 && p.head_dim != 128)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "head_dim = %lld: the GPU backward has kernels for 64 and 128",
+                     static_cast<long long>(p.head_dim));
+  if (a.dtype == SAGE_DTYPE_FP32)
+    return set_error(SAGE_ERROR_UNSUPPORTED, "dtype = FP32 runs on the CPU reference only");
+  sage_backward_config want = ref::backward_preset();
+  want.smooth = r.config.smooth;  // either way: k_mean is zero without smoothing
+  const sage_backward_config& c = r.config;
+  if (c.int8 != want.int8 || c.block_q != want.block_q || c.block_k != want.block_k ||
+      c.granularity != want.granularity)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "config (int8 0x%x, block %d x %d, granularity %d): the GPU backward runs "
+                     "the preset only (int8 0x%x, block %d x %d, per token); the CPU reference "
+                     "runs any",
+                     unsigned(c.int8), int(c.block_q), int(c.block_k), int(c.granularity),
+                     unsigned(want.int8), int(want.block_q), int(want.block_k));
+  if (a.options & SAGE_BWD_OPTION_DETERMINISTIC)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "options = DETERMINISTIC: the GPU backward sums dQ with atomics only so far");
+  return SAGE_OK;
 }
 
-sage_status backward(const api::ResolvedBackward&, const sage_backward_args&) {
-  return set_error(SAGE_ERROR_UNSUPPORTED, "the CUDA backward pass is not built yet");
+bwd::Params backward_params(const api::ResolvedBackward& r, const sage_backward_args& a,
+                            const bwd::Layout& w, uint8_t* ws) {
+  const ref::Problem& p = r.problem;
+  bwd::Params x{};
+  x.q = a.q, x.k = a.k, x.v = a.v, x.o = a.o, x.d_o = a.d_o, x.lse = a.lse;
+  x.dq = a.dq, x.dk = a.dk, x.dv = a.dv;
+  x.q_st = r.q, x.k_st = r.k, x.v_st = r.v, x.o_st = r.o, x.lse_st = r.lse, x.do_st = r.d_o;
+  x.dq_st = r.dq, x.dk_st = r.dk, x.dv_st = r.dv;
+  auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
+  auto s8 = [&](size_t off) { return reinterpret_cast<int8_t*>(ws + off); };
+  x.k_part = f32(w.k_part), x.k_mean = f32(w.k_mean), x.k_scale = f32(w.k_scale);
+  x.khat = s8(w.khat), x.khat_t = s8(w.khat_t);
+  x.v_ws = reinterpret_cast<uint16_t*>(ws + w.v);
+  x.q_scale = f32(w.q_scale), x.qhat = s8(w.qhat), x.qhat_t = s8(w.qhat_t);
+  x.do_scale = f32(w.do_scale), x.dohat_t = s8(w.dohat_t);
+  x.do_ws = reinterpret_cast<uint16_t*>(ws + w.d_o);
+  x.lse2 = f32(w.lse2), x.delta = f32(w.delta), x.dq_acc = f32(w.dq_acc);
+  x.batch = p.batch, x.heads_q = p.heads_q, x.heads_kv = p.heads_kv;
+  x.seq_q = p.seq_q, x.seq_kv = p.seq_kv, x.nq_pad = w.nq_pad, x.nk_pad = w.nk_pad;
+  x.q_blocks = w.q_blocks, x.k_blocks = w.k_blocks, x.k_chunks = w.k_chunks;
+  x.causal = p.mask != SAGE_MASK_NONE;
+  x.causal_offset = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
+  x.smooth_k = (r.config.smooth & SAGE_SMOOTH_K) != 0;
+  x.scale = float(p.scale);
+  x.scale_log2 = float(p.scale * 1.4426950408889634);
+  return x;
+}
+
+}  // namespace
+
+sage_status backward_workspace_size(const api::ResolvedBackward& r, const sage_backward_args& a,
+                                    size_t* bytes) {
+  api::Device dev;
+  SAGE_RETURN_IF_ERROR(current_device(&dev));
+  SAGE_RETURN_IF_ERROR(check_backward(r, a, dev));
+  *bytes = bwd::make_layout(r.problem).total;
+  return SAGE_OK;
+}
+
+sage_status backward(const api::ResolvedBackward& r, const sage_backward_args& a) {
+  api::Device dev;
+  SAGE_RETURN_IF_ERROR(current_device(&dev));
+  SAGE_RETURN_IF_ERROR(check_backward(r, a, dev));
+  const bwd::Layout w = bwd::make_layout(r.problem);
+  if (a.workspace_size < w.total || a.workspace == nullptr)
+    return set_error(SAGE_ERROR_WORKSPACE_TOO_SMALL,
+                     "workspace_size = %zu, this call needs %zu bytes "
+                     "(sage_backward_workspace_size)",
+                     a.workspace_size, w.total);
+  if (reinterpret_cast<uintptr_t>(a.workspace) % 256 != 0)
+    return set_error(SAGE_ERROR_INVALID_ARGUMENT, "workspace = %p must be 256-byte aligned",
+                     a.workspace);
+  if (pointer_kind(a.workspace) != PointerKind::kDevice)
+    return set_error(SAGE_ERROR_INVALID_ARGUMENT, "workspace = %p is not device memory",
+                     a.workspace);
+  const bwd::Params x = backward_params(r, a, w, static_cast<uint8_t*>(a.workspace));
+  cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  const bool bf16 = a.dtype == SAGE_DTYPE_BF16;
+  const cudaError_t e = r.problem.head_dim == 64 ? bwd::run<64>(x, bf16, dev.index, stream)
+                                                 : bwd::run<128>(x, bf16, dev.index, stream);
+  if (e != cudaSuccess)
+    return set_error(SAGE_ERROR_CUDA, "backward launch: %s", cudaGetErrorString(e));
+  return SAGE_OK;
 }
 
 }  // namespace sage::cuda

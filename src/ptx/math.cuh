@@ -10,4 +10,13 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+// max.NaN.f32 (sm_80+): the larger of a and b, NaN if either is NaN (fmaxf drops a NaN).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+#endif
+
 }  // namespace sage::ptx

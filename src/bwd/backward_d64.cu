@@ -1,0 +1,6 @@
+// SageBwd's kernels for head dim 64 (sm_80+; built for the architectures in SAGE_CUDA_ARCHS).
+#include "bwd/launch.cuh"
+
+namespace sage::bwd {
+template cudaError_t run<64>(const Params&, bool, int, cudaStream_t);
+}  // namespace sage::bwd

@@ -1,0 +1,41 @@
+// Host side of SageBwd's kernels: the launch sequence of one backward call (pre-pass, main
+// kernel, dQ store) on the caller's stream, instantiated per head dim in backward_d*.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "bwd/kernel.cuh"
+#include "bwd/launch.h"
+#include "bwd/prepass.cuh"
+#include "common/launch.h"
+
+namespace sage::bwd {
+
+template <typename T, int D>
+cudaError_t run_typed(const Params& p, int device, cudaStream_t stream) {
+  const int bq = int(p.batch * p.heads_q), bk = int(p.batch * p.heads_kv);
+  k_sum_kernel<T, D><<<dim3(unsigned(p.k_chunks), bk), D, 0, stream>>>(p);
+  k_mean_kernel<D><<<bk, D, 0, stream>>>(p);
+  const int k_smem = kBlockK * (D + 1) * 4, q_smem = 2 * kBlockQ * (D + 1) * 4;
+  cudaError_t e = set_max_dynamic_smem_once<k_prep_kernel<T, D>>(device, k_smem);
+  if (e == cudaSuccess) e = set_max_dynamic_smem_once<q_prep_kernel<T, D>>(device, q_smem);
+  if (e != cudaSuccess) return e;
+  k_prep_kernel<T, D><<<dim3(unsigned(p.k_blocks), bk), kThreads, k_smem, stream>>>(p);
+  q_prep_kernel<T, D><<<dim3(unsigned(p.q_blocks), bq), kThreads, q_smem, stream>>>(p);
+  constexpr int kSmem = Smem<D>::kBytes;
+  auto main_kernel = p.causal ? backward_kernel<T, D, true> : backward_kernel<T, D, false>;
+  e = p.causal ? set_max_dynamic_smem_once<backward_kernel<T, D, true>>(device, kSmem)
+               : set_max_dynamic_smem_once<backward_kernel<T, D, false>>(device, kSmem);
+  if (e != cudaSuccess) return e;
+  main_kernel<<<dim3(unsigned(p.k_blocks), bk), kThreads, kSmem, stream>>>(p);
+  dq_store_kernel<T, D><<<dim3(unsigned(p.q_blocks), bq), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int D>
+cudaError_t run(const Params& p, bool bf16, int device, cudaStream_t stream) {
+  return bf16 ? run_typed<__nv_bfloat16, D>(p, device, stream)
+              : run_typed<__half, D>(p, device, stream);
+}
+
+}  // namespace sage::bwd

@@ -1,0 +1,122 @@
+// SageBwd on the GPU (sm_80+ mma.sync; the Hopper wgmma version comes later): the tile shape,
+// the workspace layout the backward pre-pass writes, and the params struct of its kernels. Plain
+// C++ (no CUDA types).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/formats.h"  // SAGE_HOST_DEVICE
+#include "ref/reference.h"
+#include "sage/sage.h"
+
+namespace sage::bwd {
+
+// A CTA owns kBlockK keys (4 warps x 16) and streams query blocks of kBlockQ; these are also the
+// ψ blocks of Q, dO (kBlockQ rows) and K (kBlockK rows): the emulation is backward_preset().
+constexpr int kBlockQ = 64;
+constexpr int kBlockK = 64;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+
+// Offsets (bytes) into the workspace, each 256-byte aligned.
+struct Layout {
+  int64_t nq_pad = 0, nk_pad = 0, q_blocks = 0, k_blocks = 0, k_chunks = 0;
+  size_t k_part = 0;   // f32 [B*Hkv][k_chunks][D]: K's channel sums per chunk of keys
+  size_t k_mean = 0;   // f32 [B*Hkv][D]
+  size_t k_scale = 0;  // f32 [B*Hkv][k_blocks]
+  size_t khat = 0;     // s8 [B*Hkv][nk_pad][D]: ψ(K - k_mean) rows
+  size_t khat_t = 0;   // s8 [B*Hkv][D][nk_pad]: the same, transposed
+  size_t v = 0;        // dtype [B*Hkv][nk_pad][D]: V, zero-padded
+  size_t q_scale = 0;  // f32 [B*Hq][q_blocks]
+  size_t qhat = 0;     // s8 [B*Hq][nq_pad][D]
+  size_t qhat_t = 0;   // s8 [B*Hq][D][nq_pad], queries permuted in each 32 (query_at)
+  size_t do_scale = 0; // f32 [B*Hq][q_blocks]
+  size_t dohat_t = 0;  // s8 [B*Hq][D][nq_pad], permuted as qhat_t
+  size_t d_o = 0;      // dtype [B*Hq][nq_pad][D]: dO, zero-padded
+  size_t lse2 = 0;     // f32 [B*Hq][nq_pad]: (LSE - scale·q·k_mean)·log2 e; +inf: no key
+  size_t delta = 0;    // f32 [B*Hq][nq_pad]: rowsum(dO∘O)
+  size_t dq_acc = 0;   // f32 [B*Hq][nq_pad][D]: dQ / scale, summed by atomics
+  size_t total = 0;
+};
+
+inline Layout make_layout(const ref::Problem& p) {
+  Layout w;
+  const int64_t D = p.head_dim, bq = p.batch * p.heads_q, bk = p.batch * p.heads_kv;
+  w.q_blocks = (p.seq_q + kBlockQ - 1) / kBlockQ;
+  w.k_blocks = (p.seq_kv + kBlockK - 1) / kBlockK;
+  w.nq_pad = w.q_blocks * kBlockQ;
+  w.nk_pad = w.k_blocks * kBlockK;
+  w.k_chunks = (p.seq_kv + 255) / 256;
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t off = at;
+    at += (bytes + 255) / 256 * 256;
+    return off;
+  };
+  w.k_part = take(size_t(bk * w.k_chunks * D) * 4);
+  w.k_mean = take(size_t(bk * D) * 4);
+  w.k_scale = take(size_t(bk * w.k_blocks) * 4);
+  w.khat = take(size_t(bk * w.nk_pad * D));
+  w.khat_t = take(size_t(bk * w.nk_pad * D));
+  w.v = take(size_t(bk * w.nk_pad * D) * 2);
+  w.q_scale = take(size_t(bq * w.q_blocks) * 4);
+  w.qhat = take(size_t(bq * w.nq_pad * D));
+  w.qhat_t = take(size_t(bq * w.nq_pad * D));
+  w.do_scale = take(size_t(bq * w.q_blocks) * 4);
+  w.dohat_t = take(size_t(bq * w.nq_pad * D));
+  w.d_o = take(size_t(bq * w.nq_pad * D) * 2);
+  w.lse2 = take(size_t(bq * w.nq_pad) * 4);
+  w.delta = take(size_t(bq * w.nq_pad) * 4);
+  w.dq_acc = take(size_t(bq * w.nq_pad * D) * 4);
+  w.total = at;
+  return w;
+}
+
+// The query stored at column position k (0..31) of a 32-query group of qhat_t and dohat_t: the
+// INT8 A operand a thread packs from its m16n8 accumulator (columns 2t, 2t+1 of tiles 0..3) has
+// k = 4t+j (j < 4) holding tile j/2's column 2t + j%2, and k = 16+4t+j tile 2 + j/2's.
+SAGE_HOST_DEVICE inline int query_at(int k) {
+  const int half = k / 16, t = (k % 16) / 4, j = k % 4;
+  return 16 * half + 8 * (j / 2) + 2 * t + (j % 2);
+}
+
+struct Params {
+  // The caller's tensors (strides in elements; the last dimension contiguous).
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;
+  const void* d_o;
+  const float* lse;
+  void* dq;
+  void* dk;
+  void* dv;
+  sage_strides q_st, k_st, v_st, o_st, lse_st, do_st, dq_st, dk_st, dv_st;
+  // The workspace (Layout).
+  float* k_part;
+  float* k_mean;
+  float* k_scale;
+  int8_t* khat;
+  int8_t* khat_t;
+  uint16_t* v_ws;
+  float* q_scale;
+  int8_t* qhat;
+  int8_t* qhat_t;
+  float* do_scale;
+  int8_t* dohat_t;
+  uint16_t* do_ws;
+  float* lse2;
+  float* delta;
+  float* dq_acc;
+  int64_t batch, heads_q, heads_kv, seq_q, seq_kv, nq_pad, nk_pad, q_blocks, k_blocks, k_chunks;
+  int64_t causal_offset;  // query i sees keys j <= i + causal_offset (causal masks)
+  bool causal;
+  bool smooth_k;
+  float scale;       // softmax scale
+  float scale_log2;  // scale · log2(e)
+
+  SAGE_HOST_DEVICE int64_t group() const { return heads_q / heads_kv; }
+};
+
+}  // namespace sage::bwd

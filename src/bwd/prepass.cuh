@@ -1,0 +1,196 @@
+// SageBwd's pre-pass (sm_80+): K's channel means (per chunk, then summed in a fixed order), ψ of
+// K - k_mean per 64-key block (rows and transposed), V copied zero-padded; per 64-query block ψ
+// of Q and dO (rows and transposed with queries permuted, bwd::query_at), dO copied, the LSE in
+// log2 units with K smoothing's q·k_mean removed, D = rowsum(dO∘O), and dQ's accumulator zeroed.
+// ψ and the scales are the CPU emulation's (ref::bwd_scale, quant::quantize_bits); a NaN
+// anywhere in a block makes its scale NaN, so the gradients it reaches come out NaN.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "bwd/params.h"
+#include "ptx/math.cuh"
+#include "quant/elements.cuh"
+
+namespace sage::bwd {
+
+template <typename T>
+__device__ __forceinline__ float load_f(const void* base, int64_t off) {
+  return quant::to_float(static_cast<const T*>(base)[off]);
+}
+template <typename T>
+__device__ __forceinline__ uint16_t load_bits(const void* base, int64_t off) {
+  return static_cast<const uint16_t*>(base)[off];
+}
+
+struct Psi {
+  float scale, inv;
+};
+// ref::bwd_scale on the device (IEEE divisions, so host and device agree bit for bit).
+__device__ __forceinline__ Psi psi_scale(float amax) {
+  if (amax != amax) return {amax, 0.0f};
+  if (!(amax > 0.0f)) return {0.0f, 0.0f};
+  return {__fdiv_rn(amax, 127.0f), __fdiv_rn(127.0f, amax)};
+}
+__device__ __forceinline__ int8_t psi_quantize(float x, float inv) {
+  return int8_t(quant::quantize_bits(x, inv, 127.0f) & 0xFF);
+}
+
+// The NaN-keeping max of every thread's value (kThreads threads; scratch: kWarps floats).
+__device__ __forceinline__ float block_max_nan(float x, float* scratch) {
+  for (int o = 16; o > 0; o /= 2) x = ptx::max_nan(x, __shfl_xor_sync(0xFFFFFFFFu, x, o));
+  __syncthreads();  // scratch may still be read by a previous call
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  float m = scratch[0];
+  for (int w = 1; w < kWarps; ++w) m = ptx::max_nan(m, scratch[w]);
+  return m;
+}
+
+// K's channel sums over keys [256·chunk, 256·chunk + 256): grid (k_chunks, B·Hkv), D threads.
+template <typename T, int D>
+__global__ void k_sum_kernel(const Params p) {
+  const int64_t bkv = blockIdx.y, chunk = blockIdx.x;
+  const int d = threadIdx.x;
+  const int64_t base = (bkv / p.heads_kv) * p.k_st.batch + (bkv % p.heads_kv) * p.k_st.head + d;
+  const int64_t j1 = min(p.seq_kv, (chunk + 1) * 256);
+  float s = 0.0f;
+  for (int64_t j = chunk * 256; j < j1; ++j) s += load_f<T>(p.k, base + j * p.k_st.token);
+  p.k_part[(bkv * p.k_chunks + chunk) * D + d] = s;
+}
+
+// k_mean = Σ chunks / Nk in chunk order (deterministic): grid B·Hkv, D threads.
+template <int D>
+__global__ void k_mean_kernel(const Params p) {
+  const int64_t bkv = blockIdx.x;
+  const int d = threadIdx.x;
+  float s = 0.0f;
+  for (int64_t c = 0; c < p.k_chunks; ++c) s += p.k_part[(bkv * p.k_chunks + c) * D + d];
+  p.k_mean[bkv * D + d] = p.smooth_k ? s / float(p.seq_kv) : 0.0f;
+}
+
+// One 64-key block: ψ(K - k_mean) rows and transposed, its scale, V copied. Grid (k_blocks,
+// B·Hkv), kThreads threads, dynamic smem 64·(D+1) floats.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) k_prep_kernel(const Params p) {
+  extern __shared__ float xs[];  // [64][D + 1]
+  __shared__ float scratch[kWarps];
+  const int64_t kb = blockIdx.x, bkv = blockIdx.y, j0 = kb * kBlockK;
+  const int64_t b = bkv / p.heads_kv, h = bkv % p.heads_kv;
+  const int64_t kbase = b * p.k_st.batch + h * p.k_st.head;
+  const int64_t vbase = b * p.v_st.batch + h * p.v_st.head;
+  float amax = 0.0f;
+  for (int idx = threadIdx.x; idx < kBlockK * D; idx += kThreads) {
+    const int r = idx / D, d = idx % D;
+    const int64_t j = j0 + r;
+    float x = 0.0f;
+    uint16_t vb = 0;
+    if (j < p.seq_kv) {
+      x = load_f<T>(p.k, kbase + j * p.k_st.token + d) - p.k_mean[bkv * D + d];
+      vb = load_bits<T>(p.v, vbase + j * p.v_st.token + d);
+    }
+    xs[r * (D + 1) + d] = x;
+    amax = ptx::max_nan(amax, fabsf(x));
+    p.v_ws[(bkv * p.nk_pad + j) * D + d] = vb;
+  }
+  amax = block_max_nan(amax, scratch);
+  const Psi s = psi_scale(amax);
+  if (threadIdx.x == 0) p.k_scale[bkv * p.k_blocks + kb] = s.scale;
+  for (int idx = threadIdx.x; idx < kBlockK * D; idx += kThreads) {
+    const int r = idx / D, d = idx % D;
+    p.khat[(bkv * p.nk_pad + j0 + r) * D + d] = psi_quantize(xs[r * (D + 1) + d], s.inv);
+  }
+  for (int idx = threadIdx.x; idx < kBlockK * D; idx += kThreads) {
+    const int r = idx % kBlockK, d = idx / kBlockK;
+    p.khat_t[(bkv * D + d) * p.nk_pad + j0 + r] = psi_quantize(xs[r * (D + 1) + d], s.inv);
+  }
+}
+
+// One 64-query block: ψ(Q), ψ(dO) (rows / transposed and permuted), dO copied, L' and D, dQ's
+// accumulator zeroed. Grid (q_blocks, B·Hq), kThreads threads, dynamic smem 2·64·(D+1) floats.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
+  extern __shared__ float qs[];  // [64][D + 1] Q, then [64][D + 1] dO
+  float* dos = qs + kBlockQ * (D + 1);
+  __shared__ float scratch[kWarps];
+  const int64_t qb = blockIdx.x, bh = blockIdx.y, i0 = qb * kBlockQ;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t bkv = b * p.heads_kv + h / p.group();
+  const int64_t qbase = b * p.q_st.batch + h * p.q_st.head;
+  const int64_t dobase = b * p.do_st.batch + h * p.do_st.head;
+  const int64_t obase = b * p.o_st.batch + h * p.o_st.head;
+  float qmax = 0.0f, domax = 0.0f;
+  for (int idx = threadIdx.x; idx < kBlockQ * D; idx += kThreads) {
+    const int r = idx / D, d = idx % D;
+    const int64_t i = i0 + r;
+    float x = 0.0f, y = 0.0f;
+    uint16_t yb = 0;
+    if (i < p.seq_q) {
+      x = load_f<T>(p.q, qbase + i * p.q_st.token + d);
+      yb = load_bits<T>(p.d_o, dobase + i * p.do_st.token + d);
+      y = load_f<T>(p.d_o, dobase + i * p.do_st.token + d);
+    }
+    qs[r * (D + 1) + d] = x;
+    dos[r * (D + 1) + d] = y;
+    qmax = ptx::max_nan(qmax, fabsf(x));
+    domax = ptx::max_nan(domax, fabsf(y));
+    p.do_ws[(bh * p.nq_pad + i) * D + d] = yb;
+    p.dq_acc[(bh * p.nq_pad + i) * D + d] = 0.0f;
+  }
+  qmax = block_max_nan(qmax, scratch);
+  domax = block_max_nan(domax, scratch);
+  const Psi sq = psi_scale(qmax), sd = psi_scale(domax);
+  if (threadIdx.x == 0) {
+    p.q_scale[bh * p.q_blocks + qb] = sq.scale;
+    p.do_scale[bh * p.q_blocks + qb] = sd.scale;
+  }
+  for (int idx = threadIdx.x; idx < kBlockQ * D; idx += kThreads) {
+    const int r = idx / D, d = idx % D;
+    p.qhat[(bh * p.nq_pad + i0 + r) * D + d] = psi_quantize(qs[r * (D + 1) + d], sq.inv);
+  }
+  for (int idx = threadIdx.x; idx < kBlockQ * D; idx += kThreads) {
+    const int c = idx % kBlockQ, d = idx / kBlockQ;
+    const int r = (c / 32) * 32 + query_at(c % 32);
+    const int64_t at = (bh * D + d) * p.nq_pad + i0 + c;
+    p.qhat_t[at] = psi_quantize(qs[r * (D + 1) + d], sq.inv);
+    p.dohat_t[at] = psi_quantize(dos[r * (D + 1) + d], sd.inv);
+  }
+  // Rows: two threads a row, each half of the channels.
+  const int r = threadIdx.x / 2, half = threadIdx.x % 2;
+  const int64_t i = i0 + r;
+  float dot_o = 0.0f, dot_k = 0.0f;
+  if (i < p.seq_q) {
+    for (int d = half * (D / 2); d < (half + 1) * (D / 2); ++d) {
+      dot_o += dos[r * (D + 1) + d] * load_f<T>(p.o, obase + i * p.o_st.token + d);
+      dot_k += qs[r * (D + 1) + d] * p.k_mean[bkv * D + d];
+    }
+  }
+  dot_o += __shfl_xor_sync(0xFFFFFFFFu, dot_o, 1);
+  dot_k += __shfl_xor_sync(0xFFFFFFFFu, dot_k, 1);
+  if (half == 0) {
+    float l2 = INFINITY;  // padding rows and rows that see no key: every P = 2^(s - inf) = 0
+    if (i < p.seq_q) {
+      const float L = p.lse[b * p.lse_st.batch + h * p.lse_st.head + i * p.lse_st.token];
+      if (L != -INFINITY) l2 = (L - p.scale * dot_k) * 1.4426950408889634f;
+    }
+    p.lse2[bh * p.nq_pad + i] = l2;
+    p.delta[bh * p.nq_pad + i] = i < p.seq_q ? dot_o : 0.0f;
+  }
+}
+
+// dQ = scale · dq_acc in the caller's dtype and strides: grid (q_blocks, B·Hq), kThreads.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) dq_store_kernel(const Params p) {
+  const int64_t qb = blockIdx.x, bh = blockIdx.y, i0 = qb * kBlockQ;
+  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+  T* dq = static_cast<T*>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head;
+  for (int idx = threadIdx.x; idx < kBlockQ * D; idx += kThreads) {
+    const int r = idx / D, d = idx % D;
+    const int64_t i = i0 + r;
+    if (i < p.seq_q)
+      dq[i * p.dq_st.token + d] = T(p.dq_acc[(bh * p.nq_pad + i) * D + d] * p.scale);
+  }
+}
+
+}  // namespace sage::bwd
