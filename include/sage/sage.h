@@ -260,14 +260,16 @@ typedef struct sage_backward_args {
   const void* o;         /* the forward's output, q's shape */
   const float* lse;      /* the forward's LSE, [B, Hq, Nq] fp32 (natural log) */
   const void* d_o;       /* dL/dO, q's shape */
+  const float* d_lse;    /* optional dL/dLSE, [B, Hq, Nq] fp32 (NULL: zero): a gradient that
+                            reaches the LSE output (merging partial attentions) */
   void* dq;              /* outputs dL/dQ, dL/dK, dL/dV in dtype: shapes of q, k, v; they must */
   void* dk;              /* not overlap each other or an input (dK and dV are summed over the */
   void* dv;              /* query heads of a GQA group) */
 
   int64_t batch, heads_q, heads_kv, seq_q, seq_kv, head_dim;
   sage_layout layout;
-  sage_strides q_strides, k_strides, v_strides, o_strides, lse_strides, do_strides, dq_strides,
-      dk_strides, dv_strides;
+  sage_strides q_strides, k_strides, v_strides, o_strides, lse_strides, do_strides, dlse_strides,
+      dq_strides, dk_strides, dv_strides;
   sage_dtype dtype; /* of q, k, v, o, d_o, dq, dk, dv */
 
   float scale; /* softmax scale; 0 = 1/sqrt(head_dim) */

@@ -102,6 +102,60 @@ class AttentionArgs(ctypes.Structure):
     ]
 
 
+class BackwardConfig(ctypes.Structure):
+    _fields_ = [
+        ("int8", ctypes.c_uint32),
+        ("smooth", ctypes.c_uint32),
+        ("block_q", ctypes.c_int32),
+        ("block_k", ctypes.c_int32),
+        ("granularity", ctypes.c_int),
+    ]
+
+
+class BackwardArgs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("d_o", ctypes.c_void_p),
+        ("d_lse", ctypes.c_void_p),
+        ("dq", ctypes.c_void_p),
+        ("dk", ctypes.c_void_p),
+        ("dv", ctypes.c_void_p),
+        ("batch", ctypes.c_int64),
+        ("heads_q", ctypes.c_int64),
+        ("heads_kv", ctypes.c_int64),
+        ("seq_q", ctypes.c_int64),
+        ("seq_kv", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("layout", ctypes.c_int),
+        ("q_strides", Strides),
+        ("k_strides", Strides),
+        ("v_strides", Strides),
+        ("o_strides", Strides),
+        ("lse_strides", Strides),
+        ("do_strides", Strides),
+        ("dlse_strides", Strides),
+        ("dq_strides", Strides),
+        ("dk_strides", Strides),
+        ("dv_strides", Strides),
+        ("dtype", ctypes.c_int),
+        ("scale", ctypes.c_float),
+        ("mask", ctypes.c_int),
+        ("variant", ctypes.c_int),
+        ("config", BackwardConfig),
+        ("backend", ctypes.c_int),
+        ("stream", ctypes.c_void_p),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_size", ctypes.c_size_t),
+        ("num_threads", ctypes.c_int32),
+        ("options", ctypes.c_uint32),
+    ]
+
+
 class PlanInfo(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
@@ -121,6 +175,7 @@ class PlanInfo(ctypes.Structure):
 _lock = threading.Lock()
 _lib = None
 _args_template = None
+_bwd_template = None
 _presets: dict[int, bytes] = {}
 
 
@@ -138,7 +193,7 @@ def _candidates():
 
 def library() -> ctypes.CDLL:
     """The loaded libsage (SAGE_LIBRARY, the package directory, or a source checkout's build/)."""
-    global _lib, _args_template
+    global _lib, _args_template, _bwd_template
     if _lib is not None:
         return _lib
     with _lock:
@@ -163,8 +218,14 @@ def library() -> ctypes.CDLL:
                                                       ctypes.POINTER(ctypes.c_size_t)]
         lib.sage_attention.argtypes = [ctypes.POINTER(AttentionArgs)]
         lib.sage_attention_plan.argtypes = [ctypes.POINTER(AttentionArgs), ctypes.POINTER(PlanInfo)]
+        lib.sage_backward_args_init.argtypes = [ctypes.POINTER(BackwardArgs)]
+        lib.sage_backward_workspace_size.argtypes = [ctypes.POINTER(BackwardArgs),
+                                                     ctypes.POINTER(ctypes.c_size_t)]
+        lib.sage_attention_backward.argtypes = [ctypes.POINTER(BackwardArgs)]
         for f in ("sage_attention_args_init", "sage_quant_config_init",
-                  "sage_attention_workspace_size", "sage_attention", "sage_attention_plan"):
+                  "sage_attention_workspace_size", "sage_attention", "sage_attention_plan",
+                  "sage_backward_args_init", "sage_backward_workspace_size",
+                  "sage_attention_backward"):
             getattr(lib, f).restype = ctypes.c_int
         template = AttentionArgs()
         status = lib.sage_attention_args_init(ctypes.byref(template))
@@ -173,6 +234,13 @@ def library() -> ctypes.CDLL:
                               f"library, {ctypes.sizeof(AttentionArgs)} in this binding: the "
                               "library and the Python package come from different versions")
         _args_template = bytes(template)
+        btemplate = BackwardArgs()
+        status = lib.sage_backward_args_init(ctypes.byref(btemplate))
+        if status != OK or btemplate.struct_size != ctypes.sizeof(BackwardArgs):
+            raise ImportError(f"{path}: sage_backward_args is {btemplate.struct_size} bytes in "
+                              f"the library, {ctypes.sizeof(BackwardArgs)} in this binding: the "
+                              "library and the Python package come from different versions")
+        _bwd_template = bytes(btemplate)
         _lib = lib
         return lib
 
@@ -242,6 +310,25 @@ def quant_settings(qk_bits, smooth_q, smooth_k, smooth_v, exact=False):
 def new_args() -> AttentionArgs:
     library()
     return AttentionArgs.from_buffer_copy(_args_template)
+
+
+def new_backward_args() -> BackwardArgs:
+    library()
+    return BackwardArgs.from_buffer_copy(_bwd_template)
+
+
+def backward_workspace_size(args: BackwardArgs) -> int:
+    n = ctypes.c_size_t(0)
+    status = library().sage_backward_workspace_size(ctypes.byref(args), ctypes.byref(n))
+    if status != OK:
+        _raise(status, "")
+    return n.value
+
+
+def run_backward(args: BackwardArgs):
+    status = library().sage_attention_backward(ctypes.byref(args))
+    if status != OK:
+        _raise(status, "")
 
 
 def set_strides(field: Strides, layout: int, strides4):

@@ -29,7 +29,7 @@ struct ResolvedBackward {
   sage_backward_config config{};
   bool exact = false;  // SAGE_VARIANT_EXACT: float64, CPU only
   sage_backend backend = SAGE_BACKEND_CPU;
-  sage_strides q{}, k{}, v{}, o{}, lse{}, d_o{}, dq{}, dk{}, dv{};
+  sage_strides q{}, k{}, v{}, o{}, lse{}, d_o{}, dlse{}, dq{}, dk{}, dv{};
 };
 sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* out);
 

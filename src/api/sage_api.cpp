@@ -58,25 +58,32 @@ void run_cpu_backward(const sage::api::ResolvedBackward& r, const sage_backward_
   auto lse_at = [&](int64_t bh, int64_t i) {
     return a.lse[(bh / p.heads_q) * r.lse.batch + (bh % p.heads_q) * r.lse.head + i * r.lse.token];
   };
+  auto dlse_at = [&](int64_t bh, int64_t i) {
+    return a.d_lse[(bh / p.heads_q) * r.dlse.batch + (bh % p.heads_q) * r.dlse.head +
+                   i * r.dlse.token];
+  };
   if (r.exact) {
-    std::vector<double> of(q_elems), lf(size_t(p.lse_elems()));
+    std::vector<double> of(q_elems), lf(size_t(p.lse_elems())), gf(a.d_lse ? lf.size() : 0);
     for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh)
       for (int64_t i = 0; i < Nq; ++i) {
         lf[size_t(bh * Nq + i)] = lse_at(bh, i);
+        if (a.d_lse) gf[size_t(bh * Nq + i)] = dlse_at(bh, i);
         for (int64_t d = 0; d < D; ++d) of[size_t((bh * Nq + i) * D + d)] = o_at(bh, i, d);
       }
     ref::attention_backward_exact(p, q, k, v, of.data(), lf.data(), d_o, dq.data(), dk.data(),
-                                  dv.data(), a.num_threads);
+                                  dv.data(), a.num_threads, a.d_lse ? gf.data() : nullptr);
   } else {
-    std::vector<float> of(q_elems), lf(size_t(p.lse_elems()));
+    std::vector<float> of(q_elems), lf(size_t(p.lse_elems())), gf(a.d_lse ? lf.size() : 0);
     for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh)
       for (int64_t i = 0; i < Nq; ++i) {
         lf[size_t(bh * Nq + i)] = lse_at(bh, i);
+        if (a.d_lse) gf[size_t(bh * Nq + i)] = dlse_at(bh, i);
         for (int64_t d = 0; d < D; ++d) of[size_t((bh * Nq + i) * D + d)] = o_at(bh, i, d);
       }
     std::vector<float> dqf(q_elems), dkf(k_elems), dvf(k_elems);
     ref::attention_backward_quant(p, r.config, q, k, v, of.data(), lf.data(), d_o, dqf.data(),
-                                  dkf.data(), dvf.data(), a.num_threads);
+                                  dkf.data(), dvf.data(), a.num_threads,
+                                  a.d_lse ? gf.data() : nullptr);
     dq.assign(dqf.begin(), dqf.end());
     dk.assign(dkf.begin(), dkf.end());
     dv.assign(dvf.begin(), dvf.end());

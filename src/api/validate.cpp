@@ -240,11 +240,12 @@ sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* 
   r.o = a.o_strides;
   r.lse = a.lse_strides;
   r.d_o = a.do_strides;
+  r.dlse = a.dlse_strides;
   r.dq = a.dq_strides;
   r.dk = a.dk_strides;
   r.dv = a.dv_strides;
   const int64_t es = dtype_size(a.dtype), D = a.head_dim;
-  Range q, k, v, o, lse, d_o, dq, dk, dv;
+  Range q, k, v, o, lse, d_o, dq, dk, dv, dlse{};
   SAGE_RETURN_IF_ERROR(
       check_tensor("q", a.q, &r.q, a.layout, a.heads_q, a.seq_q, a.batch, D, es, false, &q));
   SAGE_RETURN_IF_ERROR(
@@ -263,9 +264,12 @@ sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* 
                                     D, es, true, &dk));
   SAGE_RETURN_IF_ERROR(check_tensor("dv", a.dv, &r.dv, a.layout, a.heads_kv, a.seq_kv, a.batch,
                                     D, es, true, &dv));
+  if (a.d_lse)
+    SAGE_RETURN_IF_ERROR(check_tensor("d_lse", a.d_lse, &r.dlse, SAGE_LAYOUT_HND, a.heads_q,
+                                      a.seq_q, a.batch, 1, 4, false, &dlse));
   const Range* outputs[] = {&dq, &dk, &dv};
   for (int i = 0; i < 3; ++i) {
-    for (const Range* in : {&q, &k, &v, &o, &lse, &d_o})
+    for (const Range* in : {&q, &k, &v, &o, &lse, &d_o, &dlse})
       SAGE_CHECK_ARG(!overlap(*outputs[i], *in),
                      "%s overlaps %s: an output must not alias an input", outputs[i]->name,
                      in->name);
@@ -283,9 +287,9 @@ sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* 
   }
   r.exact = a.variant == SAGE_VARIANT_EXACT;
 
-  const void* ptrs[] = {a.q, a.k, a.v, a.o, a.lse, a.d_o, a.dq, a.dk, a.dv};
-  const char* names[] = {"q", "k", "v", "o", "lse", "d_o", "dq", "dk", "dv"};
-  SAGE_RETURN_IF_ERROR(resolve_backend(a.backend, ptrs, names, 9, &r.backend));
+  const void* ptrs[] = {a.q, a.k, a.v, a.o, a.lse, a.d_o, a.dq, a.dk, a.dv, a.d_lse};
+  const char* names[] = {"q", "k", "v", "o", "lse", "d_o", "dq", "dk", "dv", "d_lse"};
+  SAGE_RETURN_IF_ERROR(resolve_backend(a.backend, ptrs, names, 10, &r.backend));
   if (r.exact && r.backend == SAGE_BACKEND_CUDA)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "variant = EXACT (float64) runs on the CPU reference only; pass host "

@@ -35,7 +35,7 @@ struct Layout {
   size_t dohat_t = 0;  // s8 [B*Hq][D][nq_pad], permuted as qhat_t
   size_t d_o = 0;      // dtype [B*Hq][nq_pad][D]: dO, zero-padded
   size_t lse2 = 0;     // f32 [B*Hq][nq_pad]: (LSE - scale·q·k_mean)·log2 e; +inf: no key
-  size_t delta = 0;    // f32 [B*Hq][nq_pad]: rowsum(dO∘O)
+  size_t delta = 0;    // f32 [B*Hq][nq_pad]: rowsum(dO∘O) - dL/dLSE
   size_t dq_acc = 0;   // f32 [B*Hq][nq_pad][D]: dQ / scale, summed by atomics
   size_t total = 0;
 };
@@ -89,10 +89,11 @@ struct Params {
   const void* o;
   const void* d_o;
   const float* lse;
+  const float* d_lse;  // optional (null: zero)
   void* dq;
   void* dk;
   void* dv;
-  sage_strides q_st, k_st, v_st, o_st, lse_st, do_st, dq_st, dk_st, dv_st;
+  sage_strides q_st, k_st, v_st, o_st, lse_st, do_st, dlse_st, dq_st, dk_st, dv_st;
   // The workspace (Layout).
   float* k_part;
   float* k_mean;

@@ -175,7 +175,10 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
       if (L != -INFINITY) l2 = (L - p.scale * dot_k) * 1.4426950408889634f;
     }
     p.lse2[bh * p.nq_pad + i] = l2;
-    p.delta[bh * p.nq_pad + i] = i < p.seq_q ? dot_o : 0.0f;
+    float g = 0.0f;  // a gradient reaching the LSE: dS = P∘(dP - D + g)
+    if (p.d_lse && i < p.seq_q)
+      g = p.d_lse[b * p.dlse_st.batch + h * p.dlse_st.head + i * p.dlse_st.token];
+    p.delta[bh * p.nq_pad + i] = i < p.seq_q ? dot_o - g : 0.0f;
   }
 }
 

@@ -97,7 +97,7 @@ std::string backward_config_error(const sage_backward_config& c) {
 void attention_backward_exact(const Problem& p, const TensorView& q, const TensorView& k,
                               const TensorView& v, const double* o, const double* lse,
                               const TensorView& d_o, double* dq, double* dk, double* dv,
-                              int threads) {
+                              int threads, const double* d_lse) {
   const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_kv, G = p.group_ratio();
   const size_t dims = size_t(D);
   // Per (batch, q head): Q and dO; per (batch, kv head): K and V, in double.
@@ -110,7 +110,8 @@ void attention_backward_exact(const Problem& p, const TensorView& q, const Tenso
     dos[size_t(bh)] = to_f64(load_matrix(d_o, b, h, Nq, D));
     for (int64_t i = 0; i < Nq; ++i)
       delta[size_t(bh * Nq + i)] =
-          dot64(dos[size_t(bh)].data() + i * D, o + (bh * Nq + i) * D, D);
+          dot64(dos[size_t(bh)].data() + i * D, o + (bh * Nq + i) * D, D) -
+          (d_lse ? d_lse[bh * Nq + i] : 0.0);
   });
   parallel_for(int64_t(ks.size()), threads, [&](int64_t bh) {
     ks[size_t(bh)] = to_f64(load_matrix(k, bh / p.heads_kv, bh % p.heads_kv, Nk, D));
@@ -207,7 +208,7 @@ float round_to(sage_dtype dtype, float x) {
 void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
                               const TensorView& q, const TensorView& k, const TensorView& v,
                               const float* o, const float* lse, const TensorView& d_o, float* dq,
-                              float* dk, float* dv, int threads) {
+                              float* dk, float* dv, int threads, const float* d_lse) {
   if (const std::string e = backward_config_error(cfg); !e.empty())
     throw Error{SAGE_ERROR_INVALID_ARGUMENT, e};
   const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_kv, G = p.group_ratio();
@@ -271,7 +272,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       s.lse2[size_t(i)] = L == -std::numeric_limits<float>::infinity()
                               ? std::numeric_limits<float>::infinity()
                               : (L - shift) * float(kLog2e);
-      s.delta[size_t(i)] = dot32(s.d_o.data() + i * D, o + (bh * Nq + i) * D, D);
+      s.delta[size_t(i)] = dot32(s.d_o.data() + i * D, o + (bh * Nq + i) * D, D) -
+                           (d_lse ? d_lse[bh * Nq + i] : 0.0f);
     }
   });
 

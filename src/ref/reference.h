@@ -129,17 +129,19 @@ int v_block_exponent(float amax);
 
 // ---- Backward (backward.cpp) ----
 // o and lse are the forward's outputs, contiguous [B, Hq, Nq, D] and [B, Hq, Nq] (natural log,
-// -inf for a fully masked row); d_o has q's shape. dq is written contiguous [B, Hq, Nq, D], dk
+// -inf for a fully masked row); d_o has q's shape; d_lse (optional, contiguous [B, Hq, Nq]) is a
+// gradient reaching the LSE: dS = P∘(dP - D + d_lse). dq is written contiguous [B, Hq, Nq, D], dk
 // and dv contiguous [B, Hkv, Nk, D] (summed over each GQA group).
 void attention_backward_exact(const Problem& p, const TensorView& q, const TensorView& k,
                               const TensorView& v, const double* o, const double* lse,
                               const TensorView& d_o, double* dq, double* dk, double* dv,
-                              int threads = 0);
+                              int threads = 0, const double* d_lse = nullptr);
 // SageBwd (paper 004, Algorithm 3) as the GPU computes it, every unquantized value in fp32.
 void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
                               const TensorView& q, const TensorView& k, const TensorView& v,
                               const float* o, const float* lse, const TensorView& d_o, float* dq,
-                              float* dk, float* dv, int threads = 0);
+                              float* dk, float* dv, int threads = 0,
+                              const float* d_lse = nullptr);
 sage_backward_config backward_preset();
 // Empty when `cfg` is usable, else a message naming the bad field and its value.
 std::string backward_config_error(const sage_backward_config& cfg);

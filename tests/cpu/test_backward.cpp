@@ -38,9 +38,10 @@ struct Grads {
   std::vector<double> dq, dk, dv;
 };
 
-// float64 forward (O, LSE), then the float64 backward of <dO, O>.
+// float64 forward (O, LSE), then the float64 backward of <dO, O> + <d_lse, LSE>.
 Grads exact_grads(const ref::Problem& p, const ref::TensorView& q, const ref::TensorView& k,
-                  const ref::TensorView& v, const ref::TensorView& d_o) {
+                  const ref::TensorView& v, const ref::TensorView& d_o,
+                  const std::vector<double>& d_lse) {
   std::vector<double> o(size_t(p.out_elems())), lse(size_t(p.lse_elems()));
   ref::attention_exact(p, q, k, v, o.data(), lse.data(), 2);
   Grads g;
@@ -49,16 +50,19 @@ Grads exact_grads(const ref::Problem& p, const ref::TensorView& q, const ref::Te
   g.dk.resize(ke);
   g.dv.resize(ke);
   ref::attention_backward_exact(p, q, k, v, o.data(), lse.data(), d_o, g.dq.data(), g.dk.data(),
-                                g.dv.data(), 2);
+                                g.dv.data(), 2, d_lse.data());
   return g;
 }
 
 double loss(const ref::Problem& p, const ref::TensorView& q, const ref::TensorView& k,
-            const ref::TensorView& v, const std::vector<float>& d_o) {
-  std::vector<double> o(size_t(p.out_elems()));
-  ref::attention_exact(p, q, k, v, o.data(), nullptr, 1);
+            const ref::TensorView& v, const std::vector<float>& d_o,
+            const std::vector<double>& d_lse) {
+  std::vector<double> o(size_t(p.out_elems())), lse(size_t(p.lse_elems()));
+  ref::attention_exact(p, q, k, v, o.data(), lse.data(), 1);
   double l = 0;
   for (size_t i = 0; i < o.size(); ++i) l += double(d_o[i]) * o[i];
+  for (size_t i = 0; i < lse.size(); ++i)
+    if (d_lse[i] != 0.0) l += d_lse[i] * lse[i];
   return l;
 }
 
@@ -87,7 +91,12 @@ TEST(Backward, ExactMatchesFiniteDifferences) {
     p.mask = c.mask;
     F32 q = grid_tensor(rng, 1, 2, c.nq, 4), k = grid_tensor(rng, 1, 1, c.nk, 4),
         v = grid_tensor(rng, 1, 1, c.nk, 4), d_o = grid_tensor(rng, 1, 2, c.nq, 4);
-    const Grads g = exact_grads(p, q.view(), k.view(), v.view(), d_o.view());
+    // A gradient reaching the LSE as well (zero on rows that see no key: their LSE is -inf).
+    std::vector<double> d_lse(size_t(p.lse_elems()));
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    for (int64_t x = 0; x < p.lse_elems(); ++x)
+      d_lse[size_t(x)] = p.visible_keys(x % c.nq) > 0 ? u(rng) : 0.0;
+    const Grads g = exact_grads(p, q.view(), k.view(), v.view(), d_o.view(), d_lse);
     const float h = 1.0f / 1024.0f;
     auto check = [&](F32& x, const std::vector<double>& grad, const char* name) {
       double gmax = 0;
@@ -95,9 +104,9 @@ TEST(Backward, ExactMatchesFiniteDifferences) {
       for (size_t i = 0; i < x.data.size(); ++i) {
         const float keep = x.data[i];
         x.data[i] = keep + h;
-        const double up = loss(p, q.view(), k.view(), v.view(), d_o.data);
+        const double up = loss(p, q.view(), k.view(), v.view(), d_o.data, d_lse);
         x.data[i] = keep - h;
-        const double down = loss(p, q.view(), k.view(), v.view(), d_o.data);
+        const double down = loss(p, q.view(), k.view(), v.view(), d_o.data, d_lse);
         x.data[i] = keep;
         const double fd = (up - down) / (2.0 * double(h));
         ASSERT_NEAR(grad[i], fd, 1e-5 * std::max(1.0, gmax)) << name << "[" << i << "]";

@@ -63,7 +63,7 @@ struct Problem {
   sage::ref::Problem p;
   sage_strides qs, ks;
   std::vector<uint16_t> q, k, v, o, d_o;
-  std::vector<float> lse;
+  std::vector<float> lse, d_lse;  // d_lse: a gradient reaching the LSE too
   std::vector<double> o64, lse64;
 
   Problem(const BwdCase& cs, std::mt19937_64& rng) : c(cs) {
@@ -90,6 +90,9 @@ struct Problem {
             o[size_t(b * qs.batch + h * qs.head + i * qs.token + d)] = uint16_t(
                 sage::encode_float(f, o64[size_t(((b * c.Hq + h) * c.Nq + i) * c.D + d)], false));
     lse.assign(lse64.begin(), lse64.end());
+    std::uniform_real_distribution<float> u(-0.5f, 0.5f);
+    d_lse.resize(lse.size());
+    for (float& x : d_lse) x = u(rng);
   }
 
   sage::ref::TensorView view(const std::vector<uint16_t>& x, sage_strides s) const {
@@ -107,7 +110,9 @@ GpuGrads run_backward(const Problem& pr, uint32_t options = 0) {
   GpuGrads r;
   const BwdCase& c = pr.c;
   const size_t qb = pr.q.size() * 2, kb = pr.k.size() * 2;
-  Buf q(qb), k(kb), v(kb), o(qb), d_o(qb), lse(pr.lse.size() * 4), dq(qb), dk(kb), dv(kb);
+  Buf q(qb), k(kb), v(kb), o(qb), d_o(qb), lse(pr.lse.size() * 4), dlse(pr.lse.size() * 4),
+      dq(qb), dk(kb), dv(kb);
+  cudaMemcpy(dlse.ptr, pr.d_lse.data(), pr.lse.size() * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(q.ptr, pr.q.data(), qb, cudaMemcpyHostToDevice);
   cudaMemcpy(k.ptr, pr.k.data(), kb, cudaMemcpyHostToDevice);
   cudaMemcpy(v.ptr, pr.v.data(), kb, cudaMemcpyHostToDevice);
@@ -121,6 +126,7 @@ GpuGrads run_backward(const Problem& pr, uint32_t options = 0) {
   sage_backward_args_init(&a);
   a.q = q.ptr, a.k = k.ptr, a.v = v.ptr, a.o = o.ptr, a.d_o = d_o.ptr;
   a.lse = static_cast<const float*>(lse.ptr);
+  a.d_lse = static_cast<const float*>(dlse.ptr);
   a.dq = dq.ptr, a.dk = dk.ptr, a.dv = dv.ptr;
   a.batch = c.B, a.heads_q = c.Hq, a.heads_kv = c.Hkv, a.seq_q = c.Nq, a.seq_kv = c.Nk;
   a.head_dim = c.D, a.layout = c.layout, a.dtype = c.dtype, a.mask = c.mask;
@@ -190,15 +196,17 @@ TEST_P(GpuBackward, MatchesItsEmulationAndFloat64) {
   sage::ref::attention_backward_quant(pr.p, sage::ref::backward_preset(), pr.view(pr.q, pr.qs),
                                       pr.view(pr.k, pr.ks), pr.view(pr.v, pr.ks), of.data(),
                                       pr.lse.data(), pr.view(pr.d_o, pr.qs), eq.data(), ek.data(),
-                                      ev.data(), 0);
+                                      ev.data(), 0, pr.d_lse.data());
   const sage::FloatFormat& f = c.dtype == SAGE_DTYPE_BF16 ? sage::kBf16 : sage::kFp16;
   for (auto* x : {&eq, &ek, &ev})
     for (float& y : *x) y = sage::round_float(f, y, false);
   // float64 truth.
   std::vector<double> tq(dq.size()), tk(dk.size()), tv(dv.size());
+  const std::vector<double> dlse64(pr.d_lse.begin(), pr.d_lse.end());
   sage::ref::attention_backward_exact(pr.p, pr.view(pr.q, pr.qs), pr.view(pr.k, pr.ks),
                                       pr.view(pr.v, pr.ks), pr.o64.data(), pr.lse64.data(),
-                                      pr.view(pr.d_o, pr.qs), tq.data(), tk.data(), tv.data(), 0);
+                                      pr.view(pr.d_o, pr.qs), tq.data(), tk.data(), tv.data(), 0,
+                                      dlse64.data());
   const char* names[] = {"dq", "dk", "dv"};
   const std::vector<float>* gpu[] = {&dq, &dk, &dv};
   const std::vector<float>* emu[] = {&eq, &ek, &ev};
