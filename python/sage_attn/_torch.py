@@ -171,6 +171,7 @@ def _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth
         _warn_once(f"no kernel for this call ({e})")
         o.copy_(_torch_sdpa(q, k, v, is_causal=mask != _lib.MASK_NONE, scale=scale,
                             enable_gqa=q.shape[1] != k.shape[1]))
+        lse = None  # (no LSE from SDPA: a backward then takes SDPA's gradient)
     return o, lse
 
 
@@ -229,6 +230,94 @@ def _(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, retur
             torch.empty(lse_shape, dtype=torch.float32, device=q.device))
 
 
+def _lse_strides(field, x):
+    field.batch, field.head, field.token = x.stride(0), x.stride(1), x.stride(2)
+
+
+def _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale):
+    """dq, dk, dv of the attention whose output o and LSE the forward gave (SageBwd on CUDA
+    tensors, the CPU reference's SageBwd emulation on CPU ones). d_lse may be None."""
+    if d_o.stride(-1) != 1:  # (autograd hands expanded or transposed gradients too)
+        d_o = d_o.contiguous()
+    if d_lse is not None and d_lse.stride(-1) != 1:
+        d_lse = d_lse.contiguous()
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
+    a = _lib.new_backward_args()
+    a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    a.lse, a.d_o = lse.data_ptr(), d_o.data_ptr()
+    a.d_lse = d_lse.data_ptr() if d_lse is not None else None
+    a.dq, a.dk, a.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    a.batch, a.heads_q, a.heads_kv = q.shape[0], q.shape[hi], k.shape[hi]
+    a.seq_q, a.seq_kv, a.head_dim = q.shape[ni], k.shape[ni], q.shape[3]
+    a.layout = layout
+    for field, x in (("q_strides", q), ("k_strides", k), ("v_strides", v), ("o_strides", o),
+                     ("do_strides", d_o), ("dq_strides", dq), ("dk_strides", dk),
+                     ("dv_strides", dv)):
+        _lib.set_strides(getattr(a, field), layout, list(x.stride()))
+    _lse_strides(a.lse_strides, lse)
+    if d_lse is not None:
+        _lse_strides(a.dlse_strides, d_lse)
+    a.dtype = _DTYPE_CODES[q.dtype]
+    a.scale = scale
+    a.mask = mask
+    if q.is_cuda:
+        with torch.cuda.device(q.device):
+            a.backend = _lib.BACKEND_CUDA
+            a.stream = _current_stream(q.device)
+            n = _lib.backward_workspace_size(a)
+            ws = q.new_empty((max(n, 1),), dtype=torch.uint8)
+            a.workspace, a.workspace_size = ws.data_ptr(), n
+            _lib.run_backward(a)
+    else:
+        a.backend = _lib.BACKEND_CPU
+        _lib.run_backward(a)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("sage_attn::attention_backward", mutates_args=())
+def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, d_o: torch.Tensor, d_lse: Optional[torch.Tensor],
+                 layout: int, mask: int, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale)
+
+
+@_backward_op.register_fake
+def _(q, k, v, o, lse, d_o, d_lse, layout, mask, scale):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, layout, mask, scale = inputs[:6]
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.attn = (layout, mask, scale)
+
+
+def _attention_grad(ctx, d_o, d_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    layout, mask, scale = ctx.attn
+    nones = (None,) * 10
+    if lse.numel() == 0:
+        # The op handed the call to torch's SDPA (the drop-in's fallback inside a compiled
+        # graph): the gradient is SDPA's, by its own autograd.
+        with torch.enable_grad():
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            out = _torch_sdpa(qq, kk, vv, is_causal=mask != _lib.MASK_NONE, scale=scale,
+                              enable_gqa=q.shape[1] != k.shape[1])
+            return (*torch.autograd.grad(out, (qq, kk, vv), d_o), *nones)
+    if d_lse is not None and d_lse.numel() == 0:
+        d_lse = None
+    dq, dk, dv = _backward_op(q, k, v, o, lse, d_o, d_lse, layout, mask, scale)
+    return (dq, dk, dv, *nones)
+
+
+_attention_op.register_autograd(_attention_grad, setup_context=_setup_context)
+
+
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 
@@ -244,7 +333,12 @@ def _call(*args):
                                                    v.requires_grad))
              and (_dispatch_stack_len is None or _dispatch_stack_len() == 0)
              and (_function_mode_on is None or not _function_mode_on()))
-    return _attention(*args) if eager else _attention_op(*args)
+    if eager:
+        return _attention(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # The backward needs the LSE: computed whether or not the caller asked for it.
+        args = args[:10] + (True,) + args[11:]
+    return _attention_op(*args)
 
 
 def _check_tensors(q, k, v, layout_name):
@@ -296,7 +390,11 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     only; smooth_v None = on (free in this library's kernel). Returns o, or (o, lse) with lse
     [B,Hq,Nq] float32, the natural log of each row's softmax denominator. kernel (CUDA):
     None/"auto" the library's choice, "mma" the portable mma.sync kernel, "sm90" the Hopper wgmma
-    kernel (ValueError where it has no kernel for the call)."""
+    kernel (ValueError where it has no kernel for the call).
+
+    Differentiable: with inputs that require grad, .backward() runs SageBwd (paper 004: the
+    recomputed Q·Kᵀ, Pᵀ·dO, dS·K and dSᵀ·Q in INT8, dO·Vᵀ in fp16/bf16; D 64/128 on the GPU, the
+    CPU reference's emulation on CPU tensors); a gradient reaching the returned LSE is included."""
     if tensor_layout not in _lib.LAYOUTS:
         raise ValueError(f"tensor_layout = {tensor_layout!r}: must be 'HND' or 'NHD'")
     if causal_align not in _lib.CAUSAL_ALIGNS:
@@ -358,9 +456,6 @@ def _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa
         return "query and key head counts that SDPA would reject"
     if min(query.shape[2], key.shape[2], query.shape[0], hq) == 0:
         return "empty inputs"
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
-                                    value.requires_grad):
-        return "inputs that require grad (no backward pass yet)"
     if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
         return f"scale = {scale!r}"
     return None

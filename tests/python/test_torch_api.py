@@ -409,7 +409,7 @@ def test_gpu_dropin_crossover(gen):
 
 
 @gpu
-@pytest.mark.parametrize("case", ["mask", "dropout", "head_dim", "fp32", "grad", "3d"])
+@pytest.mark.parametrize("case", ["mask", "dropout", "head_dim", "fp32", "3d"])
 def test_gpu_sdpa_fallbacks_warn_once_and_match_torch(gen, case):
     q, k, v = (randn(gen, (1, 2, 64, 64)) for _ in range(3))
     kw = {}
@@ -419,8 +419,6 @@ def test_gpu_sdpa_fallbacks_warn_once_and_match_torch(gen, case):
         q, k, v = (x[..., :48].contiguous() for x in (q, k, v))
     elif case == "fp32":
         q, k, v = (x.float() for x in (q, k, v))
-    elif case == "grad":
-        q.requires_grad_(True)
     elif case == "3d":
         q, k, v = (x[0] for x in (q, k, v))
     sage_attn._torch._warned.clear()
