@@ -503,10 +503,22 @@ def dropin_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     where torch's SDPA measured faster on this GPU)."""
     if _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa) is not None:
         return "sdpa"
+    if _training_to_sdpa(query, key, value):
+        return "sdpa"
     q, k, v = _dropin_args(query, key, value)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
     return "sage" if _dropin_route(q, k, v, mask, s) is None else "sdpa"
+
+
+def _training_to_sdpa(query, key, value):
+    # Training calls (inputs that require grad) under the crossover rule: SageBwd's first kernels
+    # (mma.sync) measured 0.34-0.44x SDPA flash's forward+backward on the H100 at every shape of
+    # the grid (N 1k-16k, D 64/128, causal or not; bench/results/*-train.json), so the drop-in
+    # keeps torch's SDPA for training until a shape measures faster;
+    # set_dropin_crossover(False) trains with sage.
+    return (_use_crossover and torch.is_grad_enabled() and
+            (query.requires_grad or key.requires_grad or value.requires_grad))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -524,6 +536,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _warn_once(reason)
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if _training_to_sdpa(query, key, value):
+        return _torch_sdpa(query, key, value, is_causal=is_causal, scale=scale,
+                           enable_gqa=enable_gqa)
     q, k, v = _dropin_args(query, key, value)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE

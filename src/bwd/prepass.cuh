@@ -188,11 +188,18 @@ __global__ void __launch_bounds__(kThreads) dq_store_kernel(const Params p) {
   const int64_t qb = blockIdx.x, bh = blockIdx.y, i0 = qb * kBlockQ;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   T* dq = static_cast<T*>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head;
+  const int64_t bkv = b * p.heads_kv + h / p.group();
   for (int idx = threadIdx.x; idx < kBlockQ * D; idx += kThreads) {
     const int r = idx / D, d = idx % D;
     const int64_t i = i0 + r;
-    if (i < p.seq_q)
-      dq[i * p.dq_st.token + d] = T(p.dq_acc[(bh * p.nq_pad + i) * D + d] * p.scale);
+    if (i >= p.seq_q) continue;
+    // K^ holds K - k_mean: with a gradient g on the LSE, rowsum(dS_i) = g_i and dQ_i gets
+    // g_i·k_mean back (zero without one).
+    const float g = p.d_lse ? p.d_lse[b * p.dlse_st.batch + h * p.dlse_st.head +
+                                      i * p.dlse_st.token]
+                            : 0.0f;
+    dq[i * p.dq_st.token + d] =
+        T((p.dq_acc[(bh * p.nq_pad + i) * D + d] + g * p.k_mean[bkv * D + d]) * p.scale);
   }
 }
 

@@ -11,7 +11,8 @@
 // P is unchanged. dQ = dS·(K - k̄) + rowsum(dS)·k̄ and rowsum(dS) = Σ_j P_ij dP_ij - D_i = 0
 // (D_i = dO_i·O_i = Σ_j P_ij dO_i·V_j): the term vanishes, dQ is unchanged; dK = dSᵀ·Q and
 // dV = Pᵀ·dO never see K. So smoothing changes no gradient in exact arithmetic, and under
-// quantization ψ(K - k̄) has a finer step wherever K has a channel bias.
+// quantization ψ(K - k̄) has a finer step wherever K has a channel bias. With a gradient g on the
+// LSE, rowsum(dS_i) = g_i: dQ adds g_i·k̄ back.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -437,9 +438,14 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
         for (int64_t d = 0; d < D; ++d) acc[size_t(r * D + d)] += part[size_t(d)] * dsk_scale;
       }
     }
-    for (int64_t r = 0; r < rows; ++r)
+    // K^ holds K - k̄: dS·K = dS·(K - k̄) + rowsum(dS)·k̄, and rowsum(dS_i) is d_lse_i (zero
+    // without a gradient on the LSE): that term is added back exactly.
+    for (int64_t r = 0; r < rows; ++r) {
+      const float g = d_lse && i8_dsk ? d_lse[bh * Nq + r0 + r] : 0.0f;
       for (int64_t d = 0; d < D; ++d)
-        dq[(bh * Nq + r0 + r) * D + d] = acc[size_t(r * D + d)] * float(p.scale);
+        dq[(bh * Nq + r0 + r) * D + d] =
+            (acc[size_t(r * D + d)] + g * ks.k_mean[size_t(d)]) * float(p.scale);
+    }
   });
 }
 

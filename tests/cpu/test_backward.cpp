@@ -243,6 +243,29 @@ TEST(Backward, KSmoothingMakesTheGradientsBlindToAChannelBias) {
   EXPECT_LT(cmp(s.truth.dk, dk_s).rel_l1, cmp(s.truth.dk, dk_p).rel_l1);
 }
 
+TEST(Backward, LseGradientWithSmoothedK) {
+  // With a gradient g on the LSE, rowsum(dS_i) = g_i: dQ must add g_i·k̄ back (K^ holds K - k̄).
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  BwdCase s(rng, 2, 1, 150, 150, 64, SAGE_MASK_NONE, /*k_bias=*/3.0f);
+  std::vector<double> g(s.lse.size());
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  for (double& x : g) x = u(rng);
+  std::vector<double> tq(s.truth.dq.size()), tk(s.truth.dk.size()), tv(tk.size());
+  ref::attention_backward_exact(s.p, s.q.view(), s.k.view(), s.v.view(), s.o.data(), s.lse.data(),
+                                s.d_o.view(), tq.data(), tk.data(), tv.data(), 0, g.data());
+  std::vector<float> of(s.o.size()), lf(s.lse.begin(), s.lse.end()), gf(g.begin(), g.end()),
+      dq(s.o.size()), dk(tk.size()), dv(tk.size());
+  for (size_t i = 0; i < of.size(); ++i) of[i] = round_fp16(float(s.o[i]));
+  ref::attention_backward_quant(s.p, ref::backward_preset(), s.q.view(), s.k.view(), s.v.view(),
+                                of.data(), lf.data(), s.d_o.view(), dq.data(), dk.data(),
+                                dv.data(), 0, gf.data());
+  EXPECT_GT(cmp(tq, dq).cos, 0.999);
+  EXPECT_GT(cmp(tk, dk).cos, 0.999);
+  EXPECT_GT(cmp(tv, dv).cos, 0.999);
+}
+
 TEST(Backward, NonFiniteInputsStayNonFinite) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

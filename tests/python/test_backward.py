@@ -156,11 +156,21 @@ def test_gpu_gradient_through_lse_and_nhd(gen):
 def test_gpu_dropin_trains_with_sage(gen):
     q, k, v, do = inputs(gen, 1, 4, 4, 8192, 8192, 128, torch.float16, "cuda")
     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-    assert sage_attn.dropin_backend(qq, kk, vv, is_causal=True) == "sage"
-    o = sage_attn.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
-    o.backward(do)
-    for g in (qq.grad, kk.grad, vv.grad):
-        assert g is not None and torch.isfinite(g).all()
+    # Under the crossover rule training stays with torch's SDPA (SageBwd measured slower) ...
+    assert sage_attn.dropin_backend(qq, kk, vv, is_causal=True) == "sdpa"
+    assert torch.equal(sage_attn.scaled_dot_product_attention(qq, kk, vv, is_causal=True),
+                       TORCH_SDPA(qq, kk, vv, is_causal=True))
+    # ... and without it, it trains with sage.
+    sage_attn.set_dropin_crossover(False)
+    try:
+        assert sage_attn.dropin_backend(qq, kk, vv, is_causal=True) == "sage"
+        o = sage_attn.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+        o.backward(do)
+    finally:
+        sage_attn.set_dropin_crossover(True)
+    want = sage_grads(q, k, v, do, True)  # sageattn's top-left = the same mask at Nq == Nk
+    for g, w in zip((qq.grad, kk.grad, vv.grad), want):
+        assert cos(g, w) > 0.99999
     # an attn_mask still goes to torch (with its backward)
     q2 = q[:, :, :64].clone().requires_grad_()
     mask = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
