@@ -286,6 +286,7 @@ typedef struct sage_backward_args {
   size_t workspace_size;
   int32_t num_threads; /* CPU reference threads; 0 = all */
   uint32_t options;    /* SAGE_BWD_OPTION_* flags */
+  sage_kernel kernel;  /* CUDA: AUTO (sm_90: the wgmma kernel, else mma.sync), MMA or SM90 */
 } sage_backward_args;
 
 /* Library version, e.g. "0.1.0". */

@@ -153,6 +153,7 @@ class BackwardArgs(ctypes.Structure):
         ("workspace_size", ctypes.c_size_t),
         ("num_threads", ctypes.c_int32),
         ("options", ctypes.c_uint32),
+        ("kernel", ctypes.c_int),
     ]
 
 

@@ -234,9 +234,10 @@ def _lse_strides(field, x):
     field.batch, field.head, field.token = x.stride(0), x.stride(1), x.stride(2)
 
 
-def _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale):
+def _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family=0):
     """dq, dk, dv of the attention whose output o and LSE the forward gave (SageBwd on CUDA
-    tensors, the CPU reference's SageBwd emulation on CPU ones). d_lse may be None."""
+    tensors, the CPU reference's SageBwd emulation on CPU ones). d_lse may be None. family: the
+    forward's kernel choice (sage_backward_args.kernel: the same family runs the backward)."""
     if d_o.stride(-1) != 1:  # (autograd hands expanded or transposed gradients too)
         d_o = d_o.contiguous()
     if d_lse is not None and d_lse.stride(-1) != 1:
@@ -265,6 +266,7 @@ def _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale):
         with torch.cuda.device(q.device):
             a.backend = _lib.BACKEND_CUDA
             a.stream = _current_stream(q.device)
+            a.kernel = family
             n = _lib.backward_workspace_size(a)
             ws = q.new_empty((max(n, 1),), dtype=torch.uint8)
             a.workspace, a.workspace_size = ws.data_ptr(), n
@@ -278,13 +280,13 @@ def _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale):
 @torch.library.custom_op("sage_attn::attention_backward", mutates_args=())
 def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                  lse: torch.Tensor, d_o: torch.Tensor, d_lse: Optional[torch.Tensor],
-                 layout: int, mask: int, scale: float
+                 layout: int, mask: int, scale: float, family: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale)
+    return _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family)
 
 
 @_backward_op.register_fake
-def _(q, k, v, o, lse, d_o, d_lse, layout, mask, scale):
+def _(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family=0):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
@@ -294,12 +296,12 @@ def _setup_context(ctx, inputs, output):
     q, k, v, layout, mask, scale = inputs[:6]
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.attn = (layout, mask, scale)
+    ctx.attn = (layout, mask, scale, inputs[12] if len(inputs) > 12 else 0)
 
 
 def _attention_grad(ctx, d_o, d_lse):
     q, k, v, o, lse = ctx.saved_tensors
-    layout, mask, scale = ctx.attn
+    layout, mask, scale, family = ctx.attn
     nones = (None,) * 10
     if lse.numel() == 0:
         # The op handed the call to torch's SDPA (the drop-in's fallback inside a compiled
@@ -311,7 +313,7 @@ def _attention_grad(ctx, d_o, d_lse):
             return (*torch.autograd.grad(out, (qq, kk, vv), d_o), *nones)
     if d_lse is not None and d_lse.numel() == 0:
         d_lse = None
-    dq, dk, dv = _backward_op(q, k, v, o, lse, d_o, d_lse, layout, mask, scale)
+    dq, dk, dv = _backward_op(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family)
     return (dq, dk, dv, *nones)
 
 

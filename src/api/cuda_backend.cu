@@ -235,6 +235,10 @@ sage_status check_backward(const api::ResolvedBackward& r, const sage_backward_a
                      "runs any",
                      unsigned(c.int8), int(c.block_q), int(c.block_k), int(c.granularity),
                      unsigned(want.int8), int(want.block_q), int(want.block_k));
+  if (a.kernel == SAGE_KERNEL_SM90 && dev.cc != 90)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "kernel = SM90: the wgmma backward needs an sm_90 GPU (this is sm_%d)",
+                     dev.cc);
   if (a.options & SAGE_BWD_OPTION_DETERMINISTIC)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "options = DETERMINISTIC: the GPU backward sums dQ with atomics only so far");
@@ -300,8 +304,12 @@ sage_status backward(const api::ResolvedBackward& r, const sage_backward_args& a
   const bwd::Params x = backward_params(r, a, w, static_cast<uint8_t*>(a.workspace));
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const bool bf16 = a.dtype == SAGE_DTYPE_BF16;
-  const cudaError_t e = r.problem.head_dim == 64 ? bwd::run<64>(x, bf16, dev.index, stream)
-                                                 : bwd::run<128>(x, bf16, dev.index, stream);
+  // sm_90 runs the wgmma kernel unless the mma.sync one is asked for (check_backward refused
+  // SM90 elsewhere).
+  const bool sm90 = dev.cc == 90 && a.kernel != SAGE_KERNEL_MMA;
+  const cudaError_t e = r.problem.head_dim == 64
+                            ? bwd::run<64>(x, bf16, sm90, dev.index, stream)
+                            : bwd::run<128>(x, bf16, sm90, dev.index, stream);
   if (e != cudaSuccess)
     return set_error(SAGE_ERROR_CUDA, "backward launch: %s", cudaGetErrorString(e));
   return SAGE_OK;

@@ -231,6 +231,9 @@ sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* 
                      a.variant == SAGE_VARIANT_CUSTOM,
                  "variant = %" PRId64 " has no backward (AUTO, EXACT or CUSTOM)",
                  enum_value(a.variant));
+  const int64_t kernel = enum_value(a.kernel);
+  SAGE_CHECK_ARG(kernel >= SAGE_KERNEL_AUTO && kernel <= SAGE_KERNEL_SM90,
+                 "kernel = %" PRId64 " is unknown", kernel);
 
   ResolvedBackward r;
   r.problem = problem_of(a);
@@ -294,6 +297,9 @@ sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* 
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "variant = EXACT (float64) runs on the CPU reference only; pass host "
                      "pointers");
+  SAGE_CHECK_ARG(r.backend == SAGE_BACKEND_CUDA || a.kernel == SAGE_KERNEL_AUTO,
+                 "kernel = %" PRId64 " chooses a GPU kernel, but the backend is the CPU reference",
+                 kernel);
   *out = r;
   return SAGE_OK;
 }

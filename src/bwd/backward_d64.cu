@@ -2,5 +2,5 @@
 #include "bwd/launch.cuh"
 
 namespace sage::bwd {
-template cudaError_t run<64>(const Params&, bool, int, cudaStream_t);
+template cudaError_t run<64>(const Params&, bool, bool, int, cudaStream_t);
 }  // namespace sage::bwd

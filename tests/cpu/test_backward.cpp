@@ -446,6 +446,12 @@ TEST(BackwardApi, BadArgumentsAreNamed) {
   a.options = 8;
   expect(a, SAGE_ERROR_INVALID_ARGUMENT, "options");
   a = good;
+  a.kernel = static_cast<sage_kernel>(7);
+  expect(a, SAGE_ERROR_INVALID_ARGUMENT, "kernel = 7 is unknown");
+  a = good;
+  a.kernel = SAGE_KERNEL_SM90;  // host pointers: the CPU reference has no kernel families
+  expect(a, SAGE_ERROR_INVALID_ARGUMENT, "kernel = 2 chooses a GPU kernel");
+  a = good;
   a.struct_size = 3;
   expect(a, SAGE_ERROR_INVALID_ARGUMENT, "struct_size");
   size_t bytes = 7;

@@ -37,9 +37,8 @@ struct BwdCase {
 std::string case_name(const BwdCase& c) {
   char buf[160];
   std::snprintf(buf, sizeof(buf), "B%lld_Hq%lld_Hkv%lld_Nq%lld_Nk%lld_D%lld_mask%d_%s_%s",
-                (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.Nq,
-                (long long)c.Nk, (long long)c.D, int(c.mask),
-                c.layout == SAGE_LAYOUT_HND ? "HND" : "NHD",
+                (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.Nq, (long long)c.Nk,
+                (long long)c.D, int(c.mask), c.layout == SAGE_LAYOUT_HND ? "HND" : "NHD",
                 c.dtype == SAGE_DTYPE_BF16 ? "bf16" : "fp16");
   return buf;
 }
@@ -78,8 +77,8 @@ struct Problem {
     d_o = random_bits(rng, qn, c.dtype);
     o64.resize(qn);
     lse64.resize(size_t(c.B * c.Hq * c.Nq));
-    sage::ref::attention_exact(p, view(q, qs), view(k, ks), view(v, ks), o64.data(),
-                               lse64.data(), 0);
+    sage::ref::attention_exact(p, view(q, qs), view(k, ks), view(v, ks), o64.data(), lse64.data(),
+                               0);
     // O in dtype and in the layout; the LSE as the forward returns it (contiguous fp32).
     o.resize(qn);
     const sage::FloatFormat& f = c.dtype == SAGE_DTYPE_BF16 ? sage::kBf16 : sage::kFp16;
@@ -106,12 +105,13 @@ struct GpuGrads {
   std::vector<uint16_t> dq, dk, dv;  // in the layout
 };
 
-GpuGrads run_backward(const Problem& pr, uint32_t options = 0) {
+GpuGrads run_backward(const Problem& pr, uint32_t options = 0,
+                      sage_kernel kernel = SAGE_KERNEL_AUTO) {
   GpuGrads r;
   const BwdCase& c = pr.c;
   const size_t qb = pr.q.size() * 2, kb = pr.k.size() * 2;
-  Buf q(qb), k(kb), v(kb), o(qb), d_o(qb), lse(pr.lse.size() * 4), dlse(pr.lse.size() * 4),
-      dq(qb), dk(kb), dv(kb);
+  Buf q(qb), k(kb), v(kb), o(qb), d_o(qb), lse(pr.lse.size() * 4), dlse(pr.lse.size() * 4), dq(qb),
+      dk(kb), dv(kb);
   cudaMemcpy(dlse.ptr, pr.d_lse.data(), pr.lse.size() * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(q.ptr, pr.q.data(), qb, cudaMemcpyHostToDevice);
   cudaMemcpy(k.ptr, pr.k.data(), kb, cudaMemcpyHostToDevice);
@@ -131,6 +131,7 @@ GpuGrads run_backward(const Problem& pr, uint32_t options = 0) {
   a.batch = c.B, a.heads_q = c.Hq, a.heads_kv = c.Hkv, a.seq_q = c.Nq, a.seq_kv = c.Nk;
   a.head_dim = c.D, a.layout = c.layout, a.dtype = c.dtype, a.mask = c.mask;
   a.options = options;
+  a.kernel = kernel;
   size_t ws_bytes = 0;
   r.status = sage_backward_workspace_size(&a, &ws_bytes);
   if (r.status != SAGE_OK) {
@@ -172,6 +173,16 @@ std::vector<float> to_hnd(const std::vector<uint16_t>& x, sage_strides s, int64_
   return out;
 }
 
+// The kernel families this GPU runs: mma.sync everywhere, the wgmma kernel on sm_90.
+std::vector<sage_kernel> kernels_here() {
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  if (major == 9 && minor == 0) return {SAGE_KERNEL_MMA, SAGE_KERNEL_SM90};
+  return {SAGE_KERNEL_MMA};
+}
+
 class GpuBackward : public ::testing::TestWithParam<BwdCase> {};
 
 TEST_P(GpuBackward, MatchesItsEmulationAndFloat64) {
@@ -181,56 +192,61 @@ TEST_P(GpuBackward, MatchesItsEmulationAndFloat64) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const Problem pr(c, rng);
-  const GpuGrads g = run_backward(pr);
-  ASSERT_EQ(g.status, SAGE_OK) << g.error;
-  const std::vector<float> dq = to_hnd(g.dq, pr.qs, c.B, c.Hq, c.Nq, c.D, c.dtype);
-  const std::vector<float> dk = to_hnd(g.dk, pr.ks, c.B, c.Hkv, c.Nk, c.D, c.dtype);
-  const std::vector<float> dv = to_hnd(g.dv, pr.ks, c.B, c.Hkv, c.Nk, c.D, c.dtype);
+  for (const sage_kernel kernel : kernels_here()) {
+    SCOPED_TRACE(kernel == SAGE_KERNEL_SM90 ? "kernel SM90" : "kernel MMA");
+    const GpuGrads g = run_backward(pr, 0, kernel);
+    ASSERT_EQ(g.status, SAGE_OK) << g.error;
+    const std::vector<float> dq = to_hnd(g.dq, pr.qs, c.B, c.Hq, c.Nq, c.D, c.dtype);
+    const std::vector<float> dk = to_hnd(g.dk, pr.ks, c.B, c.Hkv, c.Nk, c.D, c.dtype);
+    const std::vector<float> dv = to_hnd(g.dv, pr.ks, c.B, c.Hkv, c.Nk, c.D, c.dtype);
 
-  // The emulation of the same configuration, rounded to dtype as the GPU stores.
-  std::vector<float> of(pr.o64.size()), eq(dq.size()), ek(dk.size()), ev(dv.size());
-  {
-    const std::vector<float> o_hnd = to_hnd(pr.o, pr.qs, c.B, c.Hq, c.Nq, c.D, c.dtype);
-    of = o_hnd;
-  }
-  sage::ref::attention_backward_quant(pr.p, sage::ref::backward_preset(), pr.view(pr.q, pr.qs),
-                                      pr.view(pr.k, pr.ks), pr.view(pr.v, pr.ks), of.data(),
-                                      pr.lse.data(), pr.view(pr.d_o, pr.qs), eq.data(), ek.data(),
-                                      ev.data(), 0, pr.d_lse.data());
-  const sage::FloatFormat& f = c.dtype == SAGE_DTYPE_BF16 ? sage::kBf16 : sage::kFp16;
-  for (auto* x : {&eq, &ek, &ev})
-    for (float& y : *x) y = sage::round_float(f, y, false);
-  // float64 truth.
-  std::vector<double> tq(dq.size()), tk(dk.size()), tv(dv.size());
-  const std::vector<double> dlse64(pr.d_lse.begin(), pr.d_lse.end());
-  sage::ref::attention_backward_exact(pr.p, pr.view(pr.q, pr.qs), pr.view(pr.k, pr.ks),
-                                      pr.view(pr.v, pr.ks), pr.o64.data(), pr.lse64.data(),
-                                      pr.view(pr.d_o, pr.qs), tq.data(), tk.data(), tv.data(), 0,
-                                      dlse64.data());
-  const char* names[] = {"dq", "dk", "dv"};
-  const std::vector<float>* gpu[] = {&dq, &dk, &dv};
-  const std::vector<float>* emu[] = {&eq, &ek, &ev};
-  const std::vector<double>* truth[] = {&tq, &tk, &tv};
-  for (int x = 0; x < 3; ++x) {
-    SCOPED_TRACE(names[x]);
-    const int64_t n = int64_t(gpu[x]->size());
-    std::vector<double> e64(emu[x]->begin(), emu[x]->end());
-    const sage::ref::Metrics me = sage::ref::compare(e64.data(), gpu[x]->data(), n);
-    const sage::ref::Metrics mt = sage::ref::compare(truth[x]->data(), gpu[x]->data(), n);
-    const sage::ref::Metrics et = sage::ref::compare(truth[x]->data(), emu[x]->data(), n);
-    // Against its emulation: what differs is fp32 summation order (the MMAs, dQ's atomics,
-    // the pre-pass sums), ex2.approx against exp2f, and the rare INT8 rounding those flip; then
-    // each side is rounded to dtype. Bound: a tenth of a dtype step on average.
-    const double step = c.dtype == SAGE_DTYPE_BF16 ? 1.0 / 256 : 1.0 / 2048;
-    EXPECT_LT(me.rel_l1, 0.1 * step + 2e-4) << "GPU vs emulation";
-    EXPECT_GT(me.cos, 0.99999) << "GPU vs emulation";
-    // Against float64: the emulation's own accuracy, within a hair.
-    EXPECT_LT(mt.rel_l1, et.rel_l1 * 1.05 + 1e-4) << "GPU vs float64";
-    if (c.Nq >= 64 && c.Nk >= 64) {
-      EXPECT_GT(mt.cos, 0.999) << "GPU vs float64";
+    // The emulation of the same configuration, rounded to dtype as the GPU stores.
+    std::vector<float> of(pr.o64.size()), eq(dq.size()), ek(dk.size()), ev(dv.size());
+    {
+      const std::vector<float> o_hnd = to_hnd(pr.o, pr.qs, c.B, c.Hq, c.Nq, c.D, c.dtype);
+      of = o_hnd;
     }
-    std::printf("  %s: vs emulation cos %.7f rel-l1 %.2e | vs float64 cos %.6f rel-l1 %.4f (emulation %.4f)\n",
-                names[x], me.cos, me.rel_l1, mt.cos, mt.rel_l1, et.rel_l1);
+    sage::ref::attention_backward_quant(pr.p, sage::ref::backward_preset(), pr.view(pr.q, pr.qs),
+                                        pr.view(pr.k, pr.ks), pr.view(pr.v, pr.ks), of.data(),
+                                        pr.lse.data(), pr.view(pr.d_o, pr.qs), eq.data(), ek.data(),
+                                        ev.data(), 0, pr.d_lse.data());
+    const sage::FloatFormat& f = c.dtype == SAGE_DTYPE_BF16 ? sage::kBf16 : sage::kFp16;
+    for (auto* x : {&eq, &ek, &ev})
+      for (float& y : *x) y = sage::round_float(f, y, false);
+    // float64 truth.
+    std::vector<double> tq(dq.size()), tk(dk.size()), tv(dv.size());
+    const std::vector<double> dlse64(pr.d_lse.begin(), pr.d_lse.end());
+    sage::ref::attention_backward_exact(
+        pr.p, pr.view(pr.q, pr.qs), pr.view(pr.k, pr.ks), pr.view(pr.v, pr.ks), pr.o64.data(),
+        pr.lse64.data(), pr.view(pr.d_o, pr.qs), tq.data(), tk.data(), tv.data(), 0, dlse64.data());
+    const char* names[] = {"dq", "dk", "dv"};
+    const std::vector<float>* gpu[] = {&dq, &dk, &dv};
+    const std::vector<float>* emu[] = {&eq, &ek, &ev};
+    const std::vector<double>* truth[] = {&tq, &tk, &tv};
+    for (int x = 0; x < 3; ++x) {
+      SCOPED_TRACE(names[x]);
+      const int64_t n = int64_t(gpu[x]->size());
+      std::vector<double> e64(emu[x]->begin(), emu[x]->end());
+      const sage::ref::Metrics me = sage::ref::compare(e64.data(), gpu[x]->data(), n);
+      const sage::ref::Metrics mt = sage::ref::compare(truth[x]->data(), gpu[x]->data(), n);
+      const sage::ref::Metrics et = sage::ref::compare(truth[x]->data(), emu[x]->data(), n);
+      // Against its emulation: what differs is fp32 summation order (the MMAs, dQ's atomics,
+      // the pre-pass sums), ex2.approx against exp2f, and the rare INT8 rounding those flip; then
+      // each side is rounded to dtype. Bound: a tenth of a dtype step on average.
+      const double step = c.dtype == SAGE_DTYPE_BF16 ? 1.0 / 256 : 1.0 / 2048;
+      EXPECT_LT(me.rel_l1, 0.1 * step + 2e-4) << "GPU vs emulation";
+      EXPECT_GT(me.cos, 0.99999) << "GPU vs emulation";
+      // Against float64: the emulation's own accuracy, within a hair.
+      EXPECT_LT(mt.rel_l1, et.rel_l1 * 1.05 + 1e-4) << "GPU vs float64";
+      if (c.Nq >= 64 && c.Nk >= 64) {
+        EXPECT_GT(mt.cos, 0.999) << "GPU vs float64";
+      }
+      std::printf(
+          "  %s %s: vs emulation cos %.7f rel-l1 %.2e | vs float64 cos %.6f rel-l1 %.4f (emulation "
+          "%.4f)\n",
+          kernel == SAGE_KERNEL_SM90 ? "sm90" : "mma", names[x], me.cos, me.rel_l1, mt.cos,
+          mt.rel_l1, et.rel_l1);
+    }
   }
 }
 
@@ -253,8 +269,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(GpuBackwardErrors, NanPropagatesAndRefusalsAreClear) {
   SAGE_REQUIRE_GPU();
   std::mt19937_64 rng(7);
-  Problem pr(BwdCase{1, 2, 2, 100, 100, 64, SAGE_MASK_NONE, SAGE_LAYOUT_HND, SAGE_DTYPE_FP16},
-             rng);
+  Problem pr(BwdCase{1, 2, 2, 100, 100, 64, SAGE_MASK_NONE, SAGE_LAYOUT_HND, SAGE_DTYPE_FP16}, rng);
   pr.q[size_t(50 * 64 + 3)] = 0x7E00;  // NaN in q, head 0
   const GpuGrads g = run_backward(pr);
   ASSERT_EQ(g.status, SAGE_OK) << g.error;

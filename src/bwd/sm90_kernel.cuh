@@ -1,0 +1,371 @@
+// SageBwd's main kernel on Hopper (sm_90a): the products of the mma.sync kernel (kernel.cuh) as
+// warpgroup MMAs. One CTA is one warpgroup that owns 64 keys of a KV head (the M rows of Sᵀ, dPᵀ,
+// dV and dK) and streams the 64-query blocks of its group's query heads; two CTAs share an SM.
+// Per block:
+//   Sᵀ = K^·Q^ᵀ (s8, both operands in shared memory) and dPᵀ = V·dOᵀ (fp16/bf16), one batch
+//   Pᵀ, dSᵀ, their per-key ψ packed into A fragments in registers (the mma.sync A layout, so the
+//     pre-pass's permuted Q^ᵀ and dO^ᵀ serve as B: bwd::query_at)
+//   dV += P^ᵀ·dO^ and dK += dS^ᵀ·Q^ (s8, A from registers, N = D)
+//   dQ += dS^·K^ (s8: dS^ per query through shared memory, [query][key]), added into the fp32
+//     accumulator by bulk reductions from shared memory
+// The workspace, the ψ scales and the arithmetic are the mma.sync kernel's, so both match one
+// emulation. Shared memory: K-major tiles in wgmma's swizzled layouts, written by cp.async; the
+// query block arrives in two halves that are prefetched as soon as the block has finished with
+// them: A (Q^, dO, L', D) after the scores, B (Q^ᵀ, dO^ᵀ) after dK.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "bwd/kernel.cuh"
+#include "bwd/params.h"
+#include "ptx/async.cuh"
+#include "ptx/atomic.cuh"
+#include "ptx/math.cuh"
+#include "ptx/tma.cuh"
+#include "ptx/wgmma.cuh"
+
+namespace sage::bwd::sm90 {
+
+// Byte offsets of one CTA's tiles (each 1024-byte aligned: the swizzle atoms' alignment).
+template <int D>
+struct Smem {
+  static constexpr int kPanel = 64 * 128;         // 64 rows of 64 16-bit channels (128-byte rows)
+  static constexpr int kK = 0;                    // K^ [64 keys][D], D-byte swizzle
+  static constexpr int kKt = kK + 64 * D;         // K^ᵀ [D][64 keys], 64-byte swizzle
+  static constexpr int kV = kKt + D * 64;         // V [64 keys][D] 16-bit, D / 64 panels
+  static constexpr int kQ = kV + 64 * D * 2;      // A: Q^ [64 queries][D]
+  static constexpr int kDo = kQ + 64 * D;         // A: dO [64][D] 16-bit panels
+  static constexpr int kQt = kDo + 64 * D * 2;    // B: Q^ᵀ [D][64 queries, permuted]
+  static constexpr int kDot = kQt + D * 64;       // B: dO^ᵀ [D][64 queries, permuted]
+  static constexpr int kDs = kDot + D * 64;       // dS^ [64 queries][64 keys], 64-byte swizzle
+  static constexpr int kDqRow = D * 4 + 16;       // a dQ row of fp32, padded (bank spread)
+  static constexpr int kDq = kDs + 64 * 64;       // dQ's block [64][D] fp32, bulk-reduced out
+  static constexpr int kLse = kDq + 64 * kDqRow;  // A: L' [64]
+  static constexpr int kDelta = kLse + 256;       // A: D - g [64]
+  static constexpr int kQmax = kDelta + 256;      // per-query partial max |dS| [4 warps][64]
+  static constexpr int kQpsi = kQmax + kWarps * 64 * 4;  // per-query ψ of dS: scale, inv [64]
+  static constexpr int kScales = kQpsi + 2 * 64 * 4;     // A: the block's ψ scales of Q and dO
+  static constexpr int kBytes = kScales + 16 + 1024;     // + the base's alignment
+  static_assert(kBytes <= 113 * 1024, "two CTAs an SM");
+};
+
+// Offset of byte `b` of row `r` in a K-major tile of kW-byte rows in wgmma's kW-byte swizzle
+// (8-row atoms; the 16-byte chunk index XORed with the row bits above it).
+template <int kW>
+__device__ __forceinline__ int swz(int r, int b) {
+  static_assert(kW == 128 || kW == 64, "64- or 128-byte rows");
+  if constexpr (kW == 128)
+    return r * 128 + ((((b >> 4) ^ r) & 7) << 4) + (b & 15);
+  else
+    return r * 64 + ((((b >> 4) ^ (r >> 1)) & 3) << 4) + (b & 15);
+}
+
+// cp.async of `rows` rows of kW bytes (global row stride ld bytes) into a swizzled tile.
+template <int kW>
+__device__ __forceinline__ void load_tile(uint8_t* dst, const uint8_t* src, int rows, int64_t ld) {
+  constexpr int kChunks = kW / 16;
+  for (int i = threadIdx.x; i < rows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    ptx::cp_async_16(dst + swz<kW>(r, c * 16), src + r * ld + c * 16);
+  }
+}
+// 64 rows of D 16-bit channels (contiguous rows) into 128-byte panels.
+template <int D>
+__device__ __forceinline__ void load_tile16(uint8_t* dst, const uint8_t* src) {
+  constexpr int kChunks = D * 2 / 16;
+  for (int i = threadIdx.x; i < 64 * kChunks; i += kThreads) {
+    const int r = i / kChunks, b = (i % kChunks) * 16;
+    ptx::cp_async_16(dst + (b / 128) * Smem<D>::kPanel + swz<128>(r, b % 128), src + r * D * 2 + b);
+  }
+}
+
+template <int D>
+__device__ __forceinline__ uint64_t desc8(const uint8_t* tile, int k_byte) {
+  return ptx::wgmma_desc<D>(tile + k_byte);
+}
+// The 16-bit operand's descriptor at k-step ks (16 channels): panel ks / 4, 32 bytes a step.
+template <int D>
+__device__ __forceinline__ uint64_t desc16(const uint8_t* tile, int ks) {
+  return ptx::wgmma_desc<128>(tile + (ks / 4) * Smem<D>::kPanel + (ks % 4) * 32);
+}
+// Packs 64 queries x this thread's two keys of ψ(x) (x: a 64-key x 64-query accumulator) into the
+// two k32 A fragments of a product over the queries.
+__device__ __forceinline__ void pack_a(uint32_t (&f)[2][4], const float (&x)[32], float inv_a,
+                                       float inv_b) {
+  auto q8 = [&](int n, int e) {
+    return quant::quantize_bits(x[4 * n + e], e < 2 ? inv_a : inv_b, 127.0f);
+  };
+#pragma unroll
+  for (int kq = 0; kq < 2; ++kq) {
+    const int n0 = 4 * kq;
+    f[kq][0] = pack4(q8(n0, 0), q8(n0, 1), q8(n0 + 1, 0), q8(n0 + 1, 1));
+    f[kq][1] = pack4(q8(n0, 2), q8(n0, 3), q8(n0 + 1, 2), q8(n0 + 1, 3));
+    f[kq][2] = pack4(q8(n0 + 2, 0), q8(n0 + 2, 1), q8(n0 + 3, 0), q8(n0 + 3, 1));
+    f[kq][3] = pack4(q8(n0 + 2, 2), q8(n0 + 2, 3), q8(n0 + 3, 2), q8(n0 + 3, 3));
+  }
+}
+// out += A·B over the block's 64 queries (two k32 steps), scaled per row (key) into fp32; 64
+// channels at a time (a 32-register int32 accumulator: N = D at once spills at D = 128).
+template <int D>
+__device__ __forceinline__ void mma_rows(float (&out)[D / 2], const uint32_t (&a)[2][4],
+                                         const uint8_t* b_tile, float sa, float sb) {
+#pragma unroll
+  for (int h = 0; h < D / 64; ++h) {
+    int acc[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0;
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kq = 0; kq < 2; ++kq)
+      ptx::wgmma_m64n64k32_s8_rs(acc, a[kq], ptx::wgmma_desc<64>(b_tile + h * 64 * 64 + kq * 32),
+                                 kq > 0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(acc);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) out[h * 32 + i] += float(acc[i]) * ((i & 2) ? sb : sa);
+  }
+}
+
+template <typename T, int D, bool kCausal>
+__global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
+#ifdef SAGE_WGMMA_OK
+  using S = Smem<D>;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int64_t kb = blockIdx.x, bkv = blockIdx.y, k0 = kb * kBlockK;
+  const int64_t b = bkv / p.heads_kv, hkv = bkv % p.heads_kv, G = p.group();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int ka = warp * 16 + g;  // this thread's keys (local): ka and ka + 8
+
+  const uint8_t* qhat = reinterpret_cast<const uint8_t*>(p.qhat);
+  const uint8_t* qhat_t = reinterpret_cast<const uint8_t*>(p.qhat_t);
+  const uint8_t* dohat_t = reinterpret_cast<const uint8_t*>(p.dohat_t);
+  const uint8_t* do_ws = reinterpret_cast<const uint8_t*>(p.do_ws);
+  // The CTA's keys: K^ rows, K^ᵀ, V rows (in the first cp.async group, with block 0's half A).
+  load_tile<D>(smem + S::kK, reinterpret_cast<const uint8_t*>(p.khat) + (bkv * p.nk_pad + k0) * D,
+               64, D);
+  load_tile<64>(smem + S::kKt, reinterpret_cast<const uint8_t*>(p.khat_t) + bkv * D * p.nk_pad + k0,
+                D, p.nk_pad);
+  load_tile16<D>(smem + S::kV,
+                 reinterpret_cast<const uint8_t*>(p.v_ws) + (bkv * p.nk_pad + k0) * D * 2);
+
+  const int64_t q_begin = kCausal ? max(int64_t(0), k0 - p.causal_offset) / kBlockQ : 0;
+  const int64_t n_q = max(int64_t(0), p.q_blocks - q_begin), iters = n_q * G;
+  auto head_of = [&](int64_t it) { return b * p.heads_q + hkv * G + it / n_q; };
+  auto block_of = [&](int64_t it) { return q_begin + it % n_q; };
+  auto load_a = [&](int64_t it) {
+    const int64_t bh = head_of(it), i0 = block_of(it) * kBlockQ;
+    load_tile<D>(smem + S::kQ, qhat + (bh * p.nq_pad + i0) * D, 64, D);
+    load_tile16<D>(smem + S::kDo, do_ws + (bh * p.nq_pad + i0) * D * 2);
+    if (threadIdx.x < 16)
+      ptx::cp_async_16(smem + S::kLse + threadIdx.x * 16,
+                       p.lse2 + bh * p.nq_pad + i0 + threadIdx.x * 4);
+    else if (threadIdx.x < 32)
+      ptx::cp_async_16(smem + S::kDelta + (threadIdx.x - 16) * 16,
+                       p.delta + bh * p.nq_pad + i0 + (threadIdx.x - 16) * 4);
+    else if (threadIdx.x == 32)
+      ptx::cp_async_4(smem + S::kScales, p.q_scale + bh * p.q_blocks + i0 / kBlockQ);
+    else if (threadIdx.x == 33)
+      ptx::cp_async_4(smem + S::kScales + 4, p.do_scale + bh * p.q_blocks + i0 / kBlockQ);
+  };
+  auto load_b = [&](int64_t it) {
+    const int64_t off = head_of(it) * D * p.nq_pad + block_of(it) * kBlockQ;
+    load_tile<64>(smem + S::kQt, qhat_t + off, D, p.nq_pad);
+    load_tile<64>(smem + S::kDot, dohat_t + off, D, p.nq_pad);
+  };
+  // Two cp.async groups in flight per block (A, then B), committed even when empty so that the
+  // waits below always count the same.
+  if (iters > 0) load_a(0);
+  ptx::cp_async_commit();
+  if (iters > 0) load_b(0);
+  ptx::cp_async_commit();
+
+  const float k_scale = p.k_scale[bkv * p.k_blocks + kb];
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
+  const int64_t key_a = k0 + ka, key_b = key_a + 8;
+  float* qmax_s = reinterpret_cast<float*>(smem + S::kQmax);
+  float* qpsi_s = reinterpret_cast<float*>(smem + S::kQpsi);
+  const float* lse_s = reinterpret_cast<const float*>(smem + S::kLse);
+  const float* delta_s = reinterpret_cast<const float*>(smem + S::kDelta);
+
+  for (int64_t it = 0; it < iters; ++it) {
+    ptx::cp_async_wait<1>();  // half A of this block (B may still be landing)
+    ptx::fence_proxy_async_smem();
+    __syncthreads();
+    const int64_t bh = head_of(it), qb = block_of(it), i0 = qb * kBlockQ;
+    const float q_scale = reinterpret_cast<const float*>(smem + S::kScales)[0];
+    const float do_scale = reinterpret_cast<const float*>(smem + S::kScales)[1];
+
+    // Sᵀ = K^·Q^ᵀ and dPᵀ = V·dOᵀ: 64 keys x 64 queries each.
+    int s[32];
+    float dp[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = 0, dp[i] = 0.0f;
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 32; ++ks)
+      ptx::wgmma_m64n64k32_s8_ss(s, desc8<D>(smem + S::kK, ks * 32),
+                                 desc8<D>(smem + S::kQ, ks * 32), ks > 0);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      if constexpr (kBf16)
+        ptx::wgmma_m64n64k16_bf16_ss(dp, desc16<D>(smem + S::kV, ks), desc16<D>(smem + S::kDo, ks),
+                                     ks > 0);
+      else
+        ptx::wgmma_m64n64k16_f16_ss(dp, desc16<D>(smem + S::kV, ks), desc16<D>(smem + S::kDo, ks),
+                                    ks > 0);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::wgmma_fence_regs(s);
+    ptx::wgmma_fence_regs(dp);
+
+    // Pᵀ = 2^(Sᵀ·s_Q·s_K·scale·log2 e - L'), masked, and its per-key ψ into A fragments.
+    const float c = q_scale * k_scale * p.scale_log2;
+    // Row r (0: key_a, 1: key_b) sees local query qi when qi >= first[r]: 0 without a mask,
+    // 64 (none) past the keys, else the first query whose diagonal reaches the key.
+    int first[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t key = r ? key_b : key_a;
+      const int64_t f = kCausal ? key - p.causal_offset - i0 : 0;
+      first[r] = key >= p.seq_kv ? kBlockQ : int(min(int64_t(kBlockQ), max(int64_t(0), f)));
+    }
+    float P[32];
+    float pmax[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int qi = (i / 4) * 8 + 2 * t + (i & 1);
+      P[i] = qi >= first[(i >> 1) & 1] ? ptx::ex2(float(s[i]) * c - lse_s[qi]) : 0.0f;
+      pmax[(i >> 1) & 1] = ptx::max_nan(pmax[(i >> 1) & 1], P[i]);
+    }
+    uint32_t pf[2][4];
+    const Psi pa = psi_scale(quad_max(pmax[0])), pb = psi_scale(quad_max(pmax[1]));
+    pack_a(pf, P, pa.inv, pb.inv);
+    // dSᵀ = Pᵀ∘(dPᵀ - D) in place; per-key ψ into A fragments; per-query partial maxima.
+    float kmax[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      P[i] *= dp[i] - delta_s[(i / 4) * 8 + 2 * t + (i & 1)];
+      kmax[(i >> 1) & 1] = ptx::max_nan(kmax[(i >> 1) & 1], fabsf(P[i]));
+    }
+    const float(&dS)[32] = P;
+    uint32_t sf[2][4];
+    const Psi da = psi_scale(quad_max(kmax[0])), db = psi_scale(quad_max(kmax[1]));
+    pack_a(sf, dS, da.inv, db.inv);
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float m = ptx::max_nan(fabsf(dS[4 * n + e]), fabsf(dS[4 * n + e + 2]));
+#pragma unroll
+        for (int o = 4; o < 32; o *= 2) m = ptx::max_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        if (g == 0) qmax_s[warp * kBlockQ + n * 8 + 2 * t + e] = m;
+      }
+    __syncthreads();  // the maxima are in; half A is free
+    if (it + 1 < iters) load_a(it + 1);
+    ptx::cp_async_commit();
+    if (threadIdx.x < kBlockQ) {  // each query's ψ, once
+      float m = qmax_s[threadIdx.x];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) m = ptx::max_nan(m, qmax_s[w * kBlockQ + threadIdx.x]);
+      const Psi q = psi_scale(m);
+      qpsi_s[threadIdx.x] = q.scale;
+      qpsi_s[kBlockQ + threadIdx.x] = q.inv;
+    }
+    __syncthreads();
+
+    // dS^ per query into shared memory, [query][key].
+    uint8_t* ds_s = smem + S::kDs;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int qi = n * 8 + 2 * t + e;
+        const float inv = qpsi_s[kBlockQ + qi];
+        ds_s[swz<64>(qi, ka)] = uint8_t(quant::quantize_bits(dS[4 * n + e], inv, 127.0f));
+        ds_s[swz<64>(qi, ka + 8)] = uint8_t(quant::quantize_bits(dS[4 * n + e + 2], inv, 127.0f));
+      }
+    ptx::cp_async_wait<1>();  // half B of this block (A of the next may still be landing)
+    ptx::fence_proxy_async_smem();
+    __syncthreads();
+
+    // dV += P^ᵀ·dO^ and dK += dS^ᵀ·Q^ (per-key ψ times the block's ψ scale).
+    mma_rows<D>(dv, pf, smem + S::kDot, pa.scale * do_scale, pb.scale * do_scale);
+    mma_rows<D>(dk, sf, smem + S::kQt, da.scale * q_scale, db.scale * q_scale);
+    __syncthreads();  // every read of half B is done
+    if (it + 1 < iters) load_b(it + 1);
+    ptx::cp_async_commit();
+
+    // dQ += dS^·K^ for the block's 64 queries (rows 16·warp + g, + 8 of this thread), 64
+    // channels at a time, staged in shared memory; each warp's 16 rows then go to the fp32
+    // accumulator as bulk reductions (one per row, issued by lanes 0-15).
+    const int qa = warp * 16 + g;
+    const float sa = qpsi_s[qa] * k_scale, sb = qpsi_s[qa + 8] * k_scale;
+    uint8_t* dq_s = smem + S::kDq;
+    if (lane < 16) ptx::bulk_wait_read<0>();  // the last block's reductions have read dq_s
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < D / 64; ++h) {
+      int acc[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc[i] = 0;
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+        ptx::wgmma_m64n64k32_s8_ss(acc, ptx::wgmma_desc<64>(ds_s + kk * 32),
+                                   ptx::wgmma_desc<64>(smem + S::kKt + h * 64 * 64 + kk * 32),
+                                   kk > 0);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(acc);
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+        const int col = (h * 64 + n * 8 + 2 * t) * 4;
+        *reinterpret_cast<float2*>(dq_s + qa * S::kDqRow + col) =
+            make_float2(float(acc[4 * n]) * sa, float(acc[4 * n + 1]) * sa);
+        *reinterpret_cast<float2*>(dq_s + (qa + 8) * S::kDqRow + col) =
+            make_float2(float(acc[4 * n + 2]) * sb, float(acc[4 * n + 3]) * sb);
+      }
+    }
+    ptx::fence_proxy_async_smem();
+    __syncwarp();
+    if (lane < 16) {
+      const int r = warp * 16 + lane;
+      if (i0 + r < p.seq_q)
+        ptx::bulk_reduce_add(p.dq_acc + (bh * p.nq_pad + i0 + r) * D, dq_s + r * S::kDqRow, D * 4);
+      ptx::bulk_commit();
+    }
+  }
+  if (lane < 16) ptx::bulk_wait<0>();
+  ptx::cp_async_wait<0>();
+
+  // dK (times the softmax scale) and dV in the caller's dtype.
+  T* dkp = static_cast<T*>(p.dk) + b * p.dk_st.batch + hkv * p.dk_st.head;
+  T* dvp = static_cast<T*>(p.dv) + b * p.dv_st.batch + hkv * p.dv_st.head;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t key = half == 0 ? key_a : key_b;
+    if (key >= p.seq_kv) continue;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const int d = n * 8 + 2 * t, i = 4 * n + 2 * half;
+      dkp[key * p.dk_st.token + d] = T(dk[i] * p.scale);
+      dkp[key * p.dk_st.token + d + 1] = T(dk[i + 1] * p.scale);
+      dvp[key * p.dv_st.token + d] = T(dv[i]);
+      dvp[key * p.dv_st.token + d + 1] = T(dv[i + 1]);
+    }
+  }
+#endif
+}
+
+}  // namespace sage::bwd::sm90
