@@ -1,0 +1,100 @@
+"""python -m sage_attn.train_parity's smoke configuration on CPU tensors (sage runs the CPU
+reference's forward and SageBwd emulation): the JSON's fields, finite losses that go down, the
+verdict's rules on hand-made runs. Skips without torch."""
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sage_attn import train_parity as tp  # noqa: E402
+
+
+def test_smoke_on_cpu(tmp_path):
+    verdict = tp.main(["--smoke", "--device", "cpu", "--steps", "5", "--ft-steps", "2",
+                       "--batch", "2", "--val-seqs", "2", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("*-cpu-train-parity.json")
+    doc = json.loads(path.read_text())
+    assert doc["verdict"]["pass"] == verdict["pass"]
+    assert doc["config"]["model"] == {"layers": 2, "d_model": 64, "heads": 2, "head_dim": 32,
+                                      "context": 128, "parameters": doc["config"]["model"]
+                                      ["parameters"]}
+    slices = doc["data"]["slices"]
+    assert set(slices) == {"pretrain_train", "pretrain_val", "finetune_train", "finetune_val"}
+    assert all(s["tokens"] > 10000 and s["files"] > 0 for s in slices.values())
+    for grads in ("o", "dq", "dk", "dv"):  # (the CPU emulation against torch's bf16 SDPA)
+        assert doc["attention_check"][grads]["cos"] > 0.99
+    runs = doc["runs"]
+    assert [(r["phase"], r["attention"], r["seed"]) for r in runs] == [
+        ("pretrain", "sdpa", 0), ("pretrain", "sdpa", 1), ("pretrain", "sage", 0),
+        ("finetune", "sdpa", 0), ("finetune", "sdpa", 1), ("finetune", "sage", 0)]
+    for r in runs:
+        assert r["finite"] and len(r["train_loss"]) == r["steps"] == len(r["grad_norm"])
+        assert [s for s, _ in r["val"]] == sorted({round(i * r["steps"] / 2) for i in range(3)})
+        assert r["final_val_loss"] == r["val"][-1][1]
+        assert r["final_train_loss"] == pytest.approx(r["train_loss"][-1], abs=1e-9)  # 10% of 5
+        assert r["seconds"] > 0 and r["train_ms_per_step"] > 0
+        if r["phase"] == "pretrain":  # from about ln(256) = 5.55 down
+            assert 4.8 < r["train_loss"][0] < 6.0
+            assert r["train_loss"][-1] < r["train_loss"][0] - 0.1
+            assert r["val"][-1][1] < r["val"][0][1] - 0.1
+    # Same seed, same init and batches: sage's first loss is SDPA's up to the attention's error.
+    assert runs[2]["train_loss"][0] == pytest.approx(runs[0]["train_loss"][0], abs=2e-3)
+    assert runs[0]["train_loss"][0] != runs[1]["train_loss"][0]
+    # Fine-tuning starts from the SDPA seed-0 checkpoint: the SDPA runs' step-0 validations agree.
+    assert runs[3]["val"][0][1] == runs[4]["val"][0][1]
+    for phase in ("pretrain", "finetune"):
+        v = doc["verdict"][phase]
+        for key in ("sdpa_seed0", "sdpa_seed1", "sage_seed0", "spread", "within_spread",
+                    "diff_in_spreads", "curve_gap", "curve_noise", "curves_overlap"):
+            assert key in v
+    if _has_matplotlib():
+        assert path.with_suffix(".png").is_file()
+
+
+def _has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _run(phase, attn, seed, vals):
+    return {"phase": phase, "attention": attn, "seed": seed, "finite": True,
+            "val": [[i * 10, v] for i, v in enumerate(vals)], "final_val_loss": vals[-1]}
+
+
+def test_verdict_rules():
+    runs = [_run("pretrain", "sdpa", 0, [5.5, 2.0, 1.50]),
+            _run("pretrain", "sdpa", 1, [5.5, 2.1, 1.52]),
+            _run("pretrain", "sage", 0, [5.5, 2.05, 1.51])]
+    c = tp.compare(runs, "pretrain")
+    assert c["within_spread"] and c["diff_in_spreads"] == pytest.approx(0.0)
+    assert c["curve_noise"] == pytest.approx(0.1) and c["curve_gap"] == pytest.approx(0.05)
+    assert c["curves_overlap"]
+    runs[2] = _run("pretrain", "sage", 0, [5.5, 2.25, 1.53])
+    c = tp.compare(runs, "pretrain")
+    assert not c["within_spread"] and c["diff_in_spreads"] == pytest.approx(1.0)
+    assert not c["curves_overlap"]
+    runs[2]["finite"] = False
+    runs[2]["final_val_loss"] = 1.51
+    assert not tp.compare(runs, "pretrain")["within_spread"]
+
+
+def test_lr_schedule():
+    assert tp.lr_at(0, 100, 1.0, 0.05) == pytest.approx(0.2)
+    assert tp.lr_at(4, 100, 1.0, 0.05) == pytest.approx(1.0)
+    assert tp.lr_at(5, 100, 1.0, 0.05) == pytest.approx(1.0)
+    assert tp.lr_at(100, 100, 1.0, 0.05) == pytest.approx(0.1)
+
+
+def test_fit_budget():
+    a = tp.parse_args([])
+    assert (a.steps, a.ft_steps, a.batch, a.context) == (600, 200, 16, 2048)
+    ms = {"sdpa": 30.0, "sage": 45.0}  # 105 ms a step of all three runs, 84 s for 800 steps
+    steps, ft_steps, scale, est = tp.fit_budget(a, ms, 200.0)
+    assert (steps, ft_steps, scale) == (600, 200, 1.0) and 84 < est < 90
+    steps, ft_steps, scale, est = tp.fit_budget(a, ms, 50.0)
+    assert scale < 0.55 and steps == int(600 * scale) and ft_steps == int(200 * scale)
+    assert (steps + ft_steps) * 0.105 < 0.9 * 50
