@@ -240,7 +240,9 @@ typedef struct sage_plan_info {
                                SAGE_BWD_INT8_DSQ)
 
 /* sage_backward_args.options flags. */
-#define SAGE_BWD_OPTION_DETERMINISTIC 1u /* CUDA: dQ summed in a fixed order (no atomics) */
+#define SAGE_BWD_OPTION_DETERMINISTIC 1u /* CUDA: dQ summed over key blocks in a fixed order
+                                            (no atomics): the same bits on every run. The CPU
+                                            reference is deterministic either way. */
 
 typedef struct sage_backward_config {
   uint32_t int8;   /* SAGE_BWD_INT8_* flags: which matmuls are INT8 */

@@ -262,6 +262,8 @@ def _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family=0):
     a.dtype = _DTYPE_CODES[q.dtype]
     a.scale = scale
     a.mask = mask
+    if torch.are_deterministic_algorithms_enabled():  # (the CPU reference is either way)
+        a.options = _lib.BWD_OPTION_DETERMINISTIC
     if q.is_cuda:
         with torch.cuda.device(q.device):
             a.backend = _lib.BACKEND_CUDA
@@ -396,7 +398,9 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
 
     Differentiable: with inputs that require grad, .backward() runs SageBwd (paper 004: the
     recomputed Q·Kᵀ, Pᵀ·dO, dS·K and dSᵀ·Q in INT8, dO·Vᵀ in fp16/bf16; D 64/128 on the GPU, the
-    CPU reference's emulation on CPU tensors); a gradient reaching the returned LSE is included."""
+    CPU reference's emulation on CPU tensors); a gradient reaching the returned LSE is included.
+    Under torch.use_deterministic_algorithms(True) the CUDA backward sums dQ in a fixed order
+    instead of with atomics: the same gradient bits on every run (dK, dV are anyway)."""
     if tensor_layout not in _lib.LAYOUTS:
         raise ValueError(f"tensor_layout = {tensor_layout!r}: must be 'HND' or 'NHD'")
     if causal_align not in _lib.CAUSAL_ALIGNS:

@@ -239,9 +239,6 @@ sage_status check_backward(const api::ResolvedBackward& r, const sage_backward_a
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "kernel = SM90: the wgmma backward needs an sm_90 GPU (this is sm_%d)",
                      dev.cc);
-  if (a.options & SAGE_BWD_OPTION_DETERMINISTIC)
-    return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "options = DETERMINISTIC: the GPU backward sums dQ with atomics only so far");
   return SAGE_OK;
 }
 
@@ -263,6 +260,8 @@ bwd::Params backward_params(const api::ResolvedBackward& r, const sage_backward_
   x.do_scale = f32(w.do_scale), x.dohat_t = s8(w.dohat_t);
   x.do_ws = reinterpret_cast<uint16_t*>(ws + w.d_o);
   x.lse2 = f32(w.lse2), x.delta = f32(w.delta), x.dq_acc = f32(w.dq_acc);
+  x.dq_turn = reinterpret_cast<int*>(ws + w.dq_turn);
+  x.deterministic = (a.options & SAGE_BWD_OPTION_DETERMINISTIC) != 0;
   x.batch = p.batch, x.heads_q = p.heads_q, x.heads_kv = p.heads_kv;
   x.seq_q = p.seq_q, x.seq_kv = p.seq_kv, x.nq_pad = w.nq_pad, x.nk_pad = w.nk_pad;
   x.q_blocks = w.q_blocks, x.k_blocks = w.k_blocks, x.k_chunks = w.k_chunks;

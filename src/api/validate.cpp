@@ -226,7 +226,9 @@ sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* 
   const sage_backward_args& a = *args;
   SAGE_RETURN_IF_ERROR(check_common(a));
   SAGE_CHECK_ARG((a.options & ~SAGE_BWD_OPTION_DETERMINISTIC) == 0u,
-                 "options = 0x%x has unknown flag bits", unsigned(a.options));
+                 "options = 0x%x has unknown flag bits (the backward knows "
+                 "SAGE_BWD_OPTION_DETERMINISTIC = 0x%x)",
+                 unsigned(a.options), unsigned(SAGE_BWD_OPTION_DETERMINISTIC));
   SAGE_CHECK_ARG(a.variant == SAGE_VARIANT_AUTO || a.variant == SAGE_VARIANT_EXACT ||
                      a.variant == SAGE_VARIANT_CUSTOM,
                  "variant = %" PRId64 " has no backward (AUTO, EXACT or CUSTOM)",

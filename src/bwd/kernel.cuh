@@ -4,7 +4,7 @@
 //   Sᵀ = K^·Q^ᵀ (INT8)  -> Pᵀ = 2^(Sᵀ·s - L')  -> ψ per key -> dV += P^ᵀ·dO^ (INT8)
 //   dPᵀ = V·dOᵀ (fp16/bf16, fp32 accumulate) -> dSᵀ = Pᵀ∘(dPᵀ - D)
 //   -> ψ per key -> dK += dS^ᵀ·Q^ (INT8);  ψ per query -> dS^ via shared memory -> dQ += dS^·K^
-//      (INT8, fp32 atomics into the workspace)
+//      (INT8, into the workspace's fp32 tile: atomics, or in key-block order, dq_order.cuh)
 // The per-token scales are the ones that factor out of each product's sum (sage.h,
 // sage_backward_config.granularity). P^ᵀ and dS^ᵀ are A operands packed straight from the
 // accumulator registers: the B operands (Q^ᵀ, dO^ᵀ) arrive with their queries permuted to match
@@ -16,6 +16,7 @@
 
 #include <type_traits>
 
+#include "bwd/dq_order.cuh"
 #include "bwd/params.h"
 #include "bwd/prepass.cuh"
 #include "ptx/async.cuh"
@@ -273,7 +274,9 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
         ds_s[qi * S::kST + ka] = uint8_t(quant::quantize_bits(dS[n][e], inv, 127.0f));
         ds_s[qi * S::kST + ka + 8] = uint8_t(quant::quantize_bits(dS[n][e + 2], inv, 127.0f));
       }
-    __syncthreads();
+    // dS^ is in; in deterministic mode this CTA also waits for its turn at the dQ tile.
+    const TileTurn turn{p.deterministic ? p.dq_turn : nullptr, int(bh * p.q_blocks + qb), int(kb)};
+    turn.wait(/*leader=*/threadIdx.x == 0);
     // dQ += dS^·K^ for this warp's 16 queries, into the fp32 accumulator.
     {
       const int qa = warp * 16 + g;
@@ -302,17 +305,11 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
           ptx::mma_m16n8k32_s8(acc, af[kk], bf, acc);
         }
         const int d = n * 8 + 2 * t;
-        if (row_a) {
-          atomicAdd(dqa + d, float(acc[0]) * sa);
-          atomicAdd(dqa + d + 1, float(acc[1]) * sa);
-        }
-        if (row_b) {
-          atomicAdd(dqb + d, float(acc[2]) * sb);
-          atomicAdd(dqb + d + 1, float(acc[3]) * sb);
-        }
+        if (row_a) turn.add2(dqa + d, float(acc[0]) * sa, float(acc[1]) * sa);
+        if (row_b) turn.add2(dqb + d, float(acc[2]) * sb, float(acc[3]) * sb);
       }
     }
-    __syncthreads();  // the stage, dS^ and the maxima are free for the next block
+    turn.pass(/*leader=*/threadIdx.x == 0);  // and the stage, dS^, the maxima are free again
   }
 
   // dK (times the softmax scale) and dV in the caller's dtype.

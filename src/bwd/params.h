@@ -36,7 +36,8 @@ struct Layout {
   size_t d_o = 0;      // dtype [B*Hq][nq_pad][D]: dO, zero-padded
   size_t lse2 = 0;     // f32 [B*Hq][nq_pad]: (LSE - scale·q·k_mean)·log2 e; +inf: no key
   size_t delta = 0;    // f32 [B*Hq][nq_pad]: rowsum(dO∘O) - dL/dLSE
-  size_t dq_acc = 0;   // f32 [B*Hq][nq_pad][D]: dQ / scale, summed by atomics
+  size_t dq_acc = 0;   // f32 [B*Hq][nq_pad][D]: dQ / scale, summed by atomics (or in turn)
+  size_t dq_turn = 0;  // s32 [B*Hq][q_blocks]: the key block whose turn it is to add (dq_order)
   size_t total = 0;
 };
 
@@ -69,6 +70,7 @@ inline Layout make_layout(const ref::Problem& p) {
   w.lse2 = take(size_t(bq * w.nq_pad) * 4);
   w.delta = take(size_t(bq * w.nq_pad) * 4);
   w.dq_acc = take(size_t(bq * w.nq_pad * D) * 4);
+  w.dq_turn = take(size_t(bq * w.q_blocks) * 4);
   w.total = at;
   return w;
 }
@@ -110,10 +112,12 @@ struct Params {
   float* lse2;
   float* delta;
   float* dq_acc;
+  int* dq_turn;
   int64_t batch, heads_q, heads_kv, seq_q, seq_kv, nq_pad, nk_pad, q_blocks, k_blocks, k_chunks;
   int64_t causal_offset;  // query i sees keys j <= i + causal_offset (causal masks)
   bool causal;
   bool smooth_k;
+  bool deterministic;  // dQ's tiles summed in key-block order (dq_order.cuh), not by atomics
   float scale;       // softmax scale
   float scale_log2;  // scale · log2(e)
 

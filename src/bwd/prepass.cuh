@@ -1,7 +1,8 @@
 // SageBwd's pre-pass (sm_80+): K's channel means (per chunk, then summed in a fixed order), ψ of
 // K - k_mean per 64-key block (rows and transposed), V copied zero-padded; per 64-query block ψ
 // of Q and dO (rows and transposed with queries permuted, bwd::query_at), dO copied, the LSE in
-// log2 units with K smoothing's q·k_mean removed, D = rowsum(dO∘O), and dQ's accumulator zeroed.
+// log2 units with K smoothing's q·k_mean removed, D = rowsum(dO∘O), and dQ's accumulator and
+// turn counters zeroed.
 // ψ and the scales are the CPU emulation's (ref::bwd_scale, quant::quantize_bits); a NaN
 // anywhere in a block makes its scale NaN, so the gradients it reaches come out NaN.
 #pragma once
@@ -108,7 +109,8 @@ __global__ void __launch_bounds__(kThreads) k_prep_kernel(const Params p) {
 }
 
 // One 64-query block: ψ(Q), ψ(dO) (rows / transposed and permuted), dO copied, L' and D, dQ's
-// accumulator zeroed. Grid (q_blocks, B·Hq), kThreads threads, dynamic smem 2·64·(D+1) floats.
+// accumulator and turn counter zeroed (in both modes: a reused workspace holds the last call's).
+// Grid (q_blocks, B·Hq), kThreads threads, dynamic smem 2·64·(D+1) floats.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
   extern __shared__ float qs[];  // [64][D + 1] Q, then [64][D + 1] dO
@@ -142,6 +144,7 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
   domax = block_max_nan(domax, scratch);
   const Psi sq = psi_scale(qmax), sd = psi_scale(domax);
   if (threadIdx.x == 0) {
+    p.dq_turn[bh * p.q_blocks + qb] = 0;
     p.q_scale[bh * p.q_blocks + qb] = sq.scale;
     p.do_scale[bh * p.q_blocks + qb] = sd.scale;
   }

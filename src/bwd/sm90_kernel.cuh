@@ -7,7 +7,7 @@
 //     pre-pass's permuted Q^ᵀ and dO^ᵀ serve as B: bwd::query_at)
 //   dV += P^ᵀ·dO^ and dK += dS^ᵀ·Q^ (s8, A from registers, N = D)
 //   dQ += dS^·K^ (s8: dS^ per query through shared memory, [query][key]), added into the fp32
-//     accumulator by bulk reductions from shared memory
+//     accumulator by bulk reductions from shared memory, or in key-block order (dq_order.cuh)
 // The workspace, the ψ scales and the arithmetic are the mma.sync kernel's, so both match one
 // emulation. Shared memory: K-major tiles in wgmma's swizzled layouts, written by cp.async; the
 // query block arrives in two halves that are prefetched as soon as the block has finished with
@@ -19,6 +19,7 @@
 
 #include <type_traits>
 
+#include "bwd/dq_order.cuh"
 #include "bwd/kernel.cuh"
 #include "bwd/params.h"
 #include "ptx/async.cuh"
@@ -337,13 +338,29 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
             make_float2(float(acc[4 * n + 2]) * sb, float(acc[4 * n + 3]) * sb);
       }
     }
-    ptx::fence_proxy_async_smem();
-    __syncwarp();
-    if (lane < 16) {
-      const int r = warp * 16 + lane;
-      if (i0 + r < p.seq_q)
-        ptx::bulk_reduce_add(p.dq_acc + (bh * p.nq_pad + i0 + r) * D, dq_s + r * S::kDqRow, D * 4);
-      ptx::bulk_commit();
+    if (p.deterministic) {  // in key-block order: plain adds on this CTA's turn (dq_order.cuh)
+      const TileTurn turn{p.dq_turn, int(bh * p.q_blocks + qb), int(kb)};
+      turn.wait(/*leader=*/threadIdx.x == 0);
+      float* dqa = p.dq_acc + (bh * p.nq_pad + i0 + qa) * D + 2 * t;
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) {
+        const int col = (c * 8 + 2 * t) * 4;
+        const float2 x = *reinterpret_cast<const float2*>(dq_s + qa * S::kDqRow + col);
+        const float2 y = *reinterpret_cast<const float2*>(dq_s + (qa + 8) * S::kDqRow + col);
+        if (i0 + qa < p.seq_q) turn.add2(dqa + c * 8, x.x, x.y);
+        if (i0 + qa + 8 < p.seq_q) turn.add2(dqa + 8 * D + c * 8, y.x, y.y);
+      }
+      turn.pass(/*leader=*/threadIdx.x == 0);
+    } else {
+      ptx::fence_proxy_async_smem();
+      __syncwarp();
+      if (lane < 16) {
+        const int r = warp * 16 + lane;
+        if (i0 + r < p.seq_q)
+          ptx::bulk_reduce_add(p.dq_acc + (bh * p.nq_pad + i0 + r) * D, dq_s + r * S::kDqRow,
+                               D * 4);
+        ptx::bulk_commit();
+      }
     }
   }
   if (lane < 16) ptx::bulk_wait<0>();

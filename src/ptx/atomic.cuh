@@ -1,21 +1,10 @@
-// Reductions into global memory: vector red, and the bulk (TMA-engine) reduction of a
-// shared-memory range into global memory with its group fences.
+// Reductions into global memory: the bulk (copy-engine) reduction of a shared-memory range
+// into global memory, with its group fences.
 #pragma once
 
 #include <cstdint>
 
 namespace sage::ptx {
-
-// red.global.add.v2.f32 (sm_90+): p[0] += a, p[1] += b as one 8-byte reduction (p 8-byte
-// aligned); below sm_90 two scalar atomics.
-__device__ __forceinline__ void red_add_v2(float* p, float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
-#else
-  atomicAdd(p, a);
-  atomicAdd(p + 1, b);
-#endif
-}
 
 // cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 (sm_90+): dst[i] += src[i] for
 // bytes / 4 floats (bytes a multiple of 16, both 16-byte aligned), by the copy engine. The

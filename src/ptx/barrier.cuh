@@ -1,4 +1,5 @@
-// Named barriers (bar.sync / bar.arrive) and the SM clock, for warp-specialized kernels.
+// Named barriers (bar.sync / bar.arrive) and the SM clock, for warp-specialized kernels; the
+// acquire load (gpu scope) through which a CTA waits on a flag another CTA of the grid sets.
 #pragma once
 
 #include <cstdint>
@@ -59,6 +60,19 @@ __device__ __forceinline__ void cluster_sync() {
 #else
   __trap();
 #endif
+}
+
+// ld.acquire.gpu.b32 (sm_70+): a load of a flag another CTA of the grid sets with a release (or a
+// fence and then an atomic); once it reads that value, what the setter wrote before is visible to
+// this thread and, after a barrier, to its CTA.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("ld.acquire.gpu.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#else
+  __trap();
+#endif
+  return v;
 }
 
 // The SM's 32-bit cycle counter (%clock), ordered with the surrounding memory operations.

@@ -411,6 +411,29 @@ TEST(BackwardApi, StridedOutputsAndTheExactVariant) {
     }
 }
 
+// The CPU reference is deterministic either way: SAGE_BWD_OPTION_DETERMINISTIC is accepted and
+// changes no bit.
+TEST(BackwardApi, DeterministicOptionOnTheCpu) {
+  std::mt19937_64 rng(3);
+  Buffers b = make_buffers(rng, 2, 1, 40, 70, 64);
+  sage_backward_args a = host_args(b, 2, 1, 40, 70, 64);
+  a.mask = SAGE_MASK_CAUSAL_TOP_LEFT;
+  ASSERT_EQ(sage_attention_backward(&a), SAGE_OK) << sage_last_error();
+  const Buffers plain = b;
+  a.options = SAGE_BWD_OPTION_DETERMINISTIC;
+  size_t bytes = 7;
+  ASSERT_EQ(sage_backward_workspace_size(&a, &bytes), SAGE_OK) << sage_last_error();
+  EXPECT_EQ(bytes, 0u);
+  ASSERT_EQ(sage_attention_backward(&a), SAGE_OK) << sage_last_error();
+  EXPECT_EQ(b.dq, plain.dq);
+  EXPECT_EQ(b.dk, plain.dk);
+  EXPECT_EQ(b.dv, plain.dv);
+  a.options = SAGE_BWD_OPTION_DETERMINISTIC | 2u;  // an unknown bit beside a known one
+  EXPECT_EQ(sage_attention_backward(&a), SAGE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sage_last_error()).find("options = 0x3"), std::string::npos)
+      << sage_last_error();
+}
+
 TEST(BackwardApi, BadArgumentsAreNamed) {
   std::mt19937_64 rng(1);
   Buffers b = make_buffers(rng, 2, 1, 16, 16, 64);
