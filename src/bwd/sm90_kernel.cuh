@@ -108,6 +108,19 @@ __device__ __forceinline__ void pack_a(uint32_t (&f)[2][4], const float (&x)[32]
     f[kq][3] = pack4(q8(n0 + 2, 2), q8(n0 + 2, 3), q8(n0 + 3, 2), q8(n0 + 3, 3));
   }
 }
+// acc = the sum of issue(acc, kq) over the block's two k32 steps (64 queries or keys): one
+// wgmma batch, waited for.
+template <typename Issue>
+__device__ __forceinline__ void mma_k64(int (&acc)[32], Issue issue) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0;
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kq = 0; kq < 2; ++kq) issue(acc, kq);
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  ptx::wgmma_fence_regs(acc);
+}
 // out += A·B over the block's 64 queries (two k32 steps), scaled per row (key) into fp32; 64
 // channels at a time (a 32-register int32 accumulator: N = D at once spills at D = 128).
 template <int D>
@@ -116,16 +129,10 @@ __device__ __forceinline__ void mma_rows(float (&out)[D / 2], const uint32_t (&a
 #pragma unroll
   for (int h = 0; h < D / 64; ++h) {
     int acc[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0;
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kq = 0; kq < 2; ++kq)
-      ptx::wgmma_m64n64k32_s8_rs(acc, a[kq], ptx::wgmma_desc<64>(b_tile + h * 64 * 64 + kq * 32),
+    mma_k64(acc, [&](int(&d)[32], int kq) {
+      ptx::wgmma_m64n64k32_s8_rs(d, a[kq], ptx::wgmma_desc<64>(b_tile + h * 64 * 64 + kq * 32),
                                  kq > 0);
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::wgmma_fence_regs(acc);
+    });
 #pragma unroll
     for (int i = 0; i < 32; ++i) out[h * 32 + i] += float(acc[i]) * ((i & 2) ? sb : sa);
   }
@@ -318,17 +325,11 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
 #pragma unroll
     for (int h = 0; h < D / 64; ++h) {
       int acc[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) acc[i] = 0;
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk)
-        ptx::wgmma_m64n64k32_s8_ss(acc, ptx::wgmma_desc<64>(ds_s + kk * 32),
+      mma_k64(acc, [&](int(&d)[32], int kk) {
+        ptx::wgmma_m64n64k32_s8_ss(d, ptx::wgmma_desc<64>(ds_s + kk * 32),
                                    ptx::wgmma_desc<64>(smem + S::kKt + h * 64 * 64 + kk * 32),
                                    kk > 0);
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-      ptx::wgmma_fence_regs(acc);
+      });
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
         const int col = (h * 64 + n * 8 + 2 * t) * 4;
