@@ -24,17 +24,6 @@ __device__ __forceinline__ void mma_m16n8k32_e4m3(float (&d)[4], const uint32_t 
         "f"(c[2]), "f"(c[3]));
 }
 
-// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (sm_80+): d = a·b + c, exact int32.
-__device__ __forceinline__ void mma_m16n8k32_s8(int (&d)[4], const uint32_t (&a)[4],
-                                                const uint32_t (&b)[2], const int (&c)[4]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%10,%11,%12,%13};"
-      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(c[0]), "r"(c[1]),
-        "r"(c[2]), "r"(c[3]));
-}
-
 // mma.sync.aligned.m16n8k64.row.col.s32.s4.s4.s32 (sm_80+; emulated, slow, on sm_90).
 __device__ __forceinline__ void mma_m16n8k64_s4(int (&d)[4], const uint32_t (&a)[4],
                                                 const uint32_t (&b)[2], const int (&c)[4]) {
@@ -48,6 +37,17 @@ __device__ __forceinline__ void mma_m16n8k64_s4(int (&d)[4], const uint32_t (&a)
 #endif
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+// mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 (sm_80+): d = a·b + c, exact int32.
+__device__ __forceinline__ void mma_m16n8k32_s8(int (&d)[4], const uint32_t (&a)[4],
+                                                const uint32_t (&b)[2], const int (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%11,%12,%13};"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(c[0]), "r"(c[1]),
+        "r"(c[2]), "r"(c[3]));
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 (sm_80+): d = a·b + c.
 // A (4 regs, 2 elements each): reg0 (g, 2t..2t+1), reg1 (g+8, 2t..), reg2 (g, 8+2t..), reg3
 // (g+8, 8+2t..); B (2 regs): reg0 (k 2t..2t+1, n g), reg1 (k 8+2t.., n g); C as above.
