@@ -64,23 +64,29 @@ __device__ __forceinline__ int swz(int r, int b) {
     return r * 64 + ((((b >> 4) ^ (r >> 1)) & 3) << 4) + (b & 15);
 }
 
-// cp.async of `rows` rows of kW bytes (global row stride ld bytes) into a swizzled tile.
-template <int kW>
-__device__ __forceinline__ void load_tile(uint8_t* dst, const uint8_t* src, int rows, int64_t ld) {
-  constexpr int kChunks = kW / 16;
-  for (int i = threadIdx.x; i < rows * kChunks; i += kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    ptx::cp_async_16(dst + swz<kW>(r, c * 16), src + r * ld + c * 16);
-  }
+// cp.async of kRows rows of kW bytes (global row stride ld bytes) into a swizzled tile. Thread
+// i's chunks sit kThreads / kChunks rows apart, a multiple of the 8-row swizzle period, so each
+// is the first one's offsets plus constants.
+template <int kW, int kRows>
+__device__ __forceinline__ void load_tile(uint8_t* dst, const uint8_t* src, int64_t ld) {
+  constexpr int kChunks = kW / 16, kStep = kThreads / kChunks;
+  static_assert(kRows % kStep == 0 && kStep % 8 == 0, "whole swizzle periods a thread");
+  const int r = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
+  uint8_t* d = dst + swz<kW>(r, c * 16);
+  const uint8_t* g = src + r * ld + c * 16;
+#pragma unroll
+  for (int j = 0; j < kRows / kStep; ++j) ptx::cp_async_16(d + j * kStep * kW, g + j * kStep * ld);
 }
-// 64 rows of D 16-bit channels (contiguous rows) into 128-byte panels.
+// 64 rows of D 16-bit channels (contiguous rows) into 128-byte panels, chunks as above.
 template <int D>
 __device__ __forceinline__ void load_tile16(uint8_t* dst, const uint8_t* src) {
-  constexpr int kChunks = D * 2 / 16;
-  for (int i = threadIdx.x; i < 64 * kChunks; i += kThreads) {
-    const int r = i / kChunks, b = (i % kChunks) * 16;
-    ptx::cp_async_16(dst + (b / 128) * Smem<D>::kPanel + swz<128>(r, b % 128), src + r * D * 2 + b);
-  }
+  constexpr int kChunks = D * 2 / 16, kStep = kThreads / kChunks;
+  static_assert(64 % kStep == 0 && kStep % 8 == 0, "whole swizzle periods a thread");
+  const int r = threadIdx.x / kChunks, b = (threadIdx.x % kChunks) * 16;
+  uint8_t* d = dst + (b / 128) * Smem<D>::kPanel + swz<128>(r, b % 128);
+  const uint8_t* g = src + r * D * 2 + b;
+#pragma unroll
+  for (int j = 0; j < 64 / kStep; ++j) ptx::cp_async_16(d + j * kStep * 128, g + j * kStep * D * 2);
 }
 
 template <int D>
@@ -92,13 +98,16 @@ template <int D>
 __device__ __forceinline__ uint64_t desc16(const uint8_t* tile, int ks) {
   return ptx::wgmma_desc<128>(tile + (ks / 4) * Smem<D>::kPanel + (ks % 4) * 32);
 }
+// quant::quantize_bits for |x·inv| <= 127 (x bounded by the max its scale came from): the
+// clamp and the NaN test drop out (a NaN makes its ψ scale NaN, which reaches the result anyway).
+__device__ __forceinline__ uint32_t q8_bounded(float x, float inv) {
+  return __float_as_uint(__fadd_rn(__fmul_rn(x, inv), 12582912.0f));
+}
 // Packs 64 queries x this thread's two keys of ψ(x) (x: a 64-key x 64-query accumulator) into the
 // two k32 A fragments of a product over the queries.
 __device__ __forceinline__ void pack_a(uint32_t (&f)[2][4], const float (&x)[32], float inv_a,
                                        float inv_b) {
-  auto q8 = [&](int n, int e) {
-    return quant::quantize_bits(x[4 * n + e], e < 2 ? inv_a : inv_b, 127.0f);
-  };
+  auto q8 = [&](int n, int e) { return q8_bounded(x[4 * n + e], e < 2 ? inv_a : inv_b); };
 #pragma unroll
   for (int kq = 0; kq < 2; ++kq) {
     const int n0 = 4 * kq;
@@ -144,8 +153,9 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
   using S = Smem<D>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem =
-      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Aligned by an offset from smem_raw (not by casting an integer), so that the compiler keeps
+  // the shared address space: LDS/STS instead of generic loads and stores.
+  uint8_t* smem = smem_raw + ((1024 - (__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
 
   const int64_t kb = blockIdx.x, bkv = blockIdx.y, k0 = kb * kBlockK;
   const int64_t b = bkv / p.heads_kv, hkv = bkv % p.heads_kv, G = p.group();
@@ -157,10 +167,10 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
   const uint8_t* dohat_t = reinterpret_cast<const uint8_t*>(p.dohat_t);
   const uint8_t* do_ws = reinterpret_cast<const uint8_t*>(p.do_ws);
   // The CTA's keys: K^ rows, K^ᵀ, V rows (in the first cp.async group, with block 0's half A).
-  load_tile<D>(smem + S::kK, reinterpret_cast<const uint8_t*>(p.khat) + (bkv * p.nk_pad + k0) * D,
-               64, D);
-  load_tile<64>(smem + S::kKt, reinterpret_cast<const uint8_t*>(p.khat_t) + bkv * D * p.nk_pad + k0,
-                D, p.nk_pad);
+  load_tile<D, 64>(smem + S::kK,
+                   reinterpret_cast<const uint8_t*>(p.khat) + (bkv * p.nk_pad + k0) * D, D);
+  load_tile<64, D>(smem + S::kKt,
+                   reinterpret_cast<const uint8_t*>(p.khat_t) + bkv * D * p.nk_pad + k0, p.nk_pad);
   load_tile16<D>(smem + S::kV,
                  reinterpret_cast<const uint8_t*>(p.v_ws) + (bkv * p.nk_pad + k0) * D * 2);
 
@@ -170,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
   auto block_of = [&](int64_t it) { return q_begin + it % n_q; };
   auto load_a = [&](int64_t it) {
     const int64_t bh = head_of(it), i0 = block_of(it) * kBlockQ;
-    load_tile<D>(smem + S::kQ, qhat + (bh * p.nq_pad + i0) * D, 64, D);
+    load_tile<D, 64>(smem + S::kQ, qhat + (bh * p.nq_pad + i0) * D, D);
     load_tile16<D>(smem + S::kDo, do_ws + (bh * p.nq_pad + i0) * D * 2);
     if (threadIdx.x < 16)
       ptx::cp_async_16(smem + S::kLse + threadIdx.x * 16,
@@ -185,8 +195,8 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
   };
   auto load_b = [&](int64_t it) {
     const int64_t off = head_of(it) * D * p.nq_pad + block_of(it) * kBlockQ;
-    load_tile<64>(smem + S::kQt, qhat_t + off, D, p.nq_pad);
-    load_tile<64>(smem + S::kDot, dohat_t + off, D, p.nq_pad);
+    load_tile<64, D>(smem + S::kQt, qhat_t + off, p.nq_pad);
+    load_tile<64, D>(smem + S::kDot, dohat_t + off, p.nq_pad);
   };
   // Two cp.async groups in flight per block (A, then B), committed even when empty so that the
   // waits below always count the same.
@@ -293,15 +303,17 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
     __syncthreads();
 
     // dS^ per query into shared memory, [query][key].
+    // swz<64>(qi, ka) for qi = 8n + 2t + e: the XOR term (ka / 16 ^ qi / 2) & 3 is (warp ^ t) & 3
+    // for every n and e, so one base per thread plus constants.
     uint8_t* ds_s = smem + S::kDs;
+    uint8_t* ds_t = ds_s + 2 * t * 64 + (((warp ^ t) & 3) << 4) + g;
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int qi = n * 8 + 2 * t + e;
-        const float inv = qpsi_s[kBlockQ + qi];
-        ds_s[swz<64>(qi, ka)] = uint8_t(quant::quantize_bits(dS[4 * n + e], inv, 127.0f));
-        ds_s[swz<64>(qi, ka + 8)] = uint8_t(quant::quantize_bits(dS[4 * n + e + 2], inv, 127.0f));
+        const float inv = qpsi_s[kBlockQ + n * 8 + 2 * t + e];
+        ds_t[(8 * n + e) * 64] = uint8_t(q8_bounded(dS[4 * n + e], inv));
+        ds_t[(8 * n + e) * 64 + 8] = uint8_t(q8_bounded(dS[4 * n + e + 2], inv));
       }
     ptx::cp_async_wait<1>();  // half B of this block (A of the next may still be landing)
     ptx::fence_proxy_async_smem();
