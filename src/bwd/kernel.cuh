@@ -78,7 +78,8 @@ __device__ __forceinline__ void load_stage(uint8_t* st, const Params& p, int64_t
     ptx::cp_async_16(st + S::kDohatT + d * S::kST + c * 16, dt + d * p.nq_pad + c * 16);
   }
   if (threadIdx.x < kBlockQ / 4) {
-    ptx::cp_async_16(st + S::kLse + threadIdx.x * 16, p.lse2 + bh * p.nq_pad + i0 + threadIdx.x * 4);
+    ptx::cp_async_16(st + S::kLse + threadIdx.x * 16,
+                     p.lse2 + bh * p.nq_pad + i0 + threadIdx.x * 4);
   } else if (threadIdx.x < kBlockQ / 2) {
     const int x = threadIdx.x - kBlockQ / 4;
     ptx::cp_async_16(st + S::kDelta + x * 16, p.delta + bh * p.nq_pad + i0 + x * 4);
@@ -124,9 +125,8 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
   // Query blocks that see any of these keys: query i sees key j when j <= i + causal_offset.
   const int64_t q_begin = kCausal ? max(int64_t(0), k0 - p.causal_offset) / kBlockQ : 0;
   const int64_t n_q = max(int64_t(0), p.q_blocks - q_begin), iters = n_q * G;
-  auto head_of = [&](int64_t it) { return b * p.heads_q + hkv * G + it / n_q; };
-  auto block_of = [&](int64_t it) { return q_begin + it % n_q; };
-  if (iters > 0) load_stage<D>(smem, p, head_of(0), block_of(0));
+  BlockWalk cur{b * p.heads_q + hkv * G, int(q_begin), int(q_begin), int(p.q_blocks)}, nxt = cur;
+  if (iters > 0) load_stage<D>(smem, p, nxt.bh, nxt.qb);
   ptx::cp_async_commit();
 
   const float k_scale = p.k_scale[bkv * p.k_blocks + kb];
@@ -139,15 +139,17 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
 
   for (int64_t it = 0; it < iters; ++it) {
     uint8_t* st = smem + (it & 1) * S::kStage;
+    nxt.next();
     if (it + 1 < iters) {
-      load_stage<D>(smem + ((it + 1) & 1) * S::kStage, p, head_of(it + 1), block_of(it + 1));
+      load_stage<D>(smem + ((it + 1) & 1) * S::kStage, p, nxt.bh, nxt.qb);
       ptx::cp_async_commit();
       ptx::cp_async_wait<1>();
     } else {
       ptx::cp_async_wait<0>();
     }
     __syncthreads();
-    const int64_t bh = head_of(it), qb = block_of(it), i0 = qb * kBlockQ;
+    const int64_t bh = cur.bh, qb = cur.qb, i0 = qb * kBlockQ;
+    cur.next();
     const float q_scale = p.q_scale[bh * p.q_blocks + qb];
     const float do_scale = p.do_scale[bh * p.q_blocks + qb];
 
@@ -224,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
       for (int n = 0; n < 8; ++n)
         for (int e = 0; e < 4; ++e) P[n][e] *= dp[n][e] - delta_s[n * 8 + 2 * t + (e & 1)];
     }
-    float (&dS)[8][4] = P;
+    float(&dS)[8][4] = P;
     // Per-key maxima (dK's ψ) and this warp's per-query maxima (dQ's ψ, over 4 warps).
     float kmax[2] = {0.0f, 0.0f};
     for (int n = 0; n < 8; ++n)
@@ -305,8 +307,8 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
           ptx::mma_m16n8k32_s8(acc, af[kk], bf, acc);
         }
         const int d = n * 8 + 2 * t;
-        if (row_a) turn.add2(dqa + d, float(acc[0]) * sa, float(acc[1]) * sa);
-        if (row_b) turn.add2(dqb + d, float(acc[2]) * sb, float(acc[3]) * sb);
+        if (row_a) turn.add2(dqa + dq_col(qa, d), float(acc[0]) * sa, float(acc[1]) * sa);
+        if (row_b) turn.add2(dqb + dq_col(qa + 8, d), float(acc[2]) * sb, float(acc[3]) * sb);
       }
     }
     turn.pass(/*leader=*/threadIdx.x == 0);  // and the stage, dS^, the maxima are free again

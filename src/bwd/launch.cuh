@@ -1,5 +1,6 @@
 // Host side of SageBwd's kernels: the launch sequence of one backward call (pre-pass, main
-// kernel: mma.sync or wgmma, dQ store) on the caller's stream, instantiated per head dim in backward_d*.cu.
+// kernel: mma.sync or wgmma, dQ store) on the caller's stream, instantiated per head dim in
+// backward_d*.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,7 +18,8 @@ template <auto kKernel>
 cudaError_t launch_main(const Params& p, int smem, int device, cudaStream_t stream) {
   const cudaError_t e = set_max_dynamic_smem_once<kKernel>(device, smem);
   if (e != cudaSuccess) return e;
-  kKernel<<<dim3(unsigned(p.k_blocks), unsigned(p.batch * p.heads_kv)), kThreads, smem, stream>>>(p);
+  kKernel<<<dim3(unsigned(p.k_blocks), unsigned(p.batch * p.heads_kv)), kThreads, smem, stream>>>(
+      p);
   return cudaSuccess;
 }
 

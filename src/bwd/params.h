@@ -22,22 +22,23 @@ constexpr int kThreads = kWarps * 32;
 // Offsets (bytes) into the workspace, each 256-byte aligned.
 struct Layout {
   int64_t nq_pad = 0, nk_pad = 0, q_blocks = 0, k_blocks = 0, k_chunks = 0;
-  size_t k_part = 0;   // f32 [B*Hkv][k_chunks][D]: K's channel sums per chunk of keys
-  size_t k_mean = 0;   // f32 [B*Hkv][D]
-  size_t k_scale = 0;  // f32 [B*Hkv][k_blocks]
-  size_t khat = 0;     // s8 [B*Hkv][nk_pad][D]: ψ(K - k_mean) rows
-  size_t khat_t = 0;   // s8 [B*Hkv][D][nk_pad]: the same, transposed
-  size_t v = 0;        // dtype [B*Hkv][nk_pad][D]: V, zero-padded
-  size_t q_scale = 0;  // f32 [B*Hq][q_blocks]
-  size_t qhat = 0;     // s8 [B*Hq][nq_pad][D]
-  size_t qhat_t = 0;   // s8 [B*Hq][D][nq_pad], queries permuted in each 32 (query_at)
-  size_t do_scale = 0; // f32 [B*Hq][q_blocks]
-  size_t dohat_t = 0;  // s8 [B*Hq][D][nq_pad], permuted as qhat_t
-  size_t d_o = 0;      // dtype [B*Hq][nq_pad][D]: dO, zero-padded
-  size_t lse2 = 0;     // f32 [B*Hq][nq_pad]: (LSE - scale·q·k_mean)·log2 e; +inf: no key
-  size_t delta = 0;    // f32 [B*Hq][nq_pad]: rowsum(dO∘O) - dL/dLSE
-  size_t dq_acc = 0;   // f32 [B*Hq][nq_pad][D]: dQ / scale, summed by atomics (or in turn)
-  size_t dq_turn = 0;  // s32 [B*Hq][q_blocks]: the key block whose turn it is to add (dq_order)
+  size_t k_part = 0;    // f32 [B*Hkv][k_chunks][D]: K's channel sums per chunk of keys
+  size_t k_mean = 0;    // f32 [B*Hkv][D]
+  size_t k_scale = 0;   // f32 [B*Hkv][k_blocks]
+  size_t khat = 0;      // s8 [B*Hkv][nk_pad][D]: ψ(K - k_mean) rows
+  size_t khat_t = 0;    // s8 [B*Hkv][D][nk_pad]: the same, transposed
+  size_t v = 0;         // dtype [B*Hkv][nk_pad][D]: V, zero-padded
+  size_t q_scale = 0;   // f32 [B*Hq][q_blocks]
+  size_t qhat = 0;      // s8 [B*Hq][nq_pad][D]
+  size_t qhat_t = 0;    // s8 [B*Hq][D][nq_pad], queries permuted in each 32 (query_at)
+  size_t do_scale = 0;  // f32 [B*Hq][q_blocks]
+  size_t dohat_t = 0;   // s8 [B*Hq][D][nq_pad], permuted as qhat_t
+  size_t d_o = 0;       // dtype [B*Hq][nq_pad][D]: dO, zero-padded
+  size_t lse2 = 0;      // f32 [B*Hq][nq_pad]: (LSE - scale·q·k_mean)·log2 e; +inf: no key
+  size_t delta = 0;     // f32 [B*Hq][nq_pad]: rowsum(dO∘O) - dL/dLSE
+  size_t dq_acc = 0;    // f32 [B*Hq][nq_pad][D], columns by dq_col: dQ / scale, summed by
+                        // atomics or bulk reductions (or in turn)
+  size_t dq_turn = 0;   // s32 [B*Hq][q_blocks]: the key block whose turn it is to add (dq_order)
   size_t total = 0;
 };
 
@@ -83,6 +84,24 @@ SAGE_HOST_DEVICE inline int query_at(int k) {
   return 16 * half + 8 * (j / 2) + 2 * t + (j % 2);
 }
 
+// Where channel d of dQ's accumulator row `row` is stored: its 16-byte chunk XORed with row % 8
+// (rows of dq_acc and of the wgmma kernel's shared-memory staging alike), so that eight rows'
+// float2 stores of one column spread over every bank and a warp's rows move as one contiguous
+// bulk reduction. Pairs (d, d + 1), d even, stay adjacent.
+SAGE_HOST_DEVICE inline int dq_col(int64_t row, int d) {
+  return ((d >> 2) ^ int(row & 7)) << 2 | (d & 3);
+}
+
+// The (query head, query block) pairs one key block's CTA streams, in order, advanced without a
+// division: every block from `first` of each head of the KV head's group.
+struct BlockWalk {
+  int64_t bh;
+  int qb, first, end;
+  SAGE_HOST_DEVICE void next() {
+    if (++qb == end) qb = first, ++bh;
+  }
+};
+
 struct Params {
   // The caller's tensors (strides in elements; the last dimension contiguous).
   const void* q;
@@ -118,8 +137,8 @@ struct Params {
   bool causal;
   bool smooth_k;
   bool deterministic;  // dQ's tiles summed in key-block order (dq_order.cuh), not by atomics
-  float scale;       // softmax scale
-  float scale_log2;  // scale · log2(e)
+  float scale;         // softmax scale
+  float scale_log2;    // scale · log2(e)
 
   SAGE_HOST_DEVICE int64_t group() const { return heads_q / heads_kv; }
 };

@@ -198,11 +198,10 @@ __global__ void __launch_bounds__(kThreads) dq_store_kernel(const Params p) {
     if (i >= p.seq_q) continue;
     // K^ holds K - k_mean: with a gradient g on the LSE, rowsum(dS_i) = g_i and dQ_i gets
     // g_i·k_mean back (zero without one).
-    const float g = p.d_lse ? p.d_lse[b * p.dlse_st.batch + h * p.dlse_st.head +
-                                      i * p.dlse_st.token]
-                            : 0.0f;
+    const float g =
+        p.d_lse ? p.d_lse[b * p.dlse_st.batch + h * p.dlse_st.head + i * p.dlse_st.token] : 0.0f;
     dq[i * p.dq_st.token + d] =
-        T((p.dq_acc[(bh * p.nq_pad + i) * D + d] + g * p.k_mean[bkv * D + d]) * p.scale);
+        T((p.dq_acc[(bh * p.nq_pad + i) * D + dq_col(i, d)] + g * p.k_mean[bkv * D + d]) * p.scale);
   }
 }
 

@@ -42,7 +42,7 @@ struct Smem {
   static constexpr int kQt = kDo + 64 * D * 2;    // B: Q^ᵀ [D][64 queries, permuted]
   static constexpr int kDot = kQt + D * 64;       // B: dO^ᵀ [D][64 queries, permuted]
   static constexpr int kDs = kDot + D * 64;       // dS^ [64 queries][64 keys], 64-byte swizzle
-  static constexpr int kDqRow = D * 4 + 16;       // a dQ row of fp32, padded (bank spread)
+  static constexpr int kDqRow = D * 4;            // a dQ row of fp32, padded (bank spread)
   static constexpr int kDq = kDs + 64 * 64;       // dQ's block [64][D] fp32, bulk-reduced out
   static constexpr int kLse = kDq + 64 * kDqRow;  // A: L' [64]
   static constexpr int kDelta = kLse + 256;       // A: D - g [64]
@@ -176,10 +176,8 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
 
   const int64_t q_begin = kCausal ? max(int64_t(0), k0 - p.causal_offset) / kBlockQ : 0;
   const int64_t n_q = max(int64_t(0), p.q_blocks - q_begin), iters = n_q * G;
-  auto head_of = [&](int64_t it) { return b * p.heads_q + hkv * G + it / n_q; };
-  auto block_of = [&](int64_t it) { return q_begin + it % n_q; };
-  auto load_a = [&](int64_t it) {
-    const int64_t bh = head_of(it), i0 = block_of(it) * kBlockQ;
+  auto load_a = [&](const BlockWalk& w) {
+    const int64_t bh = w.bh, i0 = w.qb * kBlockQ;
     load_tile<D, 64>(smem + S::kQ, qhat + (bh * p.nq_pad + i0) * D, D);
     load_tile16<D>(smem + S::kDo, do_ws + (bh * p.nq_pad + i0) * D * 2);
     if (threadIdx.x < 16)
@@ -189,20 +187,21 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
       ptx::cp_async_16(smem + S::kDelta + (threadIdx.x - 16) * 16,
                        p.delta + bh * p.nq_pad + i0 + (threadIdx.x - 16) * 4);
     else if (threadIdx.x == 32)
-      ptx::cp_async_4(smem + S::kScales, p.q_scale + bh * p.q_blocks + i0 / kBlockQ);
+      ptx::cp_async_4(smem + S::kScales, p.q_scale + bh * p.q_blocks + w.qb);
     else if (threadIdx.x == 33)
-      ptx::cp_async_4(smem + S::kScales + 4, p.do_scale + bh * p.q_blocks + i0 / kBlockQ);
+      ptx::cp_async_4(smem + S::kScales + 4, p.do_scale + bh * p.q_blocks + w.qb);
   };
-  auto load_b = [&](int64_t it) {
-    const int64_t off = head_of(it) * D * p.nq_pad + block_of(it) * kBlockQ;
+  auto load_b = [&](const BlockWalk& w) {
+    const int64_t off = w.bh * D * p.nq_pad + w.qb * kBlockQ;
     load_tile<64, D>(smem + S::kQt, qhat_t + off, p.nq_pad);
     load_tile<64, D>(smem + S::kDot, dohat_t + off, p.nq_pad);
   };
   // Two cp.async groups in flight per block (A, then B), committed even when empty so that the
   // waits below always count the same.
-  if (iters > 0) load_a(0);
+  BlockWalk cur{b * p.heads_q + hkv * G, int(q_begin), int(q_begin), int(p.q_blocks)};
+  if (iters > 0) load_a(cur);
   ptx::cp_async_commit();
-  if (iters > 0) load_b(0);
+  if (iters > 0) load_b(cur);
   ptx::cp_async_commit();
 
   const float k_scale = p.k_scale[bkv * p.k_blocks + kb];
@@ -219,7 +218,8 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
     ptx::cp_async_wait<1>();  // half A of this block (B may still be landing)
     ptx::fence_proxy_async_smem();
     __syncthreads();
-    const int64_t bh = head_of(it), qb = block_of(it), i0 = qb * kBlockQ;
+    const int64_t bh = cur.bh, qb = cur.qb, i0 = qb * kBlockQ;
+    cur.next();
     const float q_scale = reinterpret_cast<const float*>(smem + S::kScales)[0];
     const float do_scale = reinterpret_cast<const float*>(smem + S::kScales)[1];
 
@@ -289,8 +289,8 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
         for (int o = 4; o < 32; o *= 2) m = ptx::max_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
         if (g == 0) qmax_s[warp * kBlockQ + n * 8 + 2 * t + e] = m;
       }
-    __syncthreads();  // the maxima are in; half A is free
-    if (it + 1 < iters) load_a(it + 1);
+    __syncthreads();                  // the maxima are in; half A is free
+    if (it + 1 < iters) load_a(cur);  // (cur is the next block now)
     ptx::cp_async_commit();
     if (threadIdx.x < kBlockQ) {  // each query's ψ, once
       float m = qmax_s[threadIdx.x];
@@ -323,16 +323,16 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
     mma_rows<D>(dv, pf, smem + S::kDot, pa.scale * do_scale, pb.scale * do_scale);
     mma_rows<D>(dk, sf, smem + S::kQt, da.scale * q_scale, db.scale * q_scale);
     __syncthreads();  // every read of half B is done
-    if (it + 1 < iters) load_b(it + 1);
+    if (it + 1 < iters) load_b(cur);
     ptx::cp_async_commit();
 
     // dQ += dS^·K^ for the block's 64 queries (rows 16·warp + g, + 8 of this thread), 64
-    // channels at a time, staged in shared memory; each warp's 16 rows then go to the fp32
-    // accumulator as bulk reductions (one per row, issued by lanes 0-15).
+    // channels at a time, staged in shared memory in dq_acc's own row layout (dq_col); each
+    // warp's 16 rows then go to the fp32 accumulator as one bulk reduction.
     const int qa = warp * 16 + g;
     const float sa = qpsi_s[qa] * k_scale, sb = qpsi_s[qa + 8] * k_scale;
     uint8_t* dq_s = smem + S::kDq;
-    if (lane < 16) ptx::bulk_wait_read<0>();  // the last block's reductions have read dq_s
+    if (lane == 0) ptx::bulk_wait_read<0>();  // the last block's reduction has read dq_s
     __syncwarp();
 #pragma unroll
     for (int h = 0; h < D / 64; ++h) {
@@ -344,39 +344,32 @@ __global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
       });
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
-        const int col = (h * 64 + n * 8 + 2 * t) * 4;
-        *reinterpret_cast<float2*>(dq_s + qa * S::kDqRow + col) =
+        const int d = h * 64 + n * 8 + 2 * t;
+        *reinterpret_cast<float2*>(dq_s + qa * S::kDqRow + dq_col(qa, d) * 4) =
             make_float2(float(acc[4 * n]) * sa, float(acc[4 * n + 1]) * sa);
-        *reinterpret_cast<float2*>(dq_s + (qa + 8) * S::kDqRow + col) =
+        *reinterpret_cast<float2*>(dq_s + (qa + 8) * S::kDqRow + dq_col(qa + 8, d) * 4) =
             make_float2(float(acc[4 * n + 2]) * sb, float(acc[4 * n + 3]) * sb);
       }
     }
+    // The warp's 16 rows: contiguous in dq_s and in dq_acc (rows past seq_q are padding there).
+    const float* rows_s = reinterpret_cast<const float*>(dq_s + warp * 16 * S::kDqRow);
+    float* rows_g = p.dq_acc + (bh * p.nq_pad + i0 + warp * 16) * D;
     if (p.deterministic) {  // in key-block order: plain adds on this CTA's turn (dq_order.cuh)
       const TileTurn turn{p.dq_turn, int(bh * p.q_blocks + qb), int(kb)};
       turn.wait(/*leader=*/threadIdx.x == 0);
-      float* dqa = p.dq_acc + (bh * p.nq_pad + i0 + qa) * D + 2 * t;
-#pragma unroll
-      for (int c = 0; c < D / 8; ++c) {
-        const int col = (c * 8 + 2 * t) * 4;
-        const float2 x = *reinterpret_cast<const float2*>(dq_s + qa * S::kDqRow + col);
-        const float2 y = *reinterpret_cast<const float2*>(dq_s + (qa + 8) * S::kDqRow + col);
-        if (i0 + qa < p.seq_q) turn.add2(dqa + c * 8, x.x, x.y);
-        if (i0 + qa + 8 < p.seq_q) turn.add2(dqa + 8 * D + c * 8, y.x, y.y);
-      }
+#pragma unroll 4
+      for (int i = 2 * lane; i < 16 * D; i += 64) turn.add2(rows_g + i, rows_s[i], rows_s[i + 1]);
       turn.pass(/*leader=*/threadIdx.x == 0);
     } else {
       ptx::fence_proxy_async_smem();
       __syncwarp();
-      if (lane < 16) {
-        const int r = warp * 16 + lane;
-        if (i0 + r < p.seq_q)
-          ptx::bulk_reduce_add(p.dq_acc + (bh * p.nq_pad + i0 + r) * D, dq_s + r * S::kDqRow,
-                               D * 4);
+      if (lane == 0) {
+        ptx::bulk_reduce_add(rows_g, rows_s, 16 * D * 4);
         ptx::bulk_commit();
       }
     }
   }
-  if (lane < 16) ptx::bulk_wait<0>();
+  if (lane == 0) ptx::bulk_wait<0>();
   ptx::cp_async_wait<0>();
 
   // dK (times the softmax scale) and dV in the caller's dtype.
