@@ -87,12 +87,23 @@ bool overlap(const Range& a, const Range& b) {
   return a.lo < b.hi && b.lo < a.hi;
 }
 
+// A kernel family names GPU kernels: refused where the resolved backend is the CPU reference.
+template <typename Args>
+sage_status check_kernel_backend(const Args& a, sage_backend resolved) {
+  SAGE_CHECK_ARG(resolved == SAGE_BACKEND_CUDA || a.kernel == SAGE_KERNEL_AUTO,
+                 "kernel = %" PRId64 " chooses a GPU kernel, but the backend is the CPU reference",
+                 enum_value(a.kernel));
+  return SAGE_OK;
+}
+
 // The checks the forward and backward arguments share: enums, sizes, scale, threads.
 template <typename Args>
 sage_status check_common(const Args& a) {
   const int64_t dtype = enum_value(a.dtype), layout = enum_value(a.layout),
                 mask = enum_value(a.mask), variant = enum_value(a.variant),
-                backend = enum_value(a.backend);
+                backend = enum_value(a.backend), kernel = enum_value(a.kernel);
+  SAGE_CHECK_ARG(kernel >= SAGE_KERNEL_AUTO && kernel <= SAGE_KERNEL_SM90,
+                 "kernel = %" PRId64 " is unknown", kernel);
   SAGE_CHECK_ARG(dtype >= SAGE_DTYPE_FP16 && dtype <= SAGE_DTYPE_FP32,
                  "dtype = %" PRId64 " is unknown", dtype);
   SAGE_CHECK_ARG(layout == SAGE_LAYOUT_HND || layout == SAGE_LAYOUT_NHD,
@@ -161,9 +172,6 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
                  args->struct_size, sizeof(sage_attention_args));
   const sage_attention_args& a = *args;
   SAGE_RETURN_IF_ERROR(check_common(a));
-  const int64_t kernel = enum_value(a.kernel);
-  SAGE_CHECK_ARG(kernel >= SAGE_KERNEL_AUTO && kernel <= SAGE_KERNEL_SM90,
-                 "kernel = %" PRId64 " is unknown", kernel);
   SAGE_CHECK_ARG((a.options & ~(SAGE_OPTION_PREPASS_Q | SAGE_OPTION_PREPASS_KV_SPLIT)) == 0u,
                  "options = 0x%x has unknown flag bits", unsigned(a.options));
 
@@ -206,9 +214,7 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
   const char* names[] = {"q", "k", "v", "o", "lse"};
   sage_backend want = SAGE_BACKEND_CPU;
   SAGE_RETURN_IF_ERROR(resolve_backend(a.backend, ptrs, names, 5, &want));
-  SAGE_CHECK_ARG(want == SAGE_BACKEND_CUDA || a.kernel == SAGE_KERNEL_AUTO,
-                 "kernel = %" PRId64 " chooses a GPU kernel, but the backend is the CPU reference",
-                 kernel);
+  SAGE_RETURN_IF_ERROR(check_kernel_backend(a, want));
   r.backend = want;
   *out = r;
   return SAGE_OK;
@@ -233,9 +239,6 @@ sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* 
                      a.variant == SAGE_VARIANT_CUSTOM,
                  "variant = %" PRId64 " has no backward (AUTO, EXACT or CUSTOM)",
                  enum_value(a.variant));
-  const int64_t kernel = enum_value(a.kernel);
-  SAGE_CHECK_ARG(kernel >= SAGE_KERNEL_AUTO && kernel <= SAGE_KERNEL_SM90,
-                 "kernel = %" PRId64 " is unknown", kernel);
 
   ResolvedBackward r;
   r.problem = problem_of(a);
@@ -299,9 +302,7 @@ sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* 
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "variant = EXACT (float64) runs on the CPU reference only; pass host "
                      "pointers");
-  SAGE_CHECK_ARG(r.backend == SAGE_BACKEND_CUDA || a.kernel == SAGE_KERNEL_AUTO,
-                 "kernel = %" PRId64 " chooses a GPU kernel, but the backend is the CPU reference",
-                 kernel);
+  SAGE_RETURN_IF_ERROR(check_kernel_backend(a, r.backend));
   *out = r;
   return SAGE_OK;
 }
