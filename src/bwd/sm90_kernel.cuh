@@ -50,7 +50,7 @@ struct Smem {
   static constexpr int kQpsi = kQmax + kWarps * 64 * 4;  // per-query ψ of dS: scale, inv [64]
   static constexpr int kScales = kQpsi + 2 * 64 * 4;     // A: the block's ψ scales of Q and dO
   static constexpr int kBytes = kScales + 16 + 1024;     // + the base's alignment
-  static_assert(kBytes <= 113 * 1024, "two CTAs an SM");
+  static_assert(kBytes <= (D == 64 ? 75 : 113) * 1024, "three CTAs an SM at D = 64, two at 128");
 };
 
 // Offset of byte `b` of row `r` in a K-major tile of kW-byte rows in wgmma's kW-byte swizzle
@@ -148,7 +148,7 @@ __device__ __forceinline__ void mma_rows(float (&out)[D / 2], const uint32_t (&a
 }
 
 template <typename T, int D, bool kCausal>
-__global__ void __launch_bounds__(kThreads, 2) backward_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(const Params p) {
 #ifdef SAGE_WGMMA_OK
   using S = Smem<D>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
