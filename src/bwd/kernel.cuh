@@ -296,8 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
         af[kk][2] = lds32(ar + 16);
         af[kk][3] = lds32(ar + 8 * S::kST + 16);
       }
-      float* dqa = p.dq_acc + (bh * p.nq_pad + i0 + qa) * D;
-      float* dqb = dqa + 8 * D;
+      float* dqh = p.dq_acc + bh * p.nq_pad * D;
       const bool row_a = i0 + qa < p.seq_q, row_b = i0 + qa + 8 < p.seq_q;
       for (int n = 0; n < kDT; ++n) {
         int acc[4] = {0, 0, 0, 0};
@@ -307,8 +306,10 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
           ptx::mma_m16n8k32_s8(acc, af[kk], bf, acc);
         }
         const int d = n * 8 + 2 * t;
-        if (row_a) turn.add2(dqa + dq_col(qa, d), float(acc[0]) * sa, float(acc[1]) * sa);
-        if (row_b) turn.add2(dqb + dq_col(qa + 8, d), float(acc[2]) * sb, float(acc[3]) * sb);
+        if (row_a)
+          turn.add2(dqh + dq_offset(i0 + qa, d, D), float(acc[0]) * sa, float(acc[1]) * sa);
+        if (row_b)
+          turn.add2(dqh + dq_offset(i0 + qa + 8, d, D), float(acc[2]) * sb, float(acc[3]) * sb);
       }
     }
     turn.pass(/*leader=*/threadIdx.x == 0);  // and the stage, dS^, the maxima are free again

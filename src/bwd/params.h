@@ -36,7 +36,7 @@ struct Layout {
   size_t d_o = 0;       // dtype [B*Hq][nq_pad][D]: dO, zero-padded
   size_t lse2 = 0;      // f32 [B*Hq][nq_pad]: (LSE - scale·q·k_mean)·log2 e; +inf: no key
   size_t delta = 0;     // f32 [B*Hq][nq_pad]: rowsum(dO∘O) - dL/dLSE
-  size_t dq_acc = 0;    // f32 [B*Hq][nq_pad][D], columns by dq_col: dQ / scale, summed by
+  size_t dq_acc = 0;    // f32 [B*Hq][nq_pad x D], laid out by dq_offset: dQ / scale, summed by
                         // atomics or bulk reductions (or in turn)
   size_t dq_turn = 0;   // s32 [B*Hq][q_blocks]: the key block whose turn it is to add (dq_order)
   size_t total = 0;
@@ -84,12 +84,17 @@ SAGE_HOST_DEVICE inline int query_at(int k) {
   return 16 * half + 8 * (j / 2) + 2 * t + (j % 2);
 }
 
-// Where channel d of dQ's accumulator row `row` is stored: its 16-byte chunk XORed with row % 8
-// (rows of dq_acc and of the wgmma kernel's shared-memory staging alike), so that eight rows'
-// float2 stores of one column spread over every bank and a warp's rows move as one contiguous
-// bulk reduction. Pairs (d, d + 1), d even, stay adjacent.
+// Where (row, channel d) of one query head's dQ accumulator ([nq_pad x D] floats) is stored:
+// each 64-row block is D / 64 panels of [64 rows][64 channels], and in a panel row each 16-byte
+// chunk is XORed with row % 8. So a panel of a block is 16 KB in one piece (the wgmma kernel stages
+// one at a time in shared memory, in this same layout: eight rows' float2 stores of a column hit
+// every bank, and a warp's 16 rows go out as one contiguous bulk reduction). Pairs (d, d + 1), d
+// even, stay adjacent.
 SAGE_HOST_DEVICE inline int dq_col(int64_t row, int d) {
   return ((d >> 2) ^ int(row & 7)) << 2 | (d & 3);
+}
+SAGE_HOST_DEVICE inline int64_t dq_offset(int64_t row, int d, int D) {
+  return ((row >> 6) * (D >> 6) + (d >> 6)) * 4096 + (row & 63) * 64 + dq_col(row, d & 63);
 }
 
 // The (query head, query block) pairs one key block's CTA streams, in order, advanced without a

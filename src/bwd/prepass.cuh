@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kThreads) dq_store_kernel(const Params p) {
     const float g =
         p.d_lse ? p.d_lse[b * p.dlse_st.batch + h * p.dlse_st.head + i * p.dlse_st.token] : 0.0f;
     dq[i * p.dq_st.token + d] =
-        T((p.dq_acc[(bh * p.nq_pad + i) * D + dq_col(i, d)] + g * p.k_mean[bkv * D + d]) * p.scale);
+        T((p.dq_acc[bh * p.nq_pad * D + dq_offset(i, d, D)] + g * p.k_mean[bkv * D + d]) * p.scale);
   }
 }
 

@@ -33,20 +33,26 @@ namespace sage::bwd::sm90 {
 // Byte offsets of one CTA's tiles (each 1024-byte aligned: the swizzle atoms' alignment).
 template <int D>
 struct Smem {
-  static constexpr int kPanel = 64 * 128;         // 64 rows of 64 16-bit channels (128-byte rows)
-  static constexpr int kK = 0;                    // K^ [64 keys][D], D-byte swizzle
-  static constexpr int kKt = kK + 64 * D;         // K^ᵀ [D][64 keys], 64-byte swizzle
-  static constexpr int kV = kKt + D * 64;         // V [64 keys][D] 16-bit, D / 64 panels
-  static constexpr int kQ = kV + 64 * D * 2;      // A: Q^ [64 queries][D]
-  static constexpr int kDo = kQ + 64 * D;         // A: dO [64][D] 16-bit panels
-  static constexpr int kQt = kDo + 64 * D * 2;    // B: Q^ᵀ [D][64 queries, permuted]
-  static constexpr int kDot = kQt + D * 64;       // B: dO^ᵀ [D][64 queries, permuted]
-  static constexpr int kDs = kDot + D * 64;       // dS^ [64 queries][64 keys], 64-byte swizzle
-  static constexpr int kDqRow = D * 4;            // a dQ row of fp32, padded (bank spread)
-  static constexpr int kDq = kDs + 64 * 64;       // dQ's block [64][D] fp32, bulk-reduced out
-  static constexpr int kLse = kDq + 64 * kDqRow;  // A: L' [64]
-  static constexpr int kDelta = kLse + 256;       // A: D - g [64]
-  static constexpr int kQmax = kDelta + 256;      // per-query partial max |dS| [4 warps][64]
+  static constexpr int kPanel = 64 * 128;       // 64 rows of 64 16-bit channels (128-byte rows)
+  static constexpr int kK = 0;                  // K^ [64 keys][D], D-byte swizzle
+  static constexpr int kKt = kK + 64 * D;       // K^ᵀ [D][64 keys], 64-byte swizzle
+  static constexpr int kV = kKt + D * 64;       // V [64 keys][D] 16-bit, D / 64 panels
+  static constexpr int kQ = kV + 64 * D * 2;    // A: Q^ [64 queries][D]
+  static constexpr int kDo = kQ + 64 * D;       // A: dO [64][D] 16-bit panels
+  static constexpr int kQt = kDo + 64 * D * 2;  // B: Q^ᵀ [D][64 queries, permuted]
+  static constexpr int kDot = kQt + D * 64;     // B: dO^ᵀ [D][64 queries, permuted]
+  static constexpr int kDs = kDot + D * 64;     // dS^ [64 queries][64 keys], 64-byte swizzle
+  static constexpr int kDq = kDs + 64 * 64;     // one 64-channel panel of dQ's block [64][64] fp32
+                                                // (dq_offset's layout), bulk-reduced out
+  // dV's channels past kDvRegs · 2 (D = 128: 64..127) accumulate here, [value][thread], instead of
+  // in registers: 128 fp32 accumulators a thread spilled ~40 registers to local memory, which L1
+  // (mostly shared memory here) could not hold.
+  static constexpr int kDvRegs = 32;               // dV values a thread keeps in registers
+  static constexpr int kDvSmem = D / 2 - kDvRegs;  // and in shared memory
+  static constexpr int kDv = kDq + 64 * 64 * 4;
+  static constexpr int kLse = kDv + kDvSmem * kThreads * 4;  // A: L' [64]
+  static constexpr int kDelta = kLse + 256;                  // A: D - g [64]
+  static constexpr int kQmax = kDelta + 256;             // per-query partial max |dS| [4 warps][64]
   static constexpr int kQpsi = kQmax + kWarps * 64 * 4;  // per-query ψ of dS: scale, inv [64]
   static constexpr int kScales = kQpsi + 2 * 64 * 4;     // A: the block's ψ scales of Q and dO
   static constexpr int kBytes = kScales + 16 + 1024;     // + the base's alignment
@@ -130,11 +136,12 @@ __device__ __forceinline__ void mma_k64(int (&acc)[32], Issue issue) {
   ptx::wgmma_wait<0>();
   ptx::wgmma_fence_regs(acc);
 }
-// out += A·B over the block's 64 queries (two k32 steps), scaled per row (key) into fp32; 64
-// channels at a time (a 32-register int32 accumulator: N = D at once spills at D = 128).
-template <int D>
-__device__ __forceinline__ void mma_rows(float (&out)[D / 2], const uint32_t (&a)[2][4],
-                                         const uint8_t* b_tile, float sa, float sb) {
+// add(i, x) for the thread's accumulator values i of A·B over the block's 64 queries (two k32
+// steps), scaled per row (key); 64 channels at a time (a 32-register int32 accumulator: N = D at
+// once spills at D = 128).
+template <int D, typename Add>
+__device__ __forceinline__ void mma_rows(Add add, const uint32_t (&a)[2][4], const uint8_t* b_tile,
+                                         float sa, float sb) {
 #pragma unroll
   for (int h = 0; h < D / 64; ++h) {
     int acc[32];
@@ -143,7 +150,7 @@ __device__ __forceinline__ void mma_rows(float (&out)[D / 2], const uint32_t (&a
                                  kq > 0);
     });
 #pragma unroll
-    for (int i = 0; i < 32; ++i) out[h * 32 + i] += float(acc[i]) * ((i & 2) ? sb : sa);
+    for (int i = 0; i < 32; ++i) add(h * 32 + i, float(acc[i]) * ((i & 2) ? sb : sa));
   }
 }
 
@@ -205,9 +212,20 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(con
   ptx::cp_async_commit();
 
   const float k_scale = p.k_scale[bkv * p.k_blocks + kb];
-  float dk[D / 2], dv[D / 2];
+  float dk[D / 2], dv[S::kDvRegs];
+  float* dv_s = reinterpret_cast<float*>(smem + S::kDv) + threadIdx.x;  // value j at j · kThreads
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.0f;
+  for (int i = 0; i < D / 2; ++i) dk[i] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < S::kDvRegs; ++i) dv[i] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < S::kDvSmem; ++j) dv_s[j * kThreads] = 0.0f;
+  auto add_dv = [&](int i, float x) {
+    if (i < S::kDvRegs)
+      dv[i] += x;
+    else
+      dv_s[(i - S::kDvRegs) * kThreads] += x;
+  };
   const int64_t key_a = k0 + ka, key_b = key_a + 8;
   float* qmax_s = reinterpret_cast<float*>(smem + S::kQmax);
   float* qpsi_s = reinterpret_cast<float*>(smem + S::kQpsi);
@@ -320,20 +338,23 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(con
     __syncthreads();
 
     // dV += P^ᵀ·dO^ and dK += dS^ᵀ·Q^ (per-key ψ times the block's ψ scale).
-    mma_rows<D>(dv, pf, smem + S::kDot, pa.scale * do_scale, pb.scale * do_scale);
-    mma_rows<D>(dk, sf, smem + S::kQt, da.scale * q_scale, db.scale * q_scale);
+    mma_rows<D>(add_dv, pf, smem + S::kDot, pa.scale * do_scale, pb.scale * do_scale);
+    mma_rows<D>([&](int i, float x) { dk[i] += x; }, sf, smem + S::kQt, da.scale * q_scale,
+                db.scale * q_scale);
     __syncthreads();  // every read of half B is done
     if (it + 1 < iters) load_b(cur);
     ptx::cp_async_commit();
 
-    // dQ += dS^·K^ for the block's 64 queries (rows 16·warp + g, + 8 of this thread), 64
-    // channels at a time, staged in shared memory in dq_acc's own row layout (dq_col); each
-    // warp's 16 rows then go to the fp32 accumulator as one bulk reduction.
+    // dQ += dS^·K^ for the block's 64 queries (rows 16·warp + g, + 8 of this thread), one
+    // 64-channel panel at a time, staged in shared memory in dq_acc's own layout (dq_offset):
+    // each warp's 16 rows of a panel, 4 KB in one piece there and in dq_acc, then go to the fp32
+    // accumulator as one bulk reduction, or in deterministic mode as plain adds on this CTA's
+    // turn (dq_order.cuh). A warp touches only its own rows of the staging panel.
     const int qa = warp * 16 + g;
     const float sa = qpsi_s[qa] * k_scale, sb = qpsi_s[qa + 8] * k_scale;
-    uint8_t* dq_s = smem + S::kDq;
-    if (lane == 0) ptx::bulk_wait_read<0>();  // the last block's reduction has read dq_s
-    __syncwarp();
+    float* dq_s = reinterpret_cast<float*>(smem + S::kDq);
+    const TileTurn turn{p.dq_turn, int(bh * p.q_blocks + qb), int(kb)};
+    if (p.deterministic) turn.wait(/*leader=*/threadIdx.x == 0);
 #pragma unroll
     for (int h = 0; h < D / 64; ++h) {
       int acc[32];
@@ -342,32 +363,34 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(con
                                    ptx::wgmma_desc<64>(smem + S::kKt + h * 64 * 64 + kk * 32),
                                    kk > 0);
       });
+      if (lane == 0) ptx::bulk_wait_read<0>();  // the last reduction has read this warp's rows
+      __syncwarp();
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
-        const int d = h * 64 + n * 8 + 2 * t;
-        *reinterpret_cast<float2*>(dq_s + qa * S::kDqRow + dq_col(qa, d) * 4) =
+        const int d = n * 8 + 2 * t;
+        *reinterpret_cast<float2*>(dq_s + qa * 64 + dq_col(qa, d)) =
             make_float2(float(acc[4 * n]) * sa, float(acc[4 * n + 1]) * sa);
-        *reinterpret_cast<float2*>(dq_s + (qa + 8) * S::kDqRow + dq_col(qa + 8, d) * 4) =
+        *reinterpret_cast<float2*>(dq_s + (qa + 8) * 64 + dq_col(qa + 8, d)) =
             make_float2(float(acc[4 * n + 2]) * sb, float(acc[4 * n + 3]) * sb);
       }
-    }
-    // The warp's 16 rows: contiguous in dq_s and in dq_acc (rows past seq_q are padding there).
-    const float* rows_s = reinterpret_cast<const float*>(dq_s + warp * 16 * S::kDqRow);
-    float* rows_g = p.dq_acc + (bh * p.nq_pad + i0 + warp * 16) * D;
-    if (p.deterministic) {  // in key-block order: plain adds on this CTA's turn (dq_order.cuh)
-      const TileTurn turn{p.dq_turn, int(bh * p.q_blocks + qb), int(kb)};
-      turn.wait(/*leader=*/threadIdx.x == 0);
-#pragma unroll 4
-      for (int i = 2 * lane; i < 16 * D; i += 64) turn.add2(rows_g + i, rows_s[i], rows_s[i + 1]);
-      turn.pass(/*leader=*/threadIdx.x == 0);
-    } else {
-      ptx::fence_proxy_async_smem();
+      const float* rows_s = dq_s + warp * 16 * 64;
+      float* rows_g = p.dq_acc + bh * p.nq_pad * D + dq_offset(i0 + warp * 16, h * 64, D);
       __syncwarp();
-      if (lane == 0) {
-        ptx::bulk_reduce_add(rows_g, rows_s, 16 * D * 4);
-        ptx::bulk_commit();
+      if (p.deterministic) {
+#pragma unroll 4
+        for (int i = 2 * lane; i < 16 * 64; i += 64)
+          turn.add2(rows_g + i, rows_s[i], rows_s[i + 1]);
+        __syncwarp();  // every lane has read its values before the next panel's stores
+      } else {
+        ptx::fence_proxy_async_smem();
+        __syncwarp();
+        if (lane == 0) {
+          ptx::bulk_reduce_add(rows_g, rows_s, 16 * 64 * 4);
+          ptx::bulk_commit();
+        }
       }
     }
+    if (p.deterministic) turn.pass(/*leader=*/threadIdx.x == 0);
   }
   if (lane == 0) ptx::bulk_wait<0>();
   ptx::cp_async_wait<0>();
@@ -384,8 +407,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(con
       const int d = n * 8 + 2 * t, i = 4 * n + 2 * half;
       dkp[key * p.dk_st.token + d] = T(dk[i] * p.scale);
       dkp[key * p.dk_st.token + d + 1] = T(dk[i + 1] * p.scale);
-      dvp[key * p.dv_st.token + d] = T(dv[i]);
-      dvp[key * p.dv_st.token + d + 1] = T(dv[i + 1]);
+      const float v0 = i < S::kDvRegs ? dv[i] : dv_s[(i - S::kDvRegs) * kThreads];
+      const float v1 = i + 1 < S::kDvRegs ? dv[i + 1] : dv_s[(i + 1 - S::kDvRegs) * kThreads];
+      dvp[key * p.dv_st.token + d] = T(v0);
+      dvp[key * p.dv_st.token + d + 1] = T(v1);
     }
   }
 #endif
