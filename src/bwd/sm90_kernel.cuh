@@ -109,6 +109,18 @@ __device__ __forceinline__ uint64_t desc16(const uint8_t* tile, int ks) {
 __device__ __forceinline__ uint32_t q8_bounded(float x, float inv) {
   return __float_as_uint(__fadd_rn(__fmul_rn(x, inv), 12582912.0f));
 }
+// One butterfly step over the lanes g ^ 2^kBit (lane = 4g + t): the lower half of m[0..2·kHalf)
+// stays with the lanes whose bit kBit of g is clear, the upper half with the others, each the max
+// of the pair.
+template <int kHalf, int kBit>
+__device__ __forceinline__ void halve_max(float (&m)[16], int g) {
+  const bool upper = (g >> kBit) & 1;
+#pragma unroll
+  for (int k = 0; k < kHalf; ++k) {
+    const float mine = upper ? m[k + kHalf] : m[k], theirs = upper ? m[k] : m[k + kHalf];
+    m[k] = ptx::max_nan(mine, __shfl_xor_sync(0xFFFFFFFFu, theirs, 4 << kBit));
+  }
+}
 // Packs 64 queries x this thread's two keys of ψ(x) (x: a 64-key x 64-query accumulator) into the
 // two k32 A fragments of a product over the queries.
 __device__ __forceinline__ void pack_a(uint32_t (&f)[2][4], const float (&x)[32], float inv_a,
@@ -298,15 +310,20 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(con
     uint32_t sf[2][4];
     const Psi da = psi_scale(quad_max(kmax[0])), db = psi_scale(quad_max(kmax[1]));
     pack_a(sf, dS, da.inv, db.inv);
+    // Each of the thread's 16 queries (n, e) over the warp's 16 keys: a halving butterfly over
+    // the 8 lanes of a column (14 shuffles, not 48), after which lane g holds query
+    // n = 4(g & 1) + 2(g >> 1 & 1) + (g >> 2), e = 0 and 1.
+    float m[16];
 #pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float m = ptx::max_nan(fabsf(dS[4 * n + e]), fabsf(dS[4 * n + e + 2]));
-#pragma unroll
-        for (int o = 4; o < 32; o *= 2) m = ptx::max_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-        if (g == 0) qmax_s[warp * kBlockQ + n * 8 + 2 * t + e] = m;
-      }
+    for (int j = 0; j < 16; ++j)
+      m[j] = ptx::max_nan(fabsf(dS[4 * (j / 2) + j % 2]), fabsf(dS[4 * (j / 2) + j % 2 + 2]));
+    halve_max<8, 0>(m, g);
+    halve_max<4, 1>(m, g);
+    halve_max<2, 2>(m, g);
+    {
+      const int n = 4 * (g & 1) + 2 * ((g >> 1) & 1) + (g >> 2);
+      *reinterpret_cast<float2*>(qmax_s + warp * kBlockQ + n * 8 + 2 * t) = make_float2(m[0], m[1]);
+    }
     __syncthreads();                  // the maxima are in; half A is free
     if (it + 1 < iters) load_a(cur);  // (cur is the next block now)
     ptx::cp_async_commit();
