@@ -135,8 +135,7 @@ __device__ __forceinline__ void pack_a(uint32_t (&f)[2][4], const float (&x)[32]
     f[kq][3] = pack4(q8(n0 + 2, 2), q8(n0 + 2, 3), q8(n0 + 3, 2), q8(n0 + 3, 3));
   }
 }
-// acc = the sum of issue(acc, kq) over the block's two k32 steps (64 queries or keys): one
-// wgmma batch, waited for.
+// acc = the sum of issue(acc, kq) over the block's two k32 steps: one wgmma batch, waited for.
 template <typename Issue>
 __device__ __forceinline__ void mma_k64(int (&acc)[32], Issue issue) {
 #pragma unroll
@@ -148,21 +147,62 @@ __device__ __forceinline__ void mma_k64(int (&acc)[32], Issue issue) {
   ptx::wgmma_wait<0>();
   ptx::wgmma_fence_regs(acc);
 }
-// add(i, x) for the thread's accumulator values i of A·B over the block's 64 queries (two k32
-// steps), scaled per row (key); 64 channels at a time (a 32-register int32 accumulator: N = D at
-// once spills at D = 128).
-template <int D, typename Add>
-__device__ __forceinline__ void mma_rows(Add add, const uint32_t (&a)[2][4], const uint8_t* b_tile,
-                                         float sa, float sb) {
+// dV += P^ᵀ·dO^ and dK += dS^ᵀ·Q^ over the block's 64 queries (two k32 steps each), 64 channels
+// at a time, scaled per row (key) into fp32 by add_v(i, x) and add_k(i, x). kPaired: both
+// products of a panel in one wgmma batch (two 32-register int32 accumulators, one wait instead
+// of two); at D = 128 the second accumulator made the kernel spill, so there each waits alone.
+template <int D, bool kPaired, typename AddV, typename AddK>
+__device__ __forceinline__ void mma_dv_dk(AddV add_v, AddK add_k, const uint32_t (&pf)[2][4],
+                                          const uint32_t (&sf)[2][4], const uint8_t* dot_tile,
+                                          const uint8_t* qt_tile, float va, float vb, float ka,
+                                          float kb) {
+  auto scale = [](int i, float a, float b) { return (i & 2) ? b : a; };
 #pragma unroll
   for (int h = 0; h < D / 64; ++h) {
-    int acc[32];
-    mma_k64(acc, [&](int(&d)[32], int kq) {
-      ptx::wgmma_m64n64k32_s8_rs(d, a[kq], ptx::wgmma_desc<64>(b_tile + h * 64 * 64 + kq * 32),
+    int av[32];
+    auto issue_v = [&](int(&d)[32], int kq) {
+      ptx::wgmma_m64n64k32_s8_rs(d, pf[kq], ptx::wgmma_desc<64>(dot_tile + h * 4096 + kq * 32),
                                  kq > 0);
-    });
+    };
+    auto issue_k = [&](int(&d)[32], int kq) {
+      ptx::wgmma_m64n64k32_s8_rs(d, sf[kq], ptx::wgmma_desc<64>(qt_tile + h * 4096 + kq * 32),
+                                 kq > 0);
+    };
+    if constexpr (kPaired) {
+      int ak[32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) add(h * 32 + i, float(acc[i]) * ((i & 2) ? sb : sa));
+      for (int i = 0; i < 32; ++i) av[i] = ak[i] = 0;
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kq = 0; kq < 2; ++kq) issue_v(av, kq);
+#pragma unroll
+      for (int kq = 0; kq < 2; ++kq) issue_k(ak, kq);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      ptx::wgmma_fence_regs(av);
+      ptx::wgmma_fence_regs(ak);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        add_v(h * 32 + i, float(av[i]) * scale(i, va, vb));
+        add_k(h * 32 + i, float(ak[i]) * scale(i, ka, kb));
+      }
+    } else {
+      mma_k64(av, issue_v);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) add_v(h * 32 + i, float(av[i]) * scale(i, va, vb));
+    }
+  }
+  if constexpr (!kPaired) {
+#pragma unroll
+    for (int h = 0; h < D / 64; ++h) {
+      int ak[32];
+      mma_k64(ak, [&](int(&d)[32], int kq) {
+        ptx::wgmma_m64n64k32_s8_rs(d, sf[kq], ptx::wgmma_desc<64>(qt_tile + h * 4096 + kq * 32),
+                                   kq > 0);
+      });
+#pragma unroll
+      for (int i = 0; i < 32; ++i) add_k(h * 32 + i, float(ak[i]) * scale(i, ka, kb));
+    }
   }
 }
 
@@ -355,9 +395,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(con
     __syncthreads();
 
     // dV += P^ᵀ·dO^ and dK += dS^ᵀ·Q^ (per-key ψ times the block's ψ scale).
-    mma_rows<D>(add_dv, pf, smem + S::kDot, pa.scale * do_scale, pb.scale * do_scale);
-    mma_rows<D>([&](int i, float x) { dk[i] += x; }, sf, smem + S::kQt, da.scale * q_scale,
-                db.scale * q_scale);
+    mma_dv_dk<D, D == 64>(
+        add_dv, [&](int i, float x) { dk[i] += x; }, pf, sf, smem + S::kDot, smem + S::kQt,
+        pa.scale * do_scale, pb.scale * do_scale, da.scale * q_scale, db.scale * q_scale);
     __syncthreads();  // every read of half B is done
     if (it + 1 < iters) load_b(cur);
     ptx::cp_async_commit();
