@@ -10,6 +10,14 @@
 
 namespace sage::api {
 
+// Head dims. Any call takes 1..kMaxHeadDim, the largest head dim SPEC.md plans a GPU kernel for
+// (32, 64, 80, 96, 128, 256): the CPU reference, the oracle, covers every kernel to come (and
+// the odd sizes tests use), but nothing larger than any GPU kernel will take. The GPU runs the
+// head dims it has a kernel for and refuses the others (UNSUPPORTED), naming this list.
+constexpr int64_t kMaxHeadDim = 256;
+constexpr bool gpu_has_head_dim(int64_t d) { return d == 64 || d == 128; }
+constexpr char kGpuHeadDims[] = "64, 128";
+
 // sage_attention_args after validation: defaults filled in, strides resolved, preset expanded.
 struct Resolved {
   ref::Problem problem;

@@ -218,10 +218,12 @@ sage_status check_backward(const api::ResolvedBackward& r, const sage_backward_a
   if (dev.cc < 80)
     return set_error(SAGE_ERROR_UNSUPPORTED, "the backward needs sm_80 or newer (device: sm_%d)",
                      dev.cc);
-  if (p.head_dim != 64 && p.head_dim != 128)
+  if (!api::gpu_has_head_dim(p.head_dim))
     return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "head_dim = %lld: the GPU backward has kernels for 64 and 128",
-                     static_cast<long long>(p.head_dim));
+                     "head_dim = %lld has no GPU backward kernel (GPU kernels: %s; the CPU "
+                     "reference takes 1..%lld)",
+                     static_cast<long long>(p.head_dim), api::kGpuHeadDims,
+                     static_cast<long long>(api::kMaxHeadDim));
   if (a.dtype == SAGE_DTYPE_FP32)
     return set_error(SAGE_ERROR_UNSUPPORTED, "dtype = FP32 runs on the CPU reference only");
   sage_backward_config want = ref::backward_preset();
