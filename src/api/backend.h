@@ -49,7 +49,8 @@ enum class PointerKind { kHost, kDevice };
 
 // Where a pointer lives (kHost when built without CUDA or when no driver answers).
 PointerKind pointer_kind(const void* ptr);
-// One line per visible GPU (name, compute capability, memory), or why there is none.
+// One line per visible GPU (name, compute capability, memory), or one line saying in plain words
+// why there is none (no driver, an old driver, no device, a build without CUDA).
 std::string describe_devices(bool* has_gpu);
 
 sage_status workspace_size(const api::Resolved& r, const sage_attention_args& args, size_t* bytes);
