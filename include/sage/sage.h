@@ -182,7 +182,7 @@ typedef struct sage_attention_args {
   int64_t heads_kv; /* heads_q % heads_kv == 0 (GQA/MQA) */
   int64_t seq_q;
   int64_t seq_kv;
-  int64_t head_dim;
+  int64_t head_dim; /* 1..256 (the CPU reference); the GPU kernels take 64 and 128 */
 
   sage_layout layout;
   sage_strides q_strides, k_strides, v_strides, o_strides, lse_strides;

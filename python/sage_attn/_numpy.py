@@ -37,6 +37,11 @@ def attention(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retu
         raise ValueError(f"tensor_layout = {tensor_layout!r}: must be 'HND' or 'NHD'")
     if causal_align not in _lib.CAUSAL_ALIGNS:
         raise ValueError(f"causal_align = {causal_align!r}: must be 'bottom_right' or 'top_left'")
+    # As sageattn: a bool only (a mask array or a string passed here is a mistake, not "true").
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal = {is_causal!r}: must be a bool")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse = {return_lse!r}: must be a bool")
     q, k, v = _host_array(q, "q"), _host_array(k, "k"), _host_array(v, "v")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")

@@ -2,7 +2,10 @@
 tensors. Loads .npy or .pt ([B,H,N,D], [H,N,D] or [N,D]; HND or NHD), rounds them to fp16 (bf16
 with --dtype bf16) and prints cos / rel-L1 / RMSE / max-abs against float64 attention of those
 rounded inputs for SageAttn2-8b and -4b (with and without each smoothing) and, on a GPU, SDPA
-in the same dtype. Without a GPU the CPU reference's exact emulation of each kernel runs."""
+in the same dtype. Without a GPU the CPU reference's exact emulation of each kernel runs.
+Exit status 2, with one line naming the file, for an input it cannot use (missing, unreadable,
+not floating point, empty, NaN/inf, values the dtype cannot hold); 1 when an output is not
+finite."""
 from __future__ import annotations
 
 import argparse
@@ -15,20 +18,44 @@ import numpy as np
 import sage_attn
 
 
+class InputError(Exception):
+    """A file the tool cannot use as it is: printed as one line, exit status 2."""
+
+
+# The largest finite value of each dtype the inputs are rounded to.
+_MAX = {"fp16": 65504.0, "bf16": 3.3895313892515355e38}
+
+
 def load(path):
     p = pathlib.Path(path)
-    if p.suffix == ".npy":
-        x = np.load(p)
-    elif p.suffix in (".pt", ".pth"):
-        import torch
-        x = torch.load(p, map_location="cpu", weights_only=True)
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{path}: expected one tensor, found {type(x).__name__}")
-        x = x.float().numpy()
-    else:
-        raise ValueError(f"{path}: expected a .npy or .pt file")
+    try:
+        if p.suffix == ".npy":
+            with open(p, "rb") as f:
+                if f.read(6) != b"\x93NUMPY":
+                    raise InputError(f"{path}: not a .npy file")
+            x = np.load(p, allow_pickle=False)
+        elif p.suffix in (".pt", ".pth"):
+            import torch
+            x = torch.load(p, map_location="cpu", weights_only=True)
+            if not isinstance(x, torch.Tensor):
+                raise InputError(f"{path}: expected one tensor, found {type(x).__name__}")
+            x = x.float().numpy()
+        else:
+            raise InputError(f"{path}: expected a .npy or .pt file")
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except InputError:
+        raise
+    except ImportError:
+        raise InputError(f"{path}: reading .pt files needs PyTorch") from None
+    except Exception as e:  # numpy's and torch's many ways to fail on a corrupt file
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"{path}: cannot read it ({why})") from None
+    if not isinstance(x, np.ndarray) or x.dtype.kind != "f":
+        raise InputError(f"{path}: dtype {getattr(x, 'dtype', type(x).__name__)} is not a "
+                         "floating-point type (need float16, float32 or float64)")
     if x.ndim not in (2, 3, 4):
-        raise ValueError(f"{path}: expected [B,H,N,D], [H,N,D] or [N,D], got shape {x.shape}")
+        raise InputError(f"{path}: expected [B,H,N,D], [H,N,D] or [N,D], got shape {x.shape}")
     return x
 
 
@@ -39,6 +66,20 @@ def to_4d(x, layout):
         return x[None]
     return x
 
+
+def check(x, path, layout, dtype):
+    """An input the kernels could not take as it is: an empty axis, NaN or infinity, values
+    beyond the range of the dtype it is rounded to."""
+    for axis, size in zip("BHND" if layout == "HND" else "BNHD", x.shape):
+        if size == 0:
+            raise InputError(f"{path}: {axis} = 0: the tensor is empty")
+    finite = np.isfinite(x)
+    if not finite.all():
+        raise InputError(f"{path}: {x.size - int(finite.sum())} of {x.size} values are NaN or "
+                         "infinite")
+    top = float(np.abs(x).max())
+    if top > _MAX[dtype]:
+        raise InputError(f"{path}: values up to {top:.3g} overflow {dtype} (max {_MAX[dtype]:.6g})")
 
 CONFIGS = [  # label, sageattn keywords
     ("SageAttn2-8b", {"qk_bits": 8}),
@@ -62,37 +103,14 @@ def main(argv=None):
     ap.add_argument("--cpu", action="store_true", help="use the CPU reference even with a GPU")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    q, k, v = (to_4d(load(p), args.layout) for p in (args.q, args.k, args.v))
     try:
-        import torch
-        gpu = torch.cuda.is_available() and not args.cpu
-    except ImportError:
-        torch, gpu = None, False
-    if args.dtype == "bf16" and not gpu:
-        ap.error("--dtype bf16 needs torch and a GPU (numpy has no bfloat16)")
-    results = []
-    kw = dict(tensor_layout=args.layout, is_causal=args.causal, sm_scale=args.scale,
-              causal_align=args.causal_align)
-    if gpu:
-        dt = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)).to("cuda", dt) for x in (q, k, v))
-        ref = reference(tq, tk, tv, args)
-        for label, extra in CONFIGS:
-            results.append((label, sage_attn.metrics(
-                sage_attn.sageattn(tq, tk, tv, **kw, **extra).double().cpu().numpy(), ref)))
-        if not args.causal or args.causal_align == "top_left" or q.shape[1 if args.layout == 'NHD' else 2] == k.shape[1 if args.layout == 'NHD' else 2]:
-            hnd = (lambda x: x) if args.layout == "HND" else (lambda x: x.transpose(1, 2))
-            sd = torch.nn.functional.scaled_dot_product_attention(
-                hnd(tq), hnd(tk), hnd(tv), is_causal=args.causal, scale=args.scale,
-                enable_gqa=tq.shape[1] != tk.shape[1])
-            results.append((f"SDPA {args.dtype}", sage_attn.metrics(hnd(sd).double().cpu().numpy(), ref)))
-    else:
-        q16, k16, v16 = (np.ascontiguousarray(x, dtype=np.float16) for x in (q, k, v))
-        ref = sage_attn.attention_numpy(*(x.astype(np.float32) for x in (q16, k16, v16)),
-                                        exact=True, **kw)
-        for label, extra in CONFIGS:
-            results.append((label + " (CPU emulation)",
-                            sage_attn.metrics(sage_attn.attention_numpy(q16, k16, v16, **kw, **extra), ref)))
+        q, k, v = (to_4d(load(p), args.layout) for p in (args.q, args.k, args.v))
+        for x, path in ((q, args.q), (k, args.k), (v, args.v)):
+            check(x, path, args.layout, args.dtype)
+        results, gpu, bad = run(q, k, v, args)
+    except (InputError, ValueError, TypeError) as e:  # also the front ends' and library's
+        print(f"{ap.prog}: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([{"config": label, **m} for label, m in results], indent=1))
     else:
@@ -102,7 +120,57 @@ def main(argv=None):
         for label, m in results:
             print(f"{label:34s}{m['cos'] * 100:11.4f}%{m['rel_l1']:10.5f}{m['rmse']:11.3e}"
                   f"{m['max_abs']:10.4f}")
-    return 0
+    # After the table: a non-finite output fails the run (its metrics print as nan, which a
+    # script reading the exit status would not see).
+    for line in bad:
+        print(f"{ap.prog}: {line}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def run(q, k, v, args):
+    """(results, gpu, bad): (label, metrics) per configuration, whether the GPU ran them, and a
+    line for each output (the float64 reference's too) that has non-finite values."""
+    try:
+        import torch
+        gpu = torch.cuda.is_available() and not args.cpu
+    except ImportError:
+        torch, gpu = None, False
+    if args.dtype == "bf16" and not gpu:
+        raise InputError("--dtype bf16 needs torch and a GPU (numpy has no bfloat16)")
+    results, bad = [], []
+
+    def add(label, out, ref=None):  # a row of the table; without ref, the reference's check
+        n = out.size - int(np.isfinite(out).sum())
+        if n:
+            bad.append(f"{label}: {n} of {out.size} outputs are not finite")
+        if ref is not None:
+            with np.errstate(invalid="ignore", over="ignore"):  # nan metrics: reported below
+                results.append((label, sage_attn.metrics(out, ref)))
+
+    kw = dict(tensor_layout=args.layout, is_causal=args.causal, sm_scale=args.scale,
+              causal_align=args.causal_align)
+    if gpu:
+        dt = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+        tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)).to("cuda", dt) for x in (q, k, v))
+        ref = reference(tq, tk, tv, args)
+        add("float64 reference", ref)
+        for label, extra in CONFIGS:
+            add(label, sage_attn.sageattn(tq, tk, tv, **kw, **extra).double().cpu().numpy(), ref)
+        if not args.causal or args.causal_align == "top_left" or q.shape[1 if args.layout == 'NHD' else 2] == k.shape[1 if args.layout == 'NHD' else 2]:
+            hnd = (lambda x: x) if args.layout == "HND" else (lambda x: x.transpose(1, 2))
+            sd = torch.nn.functional.scaled_dot_product_attention(
+                hnd(tq), hnd(tk), hnd(tv), is_causal=args.causal, scale=args.scale,
+                enable_gqa=tq.shape[1] != tk.shape[1])
+            add(f"SDPA {args.dtype}", hnd(sd).double().cpu().numpy(), ref)
+    else:
+        q16, k16, v16 = (np.ascontiguousarray(x, dtype=np.float16) for x in (q, k, v))
+        ref = sage_attn.attention_numpy(*(x.astype(np.float32) for x in (q16, k16, v16)),
+                                        exact=True, **kw)
+        add("float64 reference", ref)
+        for label, extra in CONFIGS:
+            add(label + " (CPU emulation)", sage_attn.attention_numpy(q16, k16, v16, **kw, **extra),
+                ref)
+    return results, gpu, bad
 
 
 def reference(tq, tk, tv, args):

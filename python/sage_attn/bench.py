@@ -19,15 +19,19 @@ import sys
 import time
 import warnings
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
 import sage_attn
 
 from ._bench_common import (IMPLS, flops, impl_table, new_row, parse_args, plot,
                             summary_table, tops, write_json)
-from ._bench_cudnn import CudnnFp8Attention
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ._bench_cudnn import CudnnFp8Attention
+except ImportError:  # --help and argument errors work without torch; main() says it is needed
+    torch = None
 
 __all__ = ["IMPLS", "main"]
 
@@ -282,6 +286,9 @@ def _measure(impl, row, label, q, causal, ref, args):
 
 def main(argv=None):
     args = parse_args(argv, __doc__)
+    if torch is None:
+        print("python -m sage_attn.bench needs PyTorch (import torch failed)", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark", file=sys.stderr)
         return 2

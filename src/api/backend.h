@@ -10,6 +10,14 @@
 
 namespace sage::api {
 
+// Head dims. Any call takes 1..kMaxHeadDim, the largest head dim SPEC.md plans a GPU kernel for
+// (32, 64, 80, 96, 128, 256): the CPU reference, the oracle, covers every kernel to come (and
+// the odd sizes tests use), but nothing larger than any GPU kernel will take. The GPU runs the
+// head dims it has a kernel for and refuses the others (UNSUPPORTED), naming this list.
+constexpr int64_t kMaxHeadDim = 256;
+constexpr bool gpu_has_head_dim(int64_t d) { return d == 64 || d == 128; }
+constexpr char kGpuHeadDims[] = "64, 128";
+
 // sage_attention_args after validation: defaults filled in, strides resolved, preset expanded.
 struct Resolved {
   ref::Problem problem;
@@ -41,7 +49,8 @@ enum class PointerKind { kHost, kDevice };
 
 // Where a pointer lives (kHost when built without CUDA or when no driver answers).
 PointerKind pointer_kind(const void* ptr);
-// One line per visible GPU (name, compute capability, memory), or why there is none.
+// One line per visible GPU (name, compute capability, memory), or one line saying in plain words
+// why there is none (no driver, an old driver, no device, a build without CUDA).
 std::string describe_devices(bool* has_gpu);
 
 sage_status workspace_size(const api::Resolved& r, const sage_attention_args& args, size_t* bytes);

@@ -33,16 +33,30 @@ std::string describe_devices(bool* has_gpu) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   *has_gpu = false;
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return std::string("no GPU: ") + cudaGetErrorString(err);
+  if (err != cudaSuccess) cudaGetLastError();
+  // In plain words: the runtime's own string blames the driver's version even where there is no
+  // driver at all ("CUDA driver version is insufficient for CUDA runtime version").
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);  // 0 when no driver is installed
+  cudaRuntimeGetVersion(&runtime);
+  char line[256];
+  if (err == cudaErrorInsufficientDriver && driver == 0)
+    return "no NVIDIA GPU driver found: libcuda.so.1 is not installed or cannot be loaded";
+  if (err == cudaErrorInsufficientDriver) {
+    std::snprintf(line, sizeof(line),
+                  "no GPU: the NVIDIA driver supports CUDA %d.%d, older than libsage's runtime "
+                  "(%d.%d); update the driver",
+                  driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+    return line;
   }
-  if (count == 0) return "no GPU: no CUDA device is visible";
+  if (err == cudaErrorNoDevice || (err == cudaSuccess && count == 0))
+    return "no NVIDIA GPU found: the driver sees no device (is CUDA_VISIBLE_DEVICES set?)";
+  if (err != cudaSuccess)
+    return std::string("no GPU: ") + cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + ")";
   std::string s;
   for (int i = 0; i < count; ++i) {
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
-    char line[256];
     std::snprintf(line, sizeof(line), "GPU %d: %s, sm_%d%d, %d SMs, %.1f GiB%s", i, prop.name,
                   prop.major, prop.minor, prop.multiProcessorCount,
                   double(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0),
@@ -50,7 +64,7 @@ std::string describe_devices(bool* has_gpu) {
     s += line;
     *has_gpu = true;
   }
-  return s;
+  return *has_gpu ? s : "no GPU: the driver lists devices but describes none of them";
 }
 
 namespace {
@@ -218,10 +232,12 @@ sage_status check_backward(const api::ResolvedBackward& r, const sage_backward_a
   if (dev.cc < 80)
     return set_error(SAGE_ERROR_UNSUPPORTED, "the backward needs sm_80 or newer (device: sm_%d)",
                      dev.cc);
-  if (p.head_dim != 64 && p.head_dim != 128)
+  if (!api::gpu_has_head_dim(p.head_dim))
     return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "head_dim = %lld: the GPU backward has kernels for 64 and 128",
-                     static_cast<long long>(p.head_dim));
+                     "head_dim = %lld has no GPU backward kernel (GPU kernels: %s; the CPU "
+                     "reference takes 1..%lld)",
+                     static_cast<long long>(p.head_dim), api::kGpuHeadDims,
+                     static_cast<long long>(api::kMaxHeadDim));
   if (a.dtype == SAGE_DTYPE_FP32)
     return set_error(SAGE_ERROR_UNSUPPORTED, "dtype = FP32 runs on the CPU reference only");
   sage_backward_config want = ref::backward_preset();

@@ -61,10 +61,11 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
                      "dtype = FP32 has no GPU kernel: pass fp16 or bf16 (fp32 runs on the CPU "
                      "reference)");
   const int64_t D = p.head_dim;
-  if (D != 64 && D != 128)
+  if (!gpu_has_head_dim(D))
     return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "head_dim = %lld has no GPU kernel yet (supported: 64, 128)",
-                     static_cast<long long>(D));
+                     "head_dim = %lld has no GPU kernel yet (GPU kernels: %s; the CPU reference "
+                     "takes 1..%lld)",
+                     static_cast<long long>(D), kGpuHeadDims, static_cast<long long>(kMaxHeadDim));
   const bool kernel_shape = c.granularity == SAGE_GRANULARITY_PER_THREAD_MMA &&
                             c.block_q == mma::kBlockQ && c.warps == mma::kWarps &&
                             c.block_k == mma::kBlockK && (c.softmax_block_k == 0 ||

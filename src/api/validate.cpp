@@ -122,8 +122,9 @@ sage_status check_common(const Args& a) {
                  a.heads_q, a.heads_kv);
   SAGE_CHECK_ARG(a.seq_q >= 1, "seq_q = %" PRId64 " must be >= 1", a.seq_q);
   SAGE_CHECK_ARG(a.seq_kv >= 1, "seq_kv = %" PRId64 " must be >= 1", a.seq_kv);
-  SAGE_CHECK_ARG(a.head_dim >= 1 && a.head_dim <= 512, "head_dim = %" PRId64 " is outside 1..512",
-                 a.head_dim);
+  SAGE_CHECK_ARG(a.head_dim >= 1 && a.head_dim <= kMaxHeadDim,
+                 "head_dim = %" PRId64 " is outside 1..%" PRId64 " (GPU kernels: %s)", a.head_dim,
+                 kMaxHeadDim, kGpuHeadDims);
   SAGE_CHECK_ARG(std::isfinite(a.scale), "scale = %g is not finite", double(a.scale));
   SAGE_CHECK_ARG(a.num_threads >= 0, "num_threads = %d must be >= 0", int(a.num_threads));
   return SAGE_OK;

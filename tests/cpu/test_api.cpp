@@ -753,9 +753,13 @@ TEST_F(ApiErrors, Sizes) {
     for (int64_t bad : {int64_t(0), int64_t(-1), std::numeric_limits<int64_t>::min()})
       expect_rejected(std::string(c.name) + " = " + std::to_string(bad),
                       [&](sage_attention_args& a) { a.*c.field = bad; }, {c.name});
-  for (int64_t bad : {int64_t(513), int64_t(1) << 20, std::numeric_limits<int64_t>::max()})
+  // Above 256, the largest head dim a GPU kernel is planned for, the CPU reference refuses too,
+  // naming the head dims the GPU has.
+  for (int64_t bad : {int64_t(257), int64_t(513), int64_t(1) << 20,
+                      std::numeric_limits<int64_t>::max()})
     expect_rejected("head_dim = " + std::to_string(bad),
-                    [&](sage_attention_args& a) { a.head_dim = bad; }, {"head_dim"});
+                    [&](sage_attention_args& a) { a.head_dim = bad; },
+                    {"head_dim", "1..256", "64, 128"});
   // GQA needs heads_q % heads_kv == 0.
   expect_rejected("heads_q 2, heads_kv 4", [](sage_attention_args& a) { a.heads_kv = 4; },
                   {"heads_q", "heads_kv"});
@@ -1064,6 +1068,24 @@ TEST(ApiErrorsBoundary, AdjacentBuffersAreAcceptedOverlapByOneIsNot) {
   EXPECT_EQ(sage_attention(&a), SAGE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(names_word(sage_last_error(), "lse")) << sage_last_error();
   EXPECT_TRUE(buf == before) << "a rejected call wrote memory";
+}
+
+// The ends of the head dims any call takes, 1 and 256, run on the CPU reference in the exact and
+// a quantized variant (257 is refused: ApiErrors.Sizes).
+TEST(ApiErrorsBoundary, HeadDimsOneAnd256RunOnTheCpu) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed_message(seed));
+  std::mt19937_64 rng(seed);
+  for (int64_t d : {int64_t(1), int64_t(256)})
+    for (sage_variant variant : {SAGE_VARIANT_EXACT, SAGE_VARIANT_SAGE2_8B}) {
+      SCOPED_TRACE("D = " + std::to_string(d));
+      Problem p;
+      p.Nq = p.Nk = 9;
+      p.D = d;
+      p.variant = variant;
+      Call c = make_call(p, random_inputs(p, rng), uniform(Layout::kHnd));
+      ASSERT_NO_FATAL_FAILURE(run_ok(c));
+    }
 }
 
 // =============================================================================================

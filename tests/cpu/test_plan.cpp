@@ -168,7 +168,8 @@ TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {
     EXPECT_EQ(c.plan(dev, &p), SAGE_ERROR_UNSUPPORTED) << word;
     EXPECT_NE(std::string(sage_last_error()).find(word), std::string::npos) << sage_last_error();
   };
-  refused(Call(100, 100, 96), kH100, "head_dim");
+  refused(Call(100, 100, 96), kH100, "head_dim = 96");
+  refused(Call(100, 100, 256), kH100, "GPU kernels: 64, 128");  // the set, named
   refused(Call(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_EXACT), kH100, "EXACT");
   refused(Call(100, 100, 128), kAmpere, "sm_86");
   Call custom(100, 100, 128);

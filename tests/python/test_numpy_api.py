@@ -88,6 +88,13 @@ def test_inputs_untouched(rng):
     (lambda q, k, v: sage_attn.attention_numpy(q, k, v, causal_align="left"), ValueError,
      "causal_align"),
     (lambda q, k, v: sage_attn.attention_numpy(q, k, v, bogus=1), TypeError, "bogus"),
+    # is_causal and return_lse are bools, as in sageattn: 1, "yes" or an array are mistakes.
+    (lambda q, k, v: sage_attn.attention_numpy(q, k, v, is_causal=1), TypeError, "is_causal"),
+    (lambda q, k, v: sage_attn.attention_numpy(q, k, v, is_causal="top_left"), TypeError,
+     "is_causal"),
+    (lambda q, k, v: sage_attn.attention_numpy(q, k, v, is_causal=np.ones((20, 20), bool)),
+     TypeError, "is_causal"),
+    (lambda q, k, v: sage_attn.attention_numpy(q, k, v, return_lse=1), TypeError, "return_lse"),
     (lambda q, k, v: sage_attn.attention_numpy(q, k[:, :, :, :32], v[:, :, :, :32]), ValueError,
      "head_dim"),
     (lambda q, k, v: sage_attn.attention_numpy(q, k, v[:, :, :5]), ValueError, "v"),

@@ -1,6 +1,7 @@
 // The `sage` command-line tool: `sage accuracy` prints the paper's ablations (CPU reference
-// against float64) on a built-in problem or the user's .npy tensors; `sage info` says what was
-// built and which GPU is there. Host code.
+// against float64) on a built-in problem or the user's .npy tensors; `sage bench` times the GPU
+// kernels; `sage info` says what was built and which GPU is there. Every command takes --help;
+// a wrong command, option or input is one line on stderr and a non-zero exit. Host code.
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
@@ -11,6 +12,7 @@
 #include <type_traits>
 #include <algorithm>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -39,104 +41,145 @@ namespace {
 
 using namespace sage;
 
-void usage(FILE* f) {
-  std::fprintf(f,
-               "usage: sage <command> [options]\n"
-               "\n"
-               "commands:\n"
-               "  accuracy   the paper's ablations (CPU emulation vs float64), all four metrics\n"
-               "  bench      GPU speed over the standard grid (end-to-end and kernel-only TOPS) with\n"
-               "             accuracy vs float64 on sampled rows; needs a CUDA build and a GPU\n"
-               "  info       version, CUDA architectures built, GPUs visible\n"
-               "\n"
-               "accuracy options:\n"
-               "  --q F --k F --v F      .npy inputs (float16/float32), [B,H,N,D] or [H,N,D] or\n"
-               "                         [N,D]; float32 is rounded to fp16 as a kernel call would\n"
-               "  --layout HND|NHD       layout of the .npy inputs (default HND)\n"
-               "  --batch B --heads H --kv-heads H --seq N --seq-kv N --dim D --seed S\n"
-               "                         the built-in problem (default 1 x 2 heads x 2048 x 128)\n"
-               "  --q-bias X --q-outlier X --k-bias X --k-outlier X --v-bias X\n"
-               "  --outlier-channels C --token-spread X --sink X\n"
-               "                         its outlier structure (defaults 1, 12, 8, 16, 4, 8, 0.3, 9;\n"
-               "                         see src/ref/synthetic.h)\n"
-               "  --causal               bottom-right causal mask\n"
-               "  --threads T            CPU threads (default: all)\n"
-               "  --json                 print JSON instead of tables\n"
-               "\n"
-               "bench options:\n"
-               "  --variants sage-8b,sage-4b  --dims 64,128  --seqs 1024,...,32768  --causal 0,1\n"
-               "  --batch B --heads H    (default 4 x 32)   --seconds S (timed per figure, 0.5)\n"
-               "  --bias                 channel-bias inputs (Q += 4·randn(H,D), K, V += 8·randn)\n"
-               "  --accuracy-rows R      sampled rows per checked head (64)\n"
-               "  --kernel auto|mma|sm90 the kernel family (args.kernel; default auto, the plan's\n"
-               "                         choice); a forced family skips the shapes it cannot run\n"
-               "  --prepass-q            sm90: Q quantized by the pre-pass (SAGE_OPTION_PREPASS_Q)\n"
-               "  --kv-split             K/V pre-pass in three launches, not one cluster launch\n"
-               "                         (SAGE_OPTION_PREPASS_KV_SPLIT)\n"
-               "  --out FILE             JSON in the bench/results schema; --commit C labels it\n");
-}
+const char* const kAccuracyOptions =
+    "  --q F --k F --v F      .npy inputs (float16/float32), [B,H,N,D] or [H,N,D] or\n"
+    "                         [N,D]; float32 is rounded to fp16 as a kernel call would\n"
+    "  --layout HND|NHD       layout of the .npy inputs (default HND)\n"
+    "  --batch B --heads H --kv-heads H --seq N --seq-kv N --dim D --seed S\n"
+    "                         the built-in problem (default 1 x 2 heads x 2048 x 128)\n"
+    "  --q-bias X --q-outlier X --k-bias X --k-outlier X --v-bias X\n"
+    "  --outlier-channels C --token-spread X --sink X\n"
+    "                         its outlier structure (defaults 1, 12, 8, 16, 4, 8, 0.3, 9;\n"
+    "                         see src/ref/synthetic.h)\n"
+    "  --causal               bottom-right causal mask\n"
+    "  --threads T            CPU threads (default: all)\n"
+    "  --json                 print JSON instead of tables\n";
+
+const char* const kBenchOptions =
+    "  --variants sage-8b,sage-4b  --dims 64,128  --seqs 1024,...,32768  --causal 0,1\n"
+    "  --batch B --heads H    (default 4 x 32)   --seconds S (timed per figure, 0.5)\n"
+    "  --bias                 channel-bias inputs (Q += 4·randn(H,D), K, V += 8·randn)\n"
+    "  --accuracy-rows R      sampled rows per checked head (64)\n"
+    "  --threads T            CPU threads of the accuracy check (default: all)\n"
+    "  --kernel auto|mma|sm90 the kernel family (args.kernel; default auto, the plan's\n"
+    "                         choice); a forced family skips the shapes it cannot run\n"
+    "  --prepass-q            sm90: Q quantized by the pre-pass (SAGE_OPTION_PREPASS_Q)\n"
+    "  --kv-split             K/V pre-pass in three launches, not one cluster launch\n"
+    "                         (SAGE_OPTION_PREPASS_KV_SPLIT)\n"
+    "  --out FILE             JSON in the bench/results schema; --commit C labels it\n";
 
 struct Options {
-  std::map<std::string, std::string> values;
-  bool json = false, causal = false, bias = false, prepass_q = false, kv_split = false;
+  std::map<std::string, std::string> values;  // --name value, keyed by name
+  std::set<std::string> flags;                // --name without a value
+  bool help = false;
   std::string get(const std::string& k, const std::string& def) const {
     auto it = values.find(k);
     return it == values.end() ? def : it->second;
   }
+  bool flag(const std::string& k) const { return flags.count(k) != 0; }
 };
 
-bool parse_options(int argc, char** argv, Options* o) {
+// A command: its usage, the options it takes (any other is an error, so that an option of
+// another command is not silently ignored) and what runs it.
+struct Command {
+  const char* name;
+  const char* summary;
+  const char* options;              // usage text; nullptr: none
+  std::vector<std::string> flags;   // options without a value
+  std::vector<std::string> valued;  // options that take one
+  int (*run)(const Options&);
+};
+
+int cmd_accuracy(const Options& o);
+int cmd_bench(const Options& o);
+int cmd_info(const Options& o);
+
+const Command kCommands[] = {
+    {"accuracy", "the paper's ablations (CPU emulation vs float64), all four metrics",
+     kAccuracyOptions, {"causal", "json"},
+     {"q", "k", "v", "layout", "batch", "heads", "kv-heads", "seq", "seq-kv", "dim", "seed",
+      "q-bias", "k-bias", "v-bias", "token-spread", "q-outlier", "k-outlier", "outlier-channels",
+      "sink", "threads"},
+     cmd_accuracy},
+    {"bench",
+     "GPU speed over the standard grid (end-to-end and kernel-only TOPS) with\n"
+     "             accuracy vs float64 on sampled rows; needs a CUDA build and a GPU",
+     kBenchOptions, {"bias", "prepass-q", "kv-split"},
+     {"variants", "dims", "seqs", "causal", "batch", "heads", "seconds", "accuracy-rows",
+      "threads", "kernel", "out", "commit"},
+     cmd_bench},
+    {"info", "version, CUDA architectures built, GPUs visible (or why there is none)", nullptr,
+     {}, {}, cmd_info},
+};
+
+void usage(FILE* f) {
+  std::fprintf(f,
+               "usage: sage <command> [options]\n"
+               "       sage <command> --help\n"
+               "       sage --version\n"
+               "\n"
+               "commands:\n");
+  for (const Command& c : kCommands) std::fprintf(f, "  %-10s %s\n", c.name, c.summary);
+  for (const Command& c : kCommands)
+    if (c.options) std::fprintf(f, "\n%s options:\n%s", c.name, c.options);
+}
+
+void command_usage(const Command& c) {
+  std::printf("usage: sage %s%s\n\n%s\n", c.name, c.options ? " [options]" : "", c.summary);
+  if (c.options) std::printf("\noptions:\n%s", c.options);
+}
+
+bool parse_options(const Command& c, int argc, char** argv, Options* o) {
+  auto has = [](const std::vector<std::string>& names, const std::string& n) {
+    return std::find(names.begin(), names.end(), n) != names.end();
+  };
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--json") { o->json = true; continue; }
-    if (a == "--causal" && (i + 1 >= argc || argv[i + 1][0] == '-')) {
-      o->causal = true;
-      continue;
+    if (a == "--help" || a == "-h") {
+      o->help = true;
+      return true;
     }
-    if (a == "--bias") { o->bias = true; continue; }
-    if (a == "--prepass-q") { o->prepass_q = true; continue; }
-    if (a == "--kv-split") { o->kv_split = true; continue; }
-    static const char* with_value[] = {"--q", "--k", "--v", "--layout", "--batch", "--heads",
-                                       "--kv-heads", "--seq", "--seq-kv", "--dim", "--seed",
-                                       "--q-bias", "--k-bias", "--v-bias", "--token-spread",
-                                       "--q-outlier", "--k-outlier", "--outlier-channels", "--sink",
-                                       "--threads", "--variants", "--dims", "--seqs", "--causal",
-                                       "--seconds", "--accuracy-rows", "--out", "--commit",
-                                       "--kernel"};
-    bool known = false;
-    for (const char* w : with_value) known |= a == w;
-    if (!known) {
-      std::fprintf(stderr, "sage: unknown option '%s'\n", a.c_str());
+    const std::string name = a.rfind("--", 0) == 0 ? a.substr(2) : std::string();
+    if (has(c.flags, name)) {
+      o->flags.insert(name);
+    } else if (has(c.valued, name)) {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "sage %s: option '%s' needs a value\n", c.name, a.c_str());
+        return false;
+      }
+      o->values[name] = argv[++i];
+    } else {
+      std::fprintf(stderr, "sage %s: unknown option '%s' (sage %s --help lists the options)\n",
+                   c.name, a.c_str(), c.name);
       return false;
     }
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "sage: option '%s' needs a value\n", a.c_str());
-      return false;
-    }
-    o->values[a.substr(2)] = argv[++i];
   }
   return true;
 }
 
 // The user's tensors as fp16 HND, shaped like the synthetic problem so both paths share code.
+// Inputs the comparison cannot use (an empty axis, NaN or infinity, float32 values beyond fp16's
+// range, which rounding would make infinite) are errors naming the file, not a table of NaNs.
 bool load_user_inputs(const Options& o, ref::SyntheticInputs* in) {
   tool::NpyArray arr[3];
   const char* names[3] = {"q", "k", "v"};
-  std::string err;
+  std::string paths[3], err;
   for (int i = 0; i < 3; ++i) {
-    if (!tool::read_npy(o.get(names[i], ""), &arr[i], &err)) {
-      std::fprintf(stderr, "sage: --%s %s\n", names[i], err.c_str());
+    paths[i] = o.get(names[i], "");
+    if (!tool::read_npy(paths[i], &arr[i], &err)) {
+      std::fprintf(stderr, "sage accuracy: --%s %s\n", names[i], err.c_str());
       return false;
     }
     if (arr[i].shape.size() < 2 || arr[i].shape.size() > 4) {
-      std::fprintf(stderr, "sage: --%s must have 2, 3 or 4 dimensions\n", names[i]);
+      std::fprintf(stderr, "sage accuracy: --%s %s: %zu dimensions; need [B,H,N,D], [H,N,D] or "
+                   "[N,D]\n", names[i], paths[i].c_str(), arr[i].shape.size());
       return false;
     }
     while (arr[i].shape.size() < 4) arr[i].shape.insert(arr[i].shape.begin(), 1);
   }
   const bool nhd = o.get("layout", "HND") == "NHD";
   if (!nhd && o.get("layout", "HND") != "HND") {
-    std::fprintf(stderr, "sage: --layout must be HND or NHD\n");
+    std::fprintf(stderr, "sage accuracy: --layout must be HND or NHD\n");
     return false;
   }
   auto dims = [&](int i, int64_t* b, int64_t* h, int64_t* n, int64_t* d) {
@@ -146,12 +189,26 @@ bool load_user_inputs(const Options& o, ref::SyntheticInputs* in) {
     *d = arr[i].shape[3];
   };
   int64_t b[3], h[3], n[3], d[3];
-  for (int i = 0; i < 3; ++i) dims(i, &b[i], &h[i], &n[i], &d[i]);
+  for (int i = 0; i < 3; ++i) {
+    dims(i, &b[i], &h[i], &n[i], &d[i]);
+    const int64_t size[4] = {b[i], h[i], n[i], d[i]};
+    for (int j = 0; j < 4; ++j)
+      if (size[j] < 1) {
+        std::fprintf(stderr, "sage accuracy: --%s %s: %c = 0: the tensor is empty\n", names[i],
+                     paths[i].c_str(), "BHND"[j]);
+        return false;
+      }
+  }
   if (b[1] != b[0] || b[2] != b[0] || d[1] != d[0] || d[2] != d[0] || h[1] != h[2] ||
       n[1] != n[2] || h[0] % h[1] != 0) {
     std::fprintf(stderr,
-                 "sage: shapes do not fit: need q [B,Hq,Nq,D], k and v [B,Hkv,Nk,D] with Hq %% Hkv "
-                 "== 0 (in the given layout)\n");
+                 "sage accuracy: shapes do not fit: need q [B,Hq,Nq,D], k and v [B,Hkv,Nk,D] with "
+                 "Hq %% Hkv == 0 (in the given layout)\n");
+    return false;
+  }
+  if (d[0] > api::kMaxHeadDim) {
+    std::fprintf(stderr, "sage accuracy: --q %s: D = %" PRId64 " is above the largest head dim, "
+                 "%" PRId64 "\n", paths[0].c_str(), d[0], api::kMaxHeadDim);
     return false;
   }
   in->spec.batch = b[0];
@@ -163,6 +220,8 @@ bool load_user_inputs(const Options& o, ref::SyntheticInputs* in) {
   std::vector<uint16_t>* dst[3] = {&in->q, &in->k, &in->v};
   for (int i = 0; i < 3; ++i) {
     dst[i]->resize(size_t(b[i] * h[i] * n[i] * d[i]));
+    int64_t nonfinite = 0;
+    double max_abs = 0;
     for (int64_t bb = 0; bb < b[i]; ++bb)
       for (int64_t hh = 0; hh < h[i]; ++hh)
         for (int64_t nn = 0; nn < n[i]; ++nn)
@@ -171,15 +230,32 @@ bool load_user_inputs(const Options& o, ref::SyntheticInputs* in) {
                                     : ((bb * h[i] + hh) * n[i] + nn) * d[i] + dd;
             const int64_t out = ((bb * h[i] + hh) * n[i] + nn) * d[i] + dd;
             uint16_t bits;
+            float x;
             if (arr[i].is_fp16) {
               std::memcpy(&bits, &arr[i].bytes[size_t(src * 2)], 2);
+              x = decode_float(kFp16, bits);
             } else {
-              float x;
               std::memcpy(&x, &arr[i].bytes[size_t(src * 4)], 4);
               bits = uint16_t(encode_float(kFp16, x, false));
             }
+            if (std::isfinite(x)) {
+              max_abs = std::max(max_abs, double(std::fabs(x)));
+            } else {
+              ++nonfinite;
+            }
             (*dst[i])[size_t(out)] = bits;
           }
+    if (nonfinite) {
+      std::fprintf(stderr,
+                   "sage accuracy: --%s %s: %" PRId64 " of %zu values are NaN or infinite\n",
+                   names[i], paths[i].c_str(), nonfinite, dst[i]->size());
+      return false;
+    }
+    if (max_abs > 65504.0) {
+      std::fprintf(stderr, "sage accuracy: --%s %s: values up to %.3g overflow fp16 (max 65504)\n",
+                   names[i], paths[i].c_str(), max_abs);
+      return false;
+    }
   }
   return true;
 }
@@ -210,18 +286,19 @@ int cmd_accuracy(const Options& o) {
       s.token_spread = std::stof(o.get("token-spread", std::to_string(s.token_spread)));
       s.sink = std::stof(o.get("sink", std::to_string(s.sink)));
       if (s.batch < 1 || s.heads_q < 1 || s.heads_kv < 1 || s.heads_q % s.heads_kv != 0 ||
-          s.seq_q < 1 || s.seq_kv < 1 || s.head_dim < 1 || s.head_dim > 512) {
-        std::fprintf(stderr, "sage: the problem sizes are invalid (need >= 1, heads %% kv-heads "
-                             "== 0, dim <= 512)\n");
+          s.seq_q < 1 || s.seq_kv < 1 || s.head_dim < 1 || s.head_dim > api::kMaxHeadDim) {
+        std::fprintf(stderr, "sage accuracy: the problem sizes are invalid (need >= 1, heads %% "
+                     "kv-heads == 0, dim <= %" PRId64 ")\n", api::kMaxHeadDim);
         return 2;
       }
       in = ref::make_inputs(s);
     }
   } catch (const std::exception&) {
-    std::fprintf(stderr, "sage: a numeric option has a value that is not a number\n");
+    std::fprintf(stderr, "sage accuracy: a numeric option has a value that is not a number\n");
     return 2;
   }
-  const ref::Problem p = in.problem(o.causal ? SAGE_MASK_CAUSAL_BOTTOM_RIGHT : SAGE_MASK_NONE);
+  const ref::Problem p =
+      in.problem(o.flag("causal") ? SAGE_MASK_CAUSAL_BOTTOM_RIGHT : SAGE_MASK_NONE);
   const ref::TensorView q = in.q_view(), k = in.k_view(), v = in.v_view();
 
   using clock = std::chrono::steady_clock;
@@ -246,12 +323,12 @@ int cmd_accuracy(const Options& o) {
   const double total_s = std::chrono::duration<double>(clock::now() - t0).count();
 
   const char* input_name = user ? "user tensors" : "built-in outlier problem";
-  if (o.json) {
+  if (o.flag("json")) {
     std::printf("{\"input\": \"%s\", \"batch\": %" PRId64 ", \"heads_q\": %" PRId64
                 ", \"heads_kv\": %" PRId64 ", \"seq_q\": %" PRId64 ", \"seq_kv\": %" PRId64
                 ", \"head_dim\": %" PRId64 ", \"causal\": %s, \"seconds\": %.3f, \"rows\": [",
                 input_name, p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, p.head_dim,
-                o.causal ? "true" : "false", total_s);
+                o.flag("causal") ? "true" : "false", total_s);
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       std::printf("%s\n  {\"table\": \"%s\", \"label\": \"%s\", \"cos\": %.8f, \"rel_l1\": %.8g, "
@@ -265,7 +342,7 @@ int cmd_accuracy(const Options& o) {
   std::printf("sage accuracy: %s, B=%" PRId64 " Hq=%" PRId64 " Hkv=%" PRId64 " Nq=%" PRId64
               " Nk=%" PRId64 " D=%" PRId64 "%s\n",
               input_name, p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, p.head_dim,
-              o.causal ? " causal" : "");
+              o.flag("causal") ? " causal" : "");
   std::printf("CPU emulation of each kernel configuration against float64 attention of the same "
               "fp16 inputs (float64: %.1f s)\n",
               exact_s);
@@ -313,12 +390,13 @@ int cmd_bench(const Options& o) {
     b.accuracy_rows = std::stoi(o.get("accuracy-rows", "64"));
     b.threads = std::stoi(o.get("threads", "0"));
   } catch (const std::exception&) {
-    std::fprintf(stderr, "sage: a bench option has a value that is not a number\n");
+    std::fprintf(stderr, "sage bench: a bench option has a value that is not a number\n");
     return 2;
   }
   for (const std::string& v : b.variants)
     if (v != "sage-8b" && v != "sage-4b") {
-      std::fprintf(stderr, "sage: --variants takes sage-8b and/or sage-4b, not '%s'\n", v.c_str());
+      std::fprintf(stderr, "sage bench: --variants takes sage-8b and/or sage-4b, not '%s'\n",
+                   v.c_str());
       return 2;
     }
   const std::string kernel = o.get("kernel", "auto");
@@ -329,19 +407,27 @@ int cmd_bench(const Options& o) {
   } else if (kernel == "sm90") {
     b.kernel = SAGE_KERNEL_SM90;
   } else {
-    std::fprintf(stderr, "sage: --kernel takes auto, mma or sm90, not '%s'\n", kernel.c_str());
+    std::fprintf(stderr, "sage bench: --kernel takes auto, mma or sm90, not '%s'\n",
+                 kernel.c_str());
     return 2;
   }
-  if (o.prepass_q) b.options |= SAGE_OPTION_PREPASS_Q;
-  if (o.kv_split) b.options |= SAGE_OPTION_PREPASS_KV_SPLIT;
-  if (o.bias) b.q_bias = 4, b.k_bias = 8, b.v_bias = 8;
+  if (o.flag("prepass-q")) b.options |= SAGE_OPTION_PREPASS_Q;
+  if (o.flag("kv-split")) b.options |= SAGE_OPTION_PREPASS_KV_SPLIT;
+  if (o.flag("bias")) b.q_bias = 4, b.k_bias = 8, b.v_bias = 8;
+  // Without a usable GPU, the reason in plain words, not the CUDA error of the first allocation.
+  bool has_gpu = false;
+  const std::string gpus = cuda::describe_devices(&has_gpu);
+  if (!has_gpu) {
+    std::fprintf(stderr, "sage bench: %s; the benchmark needs a GPU\n", gpus.c_str());
+    return 1;
+  }
   std::vector<tool::BenchRow> rows;
   if (!tool::run_bench(b, &rows)) return 1;
   const std::string out = o.get("out", "");
   if (out.empty()) return 0;
   FILE* f = std::fopen(out.c_str(), "w");
   if (!f) {
-    std::fprintf(stderr, "sage: cannot write %s\n", out.c_str());
+    std::fprintf(stderr, "sage bench: cannot write %s\n", out.c_str());
     return 1;
   }
   std::string gpu, driver, cuda_version;
@@ -353,7 +439,7 @@ int cmd_bench(const Options& o) {
                "{\"gpu\": \"%s\", \"driver\": \"%s\", \"cuda\": \"%s\", \"torch\": null, "
                "\"commit\": \"%s\", \"date\": \"%s\", \"input\": \"%s\", \"rows\": [",
                gpu.c_str(), driver.c_str(), cuda_version.c_str(), o.get("commit", "").c_str(), date,
-               o.bias ? "channel-bias" : "normal");
+               o.flag("bias") ? "channel-bias" : "normal");
   for (size_t i = 0; i < rows.size(); ++i) {
     const tool::BenchRow& r = rows[i];
     std::fprintf(f,
@@ -370,7 +456,7 @@ int cmd_bench(const Options& o) {
   return 0;
 }
 
-int cmd_info() {
+int cmd_info(const Options&) {
   bool has_gpu = false;
   const std::string gpus = cuda::describe_devices(&has_gpu);
   std::printf("libsage %s\n", sage_version());
@@ -382,17 +468,32 @@ int cmd_info() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "--help")) {
-    usage(argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
   }
   const std::string cmd = argv[1];
-  Options o;
-  if (!parse_options(argc, argv, &o)) return 2;
-  if (cmd == "accuracy") return cmd_accuracy(o);
-  if (cmd == "info") return cmd_info();
-  if (cmd == "bench") return cmd_bench(o);
-  std::fprintf(stderr, "sage: unknown command '%s'\n\n", cmd.c_str());
-  usage(stderr);
+  if (cmd == "-h" || cmd == "--help") {
+    usage(stdout);
+    return 0;
+  }
+  if (cmd == "--version") {
+    std::printf("sage %s\n", sage_version());
+    return 0;
+  }
+  for (const Command& c : kCommands) {
+    if (cmd != c.name) continue;
+    Options o;
+    if (!parse_options(c, argc, argv, &o)) return 2;
+    if (o.help) {
+      command_usage(c);
+      return 0;
+    }
+    return c.run(o);
+  }
+  std::string names;
+  for (const Command& c : kCommands) names += std::string(names.empty() ? "" : ", ") + c.name;
+  std::fprintf(stderr, "sage: unknown command '%s' (commands: %s; sage --help says more)\n",
+               cmd.c_str(), names.c_str());
   return 2;
 }

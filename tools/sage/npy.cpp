@@ -60,22 +60,38 @@ bool read_npy(const std::string& path, NpyArray* out, std::string* error) {
   }
   if (dict_value(header, "fortran_order").rfind("True", 0) == 0)
     return fail(error, path, "Fortran order unsupported (save a C-contiguous array)");
+  // The shape, parsed without exceptions: a corrupt header is an error naming the file.
   const std::string shape = dict_value(header, "shape");
-  if (shape.empty()) return fail(error, path, "no shape in header");
+  if (shape.size() < 2 || shape.front() != '(' || shape.back() != ')')
+    return fail(error, path, "no shape in header");
   out->shape.clear();
   int64_t elems = 1;
-  for (size_t i = 1; i < shape.size();) {
-    while (i < shape.size() && (shape[i] == ' ' || shape[i] == ',')) ++i;
-    if (i >= shape.size() || shape[i] == ')') break;
-    const int64_t dim = std::stoll(shape.substr(i));
+  constexpr int64_t kMaxElems = int64_t(1) << 40;
+  for (size_t i = 1; i + 1 < shape.size();) {
+    while (i + 1 < shape.size() && (shape[i] == ' ' || shape[i] == ',')) ++i;
+    if (i + 1 >= shape.size()) break;
+    int64_t dim = 0;
+    const size_t start = i;
+    while (i + 1 < shape.size() && shape[i] >= '0' && shape[i] <= '9' && dim <= kMaxElems)
+      dim = dim * 10 + (shape[i++] - '0');
+    if (i == start || dim > kMaxElems || (dim > 0 && elems > kMaxElems / dim))
+      return fail(error, path, "bad shape " + shape + " in header");
     out->shape.push_back(dim);
     elems *= dim;
-    while (i < shape.size() && shape[i] >= '0' && shape[i] <= '9') ++i;
   }
+  // Compared with what the file holds before allocating, so a corrupt size cannot exhaust memory.
   const size_t bytes = size_t(elems) * (out->is_fp16 ? 2 : 4);
+  const std::streamoff data_at = f.tellg();
+  f.seekg(0, std::ios::end);
+  const std::streamoff have = f.tellg() - data_at;
+  f.seekg(data_at);
+  if (have < std::streamoff(bytes))
+    return fail(error, path,
+                "truncated data (expected " + std::to_string(bytes) + " bytes, found " +
+                    std::to_string(have) + ")");
   out->bytes.resize(bytes);
   if (!f.read(reinterpret_cast<char*>(out->bytes.data()), std::streamsize(bytes)))
-    return fail(error, path, "truncated data (expected " + std::to_string(bytes) + " bytes)");
+    return fail(error, path, "cannot read " + std::to_string(bytes) + " bytes of data");
   return true;
 }
 
