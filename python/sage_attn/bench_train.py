@@ -15,11 +15,16 @@ import json
 import pathlib
 import statistics
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+import sys
 
 import sage_attn
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # --help and argument errors work without torch; main() says it is needed
+    torch = None
 
 
 def _time_ms(fn, seconds):
@@ -63,6 +68,13 @@ def main(argv=None):
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
+    if torch is None:
+        print("python -m sage_attn.bench_train needs PyTorch (import torch failed)",
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to benchmark", file=sys.stderr)
+        return 2
     dims = [int(x) for x in a.dims.split(",")]
     seqs = [int(x) for x in a.seqs.split(",")]
     causals = [bool(int(x)) for x in a.causal.split(",")]
@@ -157,4 +169,4 @@ def _plot(rows, path):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

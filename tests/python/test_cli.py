@@ -135,3 +135,13 @@ def test_bench_help_without_torch():
     assert status == 2 and "Traceback" not in err, err
     assert err.strip().splitlines() == [
         "python -m sage_attn.bench needs PyTorch (import torch failed)"], err
+
+
+def test_bench_train_help_without_torch():
+    status, out, err = python_m("sage_attn.bench_train", "--help", block_torch=True)
+    assert status == 0, err
+    assert "usage:" in out and "--seqs" in out, out
+    status, out, err = python_m("sage_attn.bench_train", "--dims", "64", block_torch=True)
+    assert status == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [
+        "python -m sage_attn.bench_train needs PyTorch (import torch failed)"], err
