@@ -1,17 +1,19 @@
 // SageBwd's main kernel on Hopper (sm_90a): the products of the mma.sync kernel (kernel.cuh) as
 // warpgroup MMAs. One CTA is one warpgroup that owns 64 keys of a KV head (the M rows of Sᵀ, dPᵀ,
-// dV and dK) and streams the 64-query blocks of its group's query heads; two CTAs share an SM.
-// Per block:
+// dV and dK) and streams the 64-query blocks of its group's query heads; two CTAs share an SM at
+// D = 128, three at D = 64. Per block:
 //   Sᵀ = K^·Q^ᵀ (s8, both operands in shared memory) and dPᵀ = V·dOᵀ (fp16/bf16), one batch
 //   Pᵀ, dSᵀ, their per-key ψ packed into A fragments in registers (the mma.sync A layout, so the
 //     pre-pass's permuted Q^ᵀ and dO^ᵀ serve as B: bwd::query_at)
-//   dV += P^ᵀ·dO^ and dK += dS^ᵀ·Q^ (s8, A from registers, N = D)
-//   dQ += dS^·K^ (s8: dS^ per query through shared memory, [query][key]), added into the fp32
-//     accumulator by bulk reductions from shared memory, or in key-block order (dq_order.cuh)
+//   dV += P^ᵀ·dO^ and dK += dS^ᵀ·Q^ (s8, A from registers, 64 channels at a time; at D = 128
+//     dV's upper half accumulates in shared memory)
+//   dQ += dS^·K^ (s8: dS^ per query through shared memory, [query][key]), staged a 64-channel
+//     panel at a time in dq_acc's layout (bwd::dq_offset) and added into the fp32 accumulator by
+//     one bulk reduction a warp, or in key-block order (dq_order.cuh)
 // The workspace, the ψ scales and the arithmetic are the mma.sync kernel's, so both match one
 // emulation. Shared memory: K-major tiles in wgmma's swizzled layouts, written by cp.async; the
 // query block arrives in two halves that are prefetched as soon as the block has finished with
-// them: A (Q^, dO, L', D) after the scores, B (Q^ᵀ, dO^ᵀ) after dK.
+// them: A (Q^, dO, L', D, the ψ scales) after the scores, B (Q^ᵀ, dO^ᵀ) after dK.
 #pragma once
 
 #include <cuda_bf16.h>
