@@ -201,6 +201,29 @@ typedef struct sage_attention_args {
   int32_t num_threads;   /* CPU reference threads; 0 = all hardware threads */
   sage_kernel kernel;    /* CUDA: which kernel family (AUTO: the plan's choice) */
   uint32_t options;      /* SAGE_OPTION_* flags */
+
+  /* Packed variable-length batches (FlashAttention's varlen conventions). Both NULL: the dense
+   * layout above. Both set: `batch` sequences packed token after token; sequence b holds query
+   * tokens cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1 and keys cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1.
+   * Each sequence is its own attention problem: causal alignment (either mask), K and V
+   * smoothing means and every quantization group are per sequence, never across sequences.
+   *   layout must be NHD: q, o are [total_q, Hq, D], k, v [total_k, Hkv, D] (strides.head and
+   *     .token as usual; strides.batch must be 0, the sequences are located by cu_seqlens).
+   *   lse (optional) is [Hq, total_q] fp32 (FlashAttention's varlen LSE): lse_strides.head and
+   *     .token, .batch 0; all zero = contiguous.
+   *   cu_seqlens_* are int32 [batch + 1]: start at 0, non-decreasing, end at total_*. They live
+   *     on the backend's side; the CPU backend checks their contents, the CUDA backend will not
+   *     read them on the host (no synchronization), so total_* give the extents to validate.
+   *   seq_q, seq_kv are the longest sequence's lengths (max_seqlen_q, max_seqlen_k): every
+   *     sequence must fit in them.
+   *   A sequence with no queries writes nothing; one with queries but no keys gives o = 0 and
+   *     lse = -inf for its rows, as a fully masked row of the dense call.
+   * The GPU kernels do not take packed batches yet: the CUDA backend returns
+   * SAGE_ERROR_UNSUPPORTED (the CPU reference runs them). */
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+  int64_t total_q; /* query tokens in all sequences (rows of q and o), >= 1 */
+  int64_t total_k; /* key tokens in all sequences (rows of k and v), >= 1 */
 } sage_attention_args;
 
 /* What sage_attention() will do with a set of args, decided once by the library's planner

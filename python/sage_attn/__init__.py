@@ -8,6 +8,8 @@
 
 The library is reached through its C API (ctypes); torch is needed only for the torch functions.
 `sage_attn.attention_numpy` runs the CPU reference on numpy arrays (no torch, no GPU).
+Packed variable-length batches: `sageattn_varlen` (flash_attn_varlen_func's conventions; CPU
+tensors only for now) and `attention_varlen_numpy`.
 """
 from ._lib import SageArgumentError, SageError, SageUnsupportedError, version
 
@@ -15,6 +17,7 @@ __version__ = "0.1.0"
 
 try:
     from ._numpy import attention as attention_numpy  # noqa: F401
+    from ._numpy import attention_varlen as attention_varlen_numpy  # noqa: F401
     from ._numpy import metrics  # noqa: F401
 except ImportError:  # numpy missing: the torch functions still work
     pass
@@ -25,16 +28,19 @@ except ImportError:
     _torch_missing = True
 else:
     _torch_missing = False
-    from ._torch import (dropin_backend, sageattn, scaled_dot_product_attention,  # noqa: F401
-                         set_dropin_crossover)
+    from ._torch import (dropin_backend, sageattn, sageattn_varlen,  # noqa: F401
+                         scaled_dot_product_attention, set_dropin_crossover)
 
 if _torch_missing:
     def _needs_torch(*_args, **_kwargs):
-        raise ImportError("sage_attn.sageattn and sage_attn.scaled_dot_product_attention need "
-                          "PyTorch; sage_attn.attention_numpy works without it")
+        raise ImportError("sage_attn.sageattn, sageattn_varlen and scaled_dot_product_attention "
+                          "need PyTorch; sage_attn.attention_numpy and attention_varlen_numpy "
+                          "work without it")
 
-    sageattn = scaled_dot_product_attention = dropin_backend = set_dropin_crossover = _needs_torch
+    sageattn = sageattn_varlen = scaled_dot_product_attention = _needs_torch
+    dropin_backend = set_dropin_crossover = _needs_torch
 
-__all__ = ["sageattn", "scaled_dot_product_attention", "dropin_backend", "set_dropin_crossover",
-           "attention_numpy", "metrics", "version",
+__all__ = ["sageattn", "sageattn_varlen", "scaled_dot_product_attention", "dropin_backend",
+           "set_dropin_crossover", "attention_numpy", "attention_varlen_numpy", "metrics",
+           "version",
            "SageError", "SageArgumentError", "SageUnsupportedError"]

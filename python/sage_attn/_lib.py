@@ -7,6 +7,7 @@ exception carrying the library's message (it names the argument and its value).
 from __future__ import annotations
 
 import ctypes
+import numbers
 import os
 import pathlib
 import threading
@@ -100,6 +101,10 @@ class AttentionArgs(ctypes.Structure):
         ("num_threads", ctypes.c_int32),
         ("kernel", ctypes.c_int),
         ("options", ctypes.c_uint32),
+        ("cu_seqlens_q", ctypes.c_void_p),
+        ("cu_seqlens_k", ctypes.c_void_p),
+        ("total_q", ctypes.c_int64),
+        ("total_k", ctypes.c_int64),
     ]
 
 
@@ -340,6 +345,24 @@ def set_strides(field: Strides, layout: int, strides4):
         field.head, field.token = strides4[1], strides4[2]
     else:
         field.token, field.head = strides4[1], strides4[2]
+
+
+def set_packed(a: AttentionArgs, q_shape, k_shape, cu_q: int, cu_k: int, batch: int,
+               max_seqlen_q: int, max_seqlen_k: int, strides: dict):
+    """A packed variable-length batch (sage.h, cu_seqlens_*): q [total_q, Hq, D] and k/v
+    [total_k, Hkv, D] token-major (layout NHD, no batch stride); cu_q, cu_k the addresses of the
+    int32 [batch + 1] cumulative lengths; strides {field: (token, head)} in elements."""
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} = {value!r}: must be an int (the longest sequence's length)")
+    a.layout = LAYOUT_NHD
+    a.batch, a.heads_q, a.heads_kv, a.head_dim = batch, q_shape[1], k_shape[1], q_shape[2]
+    a.seq_q, a.seq_kv = int(max_seqlen_q), int(max_seqlen_k)
+    a.total_q, a.total_k = q_shape[0], k_shape[0]
+    a.cu_seqlens_q, a.cu_seqlens_k = cu_q, cu_k
+    for field, (token, head) in strides.items():
+        s = getattr(a, field)
+        s.batch, s.head, s.token = 0, head, token
 
 
 def workspace_size(args: AttentionArgs) -> int:

@@ -10,13 +10,13 @@ from . import _lib
 _DTYPES = {np.dtype(np.float16): _lib.DTYPE_FP16, np.dtype(np.float32): _lib.DTYPE_FP32}
 
 
-def _host_array(x, name):
+def _host_array(x, name, ndim=4, shape_text="[B,H,N,D] or [B,N,H,D]"):
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
     if x.dtype not in _DTYPES:
         raise TypeError(f"{name}: dtype {x.dtype} is not supported; pass float16 or float32")
-    if x.ndim != 4:
-        raise ValueError(f"{name}: expected 4 dimensions ([B,H,N,D] or [B,N,H,D]), got shape "
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions ({shape_text}), got shape "
                          f"{tuple(x.shape)}")
     item = x.itemsize
     if x.strides[-1] != item or any(s < 0 or s % item for s in x.strides):
@@ -65,6 +65,64 @@ def attention(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retu
     a.layout = layout
     for field, x in (("q_strides", q), ("k_strides", k), ("v_strides", v), ("o_strides", o)):
         _lib.set_strides(getattr(a, field), layout, [s // x.itemsize for s in x.strides])
+    a.dtype = _DTYPES[q.dtype]
+    a.scale = 0.0 if sm_scale is None else float(sm_scale)
+    if sm_scale is not None and not a.scale > 0:
+        raise ValueError(f"sm_scale = {sm_scale!r}: must be a positive number or None")
+    a.mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
+    a.variant, a.quant = variant, cfg
+    a.backend = _lib.BACKEND_CPU
+    a.num_threads = int(num_threads)
+    _lib.run(a)
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     is_causal=False, sm_scale=None, return_lse=False, *, qk_bits=None,
+                     smooth_k=None, smooth_q=None, smooth_v=None, causal_align="bottom_right",
+                     exact=False, num_threads=0):
+    """Attention of a packed variable-length batch on the CPU reference (flash_attn_varlen_func's
+    conventions): q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [batch + 1]
+    cumulative lengths, max_seqlen_q/k the longest sequence's lengths. Each sequence is its own
+    problem (causal alignment, smoothing means and quantization groups stay inside it).
+    Returns o (q's shape and dtype), and lse [Hq, total_q] float32 when return_lse is True; a
+    sequence with queries but no keys gives o = 0 and lse = -inf."""
+    if causal_align not in _lib.CAUSAL_ALIGNS:
+        raise ValueError(f"causal_align = {causal_align!r}: must be 'bottom_right' or 'top_left'")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal = {is_causal!r}: must be a bool")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse = {return_lse!r}: must be a bool")
+    q, k, v = (_host_array(x, name, 3, "[total_tokens, H, D]")
+               for name, x in (("q", q), ("k", k), ("v", v)))
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
+    if k.shape != v.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"k: head_dim {k.shape[2]} must equal q's {q.shape[2]}")
+    cus = []
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, np.ndarray) or cu.dtype != np.int32 or cu.ndim != 1:
+            raise TypeError(f"{name}: expected a 1-D numpy int32 array (batch + 1 cumulative "
+                            f"lengths), got {getattr(cu, 'dtype', type(cu).__name__)}")
+        cus.append(np.ascontiguousarray(cu))
+    cu_q, cu_k = cus
+    if cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: need batch + 1 >= 2 entries each (got "
+                         f"{cu_q.shape[0]} and {cu_k.shape[0]})")
+    variant, cfg = _lib.quant_settings(qk_bits, smooth_q, smooth_k, smooth_v, exact)
+    o = np.empty(q.shape, dtype=q.dtype)
+    lse = np.empty((q.shape[1], q.shape[0]), dtype=np.float32) if return_lse else None
+
+    a = _lib.new_args()
+    a.q, a.k, a.v, a.o = q.ctypes.data, k.ctypes.data, v.ctypes.data, o.ctypes.data
+    a.lse = lse.ctypes.data if lse is not None else None
+    _lib.set_packed(a, q.shape, k.shape, cu_q.ctypes.data, cu_k.ctypes.data, cu_q.shape[0] - 1,
+                    max_seqlen_q, max_seqlen_k,
+                    {f: (x.strides[0] // x.itemsize, x.strides[1] // x.itemsize)
+                     for f, x in (("q_strides", q), ("k_strides", k), ("v_strides", v),
+                                  ("o_strides", o))})
     a.dtype = _DTYPES[q.dtype]
     a.scale = 0.0 if sm_scale is None else float(sm_scale)
     if sm_scale is not None and not a.scale > 0:

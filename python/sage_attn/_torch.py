@@ -424,6 +424,83 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     return (o, lse) if return_lse else o
 
 
+def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    is_causal=False, sm_scale=None, return_lse=False,
+                    causal_align="bottom_right", *, qk_bits=None, smooth_k=True, smooth_q=None,
+                    smooth_v=None):
+    """SageAttention2 of a packed variable-length batch, with flash_attn_varlen_func's
+    conventions: q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [batch + 1]
+    cumulative lengths (start 0, non-decreasing), max_seqlen_q/k the longest sequence's lengths.
+    Each sequence is its own problem: causal alignment (causal_align as in sageattn), smoothing
+    means and quantization groups never cross a sequence. Returns o (q's shape), or (o, lse)
+    with lse [Hq, total_q] float32 (FlashAttention's varlen layout); a sequence with queries but
+    no keys gives o = 0, lse = -inf.
+
+    CPU tensors run the library's CPU reference (no autograd yet: inputs that require grad raise
+    NotImplementedError). CUDA tensors raise
+    NotImplementedError: the GPU kernels do not take packed batches yet (the library refuses them
+    with SAGE_ERROR_UNSUPPORTED); a missing feature rather than a wrong argument, so a caller can
+    catch it and fall back (e.g. to flash_attn_varlen_func)."""
+    if causal_align not in _lib.CAUSAL_ALIGNS:
+        raise ValueError(f"causal_align = {causal_align!r}: must be 'bottom_right' or 'top_left'")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal = {is_causal!r}: must be a bool")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse = {return_lse!r}: must be a bool")
+    named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+             ("cu_seqlens_k", cu_seqlens_k))
+    for name, x in named:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if any(x.is_cuda for _, x in named):
+        raise NotImplementedError("sageattn_varlen: packed variable-length batches have no GPU "
+                                  "kernel yet (CPU tensors run the CPU reference)")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        # Silently returning an output without a gradient would lose it: refuse instead.
+        raise NotImplementedError("sageattn_varlen: no backward for packed batches yet (call it "
+                                  "under torch.no_grad() or on tensors that do not require grad)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in _DTYPE_CODES:
+            raise TypeError(f"{name}: dtype {x.dtype} is not supported; pass float16, bfloat16 "
+                            "or float32")
+        if x.dim() != 3:
+            raise ValueError(f"{name}: expected 3 dimensions [total_tokens, H, D], got shape "
+                             f"{tuple(x.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
+    if k.shape != v.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"k: head_dim {k.shape[2]} must equal q's {q.shape[2]}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or cu.dim() != 1:
+            raise TypeError(f"{name}: expected a 1-D int32 tensor (batch + 1 cumulative "
+                            f"lengths), got {cu.dtype} of shape {tuple(cu.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: need batch + 1 >= 2 entries each (got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]})")
+    for name, value in (("smooth_q", smooth_q), ("smooth_k", smooth_k), ("smooth_v", smooth_v)):
+        _lib.check_flag(name, value)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    o = torch.empty(q.shape, dtype=q.dtype)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse else None
+    a = _lib.new_args()
+    a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    a.lse = lse.data_ptr() if lse is not None else None
+    _lib.set_packed(a, q.shape, k.shape, cu_q.data_ptr(), cu_k.data_ptr(), cu_q.shape[0] - 1,
+                    max_seqlen_q, max_seqlen_k,
+                    {f: (x.stride(0), x.stride(1)) for f, x in
+                     (("q_strides", q), ("k_strides", k), ("v_strides", v), ("o_strides", o))})
+    a.dtype = _DTYPE_CODES[q.dtype]
+    a.scale = _scale(sm_scale, q.shape[-1], "sm_scale")
+    a.mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
+    a.variant, a.quant = _lib.quant_settings(qk_bits, smooth_q, smooth_k, smooth_v)
+    a.backend = _lib.BACKEND_CPU
+    _lib.run(a)
+    return (o, lse) if return_lse else o
+
+
 def _scale(scale, head_dim, name):
     if scale is None:
         return 1.0 / math.sqrt(head_dim)

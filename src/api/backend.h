@@ -25,10 +25,17 @@ struct Resolved {
   bool exact = false;  // SAGE_VARIANT_EXACT: no quantization at all
   sage_backend backend = SAGE_BACKEND_CPU;
   sage_strides q{}, k{}, v{}, o{}, lse{};
+  // Packed variable-length batch (sage_attention_args.cu_seqlens_*): problem.batch sequences,
+  // problem.seq_q / seq_kv their longest lengths; NULL for a dense call.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t total_q = 0, total_k = 0;
+  bool packed() const { return cu_seqlens_q != nullptr; }
 };
 
 // Checks everything about `args` and fills `out`; on failure records a message naming the
-// argument and returns its status. Touches no memory the pointers point to.
+// argument and returns its status. Touches no tensor memory; on the CPU backend it reads a packed
+// batch's cu_seqlens (host memory, and the extents the reference will index by).
 sage_status validate(const sage_attention_args* args, Resolved* out);
 
 // sage_backward_args after validation.

@@ -53,6 +53,10 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
                       Plan* out) {
   const sage_quant_config& c = r.quant;
   const ref::Problem& p = r.problem;
+  if (r.packed())
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "cu_seqlens_q, cu_seqlens_k: packed variable-length batches have no GPU "
+                     "kernel yet (the CPU reference runs them: pass host pointers)");
   if (r.exact)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "variant = EXACT has no GPU kernel (float64 runs on the CPU reference)");

@@ -1,5 +1,7 @@
 // The C API entry points: initialisation, version, errors, and sage_attention() dispatching the
 // validated call to the CPU reference or the CUDA backend. Host code; any architecture.
+#include <algorithm>
+#include <limits>
 #include <new>
 #include <string>
 
@@ -11,34 +13,83 @@ namespace {
 
 using sage::api::Resolved;
 
+// One dense problem on the reference: out contiguous [B, Hq, Nq, D], lse [B, Hq, Nq] (or NULL).
+void reference(const Resolved& r, const sage::ref::Problem& p, const sage::ref::TensorView& q,
+               const sage::ref::TensorView& k, const sage::ref::TensorView& v, double* out,
+               double* lse, int threads) {
+  namespace ref = sage::ref;
+  if (r.exact) {
+    ref::attention_exact(p, q, k, v, out, lse, threads);
+    return;
+  }
+  std::vector<float> outf(size_t(p.out_elems())), lsef(lse ? size_t(p.lse_elems()) : 0);
+  ref::attention_quant(p, r.quant, q, k, v, outf.data(), lse ? lsef.data() : nullptr, threads);
+  std::copy(outf.begin(), outf.end(), out);
+  if (lse) std::copy(lsef.begin(), lsef.end(), lse);
+}
+
+// Writes one sequence's contiguous [Hq, n, D] result (lse [Hq, n]) in the caller's dtype:
+// element (h, i, d) of o at o_base + h·o.head + i·o.token + d, of lse at lse_base + h·lse.head +
+// i·lse.token.
+void store_rows(const Resolved& r, const sage_attention_args& a, int64_t n, const double* out,
+                const double* lse, int64_t o_base, int64_t lse_base) {
+  const int64_t D = r.problem.head_dim;
+  for (int64_t h = 0; h < r.problem.heads_q; ++h)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = h * n + i, base = o_base + h * r.o.head + i * r.o.token;
+      for (int64_t d = 0; d < D; ++d)
+        sage::ref::store_element(a.o, a.dtype, base + d, out[size_t(row * D + d)]);
+      if (a.lse) a.lse[lse_base + h * r.lse.head + i * r.lse.token] = float(lse[size_t(row)]);
+    }
+}
+
 // The CPU reference through the C API: compute into scratch, then write o (and lse) in the
 // caller's dtype and strides, so a failure leaves the caller's buffers untouched.
 void run_cpu(const Resolved& r, const sage_attention_args& a) {
   namespace ref = sage::ref;
   const ref::Problem& p = r.problem;
   const ref::TensorView q{a.q, a.dtype, r.q}, k{a.k, a.dtype, r.k}, v{a.v, a.dtype, r.v};
-  const int64_t D = p.head_dim, N = p.seq_q;
+  const int64_t D = p.head_dim, N = p.seq_q, Hq = p.heads_q;
   std::vector<double> out(static_cast<size_t>(p.out_elems())),
       lse(a.lse ? size_t(p.lse_elems()) : 0);
-  if (r.exact) {
-    ref::attention_exact(p, q, k, v, out.data(), a.lse ? lse.data() : nullptr, a.num_threads);
-  } else {
-    std::vector<float> outf(out.size()), lsef(lse.size());
-    ref::attention_quant(p, r.quant, q, k, v, outf.data(), a.lse ? lsef.data() : nullptr,
-                         a.num_threads);
-    out.assign(outf.begin(), outf.end());
-    lse.assign(lsef.begin(), lsef.end());
-  }
+  reference(r, p, q, k, v, out.data(), a.lse ? lse.data() : nullptr, a.num_threads);
   for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t h = 0; h < p.heads_q; ++h)
-      for (int64_t i = 0; i < N; ++i) {
-        const int64_t row = (b * p.heads_q + h) * N + i;
-        const int64_t base = b * r.o.batch + h * r.o.head + i * r.o.token;
-        for (int64_t d = 0; d < D; ++d)
-          ref::store_element(a.o, a.dtype, base + d, out[size_t(row * D + d)]);
-        if (a.lse)
-          a.lse[b * r.lse.batch + h * r.lse.head + i * r.lse.token] = float(lse[size_t(row)]);
-      }
+    store_rows(r, a, N, out.data() + b * Hq * N * D, lse.data() + (a.lse ? b * Hq * N : 0),
+               b * r.o.batch, b * r.lse.batch);
+}
+
+// A packed batch: each sequence is a dense problem of batch 1 over its own token range, so its
+// causal alignment, smoothing means and quantization groups never reach another sequence (one
+// mechanism: the dense reference). Sequence b's result sits in the scratch at token cu_q[b] as
+// [Hq, Nq_b, D]; o and lse are written once every sequence is computed.
+void run_cpu_packed(const Resolved& r, const sage_attention_args& a) {
+  namespace ref = sage::ref;
+  const ref::Problem& p = r.problem;
+  const int64_t Hq = p.heads_q, D = p.head_dim, es = a.dtype == SAGE_DTYPE_FP32 ? 4 : 2;
+  const int32_t *cu_q = r.cu_seqlens_q, *cu_k = r.cu_seqlens_k;
+  std::vector<double> out(size_t(r.total_q * Hq * D)), lse(a.lse ? size_t(r.total_q * Hq) : 0);
+  auto view = [&](const void* data, const sage_strides& s, int64_t token) {
+    return ref::TensorView{static_cast<const char*>(data) + token * s.token * es, a.dtype, s};
+  };
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t q0 = cu_q[b], nq = cu_q[b + 1] - q0, k0 = cu_k[b], nk = cu_k[b + 1] - k0;
+    double* lse_b = a.lse ? lse.data() + q0 * Hq : nullptr;
+    if (nq == 0) continue;
+    if (nk == 0) {
+      // No key at all: every row is fully masked, as in the dense call (o = 0, lse = -inf).
+      if (lse_b) std::fill(lse_b, lse_b + Hq * nq, -std::numeric_limits<double>::infinity());
+      continue;
+    }
+    ref::Problem pb = p;
+    pb.batch = 1, pb.seq_q = nq, pb.seq_kv = nk;
+    reference(r, pb, view(a.q, r.q, q0), view(a.k, r.k, k0), view(a.v, r.v, k0),
+              out.data() + q0 * Hq * D, lse_b, a.num_threads);
+  }
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t q0 = cu_q[b];
+    store_rows(r, a, cu_q[b + 1] - q0, out.data() + q0 * Hq * D,
+               lse.data() + (a.lse ? q0 * Hq : 0), q0 * r.o.token, q0 * r.lse.token);
+  }
 }
 
 // The backward on the CPU: the forward's O and LSE and the gradients go through contiguous
@@ -213,7 +264,7 @@ sage_status sage_attention(const sage_attention_args* args) {
   Resolved r;
   SAGE_RETURN_IF_ERROR(sage::api::validate(args, &r));
   if (r.backend == SAGE_BACKEND_CUDA) return sage::cuda::attention(r, *args);
-  return guarded([&] { run_cpu(r, *args); });
+  return guarded([&] { r.packed() ? run_cpu_packed(r, *args) : run_cpu(r, *args); });
 }
 
 sage_status sage_backward_args_init(sage_backward_args* args) {

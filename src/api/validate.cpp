@@ -164,6 +164,66 @@ sage_status resolve_backend(sage_backend requested, const void* const* ptrs,
   return SAGE_OK;
 }
 
+// A packed batch's arguments that need no memory read: both cu_seqlens or neither, the
+// token-major layout, the totals, no batch strides (the sequences are found by cu_seqlens).
+sage_status check_packed(const sage_attention_args& a) {
+  SAGE_CHECK_ARG(a.cu_seqlens_q && a.cu_seqlens_k,
+                 "%s is NULL but %s = %p is set: a packed batch needs both cu_seqlens_q and "
+                 "cu_seqlens_k",
+                 a.cu_seqlens_q ? "cu_seqlens_k" : "cu_seqlens_q",
+                 a.cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k",
+                 a.cu_seqlens_q ? static_cast<const void*>(a.cu_seqlens_q)
+                                : static_cast<const void*>(a.cu_seqlens_k));
+  for (const int32_t* cu : {a.cu_seqlens_q, a.cu_seqlens_k})
+    SAGE_CHECK_ARG(reinterpret_cast<uintptr_t>(cu) % alignof(int32_t) == 0,
+                   "%s = %p is not aligned to int32", cu == a.cu_seqlens_q ? "cu_seqlens_q"
+                                                                            : "cu_seqlens_k",
+                   static_cast<const void*>(cu));
+  SAGE_CHECK_ARG(a.layout == SAGE_LAYOUT_NHD,
+                 "layout = HND, but a packed batch (cu_seqlens_q) is token-major: layout must be "
+                 "NHD ([total_q, Hq, D])");
+  SAGE_CHECK_ARG(a.total_q >= 1, "total_q = %" PRId64 " must be >= 1 (packed batch)", a.total_q);
+  SAGE_CHECK_ARG(a.total_k >= 1, "total_k = %" PRId64 " must be >= 1 (packed batch)", a.total_k);
+  SAGE_CHECK_ARG(a.batch < INT32_MAX, "batch = %" PRId64 " sequences: cu_seqlens are int32",
+                 a.batch);
+  const struct {
+    const char* name;
+    const sage_strides& s;
+  } strides[] = {{"q_strides", a.q_strides}, {"k_strides", a.k_strides},
+                 {"v_strides", a.v_strides}, {"o_strides", a.o_strides},
+                 {"lse_strides", a.lse_strides}};
+  for (const auto& t : strides)
+    SAGE_CHECK_ARG(t.s.batch == 0,
+                   "%s.batch = %" PRId64 ": a packed batch has no batch dimension (sequences are "
+                   "located by cu_seqlens), it must be 0",
+                   t.name, t.s.batch);
+  return SAGE_OK;
+}
+
+// The contents of host cu_seqlens (the CPU backend): FlashAttention's conventions, and every
+// sequence within the declared longest length (the reference sizes its scratch by it).
+sage_status check_cu_seqlens(const char* name, const int32_t* cu, int64_t batch,
+                             const char* total_name, int64_t total, const char* max_name,
+                             int64_t max_len) {
+  SAGE_CHECK_ARG(cu[0] == 0, "%s[0] = %d: cumulative lengths start at 0", name, int(cu[0]));
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = int64_t(cu[b + 1]) - cu[b];
+    SAGE_CHECK_ARG(len >= 0,
+                   "%s[%" PRId64 "] = %d < %s[%" PRId64
+                   "] = %d: cumulative lengths must be non-decreasing",
+                   name, b + 1, int(cu[b + 1]), name, b, int(cu[b]));
+    SAGE_CHECK_ARG(len <= max_len,
+                   "%s: sequence %" PRId64 " has %" PRId64 " tokens, more than %s = %" PRId64
+                   " (the longest sequence)",
+                   name, b, len, max_name, max_len);
+  }
+  SAGE_CHECK_ARG(cu[batch] == total,
+                 "%s[%" PRId64 "] = %d, but %s = %" PRId64
+                 ": the last entry must be the total token count",
+                 name, batch, int(cu[batch]), total_name, total);
+  return SAGE_OK;
+}
+
 }  // namespace
 
 sage_status validate(const sage_attention_args* args, Resolved* out) {
@@ -184,22 +244,41 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
   r.o = a.o_strides;
   r.lse = a.lse_strides;
   const int64_t es = dtype_size(a.dtype), D = a.head_dim;
-  Range q, k, v, o, lse{};
+  // A packed batch is one [total, H, D] tensor an argument (its LSE one [Hq, total_q]): checked
+  // as a batch of one.
+  const bool packed = a.cu_seqlens_q || a.cu_seqlens_k;
+  if (packed) SAGE_RETURN_IF_ERROR(check_packed(a));
+  const int64_t nb = packed ? 1 : a.batch, nq = packed ? a.total_q : a.seq_q,
+                nk = packed ? a.total_k : a.seq_kv;
+  Range q, k, v, o, lse{}, cu_q{}, cu_k{};
   SAGE_RETURN_IF_ERROR(
-      check_tensor("q", a.q, &r.q, a.layout, a.heads_q, a.seq_q, a.batch, D, es, false, &q));
+      check_tensor("q", a.q, &r.q, a.layout, a.heads_q, nq, nb, D, es, false, &q));
   SAGE_RETURN_IF_ERROR(
-      check_tensor("k", a.k, &r.k, a.layout, a.heads_kv, a.seq_kv, a.batch, D, es, false, &k));
+      check_tensor("k", a.k, &r.k, a.layout, a.heads_kv, nk, nb, D, es, false, &k));
   SAGE_RETURN_IF_ERROR(
-      check_tensor("v", a.v, &r.v, a.layout, a.heads_kv, a.seq_kv, a.batch, D, es, false, &v));
+      check_tensor("v", a.v, &r.v, a.layout, a.heads_kv, nk, nb, D, es, false, &v));
   SAGE_RETURN_IF_ERROR(
-      check_tensor("o", a.o, &r.o, a.layout, a.heads_q, a.seq_q, a.batch, D, es, true, &o));
+      check_tensor("o", a.o, &r.o, a.layout, a.heads_q, nq, nb, D, es, true, &o));
   for (const Range* in : {&q, &k, &v})
     SAGE_CHECK_ARG(!overlap(o, *in), "o overlaps %s: the output must not alias an input", in->name);
+  if (packed) {
+    const uintptr_t bytes = uintptr_t(a.batch + 1) * sizeof(int32_t);
+    cu_q = {"cu_seqlens_q", reinterpret_cast<uintptr_t>(a.cu_seqlens_q),
+            reinterpret_cast<uintptr_t>(a.cu_seqlens_q) + bytes};
+    cu_k = {"cu_seqlens_k", reinterpret_cast<uintptr_t>(a.cu_seqlens_k),
+            reinterpret_cast<uintptr_t>(a.cu_seqlens_k) + bytes};
+    for (const Range* in : {&cu_q, &cu_k})
+      SAGE_CHECK_ARG(!overlap(o, *in), "o overlaps %s: the output must not alias an input",
+                     in->name);
+  }
   if (a.lse) {
-    SAGE_RETURN_IF_ERROR(check_tensor("lse", a.lse, &r.lse, SAGE_LAYOUT_HND, a.heads_q, a.seq_q,
-                                      a.batch, 1, 4, true, &lse));
+    SAGE_RETURN_IF_ERROR(check_tensor("lse", a.lse, &r.lse, SAGE_LAYOUT_HND, a.heads_q, nq, nb, 1,
+                                      4, true, &lse));
     for (const Range* other : {&q, &k, &v, &o})
       SAGE_CHECK_ARG(!overlap(lse, *other), "lse overlaps %s", other->name);
+    if (packed)
+      for (const Range* other : {&cu_q, &cu_k})
+        SAGE_CHECK_ARG(!overlap(lse, *other), "lse overlaps %s", other->name);
   }
 
   if (a.variant == SAGE_VARIANT_CUSTOM) {
@@ -211,12 +290,26 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
   }
   r.exact = a.variant == SAGE_VARIANT_EXACT;
 
-  const void* ptrs[] = {a.q, a.k, a.v, a.o, a.lse};
-  const char* names[] = {"q", "k", "v", "o", "lse"};
+  const void* ptrs[] = {a.q, a.k, a.v, a.o, a.lse, a.cu_seqlens_q, a.cu_seqlens_k};
+  const char* names[] = {"q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k"};
   sage_backend want = SAGE_BACKEND_CPU;
-  SAGE_RETURN_IF_ERROR(resolve_backend(a.backend, ptrs, names, 5, &want));
+  SAGE_RETURN_IF_ERROR(resolve_backend(a.backend, ptrs, names, 7, &want));
   SAGE_RETURN_IF_ERROR(check_kernel_backend(a, want));
   r.backend = want;
+  if (packed) {
+    // The CUDA backend must not read device memory here (no host synchronization); its planner
+    // refuses packed batches for now. The CPU reference indexes by these, so they are checked.
+    if (want == SAGE_BACKEND_CPU) {
+      SAGE_RETURN_IF_ERROR(check_cu_seqlens("cu_seqlens_q", a.cu_seqlens_q, a.batch, "total_q",
+                                            a.total_q, "seq_q", a.seq_q));
+      SAGE_RETURN_IF_ERROR(check_cu_seqlens("cu_seqlens_k", a.cu_seqlens_k, a.batch, "total_k",
+                                            a.total_k, "seq_kv", a.seq_kv));
+    }
+    r.cu_seqlens_q = a.cu_seqlens_q;
+    r.cu_seqlens_k = a.cu_seqlens_k;
+    r.total_q = a.total_q;
+    r.total_k = a.total_k;
+  }
   *out = r;
   return SAGE_OK;
 }

@@ -685,6 +685,21 @@ TEST(GpuAttention, ArgumentErrorsAreClear) {
   b.quant.v_scale = SAGE_V_SCALE_PER_BLOCK;
   EXPECT_EQ(sage_attention(&b), SAGE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(sage_last_error()).find("v_scale"), std::string::npos);
+  // Packed batches have no GPU kernel yet: the call and both queries refuse them (cu_seqlens
+  // stay unread on the host: no synchronization).
+  DeviceBuffer cu(2 * sizeof(int32_t));
+  b = a;
+  b.layout = SAGE_LAYOUT_NHD;
+  b.cu_seqlens_q = b.cu_seqlens_k = static_cast<const int32_t*>(cu.ptr);
+  b.total_q = b.total_k = 64;
+  EXPECT_EQ(sage_attention(&b), SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("cu_seqlens_q"), std::string::npos)
+      << sage_last_error();
+  size_t packed_ws = 0;
+  EXPECT_EQ(sage_attention_workspace_size(&b, &packed_ws), SAGE_ERROR_UNSUPPORTED);
+  sage_plan_info packed_info{};
+  packed_info.struct_size = sizeof packed_info;
+  EXPECT_EQ(sage_attention_plan(&b, &packed_info), SAGE_ERROR_UNSUPPORTED);
   // Mixed host and device pointers.
   b = a;
   b.k = host.data();
