@@ -281,6 +281,18 @@ def preset(variant: int) -> QuantConfig:
     return QuantConfig.from_buffer_copy(_presets[variant])
 
 
+def check_call_flags(causal_align, is_causal, return_lse):
+    """The keywords every attention entry point shares: a known causal_align, and is_causal and
+    return_lse as bools only (a mask array or a string passed as is_causal is a mistake, not
+    "true")."""
+    if causal_align not in CAUSAL_ALIGNS:
+        raise ValueError(f"causal_align = {causal_align!r}: must be 'bottom_right' or 'top_left'")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal = {is_causal!r}: must be a bool")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse = {return_lse!r}: must be a bool")
+
+
 def check_flag(name, value):
     """A smoothing keyword: True, False or None (the preset); anything else is a TypeError."""
     if value is not None and not isinstance(value, bool):

@@ -35,13 +35,7 @@ def attention(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retu
     return_lse is True."""
     if tensor_layout not in _lib.LAYOUTS:
         raise ValueError(f"tensor_layout = {tensor_layout!r}: must be 'HND' or 'NHD'")
-    if causal_align not in _lib.CAUSAL_ALIGNS:
-        raise ValueError(f"causal_align = {causal_align!r}: must be 'bottom_right' or 'top_left'")
-    # As sageattn: a bool only (a mask array or a string passed here is a mistake, not "true").
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal = {is_causal!r}: must be a bool")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse = {return_lse!r}: must be a bool")
+    _lib.check_call_flags(causal_align, is_causal, return_lse)
     q, k, v = _host_array(q, "q"), _host_array(k, "k"), _host_array(v, "v")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
@@ -65,7 +59,13 @@ def attention(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retu
     a.layout = layout
     for field, x in (("q_strides", q), ("k_strides", k), ("v_strides", v), ("o_strides", o)):
         _lib.set_strides(getattr(a, field), layout, [s // x.itemsize for s in x.strides])
-    a.dtype = _DTYPES[q.dtype]
+    _run_cpu(a, q.dtype, sm_scale, is_causal, causal_align, variant, cfg, num_threads)
+    return (o, lse) if return_lse else o
+
+
+def _run_cpu(a, dtype, sm_scale, is_causal, causal_align, variant, cfg, num_threads):
+    """The settings both entry points share, then the CPU reference call on `a`."""
+    a.dtype = _DTYPES[dtype]
     a.scale = 0.0 if sm_scale is None else float(sm_scale)
     if sm_scale is not None and not a.scale > 0:
         raise ValueError(f"sm_scale = {sm_scale!r}: must be a positive number or None")
@@ -74,7 +74,6 @@ def attention(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retu
     a.backend = _lib.BACKEND_CPU
     a.num_threads = int(num_threads)
     _lib.run(a)
-    return (o, lse) if return_lse else o
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -87,12 +86,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     problem (causal alignment, smoothing means and quantization groups stay inside it).
     Returns o (q's shape and dtype), and lse [Hq, total_q] float32 when return_lse is True; a
     sequence with queries but no keys gives o = 0 and lse = -inf."""
-    if causal_align not in _lib.CAUSAL_ALIGNS:
-        raise ValueError(f"causal_align = {causal_align!r}: must be 'bottom_right' or 'top_left'")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal = {is_causal!r}: must be a bool")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse = {return_lse!r}: must be a bool")
+    _lib.check_call_flags(causal_align, is_causal, return_lse)
     q, k, v = (_host_array(x, name, 3, "[total_tokens, H, D]")
                for name, x in (("q", q), ("k", k), ("v", v)))
     if not (q.dtype == k.dtype == v.dtype):
@@ -123,15 +117,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                     {f: (x.strides[0] // x.itemsize, x.strides[1] // x.itemsize)
                      for f, x in (("q_strides", q), ("k_strides", k), ("v_strides", v),
                                   ("o_strides", o))})
-    a.dtype = _DTYPES[q.dtype]
-    a.scale = 0.0 if sm_scale is None else float(sm_scale)
-    if sm_scale is not None and not a.scale > 0:
-        raise ValueError(f"sm_scale = {sm_scale!r}: must be a positive number or None")
-    a.mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
-    a.variant, a.quant = variant, cfg
-    a.backend = _lib.BACKEND_CPU
-    a.num_threads = int(num_threads)
-    _lib.run(a)
+    _run_cpu(a, q.dtype, sm_scale, is_causal, causal_align, variant, cfg, num_threads)
     return (o, lse) if return_lse else o
 
 

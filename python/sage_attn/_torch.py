@@ -403,12 +403,7 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     instead of with atomics: the same gradient bits on every run (dK, dV are anyway)."""
     if tensor_layout not in _lib.LAYOUTS:
         raise ValueError(f"tensor_layout = {tensor_layout!r}: must be 'HND' or 'NHD'")
-    if causal_align not in _lib.CAUSAL_ALIGNS:
-        raise ValueError(f"causal_align = {causal_align!r}: must be 'bottom_right' or 'top_left'")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal = {is_causal!r}: must be a bool")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse = {return_lse!r}: must be a bool")
+    _lib.check_call_flags(causal_align, is_causal, return_lse)
     if qk_bits is not None and (isinstance(qk_bits, bool) or qk_bits not in (4, 8)):
         raise ValueError(f"qk_bits = {qk_bits!r}: must be 8, 4 or None (8)")
     if not isinstance(kernel, (str, type(None))) or kernel not in KERNELS:
@@ -441,12 +436,7 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     NotImplementedError: the GPU kernels do not take packed batches yet (the library refuses them
     with SAGE_ERROR_UNSUPPORTED); a missing feature rather than a wrong argument, so a caller can
     catch it and fall back (e.g. to flash_attn_varlen_func)."""
-    if causal_align not in _lib.CAUSAL_ALIGNS:
-        raise ValueError(f"causal_align = {causal_align!r}: must be 'bottom_right' or 'top_left'")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal = {is_causal!r}: must be a bool")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse = {return_lse!r}: must be a bool")
+    _lib.check_call_flags(causal_align, is_causal, return_lse)
     named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
              ("cu_seqlens_k", cu_seqlens_k))
     for name, x in named:
