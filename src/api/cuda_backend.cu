@@ -229,8 +229,12 @@ namespace {
 sage_status check_backward(const api::ResolvedBackward& r, const sage_backward_args& a,
                            const api::Device& dev) {
   const ref::Problem& p = r.problem;
-  if (dev.cc < 80)
-    return set_error(SAGE_ERROR_UNSUPPORTED, "the backward needs sm_80 or newer (device: sm_%d)",
+  // The kernels themselves need sm_80, but the library builds for sm_89 and newer only (its
+  // forward pre-pass needs FP8 conversions): below that there is no kernel image to launch.
+  if (dev.cc < 89)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "the GPU is sm_%d; the backward, like the library, is built for sm_89 or "
+                     "newer",
                      dev.cc);
   if (!api::gpu_has_head_dim(p.head_dim))
     return set_error(SAGE_ERROR_UNSUPPORTED,

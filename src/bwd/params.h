@@ -1,6 +1,6 @@
-// SageBwd on the GPU (sm_80+ mma.sync; the Hopper wgmma version comes later): the tile shape,
-// the workspace layout the backward pre-pass writes, and the params struct of its kernels. Plain
-// C++ (no CUDA types).
+// SageBwd on the GPU (the mma.sync kernel, kernel.cuh; the Hopper wgmma one, sm90_kernel.cuh):
+// the tile shape, the workspace layout the backward pre-pass writes, and the params struct of its
+// kernels. Plain C++ (no CUDA types).
 #pragma once
 
 #include <cstddef>

@@ -13,8 +13,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import sage_attn  # noqa: E402
 
-HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
-gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU with sm_80 or newer")
+HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU with sm_89 or newer")
 TORCH_SDPA = F.scaled_dot_product_attention
 
 
