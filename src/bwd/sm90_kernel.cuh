@@ -158,53 +158,48 @@ __device__ __forceinline__ void mma_dv_dk(AddV add_v, AddK add_k, const uint32_t
                                           const uint32_t (&sf)[2][4], const uint8_t* dot_tile,
                                           const uint8_t* qt_tile, float va, float vb, float ka,
                                           float kb) {
-  auto scale = [](int i, float a, float b) { return (i & 2) ? b : a; };
+  // d (+)= a·B for k32 step kq of channel panel h of a [D][64] B tile.
+  auto issue = [](int(&d)[32], const uint32_t(&a)[2][4], const uint8_t* tile, int h, int kq) {
+    ptx::wgmma_m64n64k32_s8_rs(d, a[kq], ptx::wgmma_desc<64>(tile + h * 4096 + kq * 32), kq > 0);
+  };
+  auto scaled = [](const int(&acc)[32], int i, float a, float b) {
+    return float(acc[i]) * ((i & 2) ? b : a);
+  };
+  if constexpr (kPaired) {
 #pragma unroll
-  for (int h = 0; h < D / 64; ++h) {
-    int av[32];
-    auto issue_v = [&](int(&d)[32], int kq) {
-      ptx::wgmma_m64n64k32_s8_rs(d, pf[kq], ptx::wgmma_desc<64>(dot_tile + h * 4096 + kq * 32),
-                                 kq > 0);
-    };
-    auto issue_k = [&](int(&d)[32], int kq) {
-      ptx::wgmma_m64n64k32_s8_rs(d, sf[kq], ptx::wgmma_desc<64>(qt_tile + h * 4096 + kq * 32),
-                                 kq > 0);
-    };
-    if constexpr (kPaired) {
-      int ak[32];
+    for (int h = 0; h < D / 64; ++h) {
+      int av[32], ak[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) av[i] = ak[i] = 0;
       ptx::wgmma_fence();
 #pragma unroll
-      for (int kq = 0; kq < 2; ++kq) issue_v(av, kq);
+      for (int kq = 0; kq < 2; ++kq) issue(av, pf, dot_tile, h, kq);
 #pragma unroll
-      for (int kq = 0; kq < 2; ++kq) issue_k(ak, kq);
+      for (int kq = 0; kq < 2; ++kq) issue(ak, sf, qt_tile, h, kq);
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
       ptx::wgmma_fence_regs(av);
       ptx::wgmma_fence_regs(ak);
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
-        add_v(h * 32 + i, float(av[i]) * scale(i, va, vb));
-        add_k(h * 32 + i, float(ak[i]) * scale(i, ka, kb));
+        add_v(h * 32 + i, scaled(av, i, va, vb));
+        add_k(h * 32 + i, scaled(ak, i, ka, kb));
       }
-    } else {
-      mma_k64(av, issue_v);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) add_v(h * 32 + i, float(av[i]) * scale(i, va, vb));
     }
-  }
-  if constexpr (!kPaired) {
+  } else {
+    // One product over both panels, then the other: dV, then dK.
+    auto product = [&](auto add, const uint32_t(&a)[2][4], const uint8_t* tile, float sa,
+                       float sb) {
 #pragma unroll
-    for (int h = 0; h < D / 64; ++h) {
-      int ak[32];
-      mma_k64(ak, [&](int(&d)[32], int kq) {
-        ptx::wgmma_m64n64k32_s8_rs(d, sf[kq], ptx::wgmma_desc<64>(qt_tile + h * 4096 + kq * 32),
-                                   kq > 0);
-      });
+      for (int h = 0; h < D / 64; ++h) {
+        int acc[32];
+        mma_k64(acc, [&](int(&d)[32], int kq) { issue(d, a, tile, h, kq); });
 #pragma unroll
-      for (int i = 0; i < 32; ++i) add_k(h * 32 + i, float(ak[i]) * scale(i, ka, kb));
-    }
+        for (int i = 0; i < 32; ++i) add(h * 32 + i, scaled(acc, i, sa, sb));
+      }
+    };
+    product(add_v, pf, dot_tile, va, vb);
+    product(add_k, sf, qt_tile, ka, kb);
   }
 }
 
