@@ -293,6 +293,17 @@ def check_call_flags(causal_align, is_causal, return_lse):
         raise TypeError(f"return_lse = {return_lse!r}: must be a bool")
 
 
+def check_packed_qkv(q, k, v):
+    """Packed [total, H, D] q, k, v (numpy arrays or torch tensors) that fit together: one
+    dtype, k and v of one shape, one head dim."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
+    if k.shape != v.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"k: head_dim {k.shape[2]} must equal q's {q.shape[2]}")
+
+
 def check_flag(name, value):
     """A smoothing keyword: True, False or None (the preset); anything else is a TypeError."""
     if value is not None and not isinstance(value, bool):

@@ -89,12 +89,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _lib.check_call_flags(causal_align, is_causal, return_lse)
     q, k, v = (_host_array(x, name, 3, "[total_tokens, H, D]")
                for name, x in (("q", q), ("k", k), ("v", v)))
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
-    if k.shape != v.shape:
-        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"k: head_dim {k.shape[2]} must equal q's {q.shape[2]}")
+    _lib.check_packed_qkv(q, k, v)
     cus = []
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, np.ndarray) or cu.dtype != np.int32 or cu.ndim != 1:

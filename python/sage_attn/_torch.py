@@ -456,12 +456,7 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         if x.dim() != 3:
             raise ValueError(f"{name}: expected 3 dimensions [total_tokens, H, D], got shape "
                              f"{tuple(x.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
-    if k.shape != v.shape:
-        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"k: head_dim {k.shape[2]} must equal q's {q.shape[2]}")
+    _lib.check_packed_qkv(q, k, v)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32 or cu.dim() != 1:
             raise TypeError(f"{name}: expected a 1-D int32 tensor (batch + 1 cumulative "

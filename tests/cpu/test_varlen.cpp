@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "api/plan.h"
+#include "common/test_util.h"
 #include "ref/reference.h"
 #include "sage/sage.h"
 
@@ -24,11 +25,7 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-uint64_t fresh_seed() {
-  if (const char* s = std::getenv("SAGE_TEST_SEED")) return std::strtoull(s, nullptr, 0);
-  std::random_device rd;
-  return (uint64_t(rd()) << 32) ^ uint64_t(rd());
-}
+using sage::test::fresh_seed;
 
 int64_t elem_bytes(sage_dtype d) {
   return d == SAGE_DTYPE_FP32 ? 4 : 2;
