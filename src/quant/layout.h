@@ -21,6 +21,8 @@ constexpr int kBlockK = 64;
 constexpr int kQGroups = 64;      // Q scales per 128-row block: 8 warps x 8 lane groups
 constexpr int kKGroups = 4;       // K scales per 64-key block
 constexpr int kStatTokens = 128;  // tokens per K/V statistics chunk (fixed-order reduction)
+// PrepassPlan::kv_bad's value for a KV head whose K and V are finite.
+constexpr unsigned long long kKvBadNone = ~0ull;
 
 // The key order of one 32-key chunk of Vᵀ: position kappa holds key perm(kappa), so that the
 // S accumulator a thread holds is directly the A operand of the P·V MMA (see prepass.cu).
@@ -39,6 +41,26 @@ inline bool rows_aligned16(const void* base, const sage_strides& s) {
   const uint64_t bytes = uint64_t(s.batch) | uint64_t(s.head) | uint64_t(s.token);  // ×2 below
   return ((reinterpret_cast<uintptr_t>(base) | (bytes << 1)) & 15u) == 0;
 }
+
+// Which keys a query row sees (keys j < visible(row)), to mark the rows an Inf/NaN input poisons:
+// a row that sees keys is poisoned when its own Q row holds Inf/NaN or when it sees the head's
+// first key whose K or V row does (PrepassPlan::kv_bad). Its LSE shift is then NaN, and the
+// attention epilogue writes the row as NaN (non-finite inputs: the README).
+struct RowSight {
+  int64_t seq_kv = 0;
+  int64_t causal_offset = 0;  // causal: query i sees keys j <= i + causal_offset
+  bool causal = false;
+  SAGE_HOST_DEVICE int64_t visible(int64_t row) const {
+    if (!causal) return seq_kv;
+    const int64_t n = row + causal_offset + 1;
+    return n < 0 ? 0 : (n > seq_kv ? seq_kv : n);
+  }
+  SAGE_HOST_DEVICE bool poisoned(int64_t row, bool row_bad,
+                                 unsigned long long kv_first_bad) const {
+    const int64_t n = visible(row);
+    return n > 0 && (row_bad || kv_first_bad < static_cast<unsigned long long>(n));
+  }
+};
 
 // Byte offsets of every pre-pass product inside the caller's workspace (all 256-aligned), and the
 // steps the pre-pass runs. The size depends on the shapes and the config only (never on
@@ -60,7 +82,7 @@ struct PrepassPlan {
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
          kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, delta_s = 0,
-         tile_counter = 0, total = 0;
+         tile_counter = 0, kv_bad = 0, total = 0;
 };
 
 inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t heads_kv,
@@ -106,6 +128,9 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   // The sm90 kernel's causal tile scheduler: {next tile, CTAs done}, zeroed by the pre-pass
   // (kv_finalize) and reset by the kernel's last CTA.
   p.tile_counter = take(8);
+  // Per KV head: the first key whose K or V row holds Inf/NaN (kKvBadNone: none), for the rows
+  // the pre-pass or the sm90 kernel's Q quantization marks as poisoned.
+  p.kv_bad = take(size_t(bk) * 8);
   p.total = off;
   return p;
 }

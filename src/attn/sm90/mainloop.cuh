@@ -110,8 +110,8 @@ struct Consumer {
     if (fused_q && it == 0) {
       // The CTA's first Q tile: quantized with warps 1-3 (kFirstQWarps), then released by them.
       ptx::mbar_wait(&sh.bar.staged, 0);
-      quantize_q<D, OutT>(p, sh, tiles, ti, 0, kQuantWarps * 32 + threadIdx.x - 128,
-                          Tr::kFirstQWarps);
+      quantize_q<D, OutT, kCausal>(p, sh, tiles, ti, 0, kQuantWarps * 32 + threadIdx.x - 128,
+                                   Tr::kFirstQWarps);
       ptx::named_bar_sync(Tr::kBarFirstQ, Tr::kFirstQWarps * 32);
     }
     ptx::mbar_wait(&sh.bar.full_q[qbuf], (it >> 1) & 1);
