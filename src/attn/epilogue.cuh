@@ -69,46 +69,47 @@ __device__ __forceinline__ void pack_p_e4m3(uint32_t (&pf)[kChunks][4], PAt p_at
     }
 }
 
+// The running sum l a row starts from: 0, or NaN for a row that an Inf/NaN input poisons (the
+// pre-pass or the sm90 kernel's Q quantization gave it a NaN LSE shift: quant::RowSight). The NaN
+// then carries through the softmax into the row's output and LSE, at no cost in the epilogue.
+template <typename Params>
+__device__ __forceinline__ float initial_sum(const Params& p, int64_t bh, int64_t row) {
+  return row < p.seq_q && isnan(p.lse_shift[bh * p.seq_q + row]) ? __int_as_float(0x7FC00000)
+                                                                  : 0.0f;
+}
+
 // Finalize and store rows row_a, row_a + 8: O / l / 448 · v_scale + v_mean in the output dtype;
-// LSE = (m + log2 l)·ln 2 + the smoothing shift. A row whose shift is NaN is poisoned (an Inf/NaN
-// input reaches it: quant::RowSight) and is stored as NaN, its LSE too. o_at(i, e) reads element
-// e of channel tile i.
-// kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 when it sums the
-// E4M3-range values P~ · 448 the kernel computed directly. vsc / vmean: this head's V scales
-// and means (D floats each), from global memory or staged in shared memory by the caller.
+// LSE = (m + log2 l)·ln 2 + the smoothing shift. A row with l = 0 saw no key (0, LSE -inf); a
+// poisoned row's l is NaN (initial_sum), so are its output and LSE. o_at(i, e) reads element e of
+// channel tile i. kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 when
+// it sums the E4M3-range values P~ · 448 the kernel computed directly. vsc / vmean: this head's V
+// scales and means (D floats each), from global memory or staged in shared memory by the caller.
 template <int D, typename OutT, int kLUnit, typename Params, typename OAt>
 __device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float (&m)[2],
                                          float (&l)[2], int64_t b, int64_t h, int64_t bh,
                                          int64_t row_a, int t, const float* vsc,
                                          const float* vmean) {
-  float shift[2];
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = row_a + 8 * r;
-    shift[r] = row < p.seq_q ? p.lse_shift[bh * p.seq_q + row] : 0.0f;
-  }
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
-  const float kNaN = __int_as_float(0x7FC00000);
   for (int r = 0; r < 2; ++r) {
     const int64_t row = row_a + 8 * r;
     if (row >= p.seq_q) continue;
-    const bool empty = !(l[r] > 0.0f);
-    const bool poisoned = !(fabsf(shift[r]) <= 3.402823466e38f);
+    const bool empty = l[r] == 0.0f;
     const float inv = empty ? 0.0f : 1.0f / (l[r] * (448.0f / kLUnit));
     OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
     for (int i = 0; i < D / 8; ++i) {
       const int c = i * 8 + 2 * t;
       const float x0 = empty ? 0.0f : o_at(i, 2 * r) * (vsc[c] * inv) + vmean[c];
       const float x1 = empty ? 0.0f : o_at(i, 2 * r + 1) * (vsc[c + 1] * inv) + vmean[c + 1];
-      store2<OutT>(dst + c, poisoned ? kNaN : x0, poisoned ? kNaN : x1);
+      store2<OutT>(dst + c, x0, x1);
     }
-    // A poisoned row sees keys (not empty): its NaN shift makes the LSE NaN.
     if (p.lse && t == 0)
       p.lse[b * p.lse_batch + h * p.lse_head + row * p.lse_token] =
           empty ? -INFINITY
-                : (m[r] + log2f(l[r] * (1.0f / kLUnit))) * 0.69314718055994531f + shift[r];
+                : (m[r] + log2f(l[r] * (1.0f / kLUnit))) * 0.69314718055994531f +
+                      p.lse_shift[bh * p.seq_q + row];
   }
 }
 

@@ -75,19 +75,6 @@ __device__ __forceinline__ uint32_t zero_special2(uint32_t w) {
   return w & keep;
 }
 
-// Zeroes every Inf/NaN element of the chunks; returns non-zero when there was one.
-template <typename T, int N>
-__device__ __forceinline__ uint32_t zero_special(uint4 (&raw)[N]) {
-  uint32_t bad = 0u;
-  for (int c = 0; c < N; ++c) {
-    bad |= special2<T>(raw[c].x) | special2<T>(raw[c].y) | special2<T>(raw[c].z) |
-           special2<T>(raw[c].w);
-    raw[c] = make_uint4(zero_special2<T>(raw[c].x), zero_special2<T>(raw[c].y),
-                        zero_special2<T>(raw[c].z), zero_special2<T>(raw[c].w));
-  }
-  return bad;
-}
-
 // Non-zero when an element of the chunks is Inf or NaN (special2 over every word).
 template <typename T, int N>
 __device__ __forceinline__ uint32_t special_any(const uint4 (&raw)[N]) {
@@ -95,6 +82,18 @@ __device__ __forceinline__ uint32_t special_any(const uint4 (&raw)[N]) {
   for (int c = 0; c < N; ++c)
     bad |= special2<T>(raw[c].x) | special2<T>(raw[c].y) | special2<T>(raw[c].z) |
            special2<T>(raw[c].w);
+  return bad;
+}
+
+// Zeroes every Inf/NaN element of the chunks (a test of every word; the zeroing only where the
+// rare Inf/NaN is); returns non-zero when there was one.
+template <typename T, int N>
+__device__ __forceinline__ uint32_t zero_special(uint4 (&raw)[N]) {
+  const uint32_t bad = special_any<T>(raw);
+  if (bad != 0u)
+    for (int c = 0; c < N; ++c)
+      raw[c] = make_uint4(zero_special2<T>(raw[c].x), zero_special2<T>(raw[c].y),
+                          zero_special2<T>(raw[c].z), zero_special2<T>(raw[c].w));
   return bad;
 }
 

@@ -341,15 +341,19 @@ struct KvBlock {
   __device__ void zero_special_keys(int64_t key0, unsigned long long* kv_bad) {
     unsigned long long first = kKvBadNone;
     if (zero_special<T>(kr) != 0u) first = static_cast<unsigned long long>(key0 + key());
-    for (int u = 0; u < 4; ++u) {
-      uint32_t bad = 0u;
-      for (int i = 0; i < kW / 2; ++i) {
-        bad |= special2<T>(vr[u][i]);
-        vr[u][i] = zero_special2<T>(vr[u][i]);
+    uint32_t v_bad = 0u;
+    for (int u = 0; u < 4; ++u)
+      for (int i = 0; i < kW / 2; ++i) v_bad |= special2<T>(vr[u][i]);
+    if (v_bad != 0u)  // rare: which rows, and their zeroing
+      for (int u = 0; u < 4; ++u) {
+        uint32_t bad = 0u;
+        for (int i = 0; i < kW / 2; ++i) {
+          bad |= special2<T>(vr[u][i]);
+          vr[u][i] = zero_special2<T>(vr[u][i]);
+        }
+        const auto n = static_cast<unsigned long long>(key0 + vkey(u));
+        if (bad != 0u && n < first) first = n;
       }
-      const auto n = static_cast<unsigned long long>(key0 + vkey(u));
-      if (bad != 0u && n < first) first = n;
-    }
     if (first != kKvBadNone) atomicMin(kv_bad, first);
   }
 };

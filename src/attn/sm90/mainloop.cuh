@@ -105,17 +105,23 @@ struct Consumer {
     k_scale = p.k_scale + bhk * p.k_blocks * quant::kKGroups;
     load_v_stats<D>(p, sh.v_stat[qbuf][consumer], bhk);
     m[0] = m[1] = -INFINITY;
-    l[0] = l[1] = 0.0f;
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    // Pre-pass Q: the rows' initial sums from their LSE shifts, loaded before the wait.
+    if (!fused_q)
+      for (int r = 0; r < 2; ++r) l[r] = attn::initial_sum(p, bh, row_a + 8 * r);
     if (fused_q && it == 0) {
       // The CTA's first Q tile: quantized with warps 1-3 (kFirstQWarps), then released by them.
+      const unsigned long long kv_first_bad = p.kv_bad[bhk];
       ptx::mbar_wait(&sh.bar.staged, 0);
       quantize_q<D, OutT, kCausal>(p, sh, tiles, ti, 0, kQuantWarps * 32 + threadIdx.x - 128,
-                                   Tr::kFirstQWarps);
+                                   Tr::kFirstQWarps, kv_first_bad);
       ptx::named_bar_sync(Tr::kBarFirstQ, Tr::kFirstQWarps * 32);
     }
     ptx::mbar_wait(&sh.bar.full_q[qbuf], (it >> 1) & 1);
-    if (fused_q) q_scale_log2 = sh.q_sc[qbuf][warp * 8 + g];
+    if (fused_q) {
+      q_scale_log2 = sh.q_sc[qbuf][warp * 8 + g];
+      for (int r = 0; r < 2; ++r) l[r] = sh.l0[qbuf][warp * 16 + g + 8 * r];
+    }
     q_scale_log2 *= p.scale_log2;
     tile_event(trace, it, 2);
     // Descriptors computed once: a stage and a k-step add (bytes >> 4) to the start address.

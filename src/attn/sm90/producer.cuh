@@ -36,16 +36,17 @@ struct TmaMaps {
 // INT8 tile in the layout the Q·Kᵀ wgmma reads (TMA's 128-byte swizzle for 128-byte rows, 64-byte
 // for 64-byte rows), and the group scales into q_sc. With km (this KV head's K mean; LSE asked
 // for) also each row's LSE shift scale · q·k_mean (exact products summed in double, as quant_q).
-// Inf/NaN elements count as zeros, and every row's shift is written (0 without km), NaN when the
-// row is poisoned (sight, kv_first_bad: quant::RowSight), as quant_q does; the epilogue reads it.
+// Inf/NaN elements count as zeros; a row that is poisoned (sight, kv_first_bad: quant::RowSight)
+// gets a NaN shift, as quant_q gives it, and starts its running sum from NaN (l0: every row's
+// initial sum, for the consumers: attn::initial_sum's shared-memory twin).
 // qt: the thread's index among the n_warps·32 quantizing threads. Eight lanes take a group
 // (four a row, D/32 16-byte chunks each: a three-step max), a warp four groups at a time: the
 // latency of a pass (shared loads, shuffles, two divisions) is paid 6 times a tile, not 22.
 template <int D, typename T, int kQGroups>
 __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* q_tile, float* q_sc,
-                                                int qt, int n_warps, const float* km, float* shift,
-                                                int64_t row0, int64_t seq_q, float scale,
-                                                quant::RowSight sight,
+                                                float* l0, int qt, int n_warps, const float* km,
+                                                float* shift, int64_t row0, int64_t seq_q,
+                                                float scale, quant::RowSight sight,
                                                 unsigned long long kv_first_bad) {
   constexpr int kLanesPerGroup = 8, kGroupsPerPass = 32 / kLanesPerGroup;
   constexpr int kChunks = D / 32;                    // 16-byte chunks per lane: c·4 + part
@@ -59,13 +60,19 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
     uint4 w[kChunks];
     for (int c = 0; c < kChunks; ++c)
       w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
-    int row_bad = quant::zero_special<T>(w) != 0u;
+    // Inf/NaN are rare: a test of the lane's words, and the zeroing only where one is.
+    const bool part_bad = quant::zero_special<T>(w) != 0u;
+    bool row_bad = false;
+    if (__any_sync(0xffffffffu, part_bad)) {
+      int x = part_bad;
+      for (int m = 1; m < 4; m *= 2) x |= __shfl_xor_sync(0xffffffffu, x, m);
+      row_bad = x != 0;
+    }
     float amax = 0.0f;
     for (int c = 0; c < kChunks; ++c)
       for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(quant::elem_float<T>(w[c], e)));
     for (int m = 1; m < kLanesPerGroup; m *= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-    for (int m = 1; m < 4; m *= 2) row_bad |= __shfl_xor_sync(0xffffffffu, row_bad, m);
     const QuantScale sc = make_quant_scale(amax, float(kInt8Max));
     // As quant_q: with finite elements and a finite scale, no product can leave [-127, 127] and
     // none is NaN, so the clamp and the NaN test are skipped.
@@ -77,38 +84,40 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
           return int(off ^ (((off >> 7) & kSwizzle) << 4));
         });
     if (li == 0) q_sc[grp] = sc.scale;
-    double sh = 0;
+    const int64_t row = row0 + r;
+    const bool poisoned = sight.poisoned(row, row_bad, kv_first_bad);
+    if (part == 0) l0[r] = poisoned ? __int_as_float(0x7FC00000) : 0.0f;
     if (km) {  // the staged row again (still in place), so w need not live this long
+      double sh = 0;
       for (int c = 0; c < kChunks; ++c) {
-        const uint4 x = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
-        for (int e = 0; e < 8; ++e) {
-          const uint32_t bits = quant::zero_special2<T>(quant::elem_bits(x, e));
-          sh = __fma_rn(double(quant::Bits<T>::to_float(bits)), double(km[(c * 4 + part) * 8 + e]),
+        uint4 x[1] = {*reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2)};
+        if (part_bad) quant::zero_special<T>(x);
+        for (int e = 0; e < 8; ++e)
+          sh = __fma_rn(double(quant::elem_float<T>(x[0], e)), double(km[(c * 4 + part) * 8 + e]),
                         sh);
-        }
       }
       for (int m = 1; m < 4; m *= 2) sh += __shfl_xor_sync(0xffffffffu, sh, m);
+      if (part == 0 && row < seq_q)
+        shift[row] = poisoned ? __int_as_float(0x7FC00000) : float(double(scale) * sh);
     }
-    const int64_t row = row0 + r;
-    if (part == 0 && row < seq_q)
-      shift[row] = sight.poisoned(row, row_bad != 0, kv_first_bad) ? __int_as_float(0x7FC00000)
-                                                                  : float(double(scale) * sh);
   }
 }
 
 // Tile ti's staged Q quantized into Q buffer qbuf by quantizing thread qt of n_warps warps (warps
 // 1-3 every tile; with every consumer warp for the CTA's first) and made visible to the wgmma
-// (the async proxy). The caller then syncs its quantizing threads.
+// (the async proxy). The caller then syncs its quantizing threads. kv_first_bad: p.kv_bad of the
+// tile's KV head, loaded by the caller before its waits.
 template <int D, typename InT, bool kCausal, int kCons>
 __device__ __forceinline__ void quantize_q(const Params& p, SharedStorage<D, kCons>& sh,
                                            const Tiles<Traits<D, kCons>>& tiles,
-                                           const TileInfo& ti, int qbuf, int qt, int n_warps) {
+                                           const TileInfo& ti, int qbuf, int qt, int n_warps,
+                                           unsigned long long kv_first_bad) {
   using Tr = Traits<D, kCons>;
   quantize_q_tile<D, InT, Tr::kQGroups>(
-      tiles.q_staged, tiles.q + qbuf * Tr::kQTile, sh.q_sc[qbuf], qt, n_warps,
+      tiles.q_staged, tiles.q + qbuf * Tr::kQTile, sh.q_sc[qbuf], sh.l0[qbuf], qt, n_warps,
       p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr, p.lse_shift + ti.bh * p.seq_q,
       int64_t(ti.qb) * Tr::kBlockQ, p.seq_q, p.scale,
-      quant::RowSight{p.seq_kv, p.causal_offset, kCausal}, p.kv_bad[ti.bhk]);
+      quant::RowSight{p.seq_kv, p.causal_offset, kCausal}, kv_first_bad);
   ptx::fence_proxy_async_smem();
 }
 
@@ -136,10 +145,11 @@ struct Producer {
     TileInfo ti = sh.sched.read(0);
     for (int it = 0; !ti.done; ++it) {
       const int qbuf = it & 1;
+      const unsigned long long kv_first_bad = p.kv_bad[ti.bhk];  // in flight during the waits
       ptx::mbar_wait(&sh.bar.staged, it & 1);
       ptx::mbar_wait(&sh.bar.empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first lap passes at once
       quantize_q<D, InT, kCausal>(p, sh, tiles, ti, qbuf, qt,
-                                  it == 0 ? Tr::kFirstQWarps : kQuantWarps);
+                                  it == 0 ? Tr::kFirstQWarps : kQuantWarps, kv_first_bad);
       if (it == 0)  // every quantizing thread, the consumers' too: the staged tile is free
         ptx::named_bar_sync(Tr::kBarFirstQ, Tr::kFirstQWarps * 32);
       else
