@@ -43,7 +43,7 @@ struct TmaMaps {
 // (four a row, D/32 16-byte chunks each: a three-step max), a warp four groups at a time: the
 // latency of a pass (shared loads, shuffles, two divisions) is paid 6 times a tile, not 22.
 template <int D, typename T, int kQGroups>
-__device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* q_tile, float* q_sc,
+__device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile, float* q_sc,
                                                 float* l0, int qt, int n_warps, const float* km,
                                                 float* shift, int64_t row0, int64_t seq_q,
                                                 float scale, quant::RowSight sight,
@@ -61,7 +61,14 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
     for (int c = 0; c < kChunks; ++c)
       w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
     // Inf/NaN are rare: a test of the lane's words, and the zeroing only where one is.
-    const bool part_bad = quant::zero_special<T>(w) != 0u;
+    const bool part_bad = quant::special_any<T>(w) != 0u;
+    if (part_bad)  // rare: the Inf/NaN zeroed in the staged row itself (the shift reads it again)
+      for (int c = 0; c < kChunks; ++c) {
+        uint4* at = reinterpret_cast<uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
+        uint4 x[1] = {*at};
+        quant::zero_special<T>(x);
+        *at = w[c] = x[0];
+      }
     bool row_bad = false;
     if (__any_sync(0xffffffffu, part_bad)) {
       int x = part_bad;
@@ -90,11 +97,9 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
     if (km) {  // the staged row again (still in place), so w need not live this long
       double sh = 0;
       for (int c = 0; c < kChunks; ++c) {
-        uint4 x[1] = {*reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2)};
-        if (part_bad) quant::zero_special<T>(x);
+        const uint4 x = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
         for (int e = 0; e < 8; ++e)
-          sh = __fma_rn(double(quant::elem_float<T>(x[0], e)), double(km[(c * 4 + part) * 8 + e]),
-                        sh);
+          sh = __fma_rn(double(quant::elem_float<T>(x, e)), double(km[(c * 4 + part) * 8 + e]), sh);
       }
       for (int m = 1; m < 4; m *= 2) sh += __shfl_xor_sync(0xffffffffu, sh, m);
       if (part == 0 && row < seq_q)
