@@ -113,9 +113,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
       p.q_scale[(bh * p.q_blocks + qb) * kQGroups + warp * 8 + g] * p.scale_log2;
   const float* delta_s = p.delta_s ? p.delta_s + (bh * p.q_blocks + qb) * p.nk_pad : nullptr;
 
-  // Rows a, b (l: this thread's part; NaN for a poisoned row: attn::initial_sum).
+  // Rows a, b (l: this thread's part, from 0 or NaN: attn::row_poison).
   float m[2] = {-INFINITY, -INFINITY};
-  float l[2] = {attn::initial_sum(p, bh, row_a), attn::initial_sum(p, bh, row_a + 8)};
+  float l[2] = {attn::row_poison(p, bh, row_a), attn::row_poison(p, bh, row_a + 8)};
   float o[kDTiles][4];
   for (int i = 0; i < kDTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 

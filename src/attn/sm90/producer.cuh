@@ -37,14 +37,14 @@ struct TmaMaps {
 // for 64-byte rows), and the group scales into q_sc. With km (this KV head's K mean; LSE asked
 // for) also each row's LSE shift scale · q·k_mean (exact products summed in double, as quant_q).
 // Inf/NaN elements count as zeros; a row that is poisoned (sight, kv_first_bad: quant::RowSight)
-// gets a NaN shift, as quant_q gives it, and starts its running sum from NaN (l0: every row's
-// initial sum, for the consumers: attn::initial_sum's shared-memory twin).
+// gets a NaN shift, as quant_q gives it, and a NaN in `poison` (every row's, for the consumers:
+// attn::row_poison's shared-memory twin).
 // qt: the thread's index among the n_warps·32 quantizing threads. Eight lanes take a group
 // (four a row, D/32 16-byte chunks each: a three-step max), a warp four groups at a time: the
 // latency of a pass (shared loads, shuffles, two divisions) is paid 6 times a tile, not 22.
 template <int D, typename T, int kQGroups>
 __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile, float* q_sc,
-                                                float* l0, int qt, int n_warps, const float* km,
+                                                float* poison, int qt, int n_warps, const float* km,
                                                 float* shift, int64_t row0, int64_t seq_q,
                                                 float scale, quant::RowSight sight,
                                                 unsigned long long kv_first_bad) {
@@ -93,7 +93,7 @@ __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile
     if (li == 0) q_sc[grp] = sc.scale;
     const int64_t row = row0 + r;
     const bool poisoned = sight.poisoned(row, row_bad, kv_first_bad);
-    if (part == 0) l0[r] = poisoned ? __int_as_float(0x7FC00000) : 0.0f;
+    if (part == 0) poison[r] = poisoned ? __int_as_float(0x7FC00000) : 0.0f;
     if (km) {  // the staged row again (still in place), so w need not live this long
       double sh = 0;
       for (int c = 0; c < kChunks; ++c) {
@@ -119,7 +119,7 @@ __device__ __forceinline__ void quantize_q(const Params& p, SharedStorage<D, kCo
                                            unsigned long long kv_first_bad) {
   using Tr = Traits<D, kCons>;
   quantize_q_tile<D, InT, Tr::kQGroups>(
-      tiles.q_staged, tiles.q + qbuf * Tr::kQTile, sh.q_sc[qbuf], sh.l0[qbuf], qt, n_warps,
+      tiles.q_staged, tiles.q + qbuf * Tr::kQTile, sh.q_sc[qbuf], sh.poison[qbuf], qt, n_warps,
       p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr, p.lse_shift + ti.bh * p.seq_q,
       int64_t(ti.qb) * Tr::kBlockQ, p.seq_q, p.scale,
       quant::RowSight{p.seq_kv, p.causal_offset, kCausal}, kv_first_bad);
