@@ -489,7 +489,8 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
                             ++pending[size_t(r)] == cfg.pv_flush_interval);
         if (flush) {
           for (int64_t d = 0; d < D; ++d) {
-            const Real a = Real(acc[d]) * p_level1;  // s_P1 (1 unless two-level): Algorithm 1, l. 11
+            // s_P1 (1 unless P~ is two-level): Algorithm 1, line 11.
+            const Real a = Real(acc[d]) * p_level1;
             o[d] += flush_scale ? a * flush_scale[d] : a;
             acc[d] = 0.0;
           }

@@ -22,8 +22,8 @@ const MicroscaleFormat* pv_microscale(sage_pv_format f) {
   return nullptr;
 }
 
-void quantize_fp4(const float* x, int64_t n, int64_t stride, const MicroscaleFormat& f,
-                  float* out, uint8_t* codes, uint8_t* scale_codes) {
+void quantize_fp4(const float* x, int64_t n, int64_t stride, const MicroscaleFormat& f, float* out,
+                  uint8_t* codes, uint8_t* scale_codes) {
   for (int64_t r0 = 0, run = 0; r0 < n; r0 += f.block, ++run) {
     const int64_t r1 = std::min(n, r0 + int64_t(f.block));
     float amax = 0.0f;
@@ -41,8 +41,8 @@ void quantize_fp4(const float* x, int64_t n, int64_t stride, const MicroscaleFor
     for (int64_t i = r0; i < r1; ++i) {
       const uint32_t c = fp4_encode(x[i * stride], scale);
       if (codes) codes[i] = uint8_t(c);
-      out[i * stride] = finite ? decode_float(kE2M1, c) * scale
-                               : std::numeric_limits<float>::quiet_NaN();
+      out[i * stride] =
+          finite ? decode_float(kE2M1, c) * scale : std::numeric_limits<float>::quiet_NaN();
     }
   }
 }

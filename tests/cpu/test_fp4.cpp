@@ -31,7 +31,9 @@ constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
 
 // E8M0 code c >= 1 is the float with exponent field c and mantissa 0; c = 0 is 2^-127, the float
 // subnormal with only mantissa bit 22 set.
-float e8m0_by_bits(uint32_t c) { return c == 0 ? bits_float(0x00400000u) : bits_float(c << 23); }
+float e8m0_by_bits(uint32_t c) {
+  return c == 0 ? bits_float(0x00400000u) : bits_float(c << 23);
+}
 
 // cvt.{rz,rp}.satfinite.ue8m0x2.f32 of a positive finite float, from its bits: a normal float
 // with exponent field E is in [2^(E-127), 2^(E-126)); a subnormal m·2^-149 is below 2^-126.
@@ -161,7 +163,9 @@ TEST(Fp4Scale, Mxfp4IsTheOcpSharedExponent) {
 // ---- Quantizer round trips ----
 
 // Half the E2M1 step at |x| / scale = y (the grid is 0.5 below 2, 1 below 4, 2 up to 6).
-double half_step(double y) { return y < 2.0 ? 0.25 : y < 4.0 ? 0.5 : 1.0; }
+double half_step(double y) {
+  return y < 2.0 ? 0.25 : y < 4.0 ? 0.5 : 1.0;
+}
 
 TEST(Fp4Quantizer, RoundTripWithinHalfAStepOfItsRunsScale) {
   const uint64_t seed = test::fresh_seed();
@@ -177,8 +181,9 @@ TEST(Fp4Quantizer, RoundTripWithinHalfAStepOfItsRunsScale) {
       std::vector<float> x(size_t(n * stride), 0.0f), out(x.size(), -1.0f);
       for (int64_t i = 0; i < n; ++i) {
         const uint64_t kind = rng() % 16;
-        x[size_t(i * stride)] = kind == 0 ? 0.0f : kind == 1 ? 20.0f * magnitude * normal(rng)
-                                                             : magnitude * normal(rng);
+        x[size_t(i * stride)] = kind == 0   ? 0.0f
+                                : kind == 1 ? 20.0f * magnitude * normal(rng)
+                                            : magnitude * normal(rng);
       }
       std::vector<uint8_t> codes(static_cast<size_t>(n));
       std::vector<uint8_t> scales(static_cast<size_t>((n + f.block - 1) / f.block));
