@@ -170,8 +170,8 @@ SAGE_HOST_DEVICE inline uint32_t encode_e8m0(double x, bool round_up) {
   if (std::isinf(x)) return kE8M0MaxCode;
   int e2 = 0;
   const double m = std::frexp(x, &e2);  // x = m * 2^e2, m in [0.5, 1)
-  int e = e2 - 1;                        // floor(log2 x)
-  if (round_up && m != 0.5) e += 1;      // not a power of two: the next one up
+  int e = e2 - 1;                       // floor(log2 x)
+  if (round_up && m != 0.5) e += 1;     // not a power of two: the next one up
   const int code = e + 127;
   if (code < 0) return 0u;
   if (code > int(kE8M0MaxCode)) return kE8M0MaxCode;

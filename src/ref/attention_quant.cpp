@@ -165,7 +165,8 @@ PvFormat pv_format_of(sage_pv_format f) {
     case SAGE_PV_INT8: return {f, float(kInt8Max), float(kInt8Max)};
     case SAGE_PV_NVFP4:
     case SAGE_PV_NVFP4_DIRECT:
-    case SAGE_PV_MXFP4: return {f, 1.0f, 0.0f, pv_microscale(f), f == SAGE_PV_NVFP4};
+    case SAGE_PV_MXFP4:
+      return {f, 1.0f, 0.0f, pv_microscale(f), f == SAGE_PV_NVFP4};
     default: return {f, 1.0f, 0.0f};  // fp16 or full precision: no scales
   }
 }

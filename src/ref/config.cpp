@@ -133,21 +133,27 @@ std::string quant_config_error(const sage_quant_config& c) {
       return what + "needs block_k to be a multiple of " + std::to_string(fp4->block) +
              " (block_k = " + std::to_string(c.block_k) + ")";
     if ((c.softmax_block_k != 0 && c.softmax_block_k != c.block_k) || c.exp2_poly_every != 0)
-      return what + "is modelled with the mma softmax form only: softmax_block_k 0 and "
-             "exp2_poly_every 0 (softmax_block_k = " + std::to_string(c.softmax_block_k) +
+      return what +
+             "is modelled with the mma softmax form only: softmax_block_k 0 and "
+             "exp2_poly_every 0 (softmax_block_k = " +
+             std::to_string(c.softmax_block_k) +
              ", exp2_poly_every = " + std::to_string(c.exp2_poly_every) + ")";
     if (c.v_scale != SAGE_V_SCALE_PER_CHANNEL)
-      return what + "carries V's scales in its runs: v_scale must be PER_CHANNEL, the default "
-             "(v_scale = " + std::to_string(c.v_scale) + ")";
+      return what +
+             "carries V's scales in its runs: v_scale must be PER_CHANNEL, the default "
+             "(v_scale = " +
+             std::to_string(c.v_scale) + ")";
     // s_P1 changes from block to block: each block's product is scaled before it joins O.
-    const bool flushed_every_block = c.pv_accum == SAGE_PV_ACCUM_FP32 ||
-                                     (c.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL &&
-                                      c.pv_flush_interval == 1);
+    const bool flushed_every_block =
+        c.pv_accum == SAGE_PV_ACCUM_FP32 ||
+        (c.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL && c.pv_flush_interval == 1);
     if (c.pv_format == SAGE_PV_NVFP4 && !flushed_every_block)
-      return what + "scales P~ per row and key block (two-level): the accumulator must be "
+      return what +
+             "scales P~ per row and key block (two-level): the accumulator must be "
              "flushed every key block (pv_accum FP32, or TWO_LEVEL with pv_flush_interval 1; "
-             "pv_accum = " + std::to_string(c.pv_accum) + ", pv_flush_interval = " +
-             std::to_string(c.pv_flush_interval) + ")";
+             "pv_accum = " +
+             std::to_string(c.pv_accum) +
+             ", pv_flush_interval = " + std::to_string(c.pv_flush_interval) + ")";
   }
   return {};
 }

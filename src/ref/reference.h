@@ -114,8 +114,8 @@ const MicroscaleFormat* pv_microscale(sage_pv_format f);
 // dequantized value, E2M1 code x scale, exact in float; codes (optional, [n]) the E2M1 codes and
 // scale_codes (optional, one a run) the E4M3 or E8M0 scale codes. A run holding a NaN or an
 // infinity dequantizes to NaN (cvt's .satfinite would make it finite).
-void quantize_fp4(const float* x, int64_t n, int64_t stride, const MicroscaleFormat& f,
-                  float* out, uint8_t* codes = nullptr, uint8_t* scale_codes = nullptr);
+void quantize_fp4(const float* x, int64_t n, int64_t stride, const MicroscaleFormat& f, float* out,
+                  uint8_t* codes = nullptr, uint8_t* scale_codes = nullptr);
 // The same in place on Real values (rounded to float first, as the GPU's fp32 registers).
 template <typename Real>
 void round_fp4(Real* x, int64_t n, int64_t stride, const MicroscaleFormat& f);

@@ -201,9 +201,8 @@ TEST(Planner, RefusesFp4OnEveryGpuNamingTheArgument) {
     qk.a.variant = SAGE_VARIANT_CUSTOM;
     qk.a.quant.qk_format = SAGE_QK_MXFP4;  // the rest of the 8-bit preset unchanged
     refused(qk, dev, {"quant.qk_format = MXFP4"});
-    const std::pair<sage_pv_format, const char*> pv[] = {{SAGE_PV_NVFP4, "NVFP4"},
-                                                         {SAGE_PV_NVFP4_DIRECT, "NVFP4_DIRECT"},
-                                                         {SAGE_PV_MXFP4, "MXFP4"}};
+    const std::pair<sage_pv_format, const char*> pv[] = {
+        {SAGE_PV_NVFP4, "NVFP4"}, {SAGE_PV_NVFP4_DIRECT, "NVFP4_DIRECT"}, {SAGE_PV_MXFP4, "MXFP4"}};
     for (const auto& [f, name] : pv) {
       Call c(100, 100, 128);
       c.a.variant = SAGE_VARIANT_CUSTOM;
