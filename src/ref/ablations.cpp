@@ -113,7 +113,7 @@ std::vector<AblationRow> paper_ablations() {
       {"NVFP4 Q·K only (P~, V in fp16)", SAGE_QK_NVFP4, SAGE_PV_FP16, 0},
       {"MXFP4 (E8M0 scale / 32), P~ direct", SAGE_QK_MXFP4, SAGE_PV_MXFP4, 0},
       {"NVFP4 (E4M3 scale / 16), P~ direct", SAGE_QK_NVFP4, SAGE_PV_NVFP4_DIRECT, 0},
-      {"NVFP4, P~ two-level (SageAttn3, Algorithm 1)", SAGE_QK_NVFP4, SAGE_PV_NVFP4, 0},
+      {"NVFP4, P~ two-level (SageAttn3)", SAGE_QK_NVFP4, SAGE_PV_NVFP4, 0},
       {"NVFP4, P~ two-level + smooth V", SAGE_QK_NVFP4, SAGE_PV_NVFP4, SAGE_SMOOTH_V}};
   for (const Fp4Row& f : fp4) {
     sage_quant_config c = nv;
