@@ -3,7 +3,10 @@
 // reports, and its refusals (each naming the argument).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -11,6 +14,7 @@
 #include "api/backend.h"
 #include "api/plan.h"
 #include "common/error.h"
+#include "common/test_util.h"
 #include "ref/reference.h"
 
 namespace {
@@ -209,6 +213,57 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
       EXPECT_NE(msg.find("head_dim = " + std::to_string(d)), std::string::npos) << msg;
       EXPECT_NE(msg.find("multiples of 16 from 32 to 128"), std::string::npos) << msg;
       EXPECT_NE(msg.find("CPU reference"), std::string::npos) << msg;
+    }
+  }
+}
+
+// Why the plan's emulation at the caller's D is what the padded kernel computes: the kernel at Dk
+// is held to the emulation at Dk (the native GPU sweep), and the emulation at Dk of inputs whose
+// channels past D are zero is the emulation at D, bit for bit (the D channels of O and the LSE):
+// for each config a padded call reports (sm90 8-bit, mma.sync two-level and fp32, 4-bit with Q
+// smoothing), both masks, channel-biased inputs (smoothing at work), GQA, N not multiples of the
+// blocks.
+TEST(Planner, PaddedEmulationIsTheNativeOneOnZeroChannels) {
+  std::mt19937_64 rng(sage::test::fresh_seed());
+  const int64_t B = 1, Hq = 4, Hkv = 2, Nq = 300, Nk = 333;
+  for (const int64_t d : {32, 48, 80, 112}) {
+    const int64_t dk = d <= 64 ? 64 : 128;
+    const sage::test::Fp16Tensor q = sage::test::random_tensor(rng, B, Hq, Nq, d, 2.0f);
+    const sage::test::Fp16Tensor k = sage::test::random_tensor(rng, B, Hkv, Nk, d, 4.0f);
+    const sage::test::Fp16Tensor v = sage::test::random_tensor(rng, B, Hkv, Nk, d, 4.0f);
+    // The same tensors with dk channels, those past d zero.
+    auto padded = [&](const sage::test::Fp16Tensor& x, int64_t H, int64_t N) {
+      sage::test::Fp16Tensor y;
+      y.strides = sage::ref::contiguous_strides(SAGE_LAYOUT_HND, H, N, dk);
+      y.data.assign(size_t(B * H * N * dk), 0);
+      for (int64_t r = 0; r < B * H * N; ++r)
+        std::copy_n(&x.data[size_t(r * d)], d, &y.data[size_t(r * dk)]);
+      return y;
+    };
+    const sage::test::Fp16Tensor qp = padded(q, Hq, Nq), kp = padded(k, Hkv, Nk),
+                                  vp = padded(v, Hkv, Nk);
+    for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
+      const std::pair<Device, sage_variant> calls[] = {{kH100, SAGE_VARIANT_SAGE2_8B},
+                                                       {kAda, SAGE_VARIANT_SAGE2_8B},
+                                                       {kH100, SAGE_VARIANT_SAGE2_4B}};
+      for (const auto& [dev, variant] : calls) {
+        SCOPED_TRACE("D " + std::to_string(d) + " mask " + std::to_string(int(mask)) + " sm_" +
+                     std::to_string(dev.cc) + " variant " + std::to_string(int(variant)));
+        const sage_quant_config cfg = must_plan(Call(Nq, Nk, d, mask, variant), dev).emulation;
+        const double scale = 1.0 / std::sqrt(double(d));
+        const sage::ref::Problem at_d{B, Hq, Hkv, Nq, Nk, d, scale, mask};
+        const sage::ref::Problem at_dk{B, Hq, Hkv, Nq, Nk, dk, scale, mask};
+        std::vector<float> o(size_t(B * Hq * Nq * d)), lse(size_t(B * Hq * Nq));
+        std::vector<float> op(size_t(B * Hq * Nq * dk)), lsep(lse.size());
+        sage::ref::attention_quant(at_d, cfg, q.view(), k.view(), v.view(), o.data(), lse.data());
+        sage::ref::attention_quant(at_dk, cfg, qp.view(), kp.view(), vp.view(), op.data(),
+                                   lsep.data());
+        size_t differ = 0;
+        for (int64_t r = 0; r < B * Hq * Nq; ++r)
+          differ += std::memcmp(&o[size_t(r * d)], &op[size_t(r * dk)], size_t(d) * 4) != 0;
+        EXPECT_EQ(differ, 0u) << "rows of O that differ";
+        EXPECT_EQ(std::memcmp(lse.data(), lsep.data(), lse.size() * 4), 0) << "LSE differs";
+      }
     }
   }
 }
