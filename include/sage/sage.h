@@ -268,6 +268,9 @@ typedef struct sage_plan_info {
                               128 (head_dim padded with zero channels: the Q·K and P·V work of
                               kernel_head_dim, estimated to cost about kernel_head_dim / head_dim
                               times a native head_dim's); the CPU backend, head_dim */
+  int32_t has_backward;    /* 1: sage_backward (its preset) runs the backward of this call here
+                              (CUDA: head dims 64 and 128; the CPU reference: any), so a training
+                              call can take both passes from the library */
 } sage_plan_info;
 
 /* ---- The backward pass: SageBwd (paper 004, Algorithm 3) ----------------------------------

@@ -179,6 +179,7 @@ class PlanInfo(ctypes.Structure):
         ("workspace_size", ctypes.c_size_t),
         ("emulation", QuantConfig),
         ("kernel_head_dim", ctypes.c_int64),
+        ("has_backward", ctypes.c_int32),
     ]
 
 

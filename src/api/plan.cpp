@@ -144,6 +144,9 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   // A padded head dim looks up its kernel's row: it does Dk's work while SDPA does D's, so Dk's
   // crossover is the least length from which it could win (not measured at the padded dims).
   plan.prefer_sdpa = prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv);
+  // The backward has no zero-padded head dims yet: a training call at a padded D gets its forward
+  // here and must get its backward elsewhere (the SDPA drop-in asks this before taking one).
+  plan.has_backward = gpu_backward_has_head_dim(D);
 
   // What the call computes, as the CPU emulation's config, at the caller's D. With D < Dk the
   // kernel computes exactly what it would at D: the pre-pass reads D channels and writes the rest
@@ -204,6 +207,7 @@ void describe(const Plan& plan, sage_plan_info* info) {
   info->workspace_size = plan.prepass.total;
   info->emulation = plan.emulation;
   info->kernel_head_dim = plan.prepass.head_dim;
+  info->has_backward = plan.has_backward;
 }
 
 }  // namespace sage::api

@@ -31,6 +31,7 @@ struct Plan {
   bool fused_q = false;    // sm90: Q quantized inside the kernel (no quant_q launch)
   bool two_level = false;  // mma: P·V in a fresh accumulator per key block, added into fp32
   bool prefer_sdpa = false;
+  bool has_backward = false;  // the GPU backward takes this call's head dim
   int launches = 0;        // kernels launched per call
   sage_quant_config emulation{};
 };

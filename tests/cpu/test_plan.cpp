@@ -176,6 +176,8 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
         EXPECT_EQ(p.block_q, native.block_q);
         EXPECT_EQ(p.launches, native.launches);
         EXPECT_EQ(p.prefer_sdpa, native.prefer_sdpa);
+        EXPECT_EQ(p.has_backward, d == dk);  // the backward has no padded head dims yet
+        EXPECT_TRUE(native.has_backward);
         EXPECT_EQ(p.prepass.total, native.prepass.total);
         EXPECT_EQ(p.prepass.row_bytes, native.prepass.row_bytes);
         // The emulation at the caller's D computes what the kernel at Dk does (plan.cpp says
@@ -185,6 +187,7 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
         sage_plan_info info{};
         sage::api::describe(p, &info);
         EXPECT_EQ(info.kernel_head_dim, dk);
+        EXPECT_EQ(info.has_backward, d == dk ? 1 : 0);
       }
     }
     // 4-bit (mma.sync on the H100 too) and Q smoothing pad the same way.

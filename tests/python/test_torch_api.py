@@ -253,6 +253,29 @@ def test_gpu_padded_head_dims(gen, d, causal, dropin_always_sage):
 
 
 @gpu
+@pytest.mark.parametrize("d", [80, 64])
+def test_gpu_dropin_training_needs_the_library_backward(gen, d, dropin_always_sage):
+    """With the crossover off the drop-in trains with sage where the library has the backward
+    (its plan's has_backward: D 64 and 128) and hands a padded head dim's training call to
+    torch's SDPA (one warning), whose gradients it then gives; inference at that D runs sage."""
+    q, k, v = (randn(gen, (1, 2, 200, d)).requires_grad_() for _ in range(3))
+    with torch.no_grad():
+        assert sage_attn.dropin_backend(q, k, v, is_causal=True) == "sage"
+    assert sage_attn.dropin_backend(q, k, v, is_causal=True) == ("sage" if d == 64 else "sdpa")
+    g = randn(gen, (1, 2, 200, d))
+    want = torch.autograd.grad(TORCH_SDPA(q, k, v, is_causal=True), (q, k, v), g)
+    sage_attn._torch._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = sage_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        got = torch.autograd.grad(out, (q, k, v), g)
+    backward_warnings = [w for w in caught if "no backward kernel" in str(w.message)]
+    assert len(backward_warnings) == (0 if d == 64 else 1), [str(w.message) for w in caught]
+    for x, y in zip(got, want):  # (SDPA's backward may sum dQ in any order: not bitwise)
+        assert metrics(x, y.double())["cos"] > (0.99 if d == 64 else 0.99999)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_gpu_dtypes_layouts_strides(gen, dtype, layout):
