@@ -244,7 +244,7 @@ TEST(Planner, PaddedEmulationIsTheNativeOneOnZeroChannels) {
       return y;
     };
     const sage::test::Fp16Tensor qp = padded(q, Hq, Nq), kp = padded(k, Hkv, Nk),
-                                  vp = padded(v, Hkv, Nk);
+                                 vp = padded(v, Hkv, Nk);
     for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
       const std::pair<Device, sage_variant> calls[] = {{kH100, SAGE_VARIANT_SAGE2_8B},
                                                        {kAda, SAGE_VARIANT_SAGE2_8B},
