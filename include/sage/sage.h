@@ -137,7 +137,9 @@ typedef enum sage_kernel {
   SAGE_KERNEL_AUTO = 0, /* sm_90: the wgmma kernel where it applies (8-bit Q·K, no Q smoothing),
                            else the mma.sync kernel */
   SAGE_KERNEL_MMA = 1,  /* the portable mma.sync kernel (sm_89, sm_90, sm_120) */
-  SAGE_KERNEL_SM90 = 2  /* the Hopper wgmma kernel (sm_90a) */
+  SAGE_KERNEL_SM90 = 2, /* the Hopper wgmma kernel (sm_90a) */
+  SAGE_KERNEL_FP4 = 3   /* SageAttention3's FP4 arithmetic on fp16 tensor cores (sm_89+), the
+                           kernel of variant SAGE3_FP4: reported by the plan, never forced */
 } sage_kernel;
 
 /* sage_attention_args.options flags. */

@@ -23,6 +23,15 @@ int sm90_poly_every(int64_t head_dim, int consumers) {
                                            : sm90::Traits<64, 2>::kPolyEvery);
 }
 
+// The one FP4 combination the GPU computes (src/fp4): variant SAGE3_FP4's, with any Q/K
+// smoothing and K-mean sampling.
+bool fp4_gpu_config(const sage_quant_config& c) {
+  return c.qk_format == SAGE_QK_NVFP4 && c.pv_format == SAGE_PV_NVFP4 &&
+         c.pv_accum == SAGE_PV_ACCUM_FP32 && c.accum_chunk == 64 && c.block_q == fp4::kBlockQ &&
+         c.block_k == fp4::kBlockK && (c.softmax_block_k == 0 || c.softmax_block_k == c.block_k) &&
+         c.exp2_poly_every == 0 && !(c.smooth & SAGE_SMOOTH_V);
+}
+
 }  // namespace
 
 bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv) {
@@ -60,14 +69,17 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   if (r.exact)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "variant = EXACT has no GPU kernel (float64 runs on the CPU reference)");
-  // FP4 microscaling (SageAttention3) is emulated on the CPU only: no kernel computes it, and no
-  // other kernel may stand in for it.
+  // FP4 microscaling (SageAttention3): one GPU path computes paper 004's Algorithm 1 exactly as
+  // the CPU emulation of SAGE3_FP4 does (NVFP4 Q, K, two-level P~, V on fp16 tensor cores:
+  // src/fp4); every other FP4 combination runs on the CPU only, and no other kernel stands in.
   const bool fp4_qk = ref::qk_microscale(c.qk_format) != nullptr;
-  if (fp4_qk || ref::pv_microscale(c.pv_format) != nullptr)
+  const bool fp4 = fp4_qk || ref::pv_microscale(c.pv_format) != nullptr;
+  if (fp4 && !fp4_gpu_config(c))
     return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "%s%s = %s: FP4 microscaling attention has no GPU kernel (native FP4 MMA "
-                     "needs sm_100/sm_120, and no kernel is written: docs/fp4-blackwell.md); the "
-                     "CPU reference emulates it (pass host pointers)",
+                     "%s%s = %s: this FP4 combination has no GPU kernel; the GPU runs variant "
+                     "SAGE3_FP4's (qk_format NVFP4, pv_format NVFP4, pv_accum FP32, accum_chunk "
+                     "64, block_q 128, block_k 64, no V smoothing); the CPU reference emulates "
+                     "every combination (pass host pointers)",
                      a.variant == SAGE_VARIANT_SAGE3_FP4 ? "variant = SAGE3_FP4: " : "",
                      fp4_qk ? "quant.qk_format" : "quant.pv_format",
                      fp4_qk ? (c.qk_format == SAGE_QK_NVFP4 ? "NVFP4" : "MXFP4")
@@ -91,7 +103,8 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   const bool kernel_pv = c.pv_format == SAGE_PV_FP8_E4M3 && c.v_scale == SAGE_V_SCALE_PER_CHANNEL &&
                          c.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL && c.pv_flush_interval == 1 &&
                          c.exp2_poly_every == 0;
-  if ((c.qk_format != SAGE_QK_INT8 && c.qk_format != SAGE_QK_INT4) || !kernel_shape || !kernel_pv)
+  if (!fp4 && ((c.qk_format != SAGE_QK_INT8 && c.qk_format != SAGE_QK_INT4) || !kernel_shape ||
+               !kernel_pv))
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "quant: no GPU kernel for this combination; the GPU kernels take qk_format "
                      "INT8/INT4, granularity PER_THREAD_MMA with block_q %d, warps %d, block_k %d "
@@ -109,6 +122,22 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "the GPU is sm_%d%d; the SageAttention2 kernels need sm_89 or newer (FP8 MMA)",
                      dev.cc / 10, dev.cc % 10);
+  if (fp4) {
+    if (a.kernel != SAGE_KERNEL_AUTO)
+      return set_error(SAGE_ERROR_UNSUPPORTED,
+                       "kernel = %s: FP4 calls run their own kernel (SAGE_KERNEL_FP4); pass AUTO",
+                       a.kernel == SAGE_KERNEL_MMA ? "MMA" : "SM90");
+    Plan plan;
+    plan.family = Family::kFp4;
+    plan.fp4 = fp4::make_layout(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, D);
+    plan.prepass.total = plan.fp4.total;
+    plan.block_q = 64;
+    plan.block_k = fp4::kBlockK;
+    plan.launches = 5;
+    plan.emulation = c;  // the kernel computes the emulation's own steps (src/fp4/fp4.cu)
+    *out = plan;
+    return SAGE_OK;
+  }
   const bool bits8 = c.qk_format == SAGE_QK_INT8, smooth_q = c.smooth & SAGE_SMOOTH_Q;
   const bool causal = p.mask != SAGE_MASK_NONE;
 
@@ -183,7 +212,9 @@ void describe(const Plan& plan, sage_plan_info* info) {
   *info = sage_plan_info{};
   info->struct_size = sizeof(sage_plan_info);
   info->backend = SAGE_BACKEND_CUDA;
-  info->kernel = plan.family == Family::kSm90 ? SAGE_KERNEL_SM90 : SAGE_KERNEL_MMA;
+  info->kernel = plan.family == Family::kSm90  ? SAGE_KERNEL_SM90
+                 : plan.family == Family::kFp4 ? SAGE_KERNEL_FP4
+                                               : SAGE_KERNEL_MMA;
   info->block_q = plan.block_q;
   info->block_k = plan.block_k;
   info->fused_q = plan.fused_q;

@@ -42,7 +42,7 @@ inline std::string name(const Case& c) {
                 (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.Nq,
                 (long long)c.Nk, (long long)c.D, int(c.mask),
                 c.layout == SAGE_LAYOUT_HND ? "HND" : "NHD", c.dtype == SAGE_DTYPE_BF16 ? "bf16" : "fp16",
-                c.variant == SAGE_VARIANT_SAGE2_4B ? "4b" : "8b", double(c.bias));
+                c.variant == SAGE_VARIANT_SAGE2_4B ? "4b" : c.variant == SAGE_VARIANT_SAGE3_FP4 ? "fp4" : "8b", double(c.bias));
   return buf;
 }
 
