@@ -3,6 +3,7 @@
 // reports, and its refusals (each naming the argument).
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -186,7 +187,9 @@ TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {
 
 // FP4 microscaling (SageAttention3) is emulated on the CPU only: on every GPU, Blackwell
 // included, the plan refuses it naming the argument, and never hands it to another kernel.
-TEST(Planner, RefusesFp4OnEveryGpuNamingTheArgument) {
+// SAGE3_FP4's configuration runs on its own family (src/fp4: its emulation config exactly,
+// never forced onto another kernel); every other FP4 combination is refused, naming it.
+TEST(Planner, Fp4RunsSage3ConfigOnlyAndRefusesTheRestNamingTheArgument) {
   Plan p;
   auto refused = [&](const Call& c, const Device& dev, std::vector<std::string> words) {
     EXPECT_EQ(c.plan(dev, &p), SAGE_ERROR_UNSUPPORTED);
@@ -195,8 +198,19 @@ TEST(Planner, RefusesFp4OnEveryGpuNamingTheArgument) {
     EXPECT_NE(msg.find("CPU reference"), std::string::npos) << msg;
   };
   for (const Device& dev : {kH100, kAda, kBlackwell}) {
-    refused(Call(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_SAGE3_FP4), dev,
-            {"variant = SAGE3_FP4", "quant.qk_format = NVFP4"});
+    const Call sage3(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_SAGE3_FP4);
+    ASSERT_EQ(sage3.plan(dev, &p), SAGE_OK) << sage_last_error();
+    EXPECT_EQ(p.family, sage::api::Family::kFp4);
+    const sage_quant_config preset = sage::ref::quant_preset(SAGE_VARIANT_SAGE3_FP4);
+    EXPECT_EQ(std::memcmp(&p.emulation, &preset, sizeof preset), 0);
+    EXPECT_EQ(p.prepass.total, p.fp4.total);
+    Call forced = sage3;
+    forced.a.kernel = SAGE_KERNEL_MMA;
+    EXPECT_EQ(forced.plan(dev, &p), SAGE_ERROR_UNSUPPORTED);
+    Call direct(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_CUSTOM);
+    direct.a.quant = preset;
+    direct.a.quant.pv_format = SAGE_PV_NVFP4_DIRECT;
+    refused(direct, dev, {"quant.pv_format = NVFP4_DIRECT"});
     Call qk(100, 100, 128);
     qk.a.variant = SAGE_VARIANT_CUSTOM;
     qk.a.quant.qk_format = SAGE_QK_MXFP4;  // the rest of the 8-bit preset unchanged
