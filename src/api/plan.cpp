@@ -2,6 +2,8 @@
 // and what the call computes (its emulation config). Host code; any architecture.
 #include "api/plan.h"
 
+#include <string>
+
 #include "attn/mma/params.h"
 #include "attn/sm90/traits.h"
 #include "common/error.h"
@@ -23,13 +25,31 @@ int sm90_poly_every(int64_t head_dim, int consumers) {
                                            : sm90::Traits<64, 2>::kPolyEvery);
 }
 
-// The one FP4 combination the GPU computes (src/fp4): variant SAGE3_FP4's, with any Q/K
-// smoothing and K-mean sampling.
-bool fp4_gpu_config(const sage_quant_config& c) {
-  return c.qk_format == SAGE_QK_NVFP4 && c.pv_format == SAGE_PV_NVFP4 &&
-         c.pv_accum == SAGE_PV_ACCUM_FP32 && c.accum_chunk == 64 && c.block_q == fp4::kBlockQ &&
-         c.block_k == fp4::kBlockK && (c.softmax_block_k == 0 || c.softmax_block_k == c.block_k) &&
-         c.exp2_poly_every == 0 && !(c.smooth & SAGE_SMOOTH_V);
+// The one FP4 combination the GPU computes (src/fp4), variant SAGE3_FP4's with any Q/K
+// smoothing and K-mean sampling: the first field that departs from it, as "field = value", or
+// an empty string.
+std::string fp4_gpu_mismatch(const sage_quant_config& c) {
+  auto pv_name = [](sage_pv_format f) {
+    return f == SAGE_PV_MXFP4 ? "MXFP4" : f == SAGE_PV_NVFP4_DIRECT ? "NVFP4_DIRECT"
+           : f == SAGE_PV_NVFP4 ? "NVFP4" : "not FP4";
+  };
+  if (c.qk_format == SAGE_QK_MXFP4) return "quant.qk_format = MXFP4";
+  if (c.pv_format != SAGE_PV_NVFP4 && c.pv_format != SAGE_PV_NONE && c.pv_format != SAGE_PV_FP16 &&
+      c.pv_format != SAGE_PV_FP8_E4M3 && c.pv_format != SAGE_PV_FP8_E5M2 &&
+      c.pv_format != SAGE_PV_INT8)
+    return std::string("quant.pv_format = ") + pv_name(c.pv_format);
+  if (c.qk_format != SAGE_QK_NVFP4)  // P~/V in FP4 after a Q·K that is not
+    return std::string("quant.pv_format = ") + pv_name(c.pv_format);
+  if (c.pv_format != SAGE_PV_NVFP4) return "quant.qk_format = NVFP4 (quant.pv_format not NVFP4)";
+  if (c.pv_accum != SAGE_PV_ACCUM_FP32) return "quant.pv_accum (not FP32)";
+  if (c.accum_chunk != 64) return "quant.accum_chunk = " + std::to_string(c.accum_chunk);
+  if (c.block_q != fp4::kBlockQ) return "quant.block_q = " + std::to_string(c.block_q);
+  if (c.block_k != fp4::kBlockK) return "quant.block_k = " + std::to_string(c.block_k);
+  if (c.softmax_block_k != 0 && c.softmax_block_k != c.block_k)
+    return "quant.softmax_block_k = " + std::to_string(c.softmax_block_k);
+  if (c.exp2_poly_every != 0) return "quant.exp2_poly_every = " + std::to_string(c.exp2_poly_every);
+  if (c.smooth & SAGE_SMOOTH_V) return "quant.smooth (V smoothing)";
+  return std::string();
 }
 
 }  // namespace
@@ -72,20 +92,19 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   // FP4 microscaling (SageAttention3): one GPU path computes paper 004's Algorithm 1 exactly as
   // the CPU emulation of SAGE3_FP4 does (NVFP4 Q, K, two-level P~, V on fp16 tensor cores:
   // src/fp4); every other FP4 combination runs on the CPU only, and no other kernel stands in.
-  const bool fp4_qk = ref::qk_microscale(c.qk_format) != nullptr;
-  const bool fp4 = fp4_qk || ref::pv_microscale(c.pv_format) != nullptr;
-  if (fp4 && !fp4_gpu_config(c))
-    return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "%s%s = %s: this FP4 combination has no GPU kernel; the GPU runs variant "
-                     "SAGE3_FP4's (qk_format NVFP4, pv_format NVFP4, pv_accum FP32, accum_chunk "
-                     "64, block_q 128, block_k 64, no V smoothing); the CPU reference emulates "
-                     "every combination (pass host pointers)",
-                     a.variant == SAGE_VARIANT_SAGE3_FP4 ? "variant = SAGE3_FP4: " : "",
-                     fp4_qk ? "quant.qk_format" : "quant.pv_format",
-                     fp4_qk ? (c.qk_format == SAGE_QK_NVFP4 ? "NVFP4" : "MXFP4")
-                            : (c.pv_format == SAGE_PV_MXFP4          ? "MXFP4"
-                               : c.pv_format == SAGE_PV_NVFP4_DIRECT ? "NVFP4_DIRECT"
-                                                                     : "NVFP4"));
+  const bool fp4 = ref::qk_microscale(c.qk_format) != nullptr ||
+                   ref::pv_microscale(c.pv_format) != nullptr;
+  if (fp4) {
+    const std::string off = fp4_gpu_mismatch(c);
+    if (!off.empty())
+      return set_error(SAGE_ERROR_UNSUPPORTED,
+                       "%s%s: this FP4 combination has no GPU kernel; the GPU runs variant "
+                       "SAGE3_FP4's (qk_format NVFP4, pv_format NVFP4, pv_accum FP32, "
+                       "accum_chunk 64, block_q 128, block_k 64, no V smoothing); the CPU "
+                       "reference emulates every combination (pass host pointers)",
+                       a.variant == SAGE_VARIANT_SAGE3_FP4 ? "variant = SAGE3_FP4: " : "",
+                       off.c_str());
+  }
   if (a.dtype != SAGE_DTYPE_FP16 && a.dtype != SAGE_DTYPE_BF16)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "dtype = FP32 has no GPU kernel: pass fp16 or bf16 (fp32 runs on the CPU "
