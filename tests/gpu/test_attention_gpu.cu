@@ -39,6 +39,8 @@ struct Case {
   sage_dtype dtype;
   sage_variant variant;
   float bias;  // channel bias of Q (x0.5), K (x1) and V (x1)
+  unsigned smooth = 0;  // 0: the variant's preset; else the preset with these smoothing flags
+  int kv_shift = 0;     // the sweep's K and V start this many elements into their buffers
 };
 
 std::string name(const Case& c) {
@@ -48,7 +50,10 @@ std::string name(const Case& c) {
                 (long long)c.Nk, (long long)c.D, int(c.mask),
                 c.layout == SAGE_LAYOUT_HND ? "HND" : "NHD", c.dtype == SAGE_DTYPE_BF16 ? "bf16" : "fp16",
                 c.variant == SAGE_VARIANT_SAGE2_4B ? "4b" : "8b", double(c.bias));
-  return buf;
+  std::string s = buf;
+  if (c.smooth) s += "_smooth" + std::to_string(c.smooth);
+  if (c.kv_shift) s += "_kvshift" + std::to_string(c.kv_shift);
+  return s;
 }
 
 // Converts fp16 bits to bf16 bits (exact for the values drawn here, which fit bf16's range).
@@ -123,6 +128,11 @@ GpuRun run_gpu(const Case& c, const std::vector<uint16_t>& q, const std::vector<
   a.batch = c.B, a.heads_q = c.Hq, a.heads_kv = c.Hkv, a.seq_q = c.Nq, a.seq_kv = c.Nk;
   a.head_dim = c.D, a.layout = c.layout, a.dtype = c.dtype, a.mask = c.mask;
   a.variant = c.variant;
+  if (c.smooth) {
+    a.variant = SAGE_VARIANT_CUSTOM;
+    sage_quant_config_init(&a.quant, c.variant);
+    a.quant.smooth = c.smooth;
+  }
   a.scale = scale;
   a.kernel = kc.kernel;
   a.options = kc.options;
@@ -251,7 +261,8 @@ struct Bound {
 Bound emulation_bound(const Case& c, double v_spread, double out_max) {
   const int mantissa = c.dtype == SAGE_DTYPE_BF16 ? 7 : 10;
   const double ulp = out_max > 0 ? std::ldexp(1.0, std::ilogb(out_max) - mantissa) : 0.0;
-  return {c.variant == SAGE_VARIANT_SAGE2_4B ? 1e-3 : 5e-4, v_spread / 16 + 2 * ulp};
+  const bool delta_s = c.variant == SAGE_VARIANT_SAGE2_4B || (c.smooth & SAGE_SMOOTH_Q);
+  return {delta_s ? 1e-3 : 5e-4, v_spread / 16 + 2 * ulp};
 }
 
 // The GPU output of a case as floats [B, Hq, Nq, D]; false (with a failure) on an unwritten or
@@ -313,9 +324,9 @@ TEST_P(GpuVsEmulation, EachKernelMatchesItsEmulationAndFloat64) {
 
   for (const KernelChoice& kc : kernels) {
     SCOPED_TRACE(kc.label);
-    const GpuRun g = run_gpu(c, in.qd, in.kd, in.vd, kc);
+    const GpuRun g = run_gpu(c, in.qd, in.kd, in.vd, kc, 0.0f, c.kv_shift);
     if (g.status == SAGE_ERROR_UNSUPPORTED && kc.kernel == SAGE_KERNEL_SM90 &&
-        c.variant == SAGE_VARIANT_SAGE2_4B) {
+        (c.variant == SAGE_VARIANT_SAGE2_4B || (c.smooth & SAGE_SMOOTH_Q))) {
       std::printf("    %-15s %s: not run (UNSUPPORTED as expected: %s)\n", kc.label,
                   name(c).c_str(), g.error.c_str());
       continue;
@@ -379,6 +390,7 @@ constexpr sage_mask kNone = SAGE_MASK_NONE, kBR = SAGE_MASK_CAUSAL_BOTTOM_RIGHT,
 constexpr sage_layout kHND = SAGE_LAYOUT_HND, kNHD = SAGE_LAYOUT_NHD;
 constexpr sage_dtype kF16 = SAGE_DTYPE_FP16, kBF16 = SAGE_DTYPE_BF16;
 constexpr sage_variant k8 = SAGE_VARIANT_SAGE2_8B, k4 = SAGE_VARIANT_SAGE2_4B;
+constexpr unsigned kSmoothQKV = SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V;
 
 INSTANTIATE_TEST_SUITE_P(
     Sweep, GpuVsEmulation,
@@ -404,7 +416,17 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1, 8, 4, 2200, 2200, 128, kTL, kHND, kBF16, k8, 4},
         // D = 64 causal under 2048 query rows: the two-consumer fused-Q kernel (the launcher
         // takes three consumers for D = 64 elsewhere); Nq > Nk and a partial last tile.
-        Case{2, 4, 2, 1100, 900, 64, kBR, kHND, kBF16, k8, 4}),
+        Case{2, 4, 2, 1100, 900, 64, kBR, kHND, kBF16, k8, 4},
+        // Q smoothing (mma.sync: ΔS formed in the kernel from the caller's K, a key block
+        // ahead), 8-bit and 4-bit: GQA/MQA, both causal alignments, lengths off the 64/128
+        // blocks, K rows only 2-byte aligned (kv_shift 1: the kernel's 2-byte loads), a single
+        // query row (Q - q_mean = 0: the scores are ΔS alone), many key blocks.
+        Case{1, 8, 2, 1000, 1000, 128, kBR, kNHD, kF16, k8, 4, kSmoothQKV, 1},
+        Case{2, 4, 2, 777, 1500, 64, kTL, kHND, kBF16, k8, 8, kSmoothQKV},
+        Case{1, 2, 2, 1, 65, 128, kBR, kHND, kF16, k8, 4, kSmoothQKV},
+        Case{1, 4, 1, 300, 1000, 128, kBR, kHND, kF16, k4, 4, 0, 1},
+        Case{1, 6, 3, 129, 4097, 64, kNone, kNHD, kBF16, k4, 0},
+        Case{1, 4, 2, 2000, 333, 128, kTL, kNHD, kBF16, k4, 8, 0, 1}),
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
 // The wgmma E4M3 accumulator model, checked against the kernel's outputs: for flat and peaked
