@@ -260,6 +260,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     // (measured on sm_90, docs/fp8-accumulator.md) the MMA accumulates into O directly.
     uint32_t pf[2][4];
     attn::pack_p_e4m3(pf, [&](int n, int e) { return sc[n][e] * 448.0f; });
+    // ΔS of the next block, here where S's registers are free (ptxas spilled less here than after
+    // Q·Kᵀ or after P·V). Its buffer was last read in the previous iteration, before this one's
+    // __syncthreads; the next one's publishes it.
+    if (ds_ahead) ds_next.store(q_mean_s, k_mean_s, delta_s[(kb + 1) % 2]);
     for (int i = 0; i < kDTiles; ++i) {
       // V fragments of channel tile i for both key chunks in one ldmatrix.x4.
       uint32_t vf4[4];
@@ -275,9 +279,6 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
         ptx::mma_m16n8k32_e4m3(o[i], pf[1], v1, o[i]);
       }
     }
-    // ΔS of the next block: its buffer was last read in the previous iteration, before this
-    // one's __syncthreads; the next one's publishes it.
-    if (ds_ahead) ds_next.store(q_mean_s, k_mean_s, delta_s[(kb + 1) % 2]);
   }
   ptx::cp_async_wait<0>();
 
