@@ -112,16 +112,19 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   p.k = take(size_t(bk * p.nk_pad * p.row_bytes));
   p.k_scale = take(size_t(bk * p.k_blocks * kKGroups) * 4);
   p.v = take(size_t(bk * head_dim * p.nk_pad));
-  // The K/V statistics of a head sit at the start of that head's Vᵀ rows: quant_kv's V stores are
-  // their only overwriter and come after their last read (three launches: a later kernel of the
-  // stream; one cluster launch: after a second cluster barrier, and a cluster writes only its own
-  // head's Vᵀ). A head's D·nk_pad bytes hold its 24·chunks·D: nk_pad >= 128·chunks - 64.
+  // The K/V statistics of a head sit at the start of that head's Vᵀ rows rather than in a region
+  // of their own: quant_kv's V stores are their only overwriter and come after their last read
+  // (three launches: a later kernel of the stream; one cluster launch: after a second cluster
+  // barrier, and a cluster writes only its own head's Vᵀ). A head's D·nk_pad bytes hold its
+  // 24·chunks·D: nk_pad >= 128·chunks - 64 >= 24·chunks.
   p.kv_stats = p.v;
   p.kv_stats_stride = head_dim * p.nk_pad;
   p.k_mean = take(size_t(bk * head_dim) * 4);
   p.v_mean = take(size_t(bk * head_dim) * 4);
   p.v_scale = take(size_t(bk * head_dim) * 4);
   p.v_inv = take(size_t(bk * head_dim) * 4);
+  // The sm90 kernel's causal tile scheduler: {next tile, CTAs done}, zeroed by the pre-pass
+  // (kv_finalize) and reset by the kernel's last CTA.
   p.tile_counter = take(8);
   p.total = off;
   return p;
