@@ -48,9 +48,10 @@ def peak_of_one_call(fn):
 
 
 @gpu
-@pytest.mark.parametrize("qk_bits, causal, return_lse", [(8, False, False), (8, True, True),
-                                                         (4, True, False), (4, False, True)])
-def test_peak_memory_is_output_plus_formula(qk_bits, causal, return_lse):
+@pytest.mark.parametrize("qk_bits, causal, return_lse, kernel", [
+    (8, False, False, None), (8, True, True, None), (8, False, True, "mma"),
+    (4, True, False, None), (4, False, True, None)])
+def test_peak_memory_is_output_plus_formula(qk_bits, causal, return_lse, kernel):
     # GQA 4:1, lengths off the 64/128 blocks. Here a stored ΔS (4 bytes a key per 128-query
     # block, with 4-bit's Q smoothing) would take 15 MiB, about the output's size: a workspace
     # holding it fails the bound.
@@ -63,12 +64,13 @@ def test_peak_memory_is_output_plus_formula(qk_bits, causal, return_lse):
 
     def call():
         return sage_attn.sageattn(q, k, v, is_causal=causal, return_lse=return_lse,
-                                  qk_bits=qk_bits)
+                                  qk_bits=qk_bits, kernel=kernel)
 
     peak = peak_of_one_call(call)
     smooth_q = qk_bits == 4  # on for 4-bit only by default
     # Q is quantized by the pre-pass except in the sm90 kernel (8-bit, no Q smoothing, sm_90).
-    sm90 = torch.cuda.get_device_capability() == (9, 0) and qk_bits == 8 and not smooth_q
+    sm90 = (torch.cuda.get_device_capability() == (9, 0) and qk_bits == 8 and not smooth_q
+            and kernel != "mma")
     output = 2 * B * Hq * Nq * D + (4 * B * Hq * Nq if return_lse else 0)
     ws = workspace_formula(B, Hq, Hkv, Nq, Nk, D, qk_bits, not sm90, smooth_q, return_lse)
     print(f"peak {peak / MiB:.2f} MiB, output {output / MiB:.2f} MiB + workspace "
