@@ -112,6 +112,11 @@ sage_status plan_call(const api::Resolved& r, const sage_attention_args& a, api:
   return api::make_plan(r, a, *dev, plan);
 }
 
+// Query i sees keys j <= i + causal_offset under a causal mask.
+int64_t causal_offset(const ref::Problem& p) {
+  return p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
+}
+
 // What both kernels' params structs (sm90::Params, mma::AttnParams) hold alike, under the same
 // names: the pre-pass products they read, the caller's output and LSE, the problem.
 template <typename P>
@@ -129,7 +134,7 @@ void fill_common(P& x, const api::Resolved& r, const sage_attention_args& a, con
   x.batch = p.batch, x.heads_q = p.heads_q, x.heads_kv = p.heads_kv;
   x.seq_q = p.seq_q, x.seq_kv = p.seq_kv, x.nq_pad = w.nq_pad, x.nk_pad = w.nk_pad;
   x.q_blocks = w.q_blocks, x.k_blocks = w.k_blocks;
-  x.causal_offset = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
+  x.causal_offset = causal_offset(p);
   x.scale_log2 = float(p.scale * 1.4426950408889634);
 }
 
@@ -140,6 +145,7 @@ sm90::Params sm90_params(const api::Resolved& r, const sage_attention_args& a,
   const quant::PrepassPlan& w = plan.prepass;
   s.k_mean = reinterpret_cast<const float*>(ws + w.k_mean);  // fused Q's LSE shift
   s.tile_counter = reinterpret_cast<unsigned*>(ws + w.tile_counter);
+  s.kv_bad = reinterpret_cast<const unsigned long long*>(ws + w.kv_bad);
   s.q_in = a.q, s.q_in_batch = r.q.batch, s.q_in_head = r.q.head, s.q_in_token = r.q.token;
   s.scale = float(r.problem.scale);
   s.fused_q = plan.fused_q;
@@ -201,14 +207,15 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   uint8_t* ws = static_cast<uint8_t*>(a.workspace);
   const ref::Problem& p = r.problem;
-  const quant::PrepassInputs in{a.q, a.k, a.v, a.dtype, r.q, r.k, r.v, float(p.scale)};
+  const bool causal = p.mask != SAGE_MASK_NONE, bf16 = a.dtype == SAGE_DTYPE_BF16;
+  const quant::RowSight sight{p.seq_kv, causal_offset(p), causal};
+  const quant::PrepassInputs in{a.q, a.k, a.v, a.dtype, r.q, r.k, r.v, float(p.scale), sight};
   cudaError_t e = cudaSuccess;
   if (stages & kStagePrepass) e = quant::run_prepass(plan.prepass, in, ws, dev.index, stream);
   if (e != cudaSuccess)
     return set_error(SAGE_ERROR_CUDA, "pre-pass launch: %s", cudaGetErrorString(e));
   if (!(stages & kStageKernel)) return SAGE_OK;
 
-  const bool causal = p.mask != SAGE_MASK_NONE, bf16 = a.dtype == SAGE_DTYPE_BF16;
   if (plan.family == api::Family::kSm90) {
     const sm90::Params sp = sm90_params(r, a, plan, ws);
     const sm90::LaunchConfig cfg{plan.consumers, bf16, causal, dev.index, dev.sms};
@@ -292,7 +299,7 @@ bwd::Params backward_params(const api::ResolvedBackward& r, const sage_backward_
   x.seq_q = p.seq_q, x.seq_kv = p.seq_kv, x.nq_pad = w.nq_pad, x.nk_pad = w.nk_pad;
   x.q_blocks = w.q_blocks, x.k_blocks = w.k_blocks, x.k_chunks = w.k_chunks;
   x.causal = p.mask != SAGE_MASK_NONE;
-  x.causal_offset = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? p.seq_kv - p.seq_q : 0;
+  x.causal_offset = causal_offset(p);
   x.smooth_k = (r.config.smooth & SAGE_SMOOTH_K) != 0;
   x.scale = float(p.scale);
   x.scale_log2 = float(p.scale * 1.4426950408889634);

@@ -69,11 +69,21 @@ __device__ __forceinline__ void pack_p_e4m3(uint32_t (&pf)[kChunks][4], PAt p_at
     }
 }
 
+// What a row adds to its running sum l: 0, or NaN for a row that an Inf/NaN input poisons (the
+// pre-pass or the sm90 kernel's Q quantization gave it a NaN LSE shift: quant::RowSight). The NaN
+// then carries into the row's output and LSE through the finalize, at no cost there.
+template <typename Params>
+__device__ __forceinline__ float row_poison(const Params& p, int64_t bh, int64_t row) {
+  return row < p.seq_q && isnan(p.lse_shift[bh * p.seq_q + row]) ? __int_as_float(0x7FC00000)
+                                                                  : 0.0f;
+}
+
 // Finalize and store rows row_a, row_a + 8: O / l / 448 · v_scale + v_mean in the output dtype;
-// LSE = (m + log2 l)·ln 2 + the smoothing shift. o_at(i, e) reads element e of channel tile i.
-// kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 when it sums the
-// E4M3-range values P~ · 448 the kernel computed directly. vsc / vmean: this head's V scales
-// and means (D floats each), from global memory or staged in shared memory by the caller.
+// LSE = (m + log2 l)·ln 2 + the smoothing shift. A row with l = 0 saw no key (0, LSE -inf); a
+// poisoned row's l is NaN (row_poison), so are its output and LSE. o_at(i, e) reads element e of
+// channel tile i. kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 when
+// it sums the E4M3-range values P~ · 448 the kernel computed directly. vsc / vmean: this head's V
+// scales and means (D floats each), from global memory or staged in shared memory by the caller.
 template <int D, typename OutT, int kLUnit, typename Params, typename OAt>
 __device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float (&m)[2],
                                          float (&l)[2], int64_t b, int64_t h, int64_t bh,
@@ -86,7 +96,7 @@ __device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float 
   for (int r = 0; r < 2; ++r) {
     const int64_t row = row_a + 8 * r;
     if (row >= p.seq_q) continue;
-    const bool empty = !(l[r] > 0.0f);
+    const bool empty = l[r] == 0.0f;
     const float inv = empty ? 0.0f : 1.0f / (l[r] * (448.0f / kLUnit));
     OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
     for (int i = 0; i < D / 8; ++i) {

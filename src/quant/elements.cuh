@@ -66,6 +66,15 @@ __device__ __forceinline__ uint32_t special2(uint32_t w) {
   return ((w & Bits<T>::kExp2) + Bits<T>::kExpOne2) & 0x80008000u;
 }
 
+// The word with each Inf/NaN element of the two replaced by +0 (non-finite inputs count as zeros
+// in every statistic and quantization; the rows they touch are marked separately).
+template <typename T>
+__device__ __forceinline__ uint32_t zero_special2(uint32_t w) {
+  const uint32_t s = special2<T>(w);  // bit 15 / 31 set for a special element
+  const uint32_t keep = ~((s >> 15) * 0xFFFFu);  // bit 15 -> low half's mask, bit 31 -> high's
+  return w & keep;
+}
+
 // Non-zero when an element of the chunks is Inf or NaN (special2 over every word).
 template <typename T, int N>
 __device__ __forceinline__ uint32_t special_any(const uint4 (&raw)[N]) {
@@ -73,6 +82,18 @@ __device__ __forceinline__ uint32_t special_any(const uint4 (&raw)[N]) {
   for (int c = 0; c < N; ++c)
     bad |= special2<T>(raw[c].x) | special2<T>(raw[c].y) | special2<T>(raw[c].z) |
            special2<T>(raw[c].w);
+  return bad;
+}
+
+// Zeroes every Inf/NaN element of the chunks (a test of every word; the zeroing only where the
+// rare Inf/NaN is); returns non-zero when there was one.
+template <typename T, int N>
+__device__ __forceinline__ uint32_t zero_special(uint4 (&raw)[N]) {
+  const uint32_t bad = special_any<T>(raw);
+  if (bad != 0u)
+    for (int c = 0; c < N; ++c)
+      raw[c] = make_uint4(zero_special2<T>(raw[c].x), zero_special2<T>(raw[c].y),
+                          zero_special2<T>(raw[c].z), zero_special2<T>(raw[c].w));
   return bad;
 }
 

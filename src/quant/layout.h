@@ -22,6 +22,8 @@ constexpr int kBlockK = 64;
 constexpr int kQGroups = 64;      // Q scales per 128-row block: 8 warps x 8 lane groups
 constexpr int kKGroups = 4;       // K scales per 64-key block
 constexpr int kStatTokens = 128;  // tokens per K/V statistics chunk (fixed-order reduction)
+// PrepassPlan::kv_bad's value for a KV head whose K and V are finite.
+constexpr unsigned long long kKvBadNone = ~0ull;
 
 // The key order of one 32-key chunk of Vᵀ: position kappa holds key perm(kappa), so that the
 // S accumulator a thread holds is directly the A operand of the P·V MMA (see prepass.cu).
@@ -41,6 +43,26 @@ inline bool rows_aligned16(const void* base, const sage_strides& s) {
   return ((reinterpret_cast<uintptr_t>(base) | (bytes << 1)) & 15u) == 0;
 }
 
+// Which keys a query row sees (keys j < visible(row)), to mark the rows an Inf/NaN input poisons:
+// a row that sees keys is poisoned when its own Q row holds Inf/NaN or when it sees the head's
+// first key whose K or V row does (PrepassPlan::kv_bad). Its LSE shift is then NaN, and the
+// attention epilogue writes the row as NaN (non-finite inputs: the README).
+struct RowSight {
+  int64_t seq_kv = 0;
+  int64_t causal_offset = 0;  // causal: query i sees keys j <= i + causal_offset
+  bool causal = false;
+  SAGE_HOST_DEVICE int64_t visible(int64_t row) const {
+    if (!causal) return seq_kv;
+    const int64_t n = row + causal_offset + 1;
+    return n < 0 ? 0 : (n > seq_kv ? seq_kv : n);
+  }
+  SAGE_HOST_DEVICE bool poisoned(int64_t row, bool row_bad,
+                                 unsigned long long kv_first_bad) const {
+    const int64_t n = visible(row);
+    return n > 0 && (row_bad || kv_first_bad < static_cast<unsigned long long>(n));
+  }
+};
+
 // Byte offsets of every pre-pass product inside the caller's workspace (all 256-aligned), and the
 // steps the pre-pass runs. The size depends on the shapes, the config, whether the LSE is asked
 // for and whether the pre-pass quantizes Q (on sm_90: whether Q's rows are 16-byte aligned), so a
@@ -53,7 +75,8 @@ struct PrepassPlan {
   // k_mean_samples of them; sage_quant_config::k_mean_tokens); V's statistics over every token.
   int64_t k_mean_stride = 1, k_mean_samples = 0;
   bool quantize_q = true;       // false: the sm90 kernel quantizes Q itself (fused Q)
-  bool lse = false;             // the call asks for the LSE: each row's shift scale·q·k_mean
+  bool lse = false;             // the call asks for the LSE (the fused Q then writes each row's
+                                // shift scale·q·k_mean)
   // K/V in one launch (kv_prepass_kernel, sm_90+): one CTA per statistics chunk and one
   // thread-block cluster per KV head, so each chunk's K and V are read from memory once, staged
   // in shared memory through the statistics, the cluster barrier and the quantization. 0: the
@@ -62,11 +85,12 @@ struct PrepassPlan {
   int kv_cluster = 0;
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
   // Offsets. q and q_scale hold bytes only where the pre-pass quantizes Q, q_mean only with Q
-  // smoothing, lse_shift only where the LSE is asked for; an empty region has the offset of the
-  // next one. kv_stats is not a region of its own (see make_prepass_plan).
+  // smoothing, lse_shift only where the pre-pass quantizes Q or the LSE is asked for; an empty
+  // region has the offset of the next one. kv_stats is not a region of its own (see
+  // make_prepass_plan).
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
          kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, tile_counter = 0,
-         total = 0;
+         kv_bad = 0, total = 0;
   int64_t kv_stats_stride = 0;  // bytes from one KV head's statistics to the next
 };
 
@@ -103,12 +127,14 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   };
   // Q: the pre-pass's INT8/INT4 rows and 64 group scales a 128-row block (the sm90 kernel's fused
   // Q quantizes each tile in shared memory instead); the block means with Q smoothing (the mma
-  // kernel forms ΔS from them and the caller's K); each row's LSE shift where the LSE is asked
-  // for (quant_q or the fused Q writes it, the epilogue adds it).
+  // kernel forms ΔS from them and the caller's K); each row's LSE shift, NaN for a row an Inf/NaN
+  // input poisons: quant_q writes it for every row and the kernels read it for every row, where
+  // the pre-pass quantizes Q; the fused Q writes it (and keeps the poison in shared memory) only
+  // where the LSE is asked for.
   p.q = take(quantize_q ? size_t(bq * p.nq_pad * p.row_bytes) : 0);
   p.q_scale = take(quantize_q ? size_t(bq * p.q_blocks * kQGroups) * 4 : 0);
   p.q_mean = take(smooth_q ? size_t(bq * p.q_blocks * head_dim) * 4 : 0);
-  p.lse_shift = take(lse ? size_t(bq * seq_q) * 4 : 0);
+  p.lse_shift = take(quantize_q || lse ? size_t(bq * seq_q) * 4 : 0);
   p.k = take(size_t(bk * p.nk_pad * p.row_bytes));
   p.k_scale = take(size_t(bk * p.k_blocks * kKGroups) * 4);
   p.v = take(size_t(bk * head_dim * p.nk_pad));
@@ -126,6 +152,9 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   // The sm90 kernel's causal tile scheduler: {next tile, CTAs done}, zeroed by the pre-pass
   // (kv_finalize) and reset by the kernel's last CTA.
   p.tile_counter = take(8);
+  // Per KV head: the first key whose K or V row holds Inf/NaN (kKvBadNone: none), for the rows
+  // the pre-pass or the sm90 kernel's Q quantization marks as poisoned.
+  p.kv_bad = take(size_t(bk) * 8);
   p.total = off;
   return p;
 }

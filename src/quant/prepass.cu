@@ -11,9 +11,9 @@
 //   quant_kv     reads K and V (2+2 B/elem, kept in registers), writes INT8 (1 B) or INT4
 //                (0.5 B) K + 4 scales per 64 keys, and E4M3 Vᵀ (1 B)
 //   quant_q      reads Q (2 B/elem; again from L2 for the mean with Q smoothing), writes
-//                INT8/INT4 Q + scales (+ the block means with Q smoothing, + the LSE correction,
-//                4 B/row, where the LSE is asked for); skipped when the sm90 kernel quantizes Q
-//                itself (PrepassPlan::quantize_q false: attn/sm90 producer)
+//                INT8/INT4 Q + scales (+ the block means with Q smoothing) and the LSE
+//                correction (4 B/row, NaN for a poisoned row); skipped when the sm90 kernel
+//                quantizes Q itself (PrepassPlan::quantize_q false: attn/sm90 producer)
 // (ΔS of Q smoothing is no pre-pass product: the mma kernel forms it from the caller's K.)
 // Per call: Q 2 B read, K 2 B and V 4 B read (2 B with kv_prepass), ~1 + 1 + 1 (+0.5) B written
 // per element. In three launches V is read twice (its exact channel mean and range, then
@@ -186,10 +186,10 @@ __device__ __forceinline__ void stage_rows(const T* k, const T* v, const sage_st
 // channel pair (one 32-bit word of a staged row) and one of kSlices = 512/D token slices (rows
 // r ≡ slice mod kSlices of the chunk, in order; K: the sampled rows i ≡ slice mod kSlices); the
 // slices are then added in order (fixed order: deterministic, no atomics). The sums run on
-// scaled_double values (x·2^-kScaleExp exactly for finite x: no fp32→fp64 conversion); an
-// Inf/NaN element adds its converted value times 2^-kScaleExp instead (Inf or NaN either way), so
-// the final multiply by 2^kScaleExp gives the converting sum's bits. Max and min run on packed
-// pairs in the input format (exact; NaN skipped as fmaxf/fminf do).
+// scaled_double values (x·2^-kScaleExp exactly for finite x: no fp32→fp64 conversion; the final
+// multiply by 2^kScaleExp gives the converting sum's bits). Max and min run on packed pairs in the
+// input format (exact). An Inf/NaN element counts as a zero everywhere (non-finite inputs: the
+// README), so the statistics of a head stay finite and the rows it poisons are marked instead.
 template <typename T, int D>
 struct ChunkStats {
   using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
@@ -225,20 +225,21 @@ struct ChunkStats {
       sk[1] += scaled_double_hi<T>(w);
     }
     if (bad == 0u) return;
-    constexpr double kScale = 1.0 / Bits<T>::kUnscale;
-    auto conv = [&](uint32_t bits16) {
-      return __dmul_rn(double(Bits<T>::to_float(bits16)), kScale);
-    };
+    // A slice that held an Inf or NaN redoes its sums and range with those elements as zeros
+    // (zero_special2), as the quantizers take them.
     sv[0] = sv[1] = sk[0] = sk[1] = 0.0;
+    mx = T2(T(-INFINITY), T(-INFINITY)), mn = T2(T(INFINITY), T(INFINITY));
     for (int r = slice; r < rows; r += kSlices) {
-      const uint32_t w = *reinterpret_cast<const uint32_t*>(vcol + r * Stage<D>::kPitch);
-      sv[0] += conv(w & 0xFFFFu);
-      sv[1] += conv(w >> 16);
+      const uint32_t w = zero_special2<T>(*reinterpret_cast<const uint32_t*>(vcol + r * Stage<D>::kPitch));
+      sv[0] += scaled_double_lo<T>(w);
+      sv[1] += scaled_double_hi<T>(w);
+      const T2 x = *reinterpret_cast<const T2*>(&w);
+      mx = __hmax2(mx, x), mn = __hmin2(mn, x);
     }
     for (int64_t r = k_first; r < rows; r += k_step) {
-      const uint32_t w = *reinterpret_cast<const uint32_t*>(kcol + r * Stage<D>::kPitch);
-      sk[0] += conv(w & 0xFFFFu);
-      sk[1] += conv(w >> 16);
+      const uint32_t w = zero_special2<T>(*reinterpret_cast<const uint32_t*>(kcol + r * Stage<D>::kPitch));
+      sk[0] += scaled_double_lo<T>(w);
+      sk[1] += scaled_double_hi<T>(w);
     }
   }
   // Adds the slices in order and writes the chunk's statistics (dst: D of them). `red`: kStatRed
@@ -328,6 +329,28 @@ struct KvBlock {
     const int g = group();
     return 16 * (g / 4) + 2 * (g % 4) + (u % 2) + 8 * (u / 2);
   }
+  // Zeroes the thread's Inf/NaN elements (they count as zeros, as in the statistics) and lowers
+  // the head's first bad key (*kv_bad, kKvBadNone when there is none) to the first key that held
+  // one: quant_q and the sm90 kernel's Q quantization mark the rows that see it.
+  template <typename T>
+  __device__ void zero_special_keys(int64_t key0, unsigned long long* kv_bad) {
+    unsigned long long first = kKvBadNone;
+    if (zero_special<T>(kr) != 0u) first = static_cast<unsigned long long>(key0 + key());
+    uint32_t v_bad = 0u;
+    for (int u = 0; u < 4; ++u)
+      for (int i = 0; i < kW / 2; ++i) v_bad |= special2<T>(vr[u][i]);
+    if (v_bad != 0u)  // rare: which rows, and their zeroing
+      for (int u = 0; u < 4; ++u) {
+        uint32_t bad = 0u;
+        for (int i = 0; i < kW / 2; ++i) {
+          bad |= special2<T>(vr[u][i]);
+          vr[u][i] = zero_special2<T>(vr[u][i]);
+        }
+        const auto n = static_cast<unsigned long long>(key0 + vkey(u));
+        if (bad != 0u && n < first) first = n;
+      }
+    if (first != kKvBadNone) atomicMin(kv_bad, first);
+  }
 };
 
 // Loads block kb from global memory (quant_kv_kernel): every load of the thread is issued first.
@@ -380,10 +403,10 @@ __device__ __forceinline__ KvBlock<D> load_block_staged(const uint8_t* smem, int
 
 // Quantizes and stores block kb. km, vm, vi: the head's k_mean, v_mean and 1/v_scale in shared
 // memory; group_max: [8][4] floats of shared memory (one __syncthreads inside: a caller that
-// loops over blocks alternates two). K's max is taken on the bits of |k - k_mean| (non-negative
-// floats order as their bits; NaN orders above Inf, so a NaN is seen and sends the thread to the
-// float max, which skips it, and to quantize_bits). With no NaN and a finite group amax and inv,
-// quantize_bits' clamp and NaN test cannot act (see quant_q) and are skipped.
+// loops over blocks alternates two). x holds no Inf/NaN (KvBlock::zero_special_keys), and k_mean
+// is finite, so K's max is taken on the bits of |k - k_mean| (non-negative floats order as their
+// bits), and with a finite group amax and inv quantize_bits' clamp and NaN test cannot act (see
+// quant_q) and are skipped.
 template <typename T, int D, int kBits>
 __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, int bh,
                                                const float* km, const float* vm, const float* vi,
@@ -406,19 +429,7 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
     for (int e = 0; e < 8; ++e)
       abits = max(abits, __float_as_uint(fabsf(__fsub_rn(elem_float<T>(x.kr[ci], e), mk[e]))));
   }
-  const bool k_nan = abits > 0x7F800000u;
-  float amax = 0.0f;
-  if (valid) {
-    if (!k_nan) {
-      amax = __uint_as_float(abits);
-    } else {
-      for (int ci = 0; ci < B::kChunks; ++ci)
-        for (int e = 0; e < 8; ++e) {
-          const int c = (ci * 4 + part) * 8 + e;
-          amax = fmaxf(amax, fabsf(__fsub_rn(elem_float<T>(x.kr[ci], e), km[c])));
-        }
-    }
-  }
+  float amax = valid ? __uint_as_float(abits) : 0.0f;
   for (int m : {1, 2, 4}) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
   const int t = (j % 8) / 2;
   if (threadIdx.x % 8 == 0) group_max[warp][t] = amax;
@@ -446,7 +457,7 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
   const QuantScale s = make_quant_scale(amax, qmax);
   if (threadIdx.x < 32 && threadIdx.x % 8 == 0)
     k_scale[(int64_t(bh) * k_blocks + kb) * kKGroups + t] = s.scale;
-  const bool fast = !k_nan && finite_scale(amax, s.inv);
+  const bool fast = finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
   quantize_store_row_part<T, D, kBits>(
       kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8), x.kr,
@@ -466,7 +477,8 @@ __global__ void __launch_bounds__(256, 2)
                       int64_t chunks, uint32_t k_stride, int64_t k_samples, bool smooth_k,
                       bool smooth_v, KvStat* stats, int64_t stats_stride, float* k_mean,
                       float* v_mean, float* v_scale, float* v_inv, unsigned* tile_counter,
-                      int64_t nk_pad, int64_t k_blocks, uint8_t* kq, float* k_scale, uint8_t* vq) {
+                      unsigned long long* kv_bad, int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
+                      float* k_scale, uint8_t* vq) {
   pdl_enter();
   extern __shared__ __align__(16) uint8_t stage[];
   __shared__ double red[kStatRed];
@@ -482,6 +494,7 @@ __global__ void __launch_bounds__(256, 2)
   st.accumulate(stage, rows, n0, k_stride);
   KvStat* hs = head_stats(stats, bh, stats_stride);
   st.write(red, hs + chunk * D);
+  if (chunk == 0 && threadIdx.x == 0) kv_bad[bh] = kKvBadNone;  // lowered after the barrier
   __threadfence();
   ptx::cluster_sync();  // every chunk's statistics of the head are written
   if (threadIdx.x < D) {
@@ -505,7 +518,8 @@ __global__ void __launch_bounds__(256, 2)
   for (int i = 0; i < kBlocks; ++i) {
     const int64_t kb = chunk * kBlocks + i;
     if (kb >= k_blocks) break;
-    const KvBlock<D> x = load_block_staged<D>(stage, i * kBlockK, kb * kBlockK, seq_kv);
+    KvBlock<D> x = load_block_staged<D>(stage, i * kBlockK, kb * kBlockK, seq_kv);
+    x.template zero_special_keys<T>(kb * kBlockK, kv_bad + bh);
     quant_kv_block<T, D, kBits>(x, kb, bh, km, vm, vi, group_max[i % 2], seq_kv, nk_pad,
                                 k_blocks, kq, k_scale, vq);
   }
@@ -534,12 +548,13 @@ __global__ void __launch_bounds__(128)
     kv_finalize_kernel(const KvStat* stats, int64_t stats_stride, int64_t seq_kv,
                        int64_t k_samples, int64_t dim, int64_t chunks, bool smooth_k,
                        bool smooth_v, float* k_mean, float* v_mean, float* v_scale, float* v_inv,
-                       unsigned* tile_counter) {
+                       unsigned* tile_counter, unsigned long long* kv_bad) {
   pdl_enter();
   // The attention kernel's tile counters start at zero (it leaves them so; this covers a fresh
   // workspace).
   if (blockIdx.x == 0 && threadIdx.x < 2) tile_counter[threadIdx.x] = 0u;
   const int64_t bh = blockIdx.x;
+  if (threadIdx.x == 0) kv_bad[bh] = kKvBadNone;  // quant_kv lowers it
   for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
     const ChannelFinal f = finalize_channel(head_stats(stats, bh, stats_stride), chunks, dim, c,
                                             seq_kv, k_samples, smooth_k, smooth_v);
@@ -555,8 +570,9 @@ __global__ void __launch_bounds__(128)
 template <typename T, int D, int kBits, bool kVec>
 __global__ void __launch_bounds__(256, 3)
     quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
-                    const float* k_mean, const float* v_mean, const float* v_inv, int64_t nk_pad,
-                    int64_t k_blocks, uint8_t* kq, float* k_scale, uint8_t* vq) {
+                    const float* k_mean, const float* v_mean, const float* v_inv,
+                    unsigned long long* kv_bad, int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
+                    float* k_scale, uint8_t* vq) {
   pdl_enter();
   __shared__ float group_max[8][4];
   __shared__ __align__(16) float km[D];
@@ -564,7 +580,8 @@ __global__ void __launch_bounds__(256, 3)
   __shared__ __align__(16) float vi[D];
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t kb = blockIdx.x;
-  const KvBlock<D> x = load_block_global<T, D, kVec>(k, v, ks, vs, b, h, kb, seq_kv);
+  KvBlock<D> x = load_block_global<T, D, kVec>(k, v, ks, vs, b, h, kb, seq_kv);
+  x.template zero_special_keys<T>(kb * kBlockK, kv_bad + bh);
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
     km[c] = k_mean[int64_t(bh) * D + c];
@@ -580,16 +597,19 @@ __global__ void __launch_bounds__(256, 3)
 // correction scale·q·k_mean, then per-thread groups (rows {g, g+8} of each 16-row warp slice).
 // A thread's row loads are issued first (in flight during the mean); q·k_mean is summed in double
 // in channel order of the part, with each q value from scaled_double (one exact multiply by 2^s)
-// and k_mean from a double copy in shared memory; a part holding Inf/NaN converts instead.
-// Without smoothing the row's max |q| is taken on the raw bits (|x| orders as its bits do; a
-// part holding Inf/NaN takes the float path). The quantization skips quantize_bits' clamp and NaN
-// test where neither can act: every |x - mean| of the group is at most its finite amax, so with a
-// finite inv |y| <= qmax·(1+2^-24)^2 rounds into [-qmax, qmax], and no operand is NaN.
+// and k_mean from a double copy in shared memory. Inf/NaN elements count as zeros (in the mean
+// too); a row that holds one, or that sees a key of the head's first bad one (kv_bad) or later,
+// gets a NaN LSE shift, which the attention epilogue turns into a NaN row. Without smoothing the
+// row's max |q| is taken on the raw bits (|x| orders as its bits do). The quantization skips
+// quantize_bits' clamp and NaN test where neither can act: every |x - mean| of the group is at
+// most its finite amax, so with a finite inv |y| <= qmax·(1+2^-24)^2 rounds into [-qmax, qmax],
+// and no operand is NaN.
 template <typename T, int D, int kBits, bool kVec, bool kSmooth>
 __global__ void __launch_bounds__(512, 2)
     quant_q_kernel(const T* q, sage_strides qs, int heads_kv, int group_ratio, int64_t seq_q,
-                   float scale, const float* k_mean, int64_t nq_pad, int64_t q_blocks,
-                   uint8_t* qq, float* q_scale, float* q_mean, float* lse_shift) {
+                   float scale, const float* k_mean, const unsigned long long* kv_bad,
+                   RowSight sight, int64_t nq_pad, int64_t q_blocks, uint8_t* qq,
+                   float* q_scale, float* q_mean, float* lse_shift) {
   pdl_enter();
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   constexpr int kChunks = D / 32;
@@ -599,7 +619,8 @@ __global__ void __launch_bounds__(512, 2)
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t qb = blockIdx.x;
   const int64_t r0 = qb * kBlockQ;
-  const float* km = k_mean + (int64_t(b) * heads_kv + h / group_ratio) * D;
+  const int64_t bhk = int64_t(b) * heads_kv + h / group_ratio;
+  const float* km = k_mean + bhk * D;
   const int r = threadIdx.x / 4, part = threadIdx.x % 4;
   const int64_t row = r0 + r;
   const bool valid = row < seq_q;
@@ -608,30 +629,28 @@ __global__ void __launch_bounds__(512, 2)
     raw[ci] = make_uint4(0u, 0u, 0u, 0u);
     if (valid) raw[ci] = load_raw8<kVec>(row_ptr(q, qs, b, h, row) + (ci * 4 + part) * 8);
   }
-  bool mean_special = false;  // a block mean is Inf or NaN (Inf/NaN in the block's Q)
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
     km_d[c] = double(km[c]);
     if constexpr (kSmooth) {
       const int64_t r1 = min(seq_q, r0 + kBlockQ);
       double s = 0;
-      for (int64_t rr = r0; rr < r1; ++rr) s += double(to_float(row_ptr(q, qs, b, h, rr)[c]));
+      for (int64_t rr = r0; rr < r1; ++rr) {
+        const float x = to_float(row_ptr(q, qs, b, h, rr)[c]);
+        s += isfinite(x) ? double(x) : 0.0;
+      }
       const float m = float(s / double(r1 - r0));
       q_mean[(int64_t(bh) * q_blocks + qb) * D + c] = m;
       mean[c] = m;
-      mean_special = !(fabsf(m) <= 3.402823466e38f);
     }
   }
-  if constexpr (kSmooth)
-    mean_special = __syncthreads_or(mean_special);
-  else
-    __syncthreads();
+  __syncthreads();
   // x - mean, or x itself without smoothing (x - 0 is x, -0 included).
   auto centered = [&](float x, int c) { return kSmooth ? __fsub_rn(x, mean[c]) : x; };
 
-  const uint32_t bad = special_any<T>(raw);
+  int row_bad = zero_special<T>(raw) != 0u;
   float amax = 0.0f;
-  if (!kSmooth && bad == 0u) {
+  if constexpr (!kSmooth) {
     // max |x| on the bits: both halves of a word at once (unsigned 16-bit lanes).
     uint32_t m2 = 0u;
     for (int ci = 0; ci < kChunks; ++ci) {
@@ -644,7 +663,7 @@ __global__ void __launch_bounds__(512, 2)
   } else if (valid) {
     // Rows past seq_q stay out of the group max: their zeroed raw words centre to -mean, which
     // would otherwise set the scale of a group {g, g+8} shared with a valid row (the emulation
-    // groups only rows < seq_q). The bit path above sees 0 for them.
+    // groups only rows < seq_q).
     for (int ci = 0; ci < kChunks; ++ci)
       for (int e = 0; e < 8; ++e) {
         const float x = elem_float<T>(raw[ci], e);
@@ -652,37 +671,35 @@ __global__ void __launch_bounds__(512, 2)
       }
   }
   double shift = 0;
-  if (bad == 0u) {
-    for (int ci = 0; ci < kChunks; ++ci) {
-      const double2* kd = reinterpret_cast<const double2*>(&km_d[(ci * 4 + part) * 8]);
-      for (int e2 = 0; e2 < 4; ++e2) {
-        const double2 k2 = kd[e2];
-        const uint32_t w = e2 == 0 ? raw[ci].x : e2 == 1 ? raw[ci].y : e2 == 2 ? raw[ci].z : raw[ci].w;
-        const double lo = __dmul_rn(scaled_double_lo<T>(w), Bits<T>::kUnscale);
-        const double hi = __dmul_rn(scaled_double_hi<T>(w), Bits<T>::kUnscale);
-        shift = __fma_rn(lo, k2.x, shift);  // x·k_mean is exact
-        shift = __fma_rn(hi, k2.y, shift);
-      }
+  for (int ci = 0; ci < kChunks; ++ci) {
+    const double2* kd = reinterpret_cast<const double2*>(&km_d[(ci * 4 + part) * 8]);
+    for (int e2 = 0; e2 < 4; ++e2) {
+      const double2 k2 = kd[e2];
+      const uint32_t w = e2 == 0 ? raw[ci].x : e2 == 1 ? raw[ci].y : e2 == 2 ? raw[ci].z : raw[ci].w;
+      const double lo = __dmul_rn(scaled_double_lo<T>(w), Bits<T>::kUnscale);
+      const double hi = __dmul_rn(scaled_double_hi<T>(w), Bits<T>::kUnscale);
+      shift = __fma_rn(lo, k2.x, shift);  // x·k_mean is exact
+      shift = __fma_rn(hi, k2.y, shift);
     }
-  } else {
-    for (int ci = 0; ci < kChunks; ++ci)
-      for (int e = 0; e < 8; ++e)
-        shift += double(elem_float<T>(raw[ci], e)) * double(km[(ci * 4 + part) * 8 + e]);
   }
   for (int m : {1, 2}) {
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
     shift += __shfl_xor_sync(0xffffffffu, shift, m);
+    row_bad |= __shfl_xor_sync(0xffffffffu, row_bad, m);
   }
   if (part == 0) {
     row_max[r] = amax;
-    if (valid && lse_shift) lse_shift[int64_t(bh) * seq_q + row] = float(double(scale) * shift);
+    if (valid)
+      lse_shift[int64_t(bh) * seq_q + row] =
+          sight.poisoned(row, row_bad != 0, kv_bad[bhk]) ? __int_as_float(0x7FC00000)
+                                                         : float(double(scale) * shift);
   }
   __syncthreads();
   amax = fmaxf(row_max[r], row_max[r ^ 8]);  // the group: rows {g, g+8} of a 16-row slice
   const QuantScale s = make_quant_scale(amax, qmax);
   if (part == 0 && r % 16 < 8)
     q_scale[(int64_t(bh) * q_blocks + qb) * kQGroups + (r / 16) * 8 + r % 8] = s.scale;
-  const bool fast = bad == 0u && !mean_special && finite_scale(amax, s.inv);
+  const bool fast = finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
   quantize_store_row_part<T, D, kBits>(qq + (int64_t(bh) * nq_pad + row) * (D * kBits / 8), raw,
                                        centered, part, s.inv, qmax, fast, keep);
@@ -703,6 +720,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
   KvStat* stats = reinterpret_cast<KvStat*>(ws + p.kv_stats);
   unsigned* tile_counter = reinterpret_cast<unsigned*>(ws + p.tile_counter);
+  auto* kv_bad = reinterpret_cast<unsigned long long*>(ws + p.kv_bad);
   const bool vec_kv = rows_aligned16(k, in.k_strides) && rows_aligned16(v, in.v_strides);
   const bool vec_q = rows_aligned16(q, in.q_strides);
 
@@ -722,9 +740,8 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
       check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, p.seq_kv,
                        p.stat_chunks, uint32_t(p.k_mean_stride), p.k_mean_samples, p.smooth_k,
                        p.smooth_v, stats, p.kv_stats_stride, f32(p.k_mean), f32(p.v_mean),
-                       f32(p.v_scale),
-                       f32(p.v_inv), tile_counter, p.nk_pad, p.k_blocks, ws + p.k,
-                       f32(p.k_scale), ws + p.v));
+                       f32(p.v_scale), f32(p.v_inv), tile_counter, kv_bad, p.nk_pad, p.k_blocks,
+                       ws + p.k, f32(p.k_scale), ws + p.v));
       return;
     }
     constexpr auto stats_kernel = kv_stats_kernel<T, D, kVec>;
@@ -736,11 +753,13 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     if (err != cudaSuccess) return;
     check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D)}, st, stats, p.kv_stats_stride,
                      p.seq_kv, p.k_mean_samples, int64_t(D), p.stat_chunks, p.smooth_k, p.smooth_v,
-                     f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter));
+                     f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter,
+                     kv_bad));
     if (err != cudaSuccess) return;
     check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(256)}, st, k,
                      v, in.k_strides, in.v_strides, p.seq_kv, f32(p.k_mean), f32(p.v_mean),
-                     f32(p.v_inv), p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale), ws + p.v));
+                     f32(p.v_inv), kv_bad, p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale),
+                     ws + p.v));
   };
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
@@ -750,8 +769,8 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
                          : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
     check(launch_pdl(qk, {dim3(unsigned(p.q_blocks), unsigned(p.heads_q), unsigned(p.batch)),
                      dim3(512)}, st, q, in.q_strides, heads_kv, heads_q / heads_kv, p.seq_q,
-                     in.scale, f32(p.k_mean), p.nq_pad, p.q_blocks, ws + p.q, f32(p.q_scale),
-                     p.smooth_q ? f32(p.q_mean) : nullptr, p.lse ? f32(p.lse_shift) : nullptr));
+                     in.scale, f32(p.k_mean), kv_bad, in.sight, p.nq_pad, p.q_blocks, ws + p.q,
+                     f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
   };
   auto with_vec = [&](auto bits) {
     if (vec_kv && vec_q)

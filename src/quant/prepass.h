@@ -21,6 +21,7 @@ struct PrepassInputs {
   sage_dtype dtype;  // fp16 or bf16
   sage_strides q_strides, k_strides, v_strides;
   float scale;  // softmax scale (for the LSE correction)
+  RowSight sight;  // the mask, for the rows an Inf/NaN input poisons
 };
 
 // Runs every pre-pass kernel on `stream` (device `device`, the current one), writing the

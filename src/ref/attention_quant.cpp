@@ -177,6 +177,7 @@ struct KvPrep {
   std::vector<Real> v;            // quantized V - v_mean, [Nk][D]
   std::vector<Real> v_scale;      // [scale rows][D]: one row (per channel) or one per key block
   std::vector<int> v_exponent;    // [key blocks]: V^ = V / 2^e (SAGE_V_SCALE_PER_BLOCK), else 0
+  int64_t first_bad = 0;          // the first key whose K or V row holds Inf/NaN, else Nk
 };
 
 // Q of one (batch, q head) after the pre-pass.
@@ -185,7 +186,22 @@ struct QPrep {
   std::vector<Real> q_mean;       // [Q blocks][D], zeros without Q smoothing
   QuantizedGroups<Real> q;        // quantized Q - q_mean of its block
   std::vector<Real> lse_shift;    // [Nq]: scale * q_i·k_mean, added back to the LSE
+  std::vector<char> bad;          // [Nq]: the row of Q holds Inf/NaN
 };
+
+// Non-finite inputs (README, "Non-finite inputs"): every Inf/NaN element is quantized as a zero, so it reaches
+// no statistic, scale or score of the other rows, and the rows it touches are marked afterwards
+// (poisoned). Returns per row whether it held one.
+template <typename Real>
+std::vector<char> zero_non_finite(std::vector<Real>& x, int64_t rows, int64_t dim) {
+  std::vector<char> bad(size_t(rows), 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < dim; ++d) {
+      Real& e = x[size_t(r * dim + d)];
+      if (!std::isfinite(e)) e = Real(0), bad[size_t(r)] = 1;
+    }
+  return bad;
+}
 
 template <typename Real>
 std::vector<Real> load_rows(const TensorView& t, int64_t b, int64_t h, int64_t rows, int64_t dim) {
@@ -221,6 +237,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     KvPrep<Real>& kp = kv[size_t(i)];
     const int64_t b = i / p.heads_kv, h = i % p.heads_kv;
     kp.k_smooth = load_rows<Real>(k, b, h, Nk, D);
+    const std::vector<char> k_bad = zero_non_finite(kp.k_smooth, Nk, D);
     kp.k_mean = smooth_k ? channel_mean(kp.k_smooth, 0, Nk, D, k_mean_stride)
                          : std::vector<Real>(dims, Real(0));
     for (int64_t j = 0; j < Nk; ++j)
@@ -228,6 +245,10 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     kp.k = quantize_groups(kp.k_smooth, Nk, D, k_layout, cfg.qk_format);
 
     kp.v = load_rows<Real>(v, b, h, Nk, D);
+    const std::vector<char> v_bad = zero_non_finite(kp.v, Nk, D);
+    kp.first_bad = Nk;
+    for (int64_t j = Nk - 1; j >= 0; --j)
+      if (k_bad[size_t(j)] || v_bad[size_t(j)]) kp.first_bad = j;
     kp.v_mean = smooth_v ? channel_mean(kp.v, 0, Nk, D) : std::vector<Real>(dims, Real(0));
     for (int64_t j = 0; j < Nk; ++j)
       for (int64_t d = 0; d < D; ++d) kp.v[size_t(j * D + d)] -= kp.v_mean[size_t(d)];
@@ -276,6 +297,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     const int64_t b = i / p.heads_q, h = i % p.heads_q;
     const KvPrep<Real>& kp = kv[size_t(b * p.heads_kv + h / p.group_ratio())];
     std::vector<Real> x = load_rows<Real>(q, b, h, Nq, D);
+    pr.bad = zero_non_finite(x, Nq, D);
     pr.lse_shift.resize(size_t(Nq));
     for (int64_t r = 0; r < Nq; ++r)
       pr.lse_shift[size_t(r)] = Real(p.scale * dot<double>(&x[size_t(r * D)], kp.k_mean.data(), D));
@@ -474,6 +496,13 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r0 + r, n = p.visible_keys(i);
       Real* dst = out + (bh * Nq + i) * D;
+      // A row that sees keys is poisoned by an Inf/NaN in its query or in a key or value row it
+      // sees (the kernels: the pre-pass marks its LSE shift, the epilogue writes NaN).
+      if (n > 0 && (pr.bad[size_t(i)] || kp.first_bad < n)) {
+        std::fill(dst, dst + D, std::numeric_limits<Real>::quiet_NaN());
+        if (lse) lse[bh * Nq + i] = std::numeric_limits<Real>::quiet_NaN();
+        continue;
+      }
       if (n == 0) {
         std::fill(dst, dst + D, Real(0));
         if (lse) lse[bh * Nq + i] = neg_inf<Real>();

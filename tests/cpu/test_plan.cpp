@@ -93,9 +93,10 @@ TEST(Planner, Sm90TileAndFusedQ) {
   Call odd(3000, 3000, 64);
   odd.a.q = odd.q.data() + 1;  // rows 2-byte aligned only
   EXPECT_FALSE(must_plan(odd, kH100).fused_q);
-  // The workspace holds Q^ and its scales (B·Hq·nq·(D + 2) bytes) only where the pre-pass
-  // quantizes Q: a caller caching the size per shape keys it on Q's 16-byte alignment too.
-  const size_t q_bytes = 2 * 4 * 3072 * (64 + 2);
+  // The workspace holds Q^, its scales and the rows' LSE shifts (B·Hq·(nq·(D + 2) + 4·Nq) bytes)
+  // only where the pre-pass quantizes Q (without the LSE): a caller caching the size per shape
+  // keys it on Q's 16-byte alignment too.
+  const size_t q_bytes = 2 * 4 * (3072 * (64 + 2) + 4 * 3000);
   EXPECT_EQ(pq.prepass.total, must_plan(Call(3000, 3000, 64), kH100).prepass.total + q_bytes);
   EXPECT_EQ(must_plan(odd, kH100).prepass.total, pq.prepass.total);
 }
@@ -171,10 +172,11 @@ size_t readme_workspace(const Shape& s, int bits, bool prepass_q, bool smooth_q,
              + up256(bk * nk / 4)        // K scales: 4 floats a 64-key block
              + up256(bk * s.D * nk)      // V^ᵀ (E4M3)
              + 4 * up256(4 * bk * s.D)   // K mean, V mean, V scale, 1 / V scale
-             + 256;                      // the sm90 tile counter
+             + 256                       // the sm90 tile counter
+             + up256(8 * bk);            // each KV head's first non-finite key
   if (prepass_q) w += up256(bq * nq * r) + up256(2 * bq * nq);  // Q^, 64 scales a 128-row block
   if (smooth_q) w += up256(4 * bq * (nq / 128) * s.D);          // Q's block means
-  if (lse) w += up256(4 * bq * s.Nq);                           // each row's LSE shift
+  if (prepass_q || lse) w += up256(4 * bq * s.Nq);              // each row's LSE shift
   return w;
 }
 
@@ -207,25 +209,27 @@ Plan plan_of(const Shape& s, const Device& dev, sage_variant variant, bool lse,
 TEST(Workspace, OutputPlusKvAndScalesAt32k) {
   // B=1, H=32, N=32k, D=128, 8-bit on the H100 (the wgmma kernel, Q quantized in the kernel), no
   // LSE: K^ and V^ (128 MiB each), K's scales (256 KiB), the four per-channel vectors (16 KiB
-  // each) and the tile counter; with the output (256 MiB), 512.3 MiB in all.
+  // each), the tile counter and the heads' first non-finite keys (256 bytes each); with the
+  // output (256 MiB), 512.3 MiB in all.
   const Shape s{1, 32, 32, 32768, 32768, 128};
   constexpr size_t kMiB = size_t(1) << 20;
   const Plan p = plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, /*lse=*/false);
   ASSERT_EQ(p.family, Family::kSm90);
   ASSERT_TRUE(p.fused_q);
   const size_t output = size_t(s.B * s.Hq * s.Nq * s.D) * 2;
-  EXPECT_EQ(p.prepass.total, 256 * kMiB + 256 * 1024 + 4 * 16 * 1024 + 256);
+  EXPECT_EQ(p.prepass.total, 256 * kMiB + 256 * 1024 + 4 * 16 * 1024 + 256 + 256);
   EXPECT_EQ(p.prepass.total, readme_workspace(s, 8, false, false, false));
   EXPECT_LE(output + p.prepass.total, 512 * kMiB + kMiB / 2);
   // With the LSE: 4 bytes a query row more (4 MiB), as the LSE itself.
   EXPECT_EQ(plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, true).prepass.total,
             p.prepass.total + 4 * kMiB);
-  // Q smoothing (the mma kernel: Q^ by the pre-pass) adds Q^, its scales and its block means,
-  // never the Nq·Nk/32 bytes (1 GiB here) a stored ΔS would take.
+  // Q smoothing (the mma kernel: Q^ by the pre-pass) adds Q^, its scales, its block means and the
+  // rows' LSE shifts (they carry the rows' poison there), never the Nq·Nk/32 bytes (1 GiB here) a
+  // stored ΔS would take.
   const Plan sq = plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, false,
                           SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V);
   ASSERT_EQ(sq.family, Family::kMma);
-  EXPECT_EQ(sq.prepass.total, p.prepass.total + 128 * kMiB + 2 * kMiB + 4 * kMiB);
+  EXPECT_EQ(sq.prepass.total, p.prepass.total + 128 * kMiB + 2 * kMiB + 4 * kMiB + 4 * kMiB);
   // INT4 halves K^ and Q^.
   const Plan q4 = plan_of(s, kH100, SAGE_VARIANT_SAGE2_4B, false);
   EXPECT_EQ(q4.prepass.total, sq.prepass.total - 2 * 64 * kMiB);

@@ -80,7 +80,9 @@ __device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, 
 // (p0 + p1) + (p2 + p3). The CPU emulation (ref/attention_quant.cpp) sums in exactly this order,
 // so the two agree bit for bit; against the exact dot product of the same fp32 factors the error
 // is at most (D/4 + 2)·2^-24 of Σ|q_mean·(k - k_mean)| (to first order: 2e-6 at D = 128), far
-// below the INT8/INT4 error of the scores it corrects.
+// below the INT8/INT4 error of the scores it corrects. An Inf/NaN in K (which the pre-pass counts
+// as a zero) is left in: it makes its key's ΔS non-finite, and only the rows that see that key
+// read it, which are poisoned (NaN) anyway (quant::RowSight); the others mask it.
 template <int D, typename T>
 struct DeltaS {
   static constexpr int kChunks = D / 32;
@@ -183,7 +185,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     if (n_blocks > 0) ds_next.store(q_mean_s, k_mean_s, delta_s[0]);  // the loop's sync publishes
   }
 
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows a, b (l: this thread's part)
+  // Rows a, b (l: this thread's part, from 0 or NaN: attn::row_poison).
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {attn::row_poison(p, bh, row_a), attn::row_poison(p, bh, row_a + 8)};
   float o[kDTiles][4];
   for (int i = 0; i < kDTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 

@@ -105,13 +105,14 @@ struct Consumer {
     k_scale = p.k_scale + bhk * p.k_blocks * quant::kKGroups;
     load_v_stats<D>(p, sh.v_stat[qbuf][consumer], bhk);
     m[0] = m[1] = -INFINITY;
-    l[0] = l[1] = 0.0f;
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    l[0] = l[1] = 0.0f;
     if (fused_q && it == 0) {
       // The CTA's first Q tile: quantized with warps 1-3 (kFirstQWarps), then released by them.
+      const unsigned long long kv_first_bad = p.kv_bad[bhk];
       ptx::mbar_wait(&sh.bar.staged, 0);
-      quantize_q<D, OutT>(p, sh, tiles, ti, 0, kQuantWarps * 32 + threadIdx.x - 128,
-                          Tr::kFirstQWarps);
+      quantize_q<D, OutT, kCausal>(p, sh, tiles, ti, 0, kQuantWarps * 32 + threadIdx.x - 128,
+                                   Tr::kFirstQWarps, kv_first_bad);
       ptx::named_bar_sync(Tr::kBarFirstQ, Tr::kFirstQWarps * 32);
     }
     ptx::mbar_wait(&sh.bar.full_q[qbuf], (it >> 1) & 1);
@@ -230,6 +231,13 @@ struct Consumer {
   // n_blocks + 1 times a tile; the arrival the last consumer began with is left over at exit).
   __device__ __forceinline__ void last_pv() {
     tile_event(trace, it, 4);
+    // The rows' poison (0, or NaN for a row an Inf/NaN input reaches) joins l at the end, read
+    // while the Q buffer, and fused Q's poison beside it, are still this tile's (loaded into l
+    // when the tile starts, it made the long tiles slower: docs/sm90-kernel.md, Tried).
+    float poison[2];
+    for (int r = 0; r < 2; ++r)
+      poison[r] = fused_q ? sh.poison[qbuf][warp * 16 + g + 8 * r]
+                          : attn::row_poison(p, bh, row_a + 8 * r);
     release(&sh.bar.empty_q[qbuf]);  // every Q·Kᵀ of the tile has landed: the Q buffer is free
     take_turn();
     if ((n_blocks - 1) & 1)
@@ -240,6 +248,7 @@ struct Consumer {
     ptx::wgmma_fence_regs(o);
     pass_turn();
     release(&sh.bar.empty_v[(n_blocks - 1) % kStages]);
+    l[0] += poison[0], l[1] += poison[1];
     tile_event(trace, it, 5);
   }
 

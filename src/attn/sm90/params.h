@@ -21,7 +21,9 @@ struct Params {
   const float* v_scale;    // [B*Hkv][D]
   const float* v_mean;     // [B*Hkv][D]
   const float* k_mean;     // [B*Hkv][D]: the LSE shift of fused Q
-  float* lse_shift;        // [B*Hq][Nq]: scale · q·k_mean (written by quant_q or by fused Q)
+  float* lse_shift;        // [B*Hq][Nq]: scale · q·k_mean, NaN for a poisoned row (written by
+                           // quant_q or by fused Q; the epilogue reads it for every row)
+  const unsigned long long* kv_bad;  // [B*Hkv]: the first key with Inf/NaN (fused Q's poisoning)
   unsigned* tile_counter;  // causal: {next tile, CTAs done}, 0 on entry and on exit
   // The caller's Q (fp16/bf16 as o; fused Q reads it through its own TMA map), strides in elements.
   const void* q_in;

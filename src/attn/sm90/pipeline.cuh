@@ -62,6 +62,7 @@ template <int D, int kCons>
 struct SharedStorage {
   float v_stat[2][kCons][2][D];  // [tile parity][consumer warpgroup]: V scales, V means
   float q_sc[2][Traits<D, kCons>::kQGroups];  // fused Q: the Q group scales of each Q buffer
+  float poison[2][Traits<D, kCons>::kBlockQ];  // fused Q: per row 0, or NaN (attn::row_poison)
   Barriers bar;
   SchedRing sched;
 };

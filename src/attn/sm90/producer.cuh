@@ -15,6 +15,7 @@
 #include "ptx/barrier.cuh"
 #include "ptx/tma.cuh"
 #include "quant/elements.cuh"
+#include "quant/layout.h"
 
 namespace sage::sm90 {
 
@@ -35,13 +36,18 @@ struct TmaMaps {
 // INT8 tile in the layout the Q·Kᵀ wgmma reads (TMA's 128-byte swizzle for 128-byte rows, 64-byte
 // for 64-byte rows), and the group scales into q_sc. With km (this KV head's K mean; LSE asked
 // for) also each row's LSE shift scale · q·k_mean (exact products summed in double, as quant_q).
+// Inf/NaN elements count as zeros; a row that is poisoned (sight, kv_first_bad: quant::RowSight)
+// gets a NaN shift, as quant_q gives it, and a NaN in `poison` (every row's, for the consumers:
+// attn::row_poison's shared-memory twin).
 // qt: the thread's index among the n_warps·32 quantizing threads. Eight lanes take a group
 // (four a row, D/32 16-byte chunks each: a three-step max), a warp four groups at a time: the
 // latency of a pass (shared loads, shuffles, two divisions) is paid 6 times a tile, not 22.
 template <int D, typename T, int kQGroups>
-__device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* q_tile, float* q_sc,
-                                                int qt, int n_warps, const float* km, float* shift,
-                                                int64_t row0, int64_t seq_q, float scale) {
+__device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile, float* q_sc,
+                                                float* poison, int qt, int n_warps, const float* km,
+                                                float* shift, int64_t row0, int64_t seq_q,
+                                                float scale, quant::RowSight sight,
+                                                unsigned long long kv_first_bad) {
   constexpr int kLanesPerGroup = 8, kGroupsPerPass = 32 / kLanesPerGroup;
   constexpr int kChunks = D / 32;                    // 16-byte chunks per lane: c·4 + part
   constexpr uint32_t kSwizzle = D == 128 ? 7u : 3u;  // 16-byte chunk ^= (byte offset >> 7) & this
@@ -54,15 +60,30 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
     uint4 w[kChunks];
     for (int c = 0; c < kChunks; ++c)
       w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
-    float amax = 0.0f;  // NaN stays out, as fmaxf drops it (quant_q's float path)
+    // Inf/NaN are rare: a test of the lane's words, and the zeroing only where one is.
+    const bool part_bad = quant::special_any<T>(w) != 0u;
+    if (part_bad)  // rare: the Inf/NaN zeroed in the staged row itself (the shift reads it again)
+      for (int c = 0; c < kChunks; ++c) {
+        uint4* at = reinterpret_cast<uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
+        uint4 x[1] = {*at};
+        quant::zero_special<T>(x);
+        *at = w[c] = x[0];
+      }
+    bool row_bad = false;
+    if (__any_sync(0xffffffffu, part_bad)) {
+      int x = part_bad;
+      for (int m = 1; m < 4; m *= 2) x |= __shfl_xor_sync(0xffffffffu, x, m);
+      row_bad = x != 0;
+    }
+    float amax = 0.0f;
     for (int c = 0; c < kChunks; ++c)
       for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(quant::elem_float<T>(w[c], e)));
     for (int m = 1; m < kLanesPerGroup; m *= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
     const QuantScale sc = make_quant_scale(amax, float(kInt8Max));
-    // As quant_q: without NaN or infinity among this lane's elements and with a finite scale, no
-    // product can leave [-127, 127] and none is NaN, so the clamp and the NaN test are skipped.
-    const bool fast = quant::special_any<T>(w) == 0u && quant::finite_scale(amax, sc.inv);
+    // As quant_q: with finite elements and a finite scale, no product can leave [-127, 127] and
+    // none is NaN, so the clamp and the NaN test are skipped.
+    const bool fast = quant::finite_scale(amax, sc.inv);
     quant::quantize_store_row_part<T, D, 8>(
         q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast, 0xFFFFFFFFu,
         [r](int d0) {
@@ -70,6 +91,9 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
           return int(off ^ (((off >> 7) & kSwizzle) << 4));
         });
     if (li == 0) q_sc[grp] = sc.scale;
+    const int64_t row = row0 + r;
+    const bool poisoned = sight.poisoned(row, row_bad, kv_first_bad);
+    if (part == 0) poison[r] = poisoned ? __int_as_float(0x7FC00000) : 0.0f;
     if (km) {  // the staged row again (still in place), so w need not live this long
       double sh = 0;
       for (int c = 0; c < kChunks; ++c) {
@@ -78,23 +102,27 @@ __device__ __forceinline__ void quantize_q_tile(const uint8_t* staged, uint8_t* 
           sh = __fma_rn(double(quant::elem_float<T>(x, e)), double(km[(c * 4 + part) * 8 + e]), sh);
       }
       for (int m = 1; m < 4; m *= 2) sh += __shfl_xor_sync(0xffffffffu, sh, m);
-      if (part == 0 && row0 + r < seq_q) shift[row0 + r] = float(double(scale) * sh);
+      if (part == 0 && row < seq_q)
+        shift[row] = poisoned ? __int_as_float(0x7FC00000) : float(double(scale) * sh);
     }
   }
 }
 
 // Tile ti's staged Q quantized into Q buffer qbuf by quantizing thread qt of n_warps warps (warps
 // 1-3 every tile; with every consumer warp for the CTA's first) and made visible to the wgmma
-// (the async proxy). The caller then syncs its quantizing threads.
-template <int D, typename InT, int kCons>
+// (the async proxy). The caller then syncs its quantizing threads. kv_first_bad: p.kv_bad of the
+// tile's KV head, loaded by the caller before its waits.
+template <int D, typename InT, bool kCausal, int kCons>
 __device__ __forceinline__ void quantize_q(const Params& p, SharedStorage<D, kCons>& sh,
                                            const Tiles<Traits<D, kCons>>& tiles,
-                                           const TileInfo& ti, int qbuf, int qt, int n_warps) {
+                                           const TileInfo& ti, int qbuf, int qt, int n_warps,
+                                           unsigned long long kv_first_bad) {
   using Tr = Traits<D, kCons>;
   quantize_q_tile<D, InT, Tr::kQGroups>(
-      tiles.q_staged, tiles.q + qbuf * Tr::kQTile, sh.q_sc[qbuf], qt, n_warps,
+      tiles.q_staged, tiles.q + qbuf * Tr::kQTile, sh.q_sc[qbuf], sh.poison[qbuf], qt, n_warps,
       p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr, p.lse_shift + ti.bh * p.seq_q,
-      int64_t(ti.qb) * Tr::kBlockQ, p.seq_q, p.scale);
+      int64_t(ti.qb) * Tr::kBlockQ, p.seq_q, p.scale,
+      quant::RowSight{p.seq_kv, p.causal_offset, kCausal}, kv_first_bad);
   ptx::fence_proxy_async_smem();
 }
 
@@ -122,9 +150,11 @@ struct Producer {
     TileInfo ti = sh.sched.read(0);
     for (int it = 0; !ti.done; ++it) {
       const int qbuf = it & 1;
+      const unsigned long long kv_first_bad = p.kv_bad[ti.bhk];  // in flight during the waits
       ptx::mbar_wait(&sh.bar.staged, it & 1);
       ptx::mbar_wait(&sh.bar.empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first lap passes at once
-      quantize_q<D, InT>(p, sh, tiles, ti, qbuf, qt, it == 0 ? Tr::kFirstQWarps : kQuantWarps);
+      quantize_q<D, InT, kCausal>(p, sh, tiles, ti, qbuf, qt,
+                                  it == 0 ? Tr::kFirstQWarps : kQuantWarps, kv_first_bad);
       if (it == 0)  // every quantizing thread, the consumers' too: the staged tile is free
         ptx::named_bar_sync(Tr::kBarFirstQ, Tr::kFirstQWarps * 32);
       else

@@ -1,0 +1,181 @@
+// The attention GPU suites' common ground: a case, its random inputs, and one call of the C API on
+// the device with the output and LSE poisoned first, forced onto a kernel family where asked.
+// Host code; included by test_attention_gpu.cu and test_nonfinite_gpu.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/test_util.h"
+#include "sage/sage.h"
+
+namespace sage::gpu_test {
+
+using sage::test::Fp16Tensor;
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(size_t bytes) {
+    if (cudaMalloc(&ptr, bytes) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+struct Case {
+  int64_t B, Hq, Hkv, Nq, Nk, D;
+  sage_mask mask;
+  sage_layout layout;
+  sage_dtype dtype;
+  sage_variant variant;
+  float bias;  // channel bias of Q (x0.5), K (x1) and V (x1)
+  unsigned smooth = 0;  // 0: the variant's preset; else the preset with these smoothing flags
+  int kv_shift = 0;     // the sweep's K and V start this many elements into their buffers
+};
+
+inline std::string name(const Case& c) {
+  char buf[200];
+  std::snprintf(buf, sizeof(buf), "B%lld_Hq%lld_Hkv%lld_Nq%lld_Nk%lld_D%lld_mask%d_%s_%s_%s_bias%g",
+                (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.Nq,
+                (long long)c.Nk, (long long)c.D, int(c.mask),
+                c.layout == SAGE_LAYOUT_HND ? "HND" : "NHD", c.dtype == SAGE_DTYPE_BF16 ? "bf16" : "fp16",
+                c.variant == SAGE_VARIANT_SAGE2_4B ? "4b" : "8b", double(c.bias));
+  std::string s = buf;
+  if (c.smooth) s += "_smooth" + std::to_string(c.smooth);
+  if (c.kv_shift) s += "_kvshift" + std::to_string(c.kv_shift);
+  return s;
+}
+
+// Converts fp16 bits to bf16 bits (exact for the values drawn here, which fit bf16's range).
+inline std::vector<uint16_t> to_dtype(const std::vector<uint16_t>& fp16, sage_dtype dtype) {
+  if (dtype == SAGE_DTYPE_FP16) return fp16;
+  std::vector<uint16_t> out(fp16.size());
+  for (size_t i = 0; i < fp16.size(); ++i)
+    out[i] = uint16_t(sage::encode_float(sage::kBf16, sage::decode_float(sage::kFp16, fp16[i]), false));
+  return out;
+}
+
+// Which kernel family a call is forced onto, and its options.
+struct KernelChoice {
+  sage_kernel kernel;
+  uint32_t options;
+  const char* label;
+};
+constexpr KernelChoice kMma{SAGE_KERNEL_MMA, 0u, "mma"};
+constexpr KernelChoice kSm90{SAGE_KERNEL_SM90, 0u, "sm90"};
+constexpr KernelChoice kSm90PrepassQ{SAGE_KERNEL_SM90, SAGE_OPTION_PREPASS_Q, "sm90/prepass-q"};
+
+inline int compute_capability() {
+  int dev = 0, major = 0, minor = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  return major * 10 + minor;
+}
+
+// The families this GPU has: mma.sync on sm_89 and later; the wgmma kernel on sm_90 (with Q
+// quantized in the kernel, and by the pre-pass). A case the plan refuses for a family is skipped
+// there only where that is expected (the wgmma kernel has no 4-bit Q·K and no Q smoothing).
+inline std::vector<KernelChoice> kernels_of_this_gpu() {
+  const int cc = compute_capability();
+  std::vector<KernelChoice> k;
+  if (cc >= 89) k.push_back(kMma);
+  if (cc == 90) {
+    k.push_back(kSm90);
+    k.push_back(kSm90PrepassQ);
+  }
+  return k;
+}
+
+struct GpuRun {
+  sage_status status = SAGE_OK;
+  std::string error;
+  sage_plan_info plan{};    // what the planner says the call runs (emulation included)
+  std::vector<uint16_t> o;  // in the output's layout (contiguous in args.layout)
+  std::vector<float> lse;
+};
+
+// Runs the GPU kernel on host tensors (copied to the device), with o and lse poisoned first.
+// scale 0: 1/sqrt(D). The plan is taken from the same args the call gets.
+inline GpuRun run_gpu(const Case& c, const std::vector<uint16_t>& q, const std::vector<uint16_t>& k,
+               const std::vector<uint16_t>& v, KernelChoice kc = {SAGE_KERNEL_AUTO, 0u, "auto"},
+               float scale = 0.0f, int kv_shift = 0) {
+  GpuRun r;
+  const size_t o_elems = size_t(c.B * c.Hq * c.Nq * c.D), lse_elems = size_t(c.B * c.Hq * c.Nq);
+  // kv_shift: K and V start that many elements into their buffers (1: rows 2-byte aligned only).
+  DeviceBuffer dq(q.size() * 2), dk((k.size() + 8) * 2), dv((v.size() + 8) * 2),
+      dout(o_elems * 2), dlse(lse_elems * 4);
+  uint16_t* kp = static_cast<uint16_t*>(dk.ptr) + kv_shift;
+  uint16_t* vp = static_cast<uint16_t*>(dv.ptr) + kv_shift;
+  cudaMemcpy(dq.ptr, q.data(), q.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(kp, k.data(), k.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(vp, v.data(), v.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemset(dout.ptr, 0xFF, o_elems * 2);  // NaN in fp16 and bf16
+  cudaMemset(dlse.ptr, 0xFF, lse_elems * 4);
+  sage_attention_args a;
+  sage_attention_args_init(&a);
+  a.q = dq.ptr, a.k = kp, a.v = vp, a.o = dout.ptr, a.lse = static_cast<float*>(dlse.ptr);
+  a.batch = c.B, a.heads_q = c.Hq, a.heads_kv = c.Hkv, a.seq_q = c.Nq, a.seq_kv = c.Nk;
+  a.head_dim = c.D, a.layout = c.layout, a.dtype = c.dtype, a.mask = c.mask;
+  a.variant = c.variant;
+  if (c.smooth) {
+    a.variant = SAGE_VARIANT_CUSTOM;
+    sage_quant_config_init(&a.quant, c.variant);
+    a.quant.smooth = c.smooth;
+  }
+  a.scale = scale;
+  a.kernel = kc.kernel;
+  a.options = kc.options;
+  r.plan.struct_size = sizeof(sage_plan_info);
+  r.status = sage_attention_plan(&a, &r.plan);
+  if (r.status != SAGE_OK) {
+    r.error = sage_last_error();
+    return r;
+  }
+  size_t ws_bytes = 0;
+  r.status = sage_attention_workspace_size(&a, &ws_bytes);
+  if (r.status != SAGE_OK) {
+    r.error = sage_last_error();
+    return r;
+  }
+  DeviceBuffer ws(ws_bytes ? ws_bytes : 1);
+  a.workspace = ws.ptr, a.workspace_size = ws_bytes;
+  r.status = sage_attention(&a);
+  r.error = sage_last_error();
+  if (cudaDeviceSynchronize() != cudaSuccess) {
+    r.status = SAGE_ERROR_CUDA;
+    r.error = cudaGetErrorString(cudaGetLastError());
+  }
+  r.o.resize(o_elems);
+  r.lse.resize(lse_elems);
+  cudaMemcpy(r.o.data(), dout.ptr, o_elems * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(r.lse.data(), dlse.ptr, lse_elems * 4, cudaMemcpyDeviceToHost);
+  return r;
+}
+
+// A case's inputs: Q, K, V drawn as fp16 in the case's layout with its channel bias (Q at half),
+// and their bits in the case's dtype.
+struct Inputs {
+  Fp16Tensor q, k, v;
+  std::vector<uint16_t> qd, kd, vd;
+};
+inline Inputs draw_inputs(std::mt19937_64& rng, const Case& c) {
+  auto strides = [&](int64_t H, int64_t N) {
+    return sage::ref::contiguous_strides(c.layout, H, N, c.D);
+  };
+  Inputs in;
+  in.q = sage::test::random_tensor(rng, c.B, c.Hq, c.Nq, c.D, strides(c.Hq, c.Nq), 0.5f * c.bias);
+  in.k = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D, strides(c.Hkv, c.Nk), c.bias);
+  in.v = sage::test::random_tensor(rng, c.B, c.Hkv, c.Nk, c.D, strides(c.Hkv, c.Nk), c.bias);
+  in.qd = to_dtype(in.q.data, c.dtype);
+  in.kd = to_dtype(in.k.data, c.dtype);
+  in.vd = to_dtype(in.v.data, c.dtype);
+  return in;
+}
+
+}  // namespace sage::gpu_test
