@@ -68,14 +68,21 @@ typedef enum sage_variant {
   SAGE_VARIANT_SAGE2_8B = 1, /* INT8 per-thread Q,K + smooth K; FP8 E4M3 P,V; two-level accum */
   SAGE_VARIANT_SAGE2_4B = 2, /* INT4 per-thread Q,K + smooth Q and K; FP8 E4M3 P,V; two-level */
   SAGE_VARIANT_EXACT = 3,    /* no quantization: float64 on the CPU */
-  SAGE_VARIANT_CUSTOM = 4    /* every knob from .quant (CPU reference: all combinations) */
+  SAGE_VARIANT_CUSTOM = 4,   /* every knob from .quant (CPU reference: all combinations) */
+  SAGE_VARIANT_SAGE3_FP4 = 5 /* SageAttention3's FP4 attention (paper 004, Algorithm 1): NVFP4
+                                Q,K + smooth Q and K; NVFP4 P~ (two-level) and V; CPU reference
+                                only (no GPU kernel: see docs/fp4-blackwell.md) */
 } sage_variant;
 
 typedef enum sage_qk_format {
   SAGE_QK_NONE = 0, /* Q, K kept in full precision */
   SAGE_QK_INT8 = 1,
   SAGE_QK_INT4 = 2,
-  SAGE_QK_FP8_E4M3 = 3
+  SAGE_QK_FP8_E4M3 = 3,
+  /* FP4 microscaling (paper 004; CPU reference only): E2M1 in runs along head_dim, one scale per
+   * run; quant.granularity does not apply (the runs are the groups). */
+  SAGE_QK_NVFP4 = 4, /* runs of 16, E4M3 scale amax / 6 */
+  SAGE_QK_MXFP4 = 5  /* runs of 32, E8M0 scale 2^(floor(log2 amax) - 2) (OCP MX) */
 } sage_qk_format;
 
 /* Which tokens share one quantization scale (SPEC.md §3, §4). */
@@ -93,7 +100,17 @@ typedef enum sage_pv_format {
   SAGE_PV_FP16 = 1,     /* P~ and V rounded to fp16 */
   SAGE_PV_FP8_E4M3 = 2, /* P~ x 448 and V / v_scale in E4M3 */
   SAGE_PV_FP8_E5M2 = 3, /* P~ x 57344 and V / v_scale in E5M2 */
-  SAGE_PV_INT8 = 4      /* P~ x 127 and V / v_scale in INT8 (static P scale, as the paper) */
+  SAGE_PV_INT8 = 4,     /* P~ x 127 and V / v_scale in INT8 (static P scale, as the paper) */
+  /* FP4 microscaling (paper 004; CPU reference only): P~ in runs of keys within a key block, V in
+   * runs of keys per channel (the reduction dimension of P~·V); needs block_k a multiple of the
+   * run, softmax_block_k 0 (or block_k), exp2_poly_every 0, v_scale PER_CHANNEL (ignored). */
+  SAGE_PV_NVFP4 = 5,        /* NVFP4, P~ two-level: each row of a key block first scaled to
+                               [0, 448 x 6] by an fp32 s_P1 = rowmax / 2688 (applied to the
+                               block's P·V product), then NVFP4; needs the accumulator flushed
+                               every key block (pv_accum FP32, or TWO_LEVEL with interval 1) */
+  SAGE_PV_NVFP4_DIRECT = 6, /* NVFP4, P~ in [0, 1] quantized directly (paper 004 Table 1(b)) */
+  SAGE_PV_MXFP4 = 7         /* MXFP4 (runs of 32, E8M0 scales), P~ directly: a power-of-two
+                               scale has no mantissa for a first level to fill */
 } sage_pv_format;
 
 typedef enum sage_v_scale {

@@ -26,11 +26,14 @@ def _host_array(x, name, ndim=4, shape_text="[B,H,N,D] or [B,N,H,D]"):
 
 def attention(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *,
               qk_bits=None, smooth_k=None, smooth_q=None, smooth_v=None,
-              causal_align="bottom_right", exact=False, num_threads=0):
+              causal_align="bottom_right", exact=False, num_threads=0, quant=None):
     """Attention of numpy arrays on the CPU reference.
 
     exact=True gives float64 attention of the (fp16/fp32) inputs; otherwise the bit-faithful
     emulation of the SageAttn2 kernel chosen by qk_bits and the smoothing flags (None = preset).
+    quant, a _lib.QuantConfig (for example _lib.preset(_lib.VARIANT_SAGE3_FP4), SageAttention3's
+    FP4 attention), runs that config as given instead (SAGE_VARIANT_CUSTOM; not with qk_bits,
+    the smoothing flags or exact).
     Returns o (q's dtype and shape, contiguous), and lse ([B, Hq, Nq] float32, natural log) when
     return_lse is True."""
     if tensor_layout not in _lib.LAYOUTS:
@@ -46,7 +49,18 @@ def attention(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retu
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"k: shape {tuple(k.shape)} must have q's batch and head_dim "
                          f"(q is {tuple(q.shape)})")
-    variant, cfg = _lib.quant_settings(qk_bits, smooth_q, smooth_k, smooth_v, exact)
+    if quant is None:
+        variant, cfg = _lib.quant_settings(qk_bits, smooth_q, smooth_k, smooth_v, exact)
+    else:
+        if not isinstance(quant, _lib.QuantConfig):
+            raise TypeError(f"quant: expected a sage_attn._lib.QuantConfig, got "
+                            f"{type(quant).__name__}")
+        given = [name for name, value in (("qk_bits", qk_bits), ("smooth_q", smooth_q),
+                                          ("smooth_k", smooth_k), ("smooth_v", smooth_v))
+                 if value is not None] + (["exact"] if exact else [])
+        if given:
+            raise ValueError(f"quant: a full config; {', '.join(given)} cannot be given with it")
+        variant, cfg = _lib.VARIANT_CUSTOM, quant
     o = np.empty(q.shape, dtype=q.dtype)
     B, Hq, Nq, D = q.shape[0], q.shape[hi], q.shape[ni], q.shape[3]
     lse = np.empty((B, Hq, Nq), dtype=np.float32) if return_lse else None

@@ -3,6 +3,9 @@ tensors. Loads .npy or .pt ([B,H,N,D], [H,N,D] or [N,D]; HND or NHD), rounds the
 with --dtype bf16) and prints cos / rel-L1 / RMSE / max-abs against float64 attention of those
 rounded inputs for SageAttn2-8b and -4b (with and without each smoothing) and, on a GPU, SDPA
 in the same dtype. Without a GPU the CPU reference's exact emulation of each kernel runs.
+Then paper 004's Table 1 (SageAttention3's FP4 attention: MXFP4 against NVFP4, P~ quantized
+directly or in two levels, beside fp16 and SageAttn2-8b), always on the CPU emulation: no GPU
+here has FP4 kernels (--no-fp4 skips it; it is slow on long sequences).
 Exit status 2, with one line naming the file, for an input it cannot use (missing, unreadable,
 not floating point, empty, NaN/inf, values the dtype cannot hold); 1 when an output is not
 finite."""
@@ -16,6 +19,7 @@ import sys
 import numpy as np
 
 import sage_attn
+from sage_attn import _lib
 
 
 class InputError(Exception):
@@ -81,6 +85,29 @@ def check(x, path, layout, dtype):
     if top > _MAX[dtype]:
         raise InputError(f"{path}: values up to {top:.3g} overflow {dtype} (max {_MAX[dtype]:.6g})")
 
+def _fp4_configs():
+    """Paper 004 Table 1 as (label, QuantConfig): every FP4 row smooths Q and K (Algorithm 1),
+    as `sage accuracy`'s table (src/ref/ablations.cpp)."""
+    L = _lib
+    fp16 = L.preset(L.VARIANT_EXACT)
+    fp16.pv_format = L.PV_FP16
+    rows = [("fp16 (P~, V in fp16, fp32 accumulator)", fp16),
+            ("SageAttn2-8b", L.preset(L.VARIANT_SAGE2_8B))]
+    for label, qk, pv, smooth_v in (
+            ("MXFP4 Q·K only (P~, V in fp16)", L.QK_MXFP4, L.PV_FP16, False),
+            ("NVFP4 Q·K only (P~, V in fp16)", L.QK_NVFP4, L.PV_FP16, False),
+            ("MXFP4 (E8M0 scale / 32), P~ direct", L.QK_MXFP4, L.PV_MXFP4, False),
+            ("NVFP4 (E4M3 scale / 16), P~ direct", L.QK_NVFP4, L.PV_NVFP4_DIRECT, False),
+            ("NVFP4, P~ two-level (SageAttn3)", L.QK_NVFP4, L.PV_NVFP4, False),
+            ("NVFP4, P~ two-level + smooth V", L.QK_NVFP4, L.PV_NVFP4, True)):
+        cfg = L.preset(L.VARIANT_SAGE3_FP4)
+        cfg.qk_format, cfg.pv_format = qk, pv
+        if smooth_v:
+            cfg.smooth |= L.SMOOTH_V
+        rows.append((label, cfg))
+    return rows
+
+
 CONFIGS = [  # label, sageattn keywords
     ("SageAttn2-8b", {"qk_bits": 8}),
     ("SageAttn2-8b, no smooth V", {"qk_bits": 8, "smooth_v": False}),
@@ -101,6 +128,8 @@ def main(argv=None):
     ap.add_argument("--scale", type=float, default=None)
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--cpu", action="store_true", help="use the CPU reference even with a GPU")
+    ap.add_argument("--no-fp4", action="store_true",
+                    help="skip paper 004's FP4 table (CPU emulation; slow on long sequences)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -112,13 +141,19 @@ def main(argv=None):
         print(f"{ap.prog}: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([{"config": label, **m} for label, m in results], indent=1))
+        print(json.dumps([{"table": table, "config": label, **m} for table, label, m in results],
+                         indent=1))
     else:
         print(f"q {tuple(q.shape)} k {tuple(k.shape)} ({args.layout}), causal {args.causal}, "
               f"{'GPU' if gpu else 'CPU reference'}; against float64 of the {args.dtype} inputs")
-        print(f"{'':34s}{'CosSim':>12s}{'RelL1':>10s}{'RMSE':>11s}{'MaxAbs':>10s}")
-        for label, m in results:
-            print(f"{label:34s}{m['cos'] * 100:11.4f}%{m['rel_l1']:10.5f}{m['rmse']:11.3e}"
+        table = None
+        for name, label, m in results:
+            if name != table:
+                table = name
+                if name != TABLE_SAGE:
+                    print(f"\n{name}")
+                print(f"{'':44s}{'CosSim':>12s}{'RelL1':>10s}{'RMSE':>11s}{'MaxAbs':>10s}")
+            print(f"{label:44s}{m['cos'] * 100:11.4f}%{m['rel_l1']:10.5f}{m['rmse']:11.3e}"
                   f"{m['max_abs']:10.4f}")
     # After the table: a non-finite output fails the run (its metrics print as nan, which a
     # script reading the exit status would not see).
@@ -127,9 +162,13 @@ def main(argv=None):
     return 1 if bad else 0
 
 
+TABLE_SAGE = "SageAttention2"
+TABLE_FP4 = "FP4 microscaling, smoothed Q+K (paper 004 Table 1; CPU emulation)"
+
+
 def run(q, k, v, args):
-    """(results, gpu, bad): (label, metrics) per configuration, whether the GPU ran them, and a
-    line for each output (the float64 reference's too) that has non-finite values."""
+    """(results, gpu, bad): (table, label, metrics) per configuration, whether the GPU ran them,
+    and a line for each output (the float64 reference's too) that has non-finite values."""
     try:
         import torch
         gpu = torch.cuda.is_available() and not args.cpu
@@ -139,13 +178,13 @@ def run(q, k, v, args):
         raise InputError("--dtype bf16 needs torch and a GPU (numpy has no bfloat16)")
     results, bad = [], []
 
-    def add(label, out, ref=None):  # a row of the table; without ref, the reference's check
+    def add(label, out, ref=None, table=TABLE_SAGE):  # a row; without ref, the reference's check
         n = out.size - int(np.isfinite(out).sum())
         if n:
             bad.append(f"{label}: {n} of {out.size} outputs are not finite")
         if ref is not None:
             with np.errstate(invalid="ignore", over="ignore"):  # nan metrics: reported below
-                results.append((label, sage_attn.metrics(out, ref)))
+                results.append((table, label, sage_attn.metrics(out, ref)))
 
     kw = dict(tensor_layout=args.layout, is_causal=args.causal, sm_scale=args.scale,
               causal_align=args.causal_align)
@@ -170,6 +209,12 @@ def run(q, k, v, args):
         for label, extra in CONFIGS:
             add(label + " (CPU emulation)", sage_attn.attention_numpy(q16, k16, v16, **kw, **extra),
                 ref)
+    if not args.no_fp4:
+        # The inputs as the GPU rounded them (bf16 values are exact in float32).
+        host = (tuple(x.float().cpu().numpy() for x in (tq, tk, tv)) if gpu and args.dtype == "bf16"
+                else tuple(np.ascontiguousarray(x, dtype=np.float16) for x in (q, k, v)))
+        for label, cfg in _fp4_configs():
+            add(label, sage_attn.attention_numpy(*host, **kw, quant=cfg), ref, TABLE_FP4)
     return results, gpu, bad
 
 

@@ -60,6 +60,20 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   if (r.exact)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "variant = EXACT has no GPU kernel (float64 runs on the CPU reference)");
+  // FP4 microscaling (SageAttention3) is emulated on the CPU only: no kernel computes it, and no
+  // other kernel may stand in for it.
+  const bool fp4_qk = ref::qk_microscale(c.qk_format) != nullptr;
+  if (fp4_qk || ref::pv_microscale(c.pv_format) != nullptr)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "%s%s = %s: FP4 microscaling attention has no GPU kernel (native FP4 MMA "
+                     "needs sm_100/sm_120, and no kernel is written: docs/fp4-blackwell.md); the "
+                     "CPU reference emulates it (pass host pointers)",
+                     a.variant == SAGE_VARIANT_SAGE3_FP4 ? "variant = SAGE3_FP4: " : "",
+                     fp4_qk ? "quant.qk_format" : "quant.pv_format",
+                     fp4_qk ? (c.qk_format == SAGE_QK_NVFP4 ? "NVFP4" : "MXFP4")
+                            : (c.pv_format == SAGE_PV_MXFP4          ? "MXFP4"
+                               : c.pv_format == SAGE_PV_NVFP4_DIRECT ? "NVFP4_DIRECT"
+                                                                     : "NVFP4"));
   if (a.dtype != SAGE_DTYPE_FP16 && a.dtype != SAGE_DTYPE_BF16)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "dtype = FP32 has no GPU kernel: pass fp16 or bf16 (fp32 runs on the CPU "

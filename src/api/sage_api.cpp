@@ -211,7 +211,7 @@ sage_status sage_quant_config_init(sage_quant_config* config, sage_variant varia
   sage::clear_error();
   SAGE_CHECK_ARG(config != nullptr, "config is NULL");
   const int64_t v = sage::enum_value(variant);
-  SAGE_CHECK_ARG(v >= SAGE_VARIANT_AUTO && v <= SAGE_VARIANT_CUSTOM, "variant = %lld is unknown",
+  SAGE_CHECK_ARG(v >= SAGE_VARIANT_AUTO && v <= SAGE_VARIANT_SAGE3_FP4, "variant = %lld is unknown",
                  static_cast<long long>(v));
   *config = sage::ref::quant_preset(variant);
   return SAGE_OK;

@@ -110,7 +110,7 @@ sage_status check_common(const Args& a) {
                  "layout = %" PRId64 " is unknown", layout);
   SAGE_CHECK_ARG(mask >= SAGE_MASK_NONE && mask <= SAGE_MASK_CAUSAL_TOP_LEFT,
                  "mask = %" PRId64 " is unknown", mask);
-  SAGE_CHECK_ARG(variant >= SAGE_VARIANT_AUTO && variant <= SAGE_VARIANT_CUSTOM,
+  SAGE_CHECK_ARG(variant >= SAGE_VARIANT_AUTO && variant <= SAGE_VARIANT_SAGE3_FP4,
                  "variant = %" PRId64 " is unknown", variant);
   SAGE_CHECK_ARG(backend >= SAGE_BACKEND_AUTO && backend <= SAGE_BACKEND_CUDA,
                  "backend = %" PRId64 " is unknown", backend);

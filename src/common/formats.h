@@ -1,7 +1,9 @@
 // Numeric formats shared by host and device code: small floats (FP8 E4M3/E5M2, FP4 E2M1, fp16,
 // bf16) encoded with round-to-nearest-even like the GPU's `cvt.rn[.satfinite]`, and the symmetric
 // integer quantizer (INT8/INT4) with `cvt.rni` rounding. One general minifloat codec serves every
-// format, so each one is described by a handful of numbers, not by its own code. Any architecture.
+// format, so each one is described by a handful of numbers, not by its own code; E8M0 (exponent
+// only, no sign, no zero) and the FP4 microscaling block scales (NVFP4, MXFP4) sit beside it.
+// Any architecture.
 #pragma once
 
 #include <cmath>
@@ -146,5 +148,67 @@ inline constexpr int kInt4Max = 7;
 inline constexpr float kE4M3Max = 448.0f;
 inline constexpr float kE5M2Max = 57344.0f;
 inline constexpr float kE2M1Max = 6.0f;
+
+// ---- E8M0 (UE8M0), the OCP MX block scale: 8 exponent bits, bias 127, value 2^(code - 127);
+// no sign, no zero (code 0 is 2^-127), 0xFF is NaN.
+inline constexpr uint32_t kE8M0Nan = 0xFF;
+inline constexpr uint32_t kE8M0MaxCode = 0xFE;  // 2^127
+
+SAGE_HOST_DEVICE inline float decode_e8m0(uint32_t code) {
+  code &= 0xFFu;
+  if (code == kE8M0Nan) return NAN;
+  return float(std::ldexp(1.0, int(code) - 127));  // 2^-127 is a float subnormal: exact
+}
+
+// cvt.{rz,rp}.satfinite.ue8m0x2.f32 of one value (PTX ISA, cvt: .frnd3 = {.rz, .rp}): the power
+// of two at or below x (round_up false) or at or above it (true), clamped to [2^-127, 2^127]
+// (.satfinite: +inf and values past 2^127 give 0xFE; zero, negatives and values under 2^-127 give
+// 0x00, the format having no zero and no sign). NaN gives 0xFF.
+SAGE_HOST_DEVICE inline uint32_t encode_e8m0(double x, bool round_up) {
+  if (std::isnan(x)) return kE8M0Nan;
+  if (!(x > 0.0)) return 0u;
+  if (std::isinf(x)) return kE8M0MaxCode;
+  int e2 = 0;
+  const double m = std::frexp(x, &e2);  // x = m * 2^e2, m in [0.5, 1)
+  int e = e2 - 1;                       // floor(log2 x)
+  if (round_up && m != 0.5) e += 1;     // not a power of two: the next one up
+  const int code = e + 127;
+  if (code < 0) return 0u;
+  if (code > int(kE8M0MaxCode)) return kE8M0MaxCode;
+  return uint32_t(code);
+}
+
+// ---- FP4 microscaling: E2M1 values in 1 x block runs along the reduction dimension of the
+// product they feed, one scale per run (paper 004 §3.1; PTX ISA, "Block Scaling" of mma and
+// tcgen05.mma: kind::mxf4nvf4 with scale_vec::4X = one E4M3 scale per 16 values, scale_vec::2X =
+// one E8M0 scale per 32).
+struct MicroscaleFormat {
+  int block;        // values sharing one scale
+  bool e8m0_scale;  // MXFP4 (E8M0 scale) rather than NVFP4 (E4M3 scale)
+};
+inline constexpr MicroscaleFormat kNvfp4{16, false};
+inline constexpr MicroscaleFormat kMxfp4{32, true};
+
+// The scale code of a run whose largest |x| is amax (a finite, non-negative float):
+//   NVFP4: E4M3(amax / 6), cvt.rn.satfinite.e4m3x2.f32 of the fp32 quotient (paper 004: the
+//          scale is amax / 6, in E4M3); it may round below amax / 6, and the values that then
+//          pass 6 saturate.
+//   MXFP4: 2^(floor(log2 amax) - 2), the OCP MX v1.0 rule (shared exponent floor(log2 amax) minus
+//          the element format's largest exponent, 2 for E2M1) = cvt.rz.satfinite.ue8m0x2.f32 of
+//          amax / 4 (exact). Values in [1.5, 2) x 2^floor(log2 amax) saturate to 6 x scale.
+SAGE_HOST_DEVICE inline uint32_t fp4_scale_code(const MicroscaleFormat& f, float amax) {
+  if (f.e8m0_scale) return encode_e8m0(double(amax * 0.25f), /*round_up=*/false);
+  return encode_float(kE4M3, double(amax / 6.0f), /*saturate=*/true);
+}
+SAGE_HOST_DEVICE inline float fp4_scale_value(const MicroscaleFormat& f, uint32_t code) {
+  return f.e8m0_scale ? decode_e8m0(code) : decode_float(kE4M3, code);
+}
+// One value's E2M1 code: cvt.rn.satfinite.e2m1x2.f32 of the fp32 quotient x / scale. A zero
+// scale (an NVFP4 run whose amax / 6 rounds to 0 in E4M3) gives a signed zero: the value it
+// dequantizes to whatever code a kernel writes there.
+SAGE_HOST_DEVICE inline uint32_t fp4_encode(float x, float scale) {
+  if (scale == 0.0f) return std::signbit(x) ? 0x8u : 0u;
+  return encode_float(kE2M1, double(x / scale), /*saturate=*/true);
+}
 
 }  // namespace sage

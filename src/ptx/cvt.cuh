@@ -1,5 +1,5 @@
-// cvt wrappers: f32 pairs to packed FP8 (E4M3/E5M2, sm_89+) and FP4 (E2M1, sm_100a/sm_120a
-// families), packed FP8 back to f16x2, and f32 to fp16/bf16 (single and packed). Every result is
+// cvt wrappers: f32 pairs to packed FP8 (E4M3/E5M2, sm_89+), FP4 (E2M1) and E8M0 scales
+// (sm_100a/sm_120a families), packed FP8 back to f16x2, and f32 to fp16/bf16 (single and packed). Every result is
 // returned with the element named `lo` in the low bits, so storing it little-endian puts `lo` at
 // the lower address. PTX writes its FIRST source operand to the HIGH half, hence the swapped
 // operands in each asm below. The host codec for the same bits is sage::encode_float (formats.h).
@@ -75,6 +75,22 @@ __device__ __forceinline__ uint16_t cvt_e2m1x2(float lo, float hi) {
       "cvt.u16.u8 %0, nibbles;\n\t}"
       : "=h"(packed)
       : "f"(hi), "f"(lo));
+  return packed;
+}
+
+// cvt.rz.satfinite.ue8m0x2.f32 and cvt.rp.satfinite.ue8m0x2.f32 (PTX ISA 8.6+; taken here under
+// the E2M1 guard, the same Blackwell targets): each input as an E8M0 code, the power of two at or
+// below it (rz) or at or above it (rp), saturated to [2^-127, 2^127]; NaN -> 0xFF. The MXFP4
+// block scale is the rz form of amax / 4 (formats.h, fp4_scale_code). Result: lo in bits [7:0],
+// hi in bits [15:8].
+__device__ __forceinline__ uint16_t cvt_ue8m0x2_rz(float lo, float hi) {
+  uint16_t packed;
+  asm("cvt.rz.satfinite.ue8m0x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
+  return packed;
+}
+__device__ __forceinline__ uint16_t cvt_ue8m0x2_rp(float lo, float hi) {
+  uint16_t packed;
+  asm("cvt.rp.satfinite.ue8m0x2.f32 %0, %1, %2;" : "=h"(packed) : "f"(hi), "f"(lo));
   return packed;
 }
 

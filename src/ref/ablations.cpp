@@ -1,4 +1,5 @@
-// The ablation rows of `sage accuracy`: each one the 4-bit (or 8-bit) kernel with one knob turned.
+// The ablation rows of `sage accuracy`: each one the 4-bit (or 8-bit) kernel with one knob turned,
+// and paper 004's FP4 table (formats and P~ quantization).
 #include "ref/ablations.h"
 
 #include "ref/reference.h"
@@ -90,6 +91,37 @@ std::vector<AblationRow> paper_ablations() {
   w8v.v_scale = SAGE_V_SCALE_PER_BLOCK_CHANNEL;
   rows.push_back({tv, "SageAttn2-8b (wgmma, per-block-channel V)", w8v});
   rows.push_back({tv, "SageAttn2-4b (mma, 128x64)", b4});
+
+  // Paper 004 Table 1(a) and (b): the FP4 format, and P~'s quantization, beside the 8-bit kernel
+  // and fp16 attention (Q, K, P~, V in fp16, fp32 accumulator). Every FP4 row smooths Q and K as
+  // Algorithm 1 does. The format is compared on Q·K alone (P~·V in fp16) and on both products;
+  // MXFP4 takes P~ directly (its power-of-two scales leave a first level nothing to gain).
+  const std::string t1 = "FP4 microscaling, smoothed Q+K (paper 004 Table 1; CPU emulation only)";
+  sage_quant_config f16 = quant_preset(SAGE_VARIANT_EXACT);
+  f16.pv_format = SAGE_PV_FP16;  // Q, K are fp16 inputs already (qk_format NONE)
+  rows.push_back({t1, "fp16 (P~, V in fp16, fp32 accumulator)", f16});
+  rows.push_back({t1, "SageAttn2-8b", b8});
+  const sage_quant_config nv = quant_preset(SAGE_VARIANT_SAGE3_FP4);
+  struct Fp4Row {
+    const char* label;
+    sage_qk_format qk;
+    sage_pv_format pv;
+    uint32_t extra_smooth;
+  };
+  const Fp4Row fp4[] = {
+      {"MXFP4 Q·K only (P~, V in fp16)", SAGE_QK_MXFP4, SAGE_PV_FP16, 0},
+      {"NVFP4 Q·K only (P~, V in fp16)", SAGE_QK_NVFP4, SAGE_PV_FP16, 0},
+      {"MXFP4 (E8M0 scale / 32), P~ direct", SAGE_QK_MXFP4, SAGE_PV_MXFP4, 0},
+      {"NVFP4 (E4M3 scale / 16), P~ direct", SAGE_QK_NVFP4, SAGE_PV_NVFP4_DIRECT, 0},
+      {"NVFP4, P~ two-level (SageAttn3)", SAGE_QK_NVFP4, SAGE_PV_NVFP4, 0},
+      {"NVFP4, P~ two-level + smooth V", SAGE_QK_NVFP4, SAGE_PV_NVFP4, SAGE_SMOOTH_V}};
+  for (const Fp4Row& f : fp4) {
+    sage_quant_config c = nv;
+    c.qk_format = f.qk;
+    c.pv_format = f.pv;
+    c.smooth |= f.extra_smooth;
+    rows.push_back({t1, f.label, c});
+  }
   return rows;
 }
 

@@ -77,6 +77,22 @@ Real delta_s_of(const Real* q_mean, const Real* k_smooth, int64_t n) {
   }
 }
 
+// A block-scaled FP4 MMA's dot product: each k_step-long slice (one m16n8k64) summed exactly (in
+// double) and added to the fp32 (Real) accumulator, as D = A·B + C. The operands are the
+// dequantized values (E2M1 x scale), so their products are exact.
+template <typename Real>
+Real mma_dot(const Real* a, const Real* b, int64_t n, int64_t k_step) {
+  Real acc = 0;
+  for (int64_t c0 = 0; c0 < n; c0 += k_step) {
+    const int64_t c1 = std::min(n, c0 + k_step);
+    double slice = 0;
+    for (int64_t i = c0; i < c1; ++i) slice += double(a[i]) * double(b[i]);
+    acc = Real(double(acc) + slice);
+  }
+  return acc;
+}
+constexpr int64_t kFp4MmaK = 64;  // K of mma.sync m16n8k64 / tcgen05.mma kind::mxf4nvf4
+
 // Keep `bits` mantissa bits of x, dropping the rest toward zero (the MMA accumulator's add).
 double truncate_mantissa(double x, int bits) {
   if (x == 0.0 || !std::isfinite(x)) return x;
@@ -145,6 +161,8 @@ struct PvFormat {
   sage_pv_format format;
   float p_scale;  // P^ = quantize(P~ * p_scale)
   float v_max;    // V^ = quantize(V / v_scale), v_scale = amax / v_max (0: no scale)
+  const MicroscaleFormat* fp4 = nullptr;  // FP4 runs (quantize() is then the identity)
+  bool two_level = false;                 // P~ scaled per row to [0, 448·6] first (SAGE_PV_NVFP4)
 
   template <typename Real>
   Real quantize(Real x) const {
@@ -163,6 +181,10 @@ PvFormat pv_format_of(sage_pv_format f) {
     case SAGE_PV_FP8_E4M3: return {f, kE4M3Max, kE4M3Max};
     case SAGE_PV_FP8_E5M2: return {f, kE5M2Max, kE5M2Max};
     case SAGE_PV_INT8: return {f, float(kInt8Max), float(kInt8Max)};
+    case SAGE_PV_NVFP4:
+    case SAGE_PV_NVFP4_DIRECT:
+    case SAGE_PV_MXFP4:
+      return {f, 1.0f, 0.0f, pv_microscale(f), f == SAGE_PV_NVFP4};
     default: return {f, 1.0f, 0.0f};  // fp16 or full precision: no scales
   }
 }
@@ -189,9 +211,9 @@ struct QPrep {
   std::vector<char> bad;          // [Nq]: the row of Q holds Inf/NaN
 };
 
-// Non-finite inputs (README, "Non-finite inputs"): every Inf/NaN element is quantized as a zero, so it reaches
-// no statistic, scale or score of the other rows, and the rows it touches are marked afterwards
-// (poisoned). Returns per row whether it held one.
+// Non-finite inputs (README, "Non-finite inputs"): every Inf/NaN element is quantized as a zero,
+// so it reaches no statistic, scale or score of the other rows, and the rows it touches are
+// marked afterwards (poisoned). Returns per row whether it held one.
 template <typename Real>
 std::vector<char> zero_non_finite(std::vector<Real>& x, int64_t rows, int64_t dim) {
   std::vector<char> bad(size_t(rows), 0);
@@ -201,6 +223,23 @@ std::vector<char> zero_non_finite(std::vector<Real>& x, int64_t rows, int64_t di
       if (!std::isfinite(e)) e = Real(0), bad[size_t(r)] = 1;
     }
   return bad;
+}
+
+// P~ of one row of a key block (n keys, masked ones 0) to FP4 in place; returns the factor s_P1
+// the block's P·V product is multiplied by. Two-level (paper 004, Algorithm 1, line 10): s_P1 =
+// rowmax(P~) / (448·6) in fp32, P~ / s_P1 in [0, 2688] (its runs' E4M3 scales then use E4M3's
+// range up to 448), then NVFP4. rowmax(P~) = 2^(rowmax(S) - m), the online softmax's own max,
+// as the kernel reuses it. Direct: P~ in [0, 1] straight into FP4, s_P1 = 1.
+template <typename Real>
+Real quantize_p_fp4(const PvFormat& pv, Real* p, int64_t n, Real row_max_minus_m) {
+  Real level1 = 1;
+  if (pv.two_level) {
+    level1 = std::exp2(row_max_minus_m) / Real(kE4M3Max * kE2M1Max);
+    if (level1 > 0)
+      for (int64_t j = 0; j < n; ++j) p[j] /= level1;
+  }
+  round_fp4(p, n, 1, *pv.fp4);
+  return level1;
 }
 
 template <typename Real>
@@ -221,6 +260,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
              smooth_v = cfg.smooth & SAGE_SMOOTH_V;
   // Integer operands: a float dot product is exact, as the integer MMA is.
   const bool exact_qk_in_float = cfg.qk_format == SAGE_QK_INT8 || cfg.qk_format == SAGE_QK_INT4;
+  const bool fp4_qk = qk_microscale(cfg.qk_format) != nullptr;
   const PvFormat pv = pv_format_of(cfg.pv_format);
   const bool block_v_scale = cfg.v_scale == SAGE_V_SCALE_PER_BLOCK_CHANNEL && pv.v_max > 0;
   // A power of two per key block moves into the softmax (scores + e, row sum / 2^e): P^·V^
@@ -255,7 +295,10 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     const int64_t scale_rows = block_v_scale ? k_blocks : 1;
     kp.v_scale.assign(size_t(scale_rows * D), Real(1));
     kp.v_exponent.assign(size_t(k_blocks), 0);
-    if (pow2_v_scale) {
+    if (pv.fp4) {
+      // Runs of keys per channel, from key 0 (so inside key blocks: block_k is a multiple).
+      for (int64_t d = 0; d < D; ++d) round_fp4(&kp.v[size_t(d)], Nk, D, *pv.fp4);
+    } else if (pow2_v_scale) {
       for (int64_t kb = 0; kb < k_blocks; ++kb) {
         const int64_t j0 = kb * bk, j1 = std::min(Nk, j0 + bk);
         float amax = 0.0f;
@@ -391,7 +434,8 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
             continue;
           }
           const Real* kj = &kp.k.values[size_t(j * D)];
-          const Real a = (std::is_same_v<Real, float> && exact_qk_in_float)
+          const Real a = fp4_qk ? mma_dot(qi, kj, D, kFp4MmaK)
+                         : (std::is_same_v<Real, float> && exact_qk_in_float)
                              ? Real(dot<float>(qi, kj, D))
                              : Real(dot<double>(qi, kj, D));
           Real x;
@@ -408,6 +452,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
         }
         const Real m_new = std::max(m[size_t(r)], row_max);
         const Real alpha = std::exp2(m[size_t(r)] - m_new);  // 0 on the first block
+        Real p_level1 = 1;  // s_P1 of the two-level P~ (paper 004, Algorithm 1, line 10)
         if (!sm90) {
           Real row_sum = 0;
           for (int64_t j = j0; j < j1; ++j) {
@@ -416,6 +461,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
             phat[size_t(j - j0)] = pv.quantize(pt * Real(pv.p_scale));
           }
           l[size_t(r)] = l[size_t(r)] * alpha + row_sum * sum_scale;
+          if (pv.fp4) p_level1 = quantize_p_fp4(pv, &phat[0], j1 - j0, row_max - m_new);
         } else {
           // e = P~·p_scale = 2^(s - m + log2 p_scale); summed per thread t and 32-key quarter,
           // in key order, then l_t = l_t·alpha + ((p0 + p1) + (p2 + p3)) (the kernel's part[]).
@@ -484,7 +530,9 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
                             ++pending[size_t(r)] == cfg.pv_flush_interval);
         if (flush) {
           for (int64_t d = 0; d < D; ++d) {
-            o[d] += flush_scale ? Real(acc[d]) * flush_scale[d] : Real(acc[d]);
+            // s_P1 (1 unless P~ is two-level): Algorithm 1, line 11.
+            const Real a = Real(acc[d]) * p_level1;
+            o[d] += flush_scale ? a * flush_scale[d] : a;
             acc[d] = 0.0;
           }
           pending[size_t(r)] = 0;
@@ -541,42 +589,6 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
 }
 
 }  // namespace
-
-template <typename Real>
-QuantizedGroups<Real> quantize_groups(const std::vector<Real>& x, int64_t rows, int64_t dim,
-                                      const GroupLayout& layout, sage_qk_format format) {
-  QuantizedGroups<Real> out;
-  out.scale.assign(size_t(rows), Real(1));
-  if (format == SAGE_QK_NONE) {
-    out.values = x;
-    return out;
-  }
-  out.values.resize(x.size());
-  std::vector<float> amax(size_t(layout.num_groups(rows)), 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    float& a = amax[size_t(layout.group(r))];
-    for (int64_t d = 0; d < dim; ++d) a = std::max(a, float(std::fabs(x[size_t(r * dim + d)])));
-  }
-  const float qmax = format == SAGE_QK_INT8   ? float(kInt8Max)
-                     : format == SAGE_QK_INT4 ? float(kInt4Max)
-                                              : kE4M3Max;
-  for (int64_t r = 0; r < rows; ++r) {
-    const QuantScale s = make_quant_scale(amax[size_t(layout.group(r))], qmax);
-    out.scale[size_t(r)] = Real(s.scale);
-    for (int64_t d = 0; d < dim; ++d) {
-      const size_t i = size_t(r * dim + d);
-      const float xf = float(x[i]);
-      out.values[i] = format == SAGE_QK_FP8_E4M3 ? Real(round_float(kE4M3, xf * s.inv))
-                                                 : Real(quantize_int(xf, s.inv, int(qmax)));
-    }
-  }
-  return out;
-}
-
-template QuantizedGroups<float> quantize_groups(const std::vector<float>&, int64_t, int64_t,
-                                                const GroupLayout&, sage_qk_format);
-template QuantizedGroups<double> quantize_groups(const std::vector<double>&, int64_t, int64_t,
-                                                 const GroupLayout&, sage_qk_format);
 
 void attention_quant(const Problem& p, const sage_quant_config& cfg, const TensorView& q,
                      const TensorView& k, const TensorView& v, float* out, float* lse,

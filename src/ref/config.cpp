@@ -37,6 +37,16 @@ sage_quant_config quant_preset(sage_variant variant) {
       c.qk_format = SAGE_QK_INT4;
       c.smooth = SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V;
       break;
+    case SAGE_VARIANT_SAGE3_FP4:
+      // Paper 004, Algorithm 1: smooth K, smooth Q per block (with ΔS), NVFP4 Q·K, two-level
+      // NVFP4 P~, NVFP4 V (no V smoothing in the paper), each key block's k64 MMA results added
+      // into an fp32 O after the s_P1 multiply.
+      c.qk_format = SAGE_QK_NVFP4;
+      c.smooth = SAGE_SMOOTH_Q | SAGE_SMOOTH_K;
+      c.pv_format = SAGE_PV_NVFP4;
+      c.pv_accum = SAGE_PV_ACCUM_FP32;
+      c.accum_chunk = 64;  // keys of one m16n8k64 FP4 MMA
+      break;
     case SAGE_VARIANT_EXACT:
       c.qk_format = SAGE_QK_NONE;
       c.smooth = 0;
@@ -53,14 +63,14 @@ std::string quant_config_error(const sage_quant_config& c) {
   auto bad = [](const char* what, long long value) {
     return std::string("quant.") + what + " = " + std::to_string(value) + " is invalid";
   };
-  if (enum_value(c.qk_format) < SAGE_QK_NONE || enum_value(c.qk_format) > SAGE_QK_FP8_E4M3)
+  if (enum_value(c.qk_format) < SAGE_QK_NONE || enum_value(c.qk_format) > SAGE_QK_MXFP4)
     return bad("qk_format", enum_value(c.qk_format));
   if (enum_value(c.granularity) < SAGE_GRANULARITY_PER_THREAD_MMA ||
       enum_value(c.granularity) > SAGE_GRANULARITY_PER_TENSOR)
     return bad("granularity", enum_value(c.granularity));
   if (c.smooth & ~(SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V))
     return bad("smooth (unknown flag bits)", c.smooth);
-  if (enum_value(c.pv_format) < SAGE_PV_NONE || enum_value(c.pv_format) > SAGE_PV_INT8)
+  if (enum_value(c.pv_format) < SAGE_PV_NONE || enum_value(c.pv_format) > SAGE_PV_MXFP4)
     return bad("pv_format", enum_value(c.pv_format));
   if (enum_value(c.v_scale) < SAGE_V_SCALE_PER_CHANNEL ||
       enum_value(c.v_scale) > SAGE_V_SCALE_PER_BLOCK)
@@ -116,6 +126,35 @@ std::string quant_config_error(const sage_quant_config& c) {
   if (c.v_scale == SAGE_V_SCALE_PER_BLOCK && c.pv_format != SAGE_PV_FP8_E4M3)
     return "quant.v_scale = per block (power of two) needs pv_format = FP8_E4M3 (pv_format = " +
            std::to_string(c.pv_format) + ")";
+  if (const MicroscaleFormat* fp4 = pv_microscale(c.pv_format)) {
+    const std::string what = "quant.pv_format = " + std::to_string(c.pv_format) + " (FP4) ";
+    // P~'s runs lie inside one key block (each block has its own running max).
+    if (c.block_k % fp4->block != 0)
+      return what + "needs block_k to be a multiple of " + std::to_string(fp4->block) +
+             " (block_k = " + std::to_string(c.block_k) + ")";
+    if ((c.softmax_block_k != 0 && c.softmax_block_k != c.block_k) || c.exp2_poly_every != 0)
+      return what +
+             "is modelled with the mma softmax form only: softmax_block_k 0 and "
+             "exp2_poly_every 0 (softmax_block_k = " +
+             std::to_string(c.softmax_block_k) +
+             ", exp2_poly_every = " + std::to_string(c.exp2_poly_every) + ")";
+    if (c.v_scale != SAGE_V_SCALE_PER_CHANNEL)
+      return what +
+             "carries V's scales in its runs: v_scale must be PER_CHANNEL, the default "
+             "(v_scale = " +
+             std::to_string(c.v_scale) + ")";
+    // s_P1 changes from block to block: each block's product is scaled before it joins O.
+    const bool flushed_every_block =
+        c.pv_accum == SAGE_PV_ACCUM_FP32 ||
+        (c.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL && c.pv_flush_interval == 1);
+    if (c.pv_format == SAGE_PV_NVFP4 && !flushed_every_block)
+      return what +
+             "scales P~ per row and key block (two-level): the accumulator must be "
+             "flushed every key block (pv_accum FP32, or TWO_LEVEL with pv_flush_interval 1; "
+             "pv_accum = " +
+             std::to_string(c.pv_accum) +
+             ", pv_flush_interval = " + std::to_string(c.pv_flush_interval) + ")";
+  }
   return {};
 }
 

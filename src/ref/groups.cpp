@@ -1,5 +1,10 @@
 // Quantization groups: which tokens share one scale, for every granularity of SPEC.md §3–4,
-// including the per-thread layouts that follow the mma.sync / wgmma accumulator. Host code.
+// including the per-thread layouts that follow the mma.sync / wgmma accumulator, and the
+// quantizer of a matrix by such groups (or by FP4 runs along its rows). Host code.
+#include <algorithm>
+#include <cmath>
+
+#include "common/formats.h"
 #include "ref/reference.h"
 
 namespace sage::ref {
@@ -68,5 +73,46 @@ GroupLayout k_group_layout(const sage_quant_config& cfg) {
     default: return GroupLayout::per_tensor();
   }
 }
+
+template <typename Real>
+QuantizedGroups<Real> quantize_groups(const std::vector<Real>& x, int64_t rows, int64_t dim,
+                                      const GroupLayout& layout, sage_qk_format format) {
+  QuantizedGroups<Real> out;
+  out.scale.assign(size_t(rows), Real(1));
+  if (format == SAGE_QK_NONE) {
+    out.values = x;
+    return out;
+  }
+  if (const MicroscaleFormat* fp4 = qk_microscale(format)) {  // runs along each row
+    out.values = x;
+    for (int64_t r = 0; r < rows; ++r) round_fp4(&out.values[size_t(r * dim)], dim, 1, *fp4);
+    return out;
+  }
+  out.values.resize(x.size());
+  std::vector<float> amax(size_t(layout.num_groups(rows)), 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float& a = amax[size_t(layout.group(r))];
+    for (int64_t d = 0; d < dim; ++d) a = std::max(a, float(std::fabs(x[size_t(r * dim + d)])));
+  }
+  const float qmax = format == SAGE_QK_INT8   ? float(kInt8Max)
+                     : format == SAGE_QK_INT4 ? float(kInt4Max)
+                                              : kE4M3Max;
+  for (int64_t r = 0; r < rows; ++r) {
+    const QuantScale s = make_quant_scale(amax[size_t(layout.group(r))], qmax);
+    out.scale[size_t(r)] = Real(s.scale);
+    for (int64_t d = 0; d < dim; ++d) {
+      const size_t i = size_t(r * dim + d);
+      const float xf = float(x[i]);
+      out.values[i] = format == SAGE_QK_FP8_E4M3 ? Real(round_float(kE4M3, xf * s.inv))
+                                                 : Real(quantize_int(xf, s.inv, int(qmax)));
+    }
+  }
+  return out;
+}
+
+template QuantizedGroups<float> quantize_groups(const std::vector<float>&, int64_t, int64_t,
+                                                const GroupLayout&, sage_qk_format);
+template QuantizedGroups<double> quantize_groups(const std::vector<double>&, int64_t, int64_t,
+                                                 const GroupLayout&, sage_qk_format);
 
 }  // namespace sage::ref

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/exp2_poly.h"
+#include "common/formats.h"
 #include "sage/sage.h"
 
 namespace sage::ref {
@@ -92,7 +93,9 @@ struct GroupLayout {
 
 // A [rows][dim] matrix quantized in groups of rows (SPEC.md §2.3): values holds the quantized
 // numbers (integers for INT8/INT4, E4M3 values for FP8; x itself for SAGE_QK_NONE) and scale
-// the dequantization factor of each row's group: x ~ values * scale, delta = amax / qmax.
+// the dequantization factor of each row's group: x ~ values * scale, delta = amax / qmax. For
+// the FP4 formats values are already dequantized (each run of a row times its own scale) and
+// scale is 1.
 template <typename Real>
 struct QuantizedGroups {
   std::vector<Real> values;
@@ -101,6 +104,21 @@ struct QuantizedGroups {
 template <typename Real>
 QuantizedGroups<Real> quantize_groups(const std::vector<Real>& x, int64_t rows, int64_t dim,
                                       const GroupLayout& layout, sage_qk_format format);
+
+// ---- FP4 microscaling (paper 004 §3.1; microscale.cpp) ----
+// The run format of a Q·K or P·V format (nullptr: not FP4).
+const MicroscaleFormat* qk_microscale(sage_qk_format f);
+const MicroscaleFormat* pv_microscale(sage_pv_format f);
+// n values x[0], x[stride], ... quantized in runs of f.block (16 or 32) from x[0]; the last run
+// may be shorter (a kernel pads it with zeros). out[i * stride] (may alias x) receives the
+// dequantized value, E2M1 code x scale, exact in float; codes (optional, [n]) the E2M1 codes and
+// scale_codes (optional, one a run) the E4M3 or E8M0 scale codes. A run holding a NaN or an
+// infinity dequantizes to NaN (cvt's .satfinite would make it finite).
+void quantize_fp4(const float* x, int64_t n, int64_t stride, const MicroscaleFormat& f, float* out,
+                  uint8_t* codes = nullptr, uint8_t* scale_codes = nullptr);
+// The same in place on Real values (rounded to float first, as the GPU's fp32 registers).
+template <typename Real>
+void round_fp4(Real* x, int64_t n, int64_t stride, const MicroscaleFormat& f);
 
 // The Q and K layouts a config implies.
 GroupLayout q_group_layout(const sage_quant_config& cfg);

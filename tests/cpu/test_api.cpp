@@ -552,7 +552,7 @@ TEST(ApiInfo, ArgsInitDefaults) {
 
 TEST(ApiInfo, QuantConfigPresets) {
   const sage_variant presets[] = {SAGE_VARIANT_AUTO, SAGE_VARIANT_SAGE2_8B, SAGE_VARIANT_SAGE2_4B,
-                                  SAGE_VARIANT_EXACT};
+                                  SAGE_VARIANT_EXACT, SAGE_VARIANT_SAGE3_FP4};
   for (sage_variant v : presets) {
     SCOPED_TRACE(int(v));
     sage_quant_config c;
@@ -583,11 +583,17 @@ TEST(ApiInfo, QuantConfigPresets) {
   const sage_quant_config ex = preset(SAGE_VARIANT_EXACT);
   EXPECT_EQ(ex.qk_format, SAGE_QK_NONE);
   EXPECT_EQ(ex.pv_format, SAGE_PV_NONE);
+  const sage_quant_config f4 = preset(SAGE_VARIANT_SAGE3_FP4);  // paper 004, Algorithm 1
+  EXPECT_EQ(f4.qk_format, SAGE_QK_NVFP4);
+  EXPECT_EQ(f4.smooth, SAGE_SMOOTH_Q | SAGE_SMOOTH_K);
+  EXPECT_EQ(f4.pv_format, SAGE_PV_NVFP4);
+  EXPECT_EQ(f4.pv_accum, SAGE_PV_ACCUM_FP32);
+  EXPECT_EQ(f4.accum_chunk, 64);
 
   // Errors: NULL config, unknown variant; the config is left as it was.
   EXPECT_EQ(sage_quant_config_init(nullptr, SAGE_VARIANT_SAGE2_8B), SAGE_ERROR_INVALID_ARGUMENT);
   EXPECT_TRUE(names_word(sage_last_error(), "config")) << sage_last_error();
-  for (int bad : {5, 6, 7}) {  // values of the type without a name (see the status test)
+  for (int bad : {6, 7, 8}) {  // values of the type without a name (see the status test)
     sage_quant_config c = s4, before = s4;
     sage_variant v;
     set_enum(v, bad);
@@ -777,7 +783,7 @@ TEST_F(ApiErrors, UnknownEnums) {
   for (int bad : {3, -1})
     expect_rejected("mask " + std::to_string(bad),
                     [&](sage_attention_args& a) { set_enum(a.mask, bad); }, {"mask"});
-  for (int bad : {5, -1})
+  for (int bad : {6, -1})
     expect_rejected("variant " + std::to_string(bad),
                     [&](sage_attention_args& a) { set_enum(a.variant, bad); }, {"variant"});
   for (int bad : {3, -1})
@@ -938,11 +944,11 @@ TEST_F(ApiErrors, InvalidCustomQuantConfig) {
                 {name}};
   };
   std::vector<Case> cases = {
-      enum_case("qk_format", &sage_quant_config::qk_format, 4),
+      enum_case("qk_format", &sage_quant_config::qk_format, 6),
       enum_case("qk_format", &sage_quant_config::qk_format, -1),
       enum_case("granularity", &sage_quant_config::granularity, 6),
       enum_case("granularity", &sage_quant_config::granularity, -1),
-      enum_case("pv_format", &sage_quant_config::pv_format, 5),
+      enum_case("pv_format", &sage_quant_config::pv_format, 8),
       enum_case("pv_format", &sage_quant_config::pv_format, -1),
       enum_case("v_scale", &sage_quant_config::v_scale, 3),
       enum_case("v_scale", &sage_quant_config::v_scale, -1),
@@ -1229,6 +1235,7 @@ TEST(ApiReference, QuantizedVariantsMatchRefAttentionQuant) {
       {SAGE_VARIANT_SAGE2_8B, SAGE_DTYPE_FP32, SAGE_MASK_CAUSAL_TOP_LEFT},
       {SAGE_VARIANT_SAGE2_4B, SAGE_DTYPE_FP16, SAGE_MASK_CAUSAL_TOP_LEFT},
       {SAGE_VARIANT_AUTO, SAGE_DTYPE_FP16, SAGE_MASK_NONE},
+      {SAGE_VARIANT_SAGE3_FP4, SAGE_DTYPE_FP16, SAGE_MASK_CAUSAL_BOTTOM_RIGHT},
   };
   for (const Case& k : cases) {
     Problem p;
@@ -1255,7 +1262,7 @@ TEST(ApiReference, QuantizedVariantsMatchRefAttentionQuant) {
     // Quantized, but still attention. A row seeing one key has LSE = its one score, so the
     // LSE error is a score error: ~0.02 for INT8, a few tenths for INT4.
     const Expected e = naive_attention(c);
-    const bool int4 = v == SAGE_VARIANT_SAGE2_4B;
+    const bool int4 = v == SAGE_VARIANT_SAGE2_4B || v == SAGE_VARIANT_SAGE3_FP4;  // 4-bit Q·K
     EXPECT_GT(cosine(c.o.values(), e.o), int4 ? 0.95 : 0.99);
     EXPECT_LE(max_abs_error(c.lse.values(), e.lse), int4 ? 1.0 : 0.1);
   }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api/plan.h"
@@ -321,6 +322,35 @@ TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {
   odd.o.resize(size_t(2 * 4 * 100 * 129));
   odd.a.o = odd.o.data();
   refused(odd, kH100, "o:");
+}
+
+// FP4 microscaling (SageAttention3) is emulated on the CPU only: on every GPU, Blackwell
+// included, the plan refuses it naming the argument, and never hands it to another kernel.
+TEST(Planner, RefusesFp4OnEveryGpuNamingTheArgument) {
+  Plan p;
+  auto refused = [&](const Call& c, const Device& dev, std::vector<std::string> words) {
+    EXPECT_EQ(c.plan(dev, &p), SAGE_ERROR_UNSUPPORTED);
+    const std::string msg = sage_last_error();
+    for (const std::string& w : words) EXPECT_NE(msg.find(w), std::string::npos) << msg;
+    EXPECT_NE(msg.find("CPU reference"), std::string::npos) << msg;
+  };
+  for (const Device& dev : {kH100, kAda, kBlackwell}) {
+    refused(Call(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_SAGE3_FP4), dev,
+            {"variant = SAGE3_FP4", "quant.qk_format = NVFP4"});
+    Call qk(100, 100, 128);
+    qk.a.variant = SAGE_VARIANT_CUSTOM;
+    qk.a.quant.qk_format = SAGE_QK_MXFP4;  // the rest of the 8-bit preset unchanged
+    refused(qk, dev, {"quant.qk_format = MXFP4"});
+    const std::pair<sage_pv_format, const char*> pv[] = {
+        {SAGE_PV_NVFP4, "NVFP4"}, {SAGE_PV_NVFP4_DIRECT, "NVFP4_DIRECT"}, {SAGE_PV_MXFP4, "MXFP4"}};
+    for (const auto& [f, name] : pv) {
+      Call c(100, 100, 128);
+      c.a.variant = SAGE_VARIANT_CUSTOM;
+      c.a.quant.pv_format = f;
+      c.a.quant.pv_accum = SAGE_PV_ACCUM_FP32;
+      refused(c, dev, {std::string("quant.pv_format = ") + name + ":"});
+    }
+  }
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
 // The cvt wrappers of src/ptx/cvt.cuh run on the GPU and compared bit for bit with the host codec
-// (sage::encode_float in formats.h): every fp16 value, every midpoint of E4M3/E5M2/E2M1/fp16/bf16
-// with its float neighbours, specials and random floats, plus the order of packed pairs and FP8
-// decoding. Needs sm_89+; the E2M1 test also needs a build and a device of the sm_100a/sm_120a
-// families and skips itself otherwise.
+// (sage::encode_float and encode_e8m0 in formats.h): every fp16 value, every midpoint of
+// E4M3/E5M2/E2M1/fp16/bf16 with its float neighbours, specials and random floats, plus the order
+// of packed pairs and FP8 decoding. Needs sm_89+; the E2M1 and E8M0 tests also need a build and a
+// device of the sm_100a/sm_120a families and skip themselves otherwise.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -73,6 +73,17 @@ __global__ void cvt_e2m1_kernel(const float* x, int64_t n, uint16_t* out) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     out[i] = sage::ptx::cvt_e2m1x2(x[i], x[n - 1 - i]);
+  }
+#endif
+}
+
+// E8M0 of each pair, rounded toward zero in out[i] and up in out[n + i].
+__global__ void cvt_ue8m0_kernel(const float* x, int64_t n, uint16_t* out) {
+#if defined(SAGE_PTX_HAS_CVT_E2M1)
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    out[i] = sage::ptx::cvt_ue8m0x2_rz(x[i], x[n - 1 - i]);
+    out[n + i] = sage::ptx::cvt_ue8m0x2_rp(x[i], x[n - 1 - i]);
   }
 #endif
 }
@@ -402,6 +413,59 @@ TEST(CvtGpu, E2m1MatchesHostCodec) {
     log.check(out[i], (hi << 4) | lo, x[i], x[n - 1 - i], "cvt.rn.satfinite.e2m1x2.f32");
   }
   log.report();
+}
+
+// cvt.{rz,rp}.satfinite.ue8m0x2.f32 against sage::encode_e8m0, the MXFP4 scale's codec (the
+// reference's E8M0 semantics for zero, negatives, subnormals and saturation are read from the
+// PTX ISA, not measured: this test is what measures them).
+TEST(CvtGpu, Ue8m0MatchesHostCodec) {
+  SAGE_REQUIRE_GPU();
+  int device = 0;
+  SAGE_ASSERT_CUDA(cudaGetDevice(&device));
+  int major = 0, minor = 0;
+  SAGE_ASSERT_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  SAGE_ASSERT_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major < 10) {
+    GTEST_SKIP() << "cvt.ue8m0x2 needs compute capability 10.0 or later (sm_100a/sm_120a "
+                    "families); this device is "
+                 << major << "." << minor;
+  }
+  int flags[2] = {0, 0};
+  ASSERT_NO_FATAL_FAILURE(query_features(flags));
+  if (flags[1] == 0) {
+    GTEST_SKIP() << "this build has no E8M0 cvt code for compute capability " << major << "."
+                 << minor << " (add an arch-specific target such as 100a or 120a)";
+  }
+  std::vector<float> x = every_fp16_input();
+  for (const std::vector<float>& more : {midpoint_inputs(), special_inputs(), random_inputs()})
+    x.insert(x.end(), more.begin(), more.end());
+  for (uint32_t b = 1; b < 0x7F800000u; b += 65521) {  // every exponent, both signs
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    x.push_back(f);
+    x.push_back(-f);
+  }
+  const int64_t n = int64_t(x.size());
+  DeviceArray<float> d_x;
+  DeviceArray<uint16_t> d_out;
+  SAGE_ASSERT_CUDA(cudaMalloc(&d_x.ptr, n * sizeof(float)));
+  SAGE_ASSERT_CUDA(cudaMalloc(&d_out.ptr, 2 * n * sizeof(uint16_t)));
+  SAGE_ASSERT_CUDA(cudaMemcpy(d_x.ptr, x.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  cvt_ue8m0_kernel<<<256, 256>>>(d_x.ptr, n, d_out.ptr);
+  SAGE_ASSERT_CUDA(cudaGetLastError());
+  std::vector<uint16_t> out(2 * n);
+  SAGE_ASSERT_CUDA(
+      cudaMemcpy(out.data(), d_out.ptr, 2 * n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+  for (int up = 0; up < 2; ++up) {
+    const char* name = up ? "cvt.rp.satfinite.ue8m0x2.f32" : "cvt.rz.satfinite.ue8m0x2.f32";
+    MismatchLog log{name};
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t lo = sage::encode_e8m0(x[i], up != 0);
+      const uint32_t hi = sage::encode_e8m0(x[n - 1 - i], up != 0);
+      log.check(out[up * n + i], (hi << 8) | lo, x[i], x[n - 1 - i], name);
+    }
+    log.report();
+  }
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
-// The `sage` command-line tool: `sage accuracy` prints the paper's ablations (CPU reference
-// against float64) on a built-in problem or the user's .npy tensors; `sage bench` times the GPU
-// kernels; `sage info` says what was built and which GPU is there. Every command takes --help;
-// a wrong command, option or input is one line on stderr and a non-zero exit. Host code.
+// The `sage` command-line tool: `sage accuracy` prints the papers' ablations (CPU reference
+// against float64; SageAttention2's tables and SageAttention3's FP4 Table 1) on a built-in
+// problem or the user's .npy tensors; `sage bench` times the GPU kernels; `sage info` says what
+// was built and which GPU is there. Every command takes --help; a wrong command, option or input
+// is one line on stderr and a non-zero exit. Host code.
 #include <chrono>
 #include <cinttypes>
 #include <cmath>
@@ -95,7 +96,9 @@ int cmd_bench(const Options& o);
 int cmd_info(const Options& o);
 
 const Command kCommands[] = {
-    {"accuracy", "the paper's ablations (CPU emulation vs float64), all four metrics",
+    {"accuracy",
+     "the papers' ablations (CPU emulation vs float64), all four metrics: SageAttention2's\n"
+     "             tables and paper 004's FP4 Table 1 (MXFP4/NVFP4, direct/two-level P~)",
      kAccuracyOptions, {"causal", "json"},
      {"q", "k", "v", "layout", "batch", "heads", "kv-heads", "seq", "seq-kv", "dim", "seed",
       "q-bias", "k-bias", "v-bias", "token-spread", "q-outlier", "k-outlier", "outlier-channels",

@@ -42,6 +42,15 @@ struct TmaMaps {
 // qt: the thread's index among the n_warps·32 quantizing threads. Eight lanes take a group
 // (four a row, D/32 16-byte chunks each: a three-step max), a warp four groups at a time: the
 // latency of a pass (shared loads, shuffles, two divisions) is paid 6 times a tile, not 22.
+template <typename T, int D>
+__device__ __noinline__ void zero_staged_part(uint8_t* row, int part) {
+  for (int c = 0; c < D / 32; ++c) {
+    uint4 x[1] = {*reinterpret_cast<const uint4*>(row + (c * 4 + part) * 16)};
+    quant::zero_special<T>(x);
+    *reinterpret_cast<uint4*>(row + (c * 4 + part) * 16) = x[0];
+  }
+}
+
 template <int D, typename T, int kQGroups>
 __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile, float* q_sc,
                                                 float* poison, int qt, int n_warps, const float* km,
@@ -62,13 +71,11 @@ __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile
       w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
     // Inf/NaN are rare: a test of the lane's words, and the zeroing only where one is.
     const bool part_bad = quant::special_any<T>(w) != 0u;
-    if (part_bad)  // rare: the Inf/NaN zeroed in the staged row itself (the shift reads it again)
-      for (int c = 0; c < kChunks; ++c) {
-        uint4* at = reinterpret_cast<uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
-        uint4 x[1] = {*at};
-        quant::zero_special<T>(x);
-        *at = w[c] = x[0];
-      }
+    if (part_bad) {  // rare: the Inf/NaN zeroed in the staged row itself (the shift reads it again)
+      zero_staged_part<T, D>(staged + r * D * 2, part);
+      for (int c = 0; c < kChunks; ++c)
+        w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
+    }
     bool row_bad = false;
     if (__any_sync(0xffffffffu, part_bad)) {
       int x = part_bad;
