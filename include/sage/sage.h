@@ -347,7 +347,11 @@ SAGE_API sage_status sage_attention_args_init(sage_attention_args* args);
  * starting point of a custom one). */
 SAGE_API sage_status sage_quant_config_init(sage_quant_config* config, sage_variant variant);
 
-/* Bytes of device workspace sage_attention() needs for these args (0 for the CPU backend). */
+/* Bytes of device workspace sage_attention() needs for these args (0 for the CPU backend): the
+ * quantized K and V with their scales and means; where the kernel does not quantize Q itself, the
+ * quantized Q with its scales and 4 bytes a query row (its LSE shift), else those 4 bytes only
+ * where the LSE is asked for (lse != NULL); Q's block means with Q smoothing. README.md,
+ * "Device memory", gives the formula. */
 SAGE_API sage_status sage_attention_workspace_size(const sage_attention_args* args,
                                                    size_t* bytes);
 

@@ -88,10 +88,12 @@ _PREPARED_MAX = 512  # shapes kept (a model has a handful; a sweep may have many
 def _key(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse,
          kernel):
     # Everything the plan and the argument struct depend on except the pointers (the output is
-    # allocated contiguous in q's shape, the LSE contiguous).
+    # allocated contiguous in q's shape, the LSE contiguous), and whether q starts 16-byte
+    # aligned: on sm_90 such a Q is quantized inside the kernel, and the workspace then holds no
+    # quantized Q.
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
             v.dtype, q.device, k.device, v.device, layout, mask, scale, qk_bits, smooth_q,
-            smooth_k, smooth_v, return_lse, kernel)
+            smooth_k, smooth_v, return_lse, kernel, q.data_ptr() % 16 == 0)
 
 
 def _prepare(key, q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,

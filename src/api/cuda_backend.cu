@@ -158,7 +158,12 @@ mma::AttnParams mma_params(const api::Resolved& r, const sage_attention_args& a,
   mma::AttnParams m{};
   fill_common(m, r, a, plan, ws);
   const quant::PrepassPlan& w = plan.prepass;
-  m.delta_s = w.smooth_q ? reinterpret_cast<const float*>(ws + w.delta_s) : nullptr;
+  if (w.smooth_q) {  // ΔS from the block means and the caller's K (attn/mma DeltaS)
+    m.q_mean = reinterpret_cast<const float*>(ws + w.q_mean);
+    m.k_mean = reinterpret_cast<const float*>(ws + w.k_mean);
+    m.k_in = a.k, m.k_in_batch = r.k.batch, m.k_in_head = r.k.head, m.k_in_token = r.k.token;
+    m.k_in_vec = quant::rows_aligned16(a.k, r.k);
+  }
   return m;
 }
 
@@ -247,7 +252,8 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
                          : sm90::launch_attention<128>(sp, cfg, stream);
   } else {
     const mma::AttnParams mp = mma_params(r, a, plan, ws);
-    const mma::LaunchConfig cfg{plan.prepass.bits, bf16, causal, plan.two_level, dev.index};
+    const mma::LaunchConfig cfg{plan.prepass.bits, bf16, causal, plan.two_level,
+                                plan.prepass.smooth_q, dev.index};
     e = p.head_dim == 64 ? mma::launch_attention<64>(mp, cfg, stream)
                          : mma::launch_attention<128>(mp, cfg, stream);
   }

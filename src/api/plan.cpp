@@ -182,10 +182,9 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       ref::mean_token_stride(p.seq_kv, c.k_mean_tokens),  // as the emulation samples K's mean
       // K/V's pre-pass in one cluster launch where a cluster holds the head's chunks;
       // SAGE_OPTION_PREPASS_KV_SPLIT keeps the three launches (to compare the two).
-      a.options & SAGE_OPTION_PREPASS_KV_SPLIT ? 0 : dev.kv_cluster);
-  plan.prepass.quantize_q = !plan.fused_q;
-  plan.launches =
-      (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + (smooth_q ? 1 : 0) + 1;
+      a.options & SAGE_OPTION_PREPASS_KV_SPLIT ? 0 : dev.kv_cluster,
+      /*quantize_q=*/!plan.fused_q, /*lse=*/a.lse != nullptr);
+  plan.launches = (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + 1;
   plan.prefer_sdpa = prefer_sdpa(dev.cc, D, p.mask, p.seq_q, p.seq_kv);
 
   // What the call computes, as the CPU emulation's config.
