@@ -69,7 +69,9 @@ TEST_P(GpuFp4, MatchesItsEmulationAndFloat64) {
   for (size_t i = 0; i < want.size(); ++i) differ += want[i] != double(got[i]);
   EXPECT_LE(vs_emu.rel_l1, 3e-4);
   EXPECT_LE(vs_emu.max_abs, 0.1 * vmax + 1e-3);
-  EXPECT_GT(vs_exact.cos, 0.99);
+  // FP4 against float64 (the band, not the check): cos ~0.982 on unbiased N(0,1) inputs (as
+  // 4-bit, measured on an H200), higher with channel bias.
+  EXPECT_GT(vs_exact.cos, c.bias == 0 ? 0.97 : 0.99);
   double lse_worst = 0;
   for (size_t i = 0; i < emu_lse.size(); ++i) {
     if (std::isinf(emu_lse[i])) {
