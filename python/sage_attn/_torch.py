@@ -385,6 +385,27 @@ def _check_tensors(q, k, v, layout_name):
         raise ValueError(f"k: head_dim {k.shape[3]} must equal q's {q.shape[3]}")
 
 
+def sageattn3(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *,
+              causal_align="bottom_right"):
+    """SageAttention3's FP4 attention (paper 004, Algorithm 1): NVFP4 Q·Kᵀ with K smoothed and Q
+    smoothed per 128-row block (plus its ΔS correction), P̃ in two-level NVFP4, V in NVFP4.
+    FP4 tensor cores are Blackwell's: on CUDA tensors (sm_89+) this computes exactly what an FP4
+    kernel would, with the values dequantized to fp16 on fp16 tensor cores (a reference-exact
+    path, not a fast one); on CPU tensors the CPU emulation runs. Shapes, dtypes, masks and the
+    return as sageattn (D 64 or 128 on the GPU). Inference only: no backward."""
+    if tensor_layout not in _lib.LAYOUTS:
+        raise ValueError(f"tensor_layout = {tensor_layout!r}: must be 'HND' or 'NHD'")
+    _lib.check_call_flags(causal_align, is_causal, return_lse)
+    _check_tensors(q, k, v, tensor_layout)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("sageattn3 has no backward (SageBwd is 8-bit: use sageattn)")
+    scale = _scale(sm_scale, q.shape[-1], "sm_scale")
+    mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
+    o, lse = _call(q, k, v, _lib.LAYOUTS[tensor_layout], mask, scale, _lib.QK_BITS_FP4, None, None,
+                   None, return_lse, _RAISE, KERNELS[None])
+    return (o, lse) if return_lse else o
+
+
 def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *,
              qk_bits=None, smooth_k=True, smooth_q=None, smooth_v=None,
              causal_align="bottom_right", kernel=None):
