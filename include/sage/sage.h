@@ -137,7 +137,9 @@ typedef enum sage_kernel {
   SAGE_KERNEL_AUTO = 0, /* sm_90: the wgmma kernel where it applies (8-bit Q·K, no Q smoothing),
                            else the mma.sync kernel */
   SAGE_KERNEL_MMA = 1,  /* the portable mma.sync kernel (sm_89, sm_90, sm_120) */
-  SAGE_KERNEL_SM90 = 2  /* the Hopper wgmma kernel (sm_90a) */
+  SAGE_KERNEL_SM90 = 2, /* the Hopper wgmma kernel (sm_90a) */
+  SAGE_KERNEL_FP4 = 3   /* SageAttention3's FP4 arithmetic on fp16 tensor cores (sm_89+), the
+                           kernel of variant SAGE3_FP4: reported by the plan, never forced */
 } sage_kernel;
 
 /* sage_attention_args.options flags. */
@@ -354,7 +356,11 @@ SAGE_API sage_status sage_attention_args_init(sage_attention_args* args);
  * starting point of a custom one). */
 SAGE_API sage_status sage_quant_config_init(sage_quant_config* config, sage_variant variant);
 
-/* Bytes of device workspace sage_attention() needs for these args (0 for the CPU backend). */
+/* Bytes of device workspace sage_attention() needs for these args (0 for the CPU backend): the
+ * quantized K and V with their scales and means; where the kernel does not quantize Q itself, the
+ * quantized Q with its scales and 4 bytes a query row (its LSE shift), else those 4 bytes only
+ * where the LSE is asked for (lse != NULL); Q's block means with Q smoothing. README.md,
+ * "Device memory", gives the formula. */
 SAGE_API sage_status sage_attention_workspace_size(const sage_attention_args* args,
                                                    size_t* bytes);
 

@@ -28,19 +28,20 @@ except ImportError:
     _torch_missing = True
 else:
     _torch_missing = False
-    from ._torch import (dropin_backend, sageattn, sageattn_varlen,  # noqa: F401
+    from ._torch import (dropin_backend, sageattn, sageattn3, sageattn_varlen,  # noqa: F401
                          scaled_dot_product_attention, set_dropin_crossover)
 
 if _torch_missing:
     def _needs_torch(*_args, **_kwargs):
-        raise ImportError("sage_attn.sageattn, sageattn_varlen and scaled_dot_product_attention "
+        raise ImportError("sage_attn.sageattn, sageattn3, sageattn_varlen and "
+                          "scaled_dot_product_attention "
                           "need PyTorch; sage_attn.attention_numpy and attention_varlen_numpy "
                           "work without it")
 
-    sageattn = sageattn_varlen = scaled_dot_product_attention = _needs_torch
+    sageattn = sageattn3 = sageattn_varlen = scaled_dot_product_attention = _needs_torch
     dropin_backend = set_dropin_crossover = _needs_torch
 
-__all__ = ["sageattn", "sageattn_varlen", "scaled_dot_product_attention", "dropin_backend",
+__all__ = ["sageattn", "sageattn3", "sageattn_varlen", "scaled_dot_product_attention", "dropin_backend",
            "set_dropin_crossover", "attention_numpy", "attention_varlen_numpy", "metrics",
            "version",
            "SageError", "SageArgumentError", "SageUnsupportedError"]

@@ -315,6 +315,10 @@ def check_flag(name, value):
         raise TypeError(f"{name} = {value!r}: must be True, False or None")
 
 
+# The torch op's qk_bits for SageAttention3's FP4 preset (sageattn3; never a public value).
+QK_BITS_FP4 = 0
+
+
 def quant_settings(qk_bits, smooth_q, smooth_k, smooth_v, exact=False):
     """(variant, QuantConfig) for the Python keywords. None means: what the preset does.
 
@@ -323,6 +327,8 @@ def quant_settings(qk_bits, smooth_q, smooth_k, smooth_v, exact=False):
     the epilogue) and cuts the error on V with a channel bias several-fold."""
     if exact:
         return VARIANT_EXACT, preset(VARIANT_SAGE2_8B)
+    if qk_bits == QK_BITS_FP4 and not isinstance(qk_bits, bool):  # sageattn3's internal code
+        return VARIANT_SAGE3_FP4, preset(VARIANT_SAGE3_FP4)
     if qk_bits is None:
         qk_bits = 8
     if qk_bits not in (4, 8) or isinstance(qk_bits, bool):

@@ -90,10 +90,12 @@ _PREPARED_MAX = 512  # shapes kept (a model has a handful; a sweep may have many
 def _key(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse,
          kernel):
     # Everything the plan and the argument struct depend on except the pointers (the output is
-    # allocated contiguous in q's shape, the LSE contiguous).
+    # allocated contiguous in q's shape, the LSE contiguous), and whether q starts 16-byte
+    # aligned: on sm_90 such a Q is quantized inside the kernel, and the workspace then holds no
+    # quantized Q.
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
             v.dtype, q.device, k.device, v.device, layout, mask, scale, qk_bits, smooth_q,
-            smooth_k, smooth_v, return_lse, kernel)
+            smooth_k, smooth_v, return_lse, kernel, q.data_ptr() % 16 == 0)
 
 
 def _prepare(key, q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
@@ -385,6 +387,27 @@ def _check_tensors(q, k, v, layout_name):
         raise ValueError(f"k: batch {k.shape[0]} must equal q's {q.shape[0]}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"k: head_dim {k.shape[3]} must equal q's {q.shape[3]}")
+
+
+def sageattn3(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *,
+              causal_align="bottom_right"):
+    """SageAttention3's FP4 attention (paper 004, Algorithm 1): NVFP4 Q·Kᵀ with K smoothed and Q
+    smoothed per 128-row block (plus its ΔS correction), P̃ in two-level NVFP4, V in NVFP4.
+    FP4 tensor cores are Blackwell's: on CUDA tensors (sm_89+) this computes exactly what an FP4
+    kernel would, with the values dequantized to fp16 on fp16 tensor cores (a reference-exact
+    path, not a fast one); on CPU tensors the CPU emulation runs. Shapes, dtypes, masks and the
+    return as sageattn (D 64 or 128 on the GPU). Inference only: no backward."""
+    if tensor_layout not in _lib.LAYOUTS:
+        raise ValueError(f"tensor_layout = {tensor_layout!r}: must be 'HND' or 'NHD'")
+    _lib.check_call_flags(causal_align, is_causal, return_lse)
+    _check_tensors(q, k, v, tensor_layout)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError("sageattn3 has no backward (SageBwd is 8-bit: use sageattn)")
+    scale = _scale(sm_scale, q.shape[-1], "sm_scale")
+    mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
+    o, lse = _call(q, k, v, _lib.LAYOUTS[tensor_layout], mask, scale, _lib.QK_BITS_FP4, None, None,
+                   None, return_lse, _RAISE, KERNELS[None])
+    return (o, lse) if return_lse else o
 
 
 def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *,

@@ -12,6 +12,7 @@
 #include "attn/sm90/launch.h"
 #include "bwd/launch.h"
 #include "common/error.h"
+#include "fp4/fp4.h"
 #include "quant/prepass.h"
 
 namespace sage::cuda {
@@ -158,8 +159,33 @@ mma::AttnParams mma_params(const api::Resolved& r, const sage_attention_args& a,
   mma::AttnParams m{};
   fill_common(m, r, a, plan, ws);
   const quant::PrepassPlan& w = plan.prepass;
-  m.delta_s = w.smooth_q ? reinterpret_cast<const float*>(ws + w.delta_s) : nullptr;
+  if (w.smooth_q) {  // ΔS from the block means and the caller's K (attn/mma DeltaS)
+    m.q_mean = reinterpret_cast<const float*>(ws + w.q_mean);
+    m.k_mean = reinterpret_cast<const float*>(ws + w.k_mean);
+    m.k_in = a.k, m.k_in_batch = r.k.batch, m.k_in_head = r.k.head, m.k_in_token = r.k.token;
+    m.k_in_vec = quant::rows_aligned16(a.k, r.k);
+  }
   return m;
+}
+
+fp4::Params fp4_params(const api::Resolved& r, const sage_attention_args& a,
+                       const api::Plan& plan, uint8_t* ws) {
+  const ref::Problem& p = r.problem;
+  const sage_quant_config& c = r.quant;
+  fp4::Params f{};
+  f.q = a.q, f.k = a.k, f.v = a.v, f.qs = r.q, f.ks = r.k, f.vs = r.v;
+  f.o = a.o, f.o_batch = r.o.batch, f.o_head = r.o.head, f.o_token = r.o.token;
+  f.lse = a.lse, f.lse_batch = r.lse.batch, f.lse_head = r.lse.head, f.lse_token = r.lse.token;
+  f.batch = p.batch, f.heads_q = p.heads_q, f.heads_kv = p.heads_kv;
+  f.seq_q = p.seq_q, f.seq_kv = p.seq_kv, f.head_dim = p.head_dim;
+  f.k_mean_stride = ref::mean_token_stride(p.seq_kv, c.k_mean_tokens);
+  f.smooth_q = c.smooth & SAGE_SMOOTH_Q, f.smooth_k = c.smooth & SAGE_SMOOTH_K;
+  f.causal = p.mask != SAGE_MASK_NONE, f.causal_offset = causal_offset(p);
+  f.scale = p.scale;
+  f.bf16 = a.dtype == SAGE_DTYPE_BF16;
+  f.workspace = ws;
+  f.layout = plan.fp4;
+  return f;
 }
 
 }  // namespace
@@ -207,6 +233,14 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   const quant::RowSight sight{p.seq_kv, causal_offset(p), causal};
   const quant::PrepassInputs in{a.q, a.k, a.v, a.dtype, r.q, r.k, r.v, float(p.scale), sight};
   cudaError_t e = cudaSuccess;
+  if (plan.family == api::Family::kFp4) {
+    // Its pre-pass and kernel run together, with the kernel stage (benchmarks time them as one).
+    if (!(stages & kStageKernel)) return SAGE_OK;
+    e = fp4::run(fp4_params(r, a, plan, ws), stream);
+    if (e != cudaSuccess)
+      return set_error(SAGE_ERROR_CUDA, "FP4 attention launch: %s", cudaGetErrorString(e));
+    return SAGE_OK;
+  }
   if (stages & kStagePrepass) e = quant::run_prepass(plan.prepass, in, ws, dev.index, stream);
   if (e != cudaSuccess)
     return set_error(SAGE_ERROR_CUDA, "pre-pass launch: %s", cudaGetErrorString(e));
@@ -219,7 +253,8 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
                                     : sm90::launch_attention<128>(sp, cfg, stream);
   } else {
     const mma::AttnParams mp = mma_params(r, a, plan, ws);
-    const mma::LaunchConfig cfg{plan.prepass.bits, bf16, causal, plan.two_level, dev.index};
+    const mma::LaunchConfig cfg{plan.prepass.bits, bf16, causal, plan.two_level,
+                                plan.prepass.smooth_q, dev.index};
     e = plan.prepass.head_dim == 64 ? mma::launch_attention<64>(mp, cfg, stream)
                                     : mma::launch_attention<128>(mp, cfg, stream);
   }

@@ -2,6 +2,8 @@
 // and what the call computes (its emulation config). Host code; any architecture.
 #include "api/plan.h"
 
+#include <string>
+
 #include "attn/mma/params.h"
 #include "attn/sm90/traits.h"
 #include "common/error.h"
@@ -21,6 +23,33 @@ int sm90_poly_every(int64_t head_dim, int consumers) {
   return head_dim == 128 ? sm90::Traits<128, 2>::kPolyEvery
                          : (consumers == 3 ? sm90::Traits<64, 3>::kPolyEvery
                                            : sm90::Traits<64, 2>::kPolyEvery);
+}
+
+// The one FP4 combination the GPU computes (src/fp4), variant SAGE3_FP4's with any Q/K
+// smoothing and K-mean sampling: the first field that departs from it, as "field = value", or
+// an empty string.
+std::string fp4_gpu_mismatch(const sage_quant_config& c) {
+  auto pv_name = [](sage_pv_format f) {
+    return f == SAGE_PV_MXFP4 ? "MXFP4" : f == SAGE_PV_NVFP4_DIRECT ? "NVFP4_DIRECT"
+           : f == SAGE_PV_NVFP4 ? "NVFP4" : "not FP4";
+  };
+  if (c.qk_format == SAGE_QK_MXFP4) return "quant.qk_format = MXFP4";
+  if (c.pv_format != SAGE_PV_NVFP4 && c.pv_format != SAGE_PV_NONE && c.pv_format != SAGE_PV_FP16 &&
+      c.pv_format != SAGE_PV_FP8_E4M3 && c.pv_format != SAGE_PV_FP8_E5M2 &&
+      c.pv_format != SAGE_PV_INT8)
+    return std::string("quant.pv_format = ") + pv_name(c.pv_format);
+  if (c.qk_format != SAGE_QK_NVFP4)  // P~/V in FP4 after a Q·K that is not
+    return std::string("quant.pv_format = ") + pv_name(c.pv_format);
+  if (c.pv_format != SAGE_PV_NVFP4) return "quant.qk_format = NVFP4 (quant.pv_format not NVFP4)";
+  if (c.pv_accum != SAGE_PV_ACCUM_FP32) return "quant.pv_accum (not FP32)";
+  if (c.accum_chunk != 64) return "quant.accum_chunk = " + std::to_string(c.accum_chunk);
+  if (c.block_q != fp4::kBlockQ) return "quant.block_q = " + std::to_string(c.block_q);
+  if (c.block_k != fp4::kBlockK) return "quant.block_k = " + std::to_string(c.block_k);
+  if (c.softmax_block_k != 0 && c.softmax_block_k != c.block_k)
+    return "quant.softmax_block_k = " + std::to_string(c.softmax_block_k);
+  if (c.exp2_poly_every != 0) return "quant.exp2_poly_every = " + std::to_string(c.exp2_poly_every);
+  if (c.smooth & SAGE_SMOOTH_V) return "quant.smooth (V smoothing)";
+  return std::string();
 }
 
 }  // namespace
@@ -60,20 +89,22 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   if (r.exact)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "variant = EXACT has no GPU kernel (float64 runs on the CPU reference)");
-  // FP4 microscaling (SageAttention3) is emulated on the CPU only: no kernel computes it, and no
-  // other kernel may stand in for it.
-  const bool fp4_qk = ref::qk_microscale(c.qk_format) != nullptr;
-  if (fp4_qk || ref::pv_microscale(c.pv_format) != nullptr)
-    return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "%s%s = %s: FP4 microscaling attention has no GPU kernel (native FP4 MMA "
-                     "needs sm_100/sm_120, and no kernel is written: docs/fp4-blackwell.md); the "
-                     "CPU reference emulates it (pass host pointers)",
-                     a.variant == SAGE_VARIANT_SAGE3_FP4 ? "variant = SAGE3_FP4: " : "",
-                     fp4_qk ? "quant.qk_format" : "quant.pv_format",
-                     fp4_qk ? (c.qk_format == SAGE_QK_NVFP4 ? "NVFP4" : "MXFP4")
-                            : (c.pv_format == SAGE_PV_MXFP4          ? "MXFP4"
-                               : c.pv_format == SAGE_PV_NVFP4_DIRECT ? "NVFP4_DIRECT"
-                                                                     : "NVFP4"));
+  // FP4 microscaling (SageAttention3): one GPU path computes paper 004's Algorithm 1 exactly as
+  // the CPU emulation of SAGE3_FP4 does (NVFP4 Q, K, two-level P~, V on fp16 tensor cores:
+  // src/fp4); every other FP4 combination runs on the CPU only, and no other kernel stands in.
+  const bool fp4 = ref::qk_microscale(c.qk_format) != nullptr ||
+                   ref::pv_microscale(c.pv_format) != nullptr;
+  if (fp4) {
+    const std::string off = fp4_gpu_mismatch(c);
+    if (!off.empty())
+      return set_error(SAGE_ERROR_UNSUPPORTED,
+                       "%s%s: this FP4 combination has no GPU kernel; the GPU runs variant "
+                       "SAGE3_FP4's (qk_format NVFP4, pv_format NVFP4, pv_accum FP32, "
+                       "accum_chunk 64, block_q 128, block_k 64, no V smoothing); the CPU "
+                       "reference emulates every combination (pass host pointers)",
+                       a.variant == SAGE_VARIANT_SAGE3_FP4 ? "variant = SAGE3_FP4: " : "",
+                       off.c_str());
+  }
   if (a.dtype != SAGE_DTYPE_FP16 && a.dtype != SAGE_DTYPE_BF16)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "dtype = FP32 has no GPU kernel: pass fp16 or bf16 (fp32 runs on the CPU "
@@ -93,7 +124,8 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   const bool kernel_pv = c.pv_format == SAGE_PV_FP8_E4M3 && c.v_scale == SAGE_V_SCALE_PER_CHANNEL &&
                          c.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL && c.pv_flush_interval == 1 &&
                          c.exp2_poly_every == 0;
-  if ((c.qk_format != SAGE_QK_INT8 && c.qk_format != SAGE_QK_INT4) || !kernel_shape || !kernel_pv)
+  if (!fp4 && ((c.qk_format != SAGE_QK_INT8 && c.qk_format != SAGE_QK_INT4) || !kernel_shape ||
+               !kernel_pv))
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "quant: no GPU kernel for this combination; the GPU kernels take qk_format "
                      "INT8/INT4, granularity PER_THREAD_MMA with block_q %d, warps %d, block_k %d "
@@ -111,6 +143,30 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "the GPU is sm_%d%d; the SageAttention2 kernels need sm_89 or newer (FP8 MMA)",
                      dev.cc / 10, dev.cc % 10);
+  if (fp4) {
+    // The FP4 kernel reads the caller's Q, K, V at its template head dim: native ones only (no
+    // zero padding there yet).
+    if (D != Dk)
+      return set_error(SAGE_ERROR_UNSUPPORTED,
+                       "head_dim = %lld: the FP4 kernel (variant SAGE3_FP4) takes head dims 64 "
+                       "and 128 (the 8-bit and 4-bit kernels take %s; the CPU reference any)",
+                       static_cast<long long>(D), kGpuHeadDims);
+    if (a.kernel != SAGE_KERNEL_AUTO)
+      return set_error(SAGE_ERROR_UNSUPPORTED,
+                       "kernel = %s: FP4 calls run their own kernel (SAGE_KERNEL_FP4); pass AUTO",
+                       a.kernel == SAGE_KERNEL_MMA ? "MMA" : "SM90");
+    Plan plan;
+    plan.family = Family::kFp4;
+    plan.fp4 = fp4::make_layout(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, D);
+    plan.prepass.total = plan.fp4.total;
+    plan.prepass.head_dim = plan.prepass.channels = D;  // (sage_plan_info.kernel_head_dim)
+    plan.block_q = 64;
+    plan.block_k = fp4::kBlockK;
+    plan.launches = 5;
+    plan.emulation = c;  // the kernel computes the emulation's own steps (src/fp4/fp4.cu)
+    *out = plan;
+    return SAGE_OK;
+  }
   const bool bits8 = c.qk_format == SAGE_QK_INT8, smooth_q = c.smooth & SAGE_SMOOTH_Q;
   const bool causal = p.mask != SAGE_MASK_NONE;
 
@@ -137,10 +193,9 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       ref::mean_token_stride(p.seq_kv, c.k_mean_tokens),  // as the emulation samples K's mean
       // K/V's pre-pass in one cluster launch where a cluster holds the head's chunks;
       // SAGE_OPTION_PREPASS_KV_SPLIT keeps the three launches (to compare the two).
-      a.options & SAGE_OPTION_PREPASS_KV_SPLIT ? 0 : dev.kv_cluster);
-  plan.prepass.quantize_q = !plan.fused_q;
-  plan.launches =
-      (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + (smooth_q ? 1 : 0) + 1;
+      a.options & SAGE_OPTION_PREPASS_KV_SPLIT ? 0 : dev.kv_cluster,
+      /*quantize_q=*/!plan.fused_q, /*lse=*/a.lse != nullptr);
+  plan.launches = (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + 1;
   // A padded head dim looks up its kernel's row: it does Dk's work while SDPA does D's, so Dk's
   // crossover is the least length from which it could win (not measured at the padded dims).
   plan.prefer_sdpa = prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv);
@@ -198,7 +253,9 @@ void describe(const Plan& plan, sage_plan_info* info) {
   *info = sage_plan_info{};
   info->struct_size = sizeof(sage_plan_info);
   info->backend = SAGE_BACKEND_CUDA;
-  info->kernel = plan.family == Family::kSm90 ? SAGE_KERNEL_SM90 : SAGE_KERNEL_MMA;
+  info->kernel = plan.family == Family::kSm90  ? SAGE_KERNEL_SM90
+                 : plan.family == Family::kFp4 ? SAGE_KERNEL_FP4
+                                               : SAGE_KERNEL_MMA;
   info->block_q = plan.block_q;
   info->block_k = plan.block_k;
   info->fused_q = plan.fused_q;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "api/backend.h"
+#include "fp4/layout.h"
 #include "quant/layout.h"
 #include "sage/sage.h"
 
@@ -19,13 +20,14 @@ struct Device {
   int kv_cluster = 0;  // the largest cluster K/V's one-launch pre-pass runs with (0: none)
 };
 
-enum class Family { kMma, kSm90 };
+enum class Family { kMma, kSm90, kFp4 };
 
 struct Plan {
   Family family = Family::kMma;
-  // The workspace layout and the pre-pass's steps; prepass.head_dim is the kernel's native head
-  // dim (64 or 128), prepass.channels the caller's (zero-padded up to it).
+  // The workspace layout and the pre-pass's steps (total: the size); prepass.head_dim is the
+  // kernel's native head dim (64 or 128), prepass.channels the caller's (zero-padded up to it).
   quant::PrepassPlan prepass;
+  fp4::Layout fp4;             // kFp4: its own workspace layout (prepass.total is its size)
   int block_q = 0, block_k = 0;
   int consumers = 0;       // sm90: consumer warpgroups (tile rows = 64 · consumers)
   bool fused_q = false;    // sm90: Q quantized inside the kernel (no quant_q launch)

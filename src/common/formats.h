@@ -196,19 +196,23 @@ inline constexpr MicroscaleFormat kMxfp4{32, true};
 //   MXFP4: 2^(floor(log2 amax) - 2), the OCP MX v1.0 rule (shared exponent floor(log2 amax) minus
 //          the element format's largest exponent, 2 for E2M1) = cvt.rz.satfinite.ue8m0x2.f32 of
 //          amax / 4 (exact). Values in [1.5, 2) x 2^floor(log2 amax) saturate to 6 x scale.
+// (Local constexpr copies of the formats: device code may use their values, not the objects.)
 SAGE_HOST_DEVICE inline uint32_t fp4_scale_code(const MicroscaleFormat& f, float amax) {
+  constexpr FloatFormat e4m3 = kE4M3;
   if (f.e8m0_scale) return encode_e8m0(double(amax * 0.25f), /*round_up=*/false);
-  return encode_float(kE4M3, double(amax / 6.0f), /*saturate=*/true);
+  return encode_float(e4m3, double(amax / 6.0f), /*saturate=*/true);
 }
 SAGE_HOST_DEVICE inline float fp4_scale_value(const MicroscaleFormat& f, uint32_t code) {
-  return f.e8m0_scale ? decode_e8m0(code) : decode_float(kE4M3, code);
+  constexpr FloatFormat e4m3 = kE4M3;
+  return f.e8m0_scale ? decode_e8m0(code) : decode_float(e4m3, code);
 }
 // One value's E2M1 code: cvt.rn.satfinite.e2m1x2.f32 of the fp32 quotient x / scale. A zero
 // scale (an NVFP4 run whose amax / 6 rounds to 0 in E4M3) gives a signed zero: the value it
 // dequantizes to whatever code a kernel writes there.
 SAGE_HOST_DEVICE inline uint32_t fp4_encode(float x, float scale) {
+  constexpr FloatFormat e2m1 = kE2M1;
   if (scale == 0.0f) return std::signbit(x) ? 0x8u : 0u;
-  return encode_float(kE2M1, double(x / scale), /*saturate=*/true);
+  return encode_float(e2m1, double(x / scale), /*saturate=*/true);
 }
 
 }  // namespace sage

@@ -2,7 +2,8 @@
 // INT8/INT4 K with per-thread scales per 64 keys, E4M3 Vᵀ with per-channel scales (keys permuted
 // inside each 32 for the P·V MMA), K/V smoothing statistics, and Q (INT8/INT4 per 128-row block)
 // unless the sm90 kernel quantizes Q itself. Both attention kernels (attn/mma, attn/sm90) read
-// this layout. Plain C++ (no CUDA types): the planner (src/api) computes it on the host.
+// this layout. Plain C++ (no CUDA types): the planner (src/api) computes it on the host. The
+// README's "Device memory" gives its size as a formula (tests/cpu/test_plan.cpp checks it).
 #pragma once
 
 #include <cstddef>
@@ -63,8 +64,9 @@ struct RowSight {
 };
 
 // Byte offsets of every pre-pass product inside the caller's workspace (all 256-aligned), and the
-// steps the pre-pass runs. The size depends on the shapes and the config only (never on
-// pointers), so a caller may cache it per shape.
+// steps the pre-pass runs. The size depends on the shapes, the config, whether the LSE is asked
+// for and whether the pre-pass quantizes Q (on sm_90: whether Q's rows are 16-byte aligned), so a
+// caller may cache it per shape and those two facts.
 struct PrepassPlan {
   int64_t batch = 0, heads_q = 0, heads_kv = 0, seq_q = 0, seq_kv = 0;
   // head_dim: the kernel's (native) head dim, the workspace's channels; channels: the caller's
@@ -79,6 +81,8 @@ struct PrepassPlan {
   // k_mean_samples of them; sage_quant_config::k_mean_tokens); V's statistics over every token.
   int64_t k_mean_stride = 1, k_mean_samples = 0;
   bool quantize_q = true;       // false: the sm90 kernel quantizes Q itself (fused Q)
+  bool lse = false;             // the call asks for the LSE (the fused Q then writes each row's
+                                // shift scale·q·k_mean)
   // K/V in one launch (kv_prepass_kernel, sm_90+): one CTA per statistics chunk and one
   // thread-block cluster per KV head, so each chunk's K and V are read from memory once, staged
   // in shared memory through the statistics, the cluster barrier and the quantization. 0: the
@@ -86,19 +90,30 @@ struct PrepassPlan {
   // holds and GPUs without clusters.
   int kv_cluster = 0;
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
+  // Offsets. q and q_scale hold bytes only where the pre-pass quantizes Q, q_mean only with Q
+  // smoothing, lse_shift only where the pre-pass quantizes Q or the LSE is asked for; an empty
+  // region has the offset of the next one. kv_stats is not a region of its own (see
+  // make_prepass_plan).
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
-         kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, delta_s = 0,
-         tile_counter = 0, kv_bad = 0, total = 0;
+         kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, tile_counter = 0,
+         kv_bad = 0, total = 0;
+  int64_t kv_stats_stride = 0;  // bytes from one KV head's statistics to the next
 };
+
+// Per (kv head, chunk, channel): Σk over the chunk's sampled tokens and Σv (double), max v and
+// min v (float).
+constexpr int64_t kKvStatBytes = 24;
 
 inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t heads_kv,
                                      int64_t seq_q, int64_t seq_kv, int64_t head_dim,
                                      int64_t channels, int bits, bool smooth_q, bool smooth_k,
-                                     bool smooth_v, int64_t k_mean_stride, int max_kv_cluster) {
+                                     bool smooth_v, int64_t k_mean_stride, int max_kv_cluster,
+                                     bool quantize_q, bool lse) {
   PrepassPlan p;
   p.batch = batch, p.heads_q = heads_q, p.heads_kv = heads_kv;
   p.seq_q = seq_q, p.seq_kv = seq_kv, p.head_dim = head_dim, p.channels = channels, p.bits = bits;
   p.smooth_q = smooth_q, p.smooth_k = smooth_k, p.smooth_v = smooth_v;
+  p.quantize_q = quantize_q, p.lse = lse;
   p.q_blocks = (seq_q + kBlockQ - 1) / kBlockQ;
   p.k_blocks = (seq_kv + kBlockK - 1) / kBlockK;
   p.nq_pad = p.q_blocks * kBlockQ;
@@ -116,21 +131,30 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
     off += (bytes + 255) / 256 * 256;
     return at;
   };
-  p.q = take(size_t(bq * p.nq_pad * p.row_bytes));
-  p.q_scale = take(size_t(bq * p.q_blocks * kQGroups) * 4);
+  // Q: the pre-pass's INT8/INT4 rows and 64 group scales a 128-row block (the sm90 kernel's fused
+  // Q quantizes each tile in shared memory instead); the block means with Q smoothing (the mma
+  // kernel forms ΔS from them and the caller's K); each row's LSE shift, NaN for a row an Inf/NaN
+  // input poisons: quant_q writes it for every row and the kernels read it for every row, where
+  // the pre-pass quantizes Q; the fused Q writes it (and keeps the poison in shared memory) only
+  // where the LSE is asked for.
+  p.q = take(quantize_q ? size_t(bq * p.nq_pad * p.row_bytes) : 0);
+  p.q_scale = take(quantize_q ? size_t(bq * p.q_blocks * kQGroups) * 4 : 0);
   p.q_mean = take(smooth_q ? size_t(bq * p.q_blocks * head_dim) * 4 : 0);
-  p.lse_shift = take(size_t(bq * seq_q) * 4);
+  p.lse_shift = take(quantize_q || lse ? size_t(bq * seq_q) * 4 : 0);
   p.k = take(size_t(bk * p.nk_pad * p.row_bytes));
   p.k_scale = take(size_t(bk * p.k_blocks * kKGroups) * 4);
   p.v = take(size_t(bk * head_dim * p.nk_pad));
-  // Per (kv head, chunk, channel): sum K over the chunk's sampled tokens, sum V (double), max V,
-  // min V (float).
-  p.kv_stats = take(size_t(bk * p.stat_chunks * head_dim) * 24);
+  // The K/V statistics of a head sit at the start of that head's Vᵀ rows rather than in a region
+  // of their own: quant_kv's V stores are their only overwriter and come after their last read
+  // (three launches: a later kernel of the stream; one cluster launch: after a second cluster
+  // barrier, and a cluster writes only its own head's Vᵀ). A head's D·nk_pad bytes hold its
+  // 24·chunks·D: nk_pad >= 128·chunks - 64 >= 24·chunks.
+  p.kv_stats = p.v;
+  p.kv_stats_stride = head_dim * p.nk_pad;
   p.k_mean = take(size_t(bk * head_dim) * 4);
   p.v_mean = take(size_t(bk * head_dim) * 4);
   p.v_scale = take(size_t(bk * head_dim) * 4);
   p.v_inv = take(size_t(bk * head_dim) * 4);
-  p.delta_s = take(smooth_q ? size_t(bq * p.q_blocks * p.nk_pad) * 4 : 0);
   // The sm90 kernel's causal tile scheduler: {next tile, CTAs done}, zeroed by the pre-pass
   // (kv_finalize) and reset by the kernel's last CTA.
   p.tile_counter = take(8);

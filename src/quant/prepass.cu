@@ -6,14 +6,15 @@
 //                Vᵀ as the next three do, in one launch
 //   kv_stats     reads V (2 B/elem) and every k_mean_stride-th row of K (the smoothing mean
 //                of K from a sample: ~256 rows a head with the presets), writes 24 B per (head,
-//                128-token chunk, channel)
+//                128-token chunk, channel), in the bytes the head's Vᵀ later takes
 //   kv_finalize  reads those statistics, writes 16 B per (head, channel)
 //   quant_kv     reads K and V (2+2 B/elem, kept in registers), writes INT8 (1 B) or INT4
 //                (0.5 B) K + 4 scales per 64 keys, and E4M3 Vᵀ (1 B)
 //   quant_q      reads Q (2 B/elem; again from L2 for the mean with Q smoothing), writes
-//                INT8/INT4 Q + scales + the LSE correction (4 B/row); skipped when the sm90
-//                kernel quantizes Q itself (PrepassPlan::quantize_q false: attn/sm90 producer)
-//   delta_s      (Q smoothing only) reads K (2 B/elem), writes 4 B per (Q block, key)
+//                INT8/INT4 Q + scales (+ the block means with Q smoothing) and the LSE
+//                correction (4 B/row, NaN for a poisoned row); skipped when the sm90 kernel
+//                quantizes Q itself (PrepassPlan::quantize_q false: attn/sm90 producer)
+// (ΔS of Q smoothing is no pre-pass product: the mma kernel forms it from the caller's K.)
 // Per call: Q 2 B read, K 2 B and V 4 B read (2 B with kv_prepass), ~1 + 1 + 1 (+0.5) B written
 // per element. In three launches V is read twice (its exact channel mean and range, then
 // quantize): the sm90 kernel's wgmma accumulator needs V - v_mean to sum to zero
@@ -71,7 +72,14 @@ struct KvStat {
   double sum_k, sum_v;
   float max_v, min_v;
 };
-static_assert(sizeof(KvStat) == 24, "the plan reserves 24 bytes per statistic");
+static_assert(sizeof(KvStat) == kKvStatBytes, "the plan reserves 24 bytes per statistic");
+
+// KV head bh's statistics [chunk][channel]: at the start of its Vᵀ rows (PrepassPlan::kv_stats),
+// `stride` bytes after the previous head's.
+template <typename S>  // KvStat or const KvStat
+__device__ __forceinline__ S* head_stats(S* stats, int64_t bh, int64_t stride) {
+  return reinterpret_cast<S*>(reinterpret_cast<uintptr_t>(stats) + uintptr_t(bh * stride));
+}
 
 template <typename T>
 __device__ __forceinline__ const T* row_ptr(const T* base, const sage_strides& s, int64_t b,
@@ -111,19 +119,6 @@ __device__ __forceinline__ void load_raw(const T* p, uint32_t (&w)[N / 2]) {
     const uint16_t* s = reinterpret_cast<const uint16_t*>(p);
     w[0] = s[0] | (uint32_t(s[1]) << 16);
     w[1] = s[2] | (uint32_t(s[3]) << 16);
-  }
-}
-
-// Elements d0..d0+7 of a row as float: one 16-byte load when the row allows it, else eight.
-template <typename T>
-__device__ __forceinline__ void load8(const T* row, int64_t d0, float (&x)[8]) {
-  const T* p = row + d0;
-  if ((reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
-    const uint4 w = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&w);
-    for (int i = 0; i < 8; ++i) x[i] = to_float(e[i]);
-  } else {
-    for (int i = 0; i < 8; ++i) x[i] = to_float(p[i]);
   }
 }
 
@@ -486,8 +481,9 @@ template <typename T, int D, int kBits, bool kVec>
 __global__ void __launch_bounds__(256, 2)
     kv_prepass_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
                       int64_t seq_kv, int64_t chunks, uint32_t k_stride, int64_t k_samples,
-                      bool smooth_k, bool smooth_v, KvStat* stats, float* k_mean, float* v_mean,
-                      float* v_scale, float* v_inv, unsigned* tile_counter,
+                      bool smooth_k, bool smooth_v, KvStat* stats, int64_t stats_stride,
+                      float* k_mean, float* v_mean, float* v_scale, float* v_inv,
+                      unsigned* tile_counter,
                       unsigned long long* kv_bad, int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
                       float* k_scale, uint8_t* vq) {
   pdl_enter();
@@ -503,15 +499,15 @@ __global__ void __launch_bounds__(256, 2)
   stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0, rows, k_stride, true, stage);
   ChunkStats<T, D> st;
   st.accumulate(stage, rows, n0, k_stride);
-  KvStat* head_stats = stats + int64_t(bh) * chunks * D;
-  st.write(red, head_stats + chunk * D);
+  KvStat* hs = head_stats(stats, bh, stats_stride);
+  st.write(red, hs + chunk * D);
   if (chunk == 0 && threadIdx.x == 0) kv_bad[bh] = kKvBadNone;  // lowered after the barrier
   __threadfence();
   ptx::cluster_sync();  // every chunk's statistics of the head are written
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
     const ChannelFinal f =
-        finalize_channel(head_stats, chunks, D, c, seq_kv, k_samples, smooth_k, smooth_v);
+        finalize_channel(hs, chunks, D, c, seq_kv, k_samples, smooth_k, smooth_v);
     km[c] = f.k_mean, vm[c] = f.v_mean, vi[c] = f.v_inv;
     if (chunk == 0) {
       const int64_t at = int64_t(bh) * D + c;
@@ -522,6 +518,9 @@ __global__ void __launch_bounds__(256, 2)
   // workspace).
   if (bh == 0 && chunk == 0 && threadIdx.x < 2) tile_counter[threadIdx.x] = 0u;
   __syncthreads();
+  // The statistics live in the head's Vᵀ rows, which the quantization below overwrites: every
+  // CTA of the cluster has read them first.
+  ptx::cluster_sync();
   constexpr int kBlocks = kStatTokens / kBlockK;
   for (int i = 0; i < kBlocks; ++i) {
     const int64_t kb = chunk * kBlocks + i;
@@ -538,7 +537,8 @@ __global__ void __launch_bounds__(256, 2)
 template <typename T, int D, bool kVec>
 __global__ void __launch_bounds__(256, 2)
     kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
-                    int64_t seq_kv, int64_t chunks, uint32_t k_stride, KvStat* out) {
+                    int64_t seq_kv, int64_t chunks, uint32_t k_stride, KvStat* stats,
+                    int64_t stats_stride) {
   pdl_enter();
   extern __shared__ __align__(16) uint8_t stage[];
   __shared__ double red[kStatRed];
@@ -548,15 +548,15 @@ __global__ void __launch_bounds__(256, 2)
   stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0, rows, k_stride, false, stage);
   ChunkStats<T, D> st;
   st.accumulate(stage, rows, n0, k_stride);
-  st.write(red, out + (int64_t(bh) * chunks + chunk) * D);
+  st.write(red, head_stats(stats, bh, stats_stride) + chunk * D);
 }
 
 // The three-launch path's finalize: one CTA per KV head, a thread per channel.
 __global__ void __launch_bounds__(128)
-    kv_finalize_kernel(const KvStat* stats, int64_t seq_kv, int64_t k_samples, int64_t dim,
-                       int64_t chunks, bool smooth_k, bool smooth_v, float* k_mean, float* v_mean,
-                       float* v_scale, float* v_inv, unsigned* tile_counter,
-                       unsigned long long* kv_bad) {
+    kv_finalize_kernel(const KvStat* stats, int64_t stats_stride, int64_t seq_kv,
+                       int64_t k_samples, int64_t dim, int64_t chunks, bool smooth_k,
+                       bool smooth_v, float* k_mean, float* v_mean, float* v_scale, float* v_inv,
+                       unsigned* tile_counter, unsigned long long* kv_bad) {
   pdl_enter();
   // The attention kernel's tile counters start at zero (it leaves them so; this covers a fresh
   // workspace).
@@ -564,8 +564,8 @@ __global__ void __launch_bounds__(128)
   const int64_t bh = blockIdx.x;
   if (threadIdx.x == 0) kv_bad[bh] = kKvBadNone;  // quant_kv lowers it
   for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-    const ChannelFinal f = finalize_channel(stats + bh * chunks * dim, chunks, dim, c, seq_kv,
-                                            k_samples, smooth_k, smooth_v);
+    const ChannelFinal f = finalize_channel(head_stats(stats, bh, stats_stride), chunks, dim, c,
+                                            seq_kv, k_samples, smooth_k, smooth_v);
     k_mean[bh * dim + c] = f.k_mean;
     v_mean[bh * dim + c] = f.v_mean;
     v_scale[bh * dim + c] = f.v_scale;
@@ -715,39 +715,6 @@ __global__ void __launch_bounds__(512, 2)
                                        centered, part, s.inv, qmax, fast, keep);
 }
 
-// ΔS[Q block][key] = q_mean · (k - k_mean) for every Q block of the query heads of a KV head;
-// a thread keeps its key's smoothed row (in shared memory, padded against bank conflicts) and
-// walks the Q blocks, whose means every thread reads at the same address (a broadcast).
-template <typename T, int D>
-__global__ void __launch_bounds__(64)
-    delta_s_kernel(const T* k, sage_strides ks, int dim, int64_t heads_q, int64_t heads_kv,
-                   int64_t seq_kv,
-                   const float* k_mean, const float* q_mean, int64_t q_blocks, int64_t nk_pad,
-                   float* delta_s) {
-  pdl_enter();
-  __shared__ float rows[64][D + 1];
-  const int64_t bhk = blockIdx.y, b = bhk / heads_kv, hk = bhk % heads_kv;
-  const int64_t key = blockIdx.x * 64 + threadIdx.x;  // nk_pad is a multiple of 64
-  float* x = rows[threadIdx.x];
-  for (int d0 = 0; d0 < D; d0 += 8) {
-    float raw[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (key < seq_kv && d0 < dim) load8(row_ptr(k, ks, b, hk, key), d0, raw);  // else padding
-    for (int i = 0; i < 8; ++i)  // an Inf/NaN element counts as a zero, as in quant_kv
-      x[d0 + i] = key < seq_kv ? __fsub_rn(isfinite(raw[i]) ? raw[i] : 0.0f, k_mean[bhk * D + d0 + i])
-                               : 0.0f;
-  }
-  const int64_t ratio = heads_q / heads_kv;
-  for (int64_t hq = hk * ratio; hq < (hk + 1) * ratio; ++hq) {
-    const int64_t bh = b * heads_q + hq;
-    for (int64_t qb = 0; qb < q_blocks; ++qb) {
-      const float* qm = q_mean + (bh * q_blocks + qb) * D;
-      double acc = 0;
-      for (int d = 0; d < D; ++d) acc += double(qm[d]) * double(x[d]);
-      delta_s[(bh * q_blocks + qb) * nk_pad + key] = float(acc);
-    }
-  }
-}
-
 template <typename T, int D>
 cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int device,
                        cudaStream_t st) {
@@ -785,9 +752,9 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
       shape.cluster = unsigned(p.kv_cluster);
       check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, dim, p.seq_kv,
                        p.stat_chunks, uint32_t(p.k_mean_stride), p.k_mean_samples, p.smooth_k,
-                       p.smooth_v, stats, f32(p.k_mean), f32(p.v_mean), f32(p.v_scale),
-                       f32(p.v_inv), tile_counter, kv_bad, p.nk_pad, p.k_blocks, ws + p.k,
-                       f32(p.k_scale), ws + p.v));
+                       p.smooth_v, stats, p.kv_stats_stride, f32(p.k_mean), f32(p.v_mean),
+                       f32(p.v_scale), f32(p.v_inv), tile_counter, kv_bad, p.nk_pad, p.k_blocks,
+                       ws + p.k, f32(p.k_scale), ws + p.v));
       return;
     }
     constexpr auto stats_kernel = kv_stats_kernel<T, D, kVec>;
@@ -795,10 +762,10 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     check(launch_pdl(stats_kernel,
                      {kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)}, st, k, v,
                      in.k_strides, in.v_strides, dim, p.seq_kv, p.stat_chunks,
-                     uint32_t(p.k_mean_stride), stats));
+                     uint32_t(p.k_mean_stride), stats, p.kv_stats_stride));
     if (err != cudaSuccess) return;
-    check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D)}, st, stats, p.seq_kv,
-                     p.k_mean_samples, int64_t(D), p.stat_chunks, p.smooth_k, p.smooth_v,
+    check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D)}, st, stats, p.kv_stats_stride,
+                     p.seq_kv, p.k_mean_samples, int64_t(D), p.stat_chunks, p.smooth_k, p.smooth_v,
                      f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter,
                      kv_bad));
     if (err != cudaSuccess) return;
@@ -832,11 +799,6 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     with_vec(std::integral_constant<int, 8>{});
   else
     with_vec(std::integral_constant<int, 4>{});
-  if (err != cudaSuccess) return err;
-  if (p.smooth_q)
-    check(launch_pdl(delta_s_kernel<T, D>, {dim3(unsigned(p.nk_pad / 64), bk), dim3(64)}, st, k,
-                     in.k_strides, dim, p.heads_q, p.heads_kv, p.seq_kv, f32(p.k_mean),
-                     f32(p.q_mean), p.q_blocks, p.nk_pad, f32(p.delta_s)));
   return err;
 }
 

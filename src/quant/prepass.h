@@ -1,8 +1,8 @@
 // The quantization pre-pass of the mma.sync SageAttention2 path: K/V statistics (K channel mean
 // over a sample of the tokens, V channel mean and range over all), per-thread INT8/INT4 K with
 // smoothing, E4M3 Vᵀ with per-channel scales in the key order the P·V MMA wants, per-thread Q
-// with optional per-block smoothing, the LSE correction, and ΔS. Host interface; the kernels are
-// in prepass.cu (sm_89+).
+// with optional per-block smoothing (and its block means, from which the mma kernel forms ΔS),
+// and the LSE correction. Host interface; the kernels are in prepass.cu (sm_89+).
 #pragma once
 
 #include <cuda_runtime.h>

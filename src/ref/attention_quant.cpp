@@ -59,6 +59,24 @@ Acc dot(const T* a, const T* b, int64_t n) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+// ΔS = q_mean·(k - k_mean) of one key (k_smooth: k - k_mean, already rounded to Real) as the
+// mma kernel forms it in fp32 (attn/mma/attention.cuh, DeltaS): channel c belongs to part
+// (c / 8) % 4, each part is an FMA chain over its channels in increasing order, and the parts
+// are added as (p0 + p1) + (p2 + p3). The double emulation takes the exact dot product.
+template <typename Real>
+Real delta_s_of(const Real* q_mean, const Real* k_smooth, int64_t n) {
+  if constexpr (std::is_same_v<Real, float>) {
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t c = 0; c < n; ++c) {
+      float& acc = part[(c / 8) % 4];
+      acc = std::fmaf(q_mean[c], k_smooth[c], acc);
+    }
+    return (part[0] + part[1]) + (part[2] + part[3]);
+  } else {
+    return Real(dot<double>(q_mean, k_smooth, n));
+  }
+}
+
 // A block-scaled FP4 MMA's dot product: each k_step-long slice (one m16n8k64) summed exactly (in
 // double) and added to the fp32 (Real) accumulator, as D = A·B + C. The operands are the
 // dequantized values (E2M1 x scale), so their products are exact.
@@ -364,7 +382,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     if (smooth_q)
       for (int64_t j = 0; j < Nk; ++j)
         delta_s[size_t(j)] =
-            Real(dot<double>(&pr.q_mean[size_t(qb * D)], &kp.k_smooth[size_t(j * D)], D));
+            delta_s_of(&pr.q_mean[size_t(qb * D)], &kp.k_smooth[size_t(j * D)], D);
 
     // Online-softmax state per row: running max m (base 2), sum l, output O, and the MMA
     // accumulator R (a double holding exactly what the hardware register holds). The sm90 form

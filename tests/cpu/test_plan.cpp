@@ -100,8 +100,12 @@ TEST(Planner, Sm90TileAndFusedQ) {
   Call odd(3000, 3000, 64);
   odd.a.q = odd.q.data() + 1;  // rows 2-byte aligned only
   EXPECT_FALSE(must_plan(odd, kH100).fused_q);
-  // The workspace depends on the shapes and the config only (callers cache it per shape).
-  EXPECT_EQ(pq.prepass.total, must_plan(Call(3000, 3000, 64), kH100).prepass.total);
+  // The workspace holds Q^, its scales and the rows' LSE shifts (B·Hq·(nq·(D + 2) + 4·Nq) bytes)
+  // only where the pre-pass quantizes Q (without the LSE): a caller caching the size per shape
+  // keys it on Q's 16-byte alignment too.
+  const size_t q_bytes = 2 * 4 * (3072 * (64 + 2) + 4 * 3000);
+  EXPECT_EQ(pq.prepass.total, must_plan(Call(3000, 3000, 64), kH100).prepass.total + q_bytes);
+  EXPECT_EQ(must_plan(odd, kH100).prepass.total, pq.prepass.total);
 }
 
 // K/V's pre-pass runs as one cluster launch where a cluster holds every 128-token chunk of a head
@@ -208,6 +212,23 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
   EXPECT_TRUE(must_plan(Call(4096, 4096, 48, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
   // Not a multiple of 16, under 32, over 128: refused on every GPU, naming head_dim and the set.
   Plan p;
+  // The FP4 kernel has no padded head dims: refused, never run at its template head dim.
+  for (const int64_t d : {32, 48, 80, 96, 112}) {
+    for (const Device& dev : {kH100, kBlackwell}) {
+      EXPECT_EQ(Call(100, 100, d, SAGE_MASK_NONE, SAGE_VARIANT_SAGE3_FP4).plan(dev, &p),
+                SAGE_ERROR_UNSUPPORTED)
+          << d;
+      const std::string msg = sage_last_error();
+      EXPECT_NE(msg.find("head_dim = " + std::to_string(d) + ": the FP4 kernel"),
+                std::string::npos)
+          << msg;
+    }
+    EXPECT_EQ(must_plan(Call(100, 100, d == 48 || d == 32 ? 64 : 128, SAGE_MASK_NONE,
+                             SAGE_VARIANT_SAGE3_FP4),
+                        kBlackwell)
+                  .family,
+              Family::kFp4);
+  }
   for (const int64_t d : {1, 8, 16, 24, 40, 72, 88, 100, 120, 136, 144, 160, 192, 240, 256}) {
     EXPECT_EQ(sage::api::gpu_kernel_head_dim(d), 0) << d;
     for (const Device& dev : {kH100, kAda, kBlackwell}) {
@@ -271,6 +292,142 @@ TEST(Planner, PaddedEmulationIsTheNativeOneOnZeroChannels) {
   }
 }
 
+// ---- The workspace: the README's formula ----------------------------------------------------
+// A call's extra device memory is its output plus the workspace; the workspace is the quantized K
+// and V with their scales and means, the quantized Q with its scales only where the pre-pass
+// quantizes Q, Q's block means only with Q smoothing, 4 bytes a query row only with the LSE, and
+// nothing proportional to Nq·Nk. The formula below is the README's ("Device memory"), written
+// out independently of the planner's layout code.
+struct Shape {
+  int64_t B, Hq, Hkv, Nq, Nk, D;
+};
+
+size_t up256(int64_t bytes) {
+  return size_t((bytes + 255) / 256 * 256);
+}
+
+size_t readme_workspace(const Shape& s, int bits, bool prepass_q, bool smooth_q, bool lse) {
+  const int64_t nq = (s.Nq + 127) / 128 * 128, nk = (s.Nk + 63) / 64 * 64, r = s.D * bits / 8;
+  const int64_t bq = s.B * s.Hq, bk = s.B * s.Hkv;
+  size_t w = up256(bk * nk * r)          // K^
+             + up256(bk * nk / 4)        // K scales: 4 floats a 64-key block
+             + up256(bk * s.D * nk)      // V^ᵀ (E4M3)
+             + 4 * up256(4 * bk * s.D)   // K mean, V mean, V scale, 1 / V scale
+             + 256                       // the sm90 tile counter
+             + up256(8 * bk);            // each KV head's first non-finite key
+  if (prepass_q) w += up256(bq * nq * r) + up256(2 * bq * nq);  // Q^, 64 scales a 128-row block
+  if (smooth_q) w += up256(4 * bq * (nq / 128) * s.D);          // Q's block means
+  if (prepass_q || lse) w += up256(4 * bq * s.Nq);              // each row's LSE shift
+  return w;
+}
+
+// The args of a call on distinct fake addresses (the planner reads shapes, strides and pointer
+// alignment only; validation touches no tensor memory), planned for `dev`.
+Plan plan_of(const Shape& s, const Device& dev, sage_variant variant, bool lse,
+             unsigned smooth = 0, uint32_t options = 0, sage_kernel kernel = SAGE_KERNEL_AUTO) {
+  sage_attention_args a;
+  sage_attention_args_init(&a);
+  auto at = [](uintptr_t i) { return reinterpret_cast<void*>(i << 40); };  // 1 TiB apart
+  a.q = at(1), a.k = at(2), a.v = at(3), a.o = at(4);
+  a.lse = lse ? static_cast<float*>(at(5)) : nullptr;
+  a.batch = s.B, a.heads_q = s.Hq, a.heads_kv = s.Hkv, a.seq_q = s.Nq, a.seq_kv = s.Nk;
+  a.head_dim = s.D;
+  a.variant = variant;
+  if (smooth) {
+    a.variant = SAGE_VARIANT_CUSTOM;
+    sage_quant_config_init(&a.quant, variant);
+    a.quant.smooth = smooth;
+  }
+  a.options = options;
+  sage::api::Resolved r;
+  EXPECT_EQ(sage::api::validate(&a, &r), SAGE_OK) << sage_last_error();
+  a.kernel = kernel;
+  Plan p;
+  EXPECT_EQ(sage::api::make_plan(r, a, dev, &p), SAGE_OK) << sage_last_error();
+  return p;
+}
+
+TEST(Workspace, OutputPlusKvAndScalesAt32k) {
+  // B=1, H=32, N=32k, D=128, 8-bit on the H100 (the wgmma kernel, Q quantized in the kernel), no
+  // LSE: K^ and V^ (128 MiB each), K's scales (256 KiB), the four per-channel vectors (16 KiB
+  // each), the tile counter and the heads' first non-finite keys (256 bytes each); with the
+  // output (256 MiB), 512.3 MiB in all.
+  const Shape s{1, 32, 32, 32768, 32768, 128};
+  constexpr size_t kMiB = size_t(1) << 20;
+  const Plan p = plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, /*lse=*/false);
+  ASSERT_EQ(p.family, Family::kSm90);
+  ASSERT_TRUE(p.fused_q);
+  const size_t output = size_t(s.B * s.Hq * s.Nq * s.D) * 2;
+  EXPECT_EQ(p.prepass.total, 256 * kMiB + 256 * 1024 + 4 * 16 * 1024 + 256 + 256);
+  EXPECT_EQ(p.prepass.total, readme_workspace(s, 8, false, false, false));
+  EXPECT_LE(output + p.prepass.total, 512 * kMiB + kMiB / 2);
+  // With the LSE: 4 bytes a query row more (4 MiB), as the LSE itself.
+  EXPECT_EQ(plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, true).prepass.total,
+            p.prepass.total + 4 * kMiB);
+  // Q smoothing (the mma kernel: Q^ by the pre-pass) adds Q^, its scales, its block means and the
+  // rows' LSE shifts (they carry the rows' poison there), never the Nq·Nk/32 bytes (1 GiB here) a
+  // stored ΔS would take.
+  const Plan sq = plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, false,
+                          SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V);
+  ASSERT_EQ(sq.family, Family::kMma);
+  EXPECT_EQ(sq.prepass.total, p.prepass.total + 128 * kMiB + 2 * kMiB + 4 * kMiB + 4 * kMiB);
+  // INT4 halves K^ and Q^.
+  const Plan q4 = plan_of(s, kH100, SAGE_VARIANT_SAGE2_4B, false);
+  EXPECT_EQ(q4.prepass.total, sq.prepass.total - 2 * 64 * kMiB);
+}
+
+TEST(Workspace, MatchesTheReadmeFormulaOverShapesAndConfigs) {
+  const Shape shapes[] = {{1, 2, 2, 1, 1, 128},      {1, 2, 2, 17, 17, 64},
+                          {2, 8, 2, 1000, 3000, 64}, {1, 4, 1, 1, 4097, 128},
+                          {3, 6, 3, 129, 65, 64},    {2, 4, 4, 5000, 300, 128},
+                          {1, 4, 2, 700, 1024, 128}, {1, 4, 2, 700, 1025, 64}};
+  constexpr unsigned kSmoothAll = SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V;
+  for (const Shape& s : shapes) {
+    for (const bool lse : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "B " << s.B << " Hq " << s.Hq << " Hkv " << s.Hkv
+                                        << " Nq " << s.Nq << " Nk " << s.Nk << " D " << s.D
+                                        << " lse " << lse);
+      struct Config {
+        const char* name;
+        Plan plan;
+        int bits;
+        bool prepass_q, smooth_q;
+      };
+      const Config configs[] = {
+          {"8b, H100 (wgmma, fused Q)", plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, lse), 8, false,
+           false},
+          {"8b, H100, pre-pass Q",
+           plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, lse, 0, SAGE_OPTION_PREPASS_Q), 8, true,
+           false},
+          {"8b, H100, K/V in three launches",
+           plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, lse, 0, SAGE_OPTION_PREPASS_KV_SPLIT), 8,
+           false, false},
+          {"8b, H100, mma forced",
+           plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, lse, 0, 0, SAGE_KERNEL_MMA), 8, true, false},
+          {"8b, Ada (mma)", plan_of(s, kAda, SAGE_VARIANT_SAGE2_8B, lse), 8, true, false},
+          {"8b + Q smoothing, H100 (mma)",
+           plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, lse, kSmoothAll), 8, true, true},
+          {"4b, H100 (mma)", plan_of(s, kH100, SAGE_VARIANT_SAGE2_4B, lse), 4, true, true},
+          {"4b without Q smoothing, Blackwell",
+           plan_of(s, kBlackwell, SAGE_VARIANT_SAGE2_4B, lse, SAGE_SMOOTH_K), 4, true, false},
+      };
+      for (const Config& c : configs) {
+        SCOPED_TRACE(c.name);
+        const sage::quant::PrepassPlan& w = c.plan.prepass;
+        EXPECT_EQ(w.quantize_q, c.prepass_q);
+        EXPECT_EQ(w.total, readme_workspace(s, c.bits, c.prepass_q, c.smooth_q, lse));
+        sage_plan_info info;
+        sage::api::describe(c.plan, &info);
+        EXPECT_EQ(info.workspace_size, w.total);
+        // The K/V statistics of every head fit at the start of its own Vᵀ rows.
+        EXPECT_EQ(w.kv_stats, w.v);
+        EXPECT_EQ(w.kv_stats_stride, s.D * w.nk_pad);
+        EXPECT_LE(w.stat_chunks * s.D * sage::quant::kKvStatBytes, w.kv_stats_stride);
+      }
+    }
+  }
+}
+
 TEST(Planner, CrossoverTable) {
   // Measured on the H100: sage from 4k (8k causal), both lengths.
   EXPECT_TRUE(must_plan(Call(2048, 2048, 128), kH100).prefer_sdpa);
@@ -309,7 +466,9 @@ TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {
 
 // FP4 microscaling (SageAttention3) is emulated on the CPU only: on every GPU, Blackwell
 // included, the plan refuses it naming the argument, and never hands it to another kernel.
-TEST(Planner, RefusesFp4OnEveryGpuNamingTheArgument) {
+// SAGE3_FP4's configuration runs on its own family (src/fp4: its emulation config exactly,
+// never forced onto another kernel); every other FP4 combination is refused, naming it.
+TEST(Planner, Fp4RunsSage3ConfigOnlyAndRefusesTheRestNamingTheArgument) {
   Plan p;
   auto refused = [&](const Call& c, const Device& dev, std::vector<std::string> words) {
     EXPECT_EQ(c.plan(dev, &p), SAGE_ERROR_UNSUPPORTED);
@@ -318,8 +477,19 @@ TEST(Planner, RefusesFp4OnEveryGpuNamingTheArgument) {
     EXPECT_NE(msg.find("CPU reference"), std::string::npos) << msg;
   };
   for (const Device& dev : {kH100, kAda, kBlackwell}) {
-    refused(Call(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_SAGE3_FP4), dev,
-            {"variant = SAGE3_FP4", "quant.qk_format = NVFP4"});
+    const Call sage3(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_SAGE3_FP4);
+    ASSERT_EQ(sage3.plan(dev, &p), SAGE_OK) << sage_last_error();
+    EXPECT_EQ(p.family, sage::api::Family::kFp4);
+    const sage_quant_config preset = sage::ref::quant_preset(SAGE_VARIANT_SAGE3_FP4);
+    EXPECT_EQ(std::memcmp(&p.emulation, &preset, sizeof preset), 0);
+    EXPECT_EQ(p.prepass.total, p.fp4.total);
+    Call forced = sage3;
+    forced.a.kernel = SAGE_KERNEL_MMA;
+    EXPECT_EQ(forced.plan(dev, &p), SAGE_ERROR_UNSUPPORTED);
+    Call direct(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_CUSTOM);
+    direct.a.quant = preset;
+    direct.a.quant.pv_format = SAGE_PV_NVFP4_DIRECT;
+    refused(direct, dev, {"quant.pv_format = NVFP4_DIRECT"});
     Call qk(100, 100, 128);
     qk.a.variant = SAGE_VARIANT_CUSTOM;
     qk.a.quant.qk_format = SAGE_QK_MXFP4;  // the rest of the 8-bit preset unchanged

@@ -34,6 +34,8 @@ struct Case {
   sage_dtype dtype;
   sage_variant variant;
   float bias;  // channel bias of Q (x0.5), K (x1) and V (x1)
+  unsigned smooth = 0;  // 0: the variant's preset; else the preset with these smoothing flags
+  int kv_shift = 0;     // the sweep's K and V start this many elements into their buffers
 };
 
 inline std::string name(const Case& c) {
@@ -42,8 +44,11 @@ inline std::string name(const Case& c) {
                 (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.Nq,
                 (long long)c.Nk, (long long)c.D, int(c.mask),
                 c.layout == SAGE_LAYOUT_HND ? "HND" : "NHD", c.dtype == SAGE_DTYPE_BF16 ? "bf16" : "fp16",
-                c.variant == SAGE_VARIANT_SAGE2_4B ? "4b" : "8b", double(c.bias));
-  return buf;
+                c.variant == SAGE_VARIANT_SAGE2_4B ? "4b" : c.variant == SAGE_VARIANT_SAGE3_FP4 ? "fp4" : "8b", double(c.bias));
+  std::string s = buf;
+  if (c.smooth) s += "_smooth" + std::to_string(c.smooth);
+  if (c.kv_shift) s += "_kvshift" + std::to_string(c.kv_shift);
+  return s;
 }
 
 // Converts fp16 bits to bf16 bits (exact for the values drawn here, which fit bf16's range).
@@ -118,6 +123,11 @@ inline GpuRun run_gpu(const Case& c, const std::vector<uint16_t>& q, const std::
   a.batch = c.B, a.heads_q = c.Hq, a.heads_kv = c.Hkv, a.seq_q = c.Nq, a.seq_kv = c.Nk;
   a.head_dim = c.D, a.layout = c.layout, a.dtype = c.dtype, a.mask = c.mask;
   a.variant = c.variant;
+  if (c.smooth) {
+    a.variant = SAGE_VARIANT_CUSTOM;
+    sage_quant_config_init(&a.quant, c.variant);
+    a.quant.smooth = c.smooth;
+  }
   a.scale = scale;
   a.kernel = kc.kernel;
   a.options = kc.options;

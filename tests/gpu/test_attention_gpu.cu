@@ -102,7 +102,8 @@ struct Bound {
 Bound emulation_bound(const Case& c, double v_spread, double out_max) {
   const int mantissa = c.dtype == SAGE_DTYPE_BF16 ? 7 : 10;
   const double ulp = out_max > 0 ? std::ldexp(1.0, std::ilogb(out_max) - mantissa) : 0.0;
-  return {c.variant == SAGE_VARIANT_SAGE2_4B ? 1e-3 : 5e-4, v_spread / 16 + 2 * ulp};
+  const bool delta_s = c.variant == SAGE_VARIANT_SAGE2_4B || (c.smooth & SAGE_SMOOTH_Q);
+  return {delta_s ? 1e-3 : 5e-4, v_spread / 16 + 2 * ulp};
 }
 
 // The GPU output of a case as floats [B, Hq, Nq, D]; false (with a failure) on an unwritten or
@@ -164,9 +165,9 @@ TEST_P(GpuVsEmulation, EachKernelMatchesItsEmulationAndFloat64) {
 
   for (const KernelChoice& kc : kernels) {
     SCOPED_TRACE(kc.label);
-    const GpuRun g = run_gpu(c, in.qd, in.kd, in.vd, kc);
+    const GpuRun g = run_gpu(c, in.qd, in.kd, in.vd, kc, 0.0f, c.kv_shift);
     if (g.status == SAGE_ERROR_UNSUPPORTED && kc.kernel == SAGE_KERNEL_SM90 &&
-        c.variant == SAGE_VARIANT_SAGE2_4B) {
+        (c.variant == SAGE_VARIANT_SAGE2_4B || (c.smooth & SAGE_SMOOTH_Q))) {
       std::printf("    %-15s %s: not run (UNSUPPORTED as expected: %s)\n", kc.label,
                   name(c).c_str(), g.error.c_str());
       continue;
@@ -230,6 +231,7 @@ constexpr sage_mask kNone = SAGE_MASK_NONE, kBR = SAGE_MASK_CAUSAL_BOTTOM_RIGHT,
 constexpr sage_layout kHND = SAGE_LAYOUT_HND, kNHD = SAGE_LAYOUT_NHD;
 constexpr sage_dtype kF16 = SAGE_DTYPE_FP16, kBF16 = SAGE_DTYPE_BF16;
 constexpr sage_variant k8 = SAGE_VARIANT_SAGE2_8B, k4 = SAGE_VARIANT_SAGE2_4B;
+constexpr unsigned kSmoothQKV = SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V;
 
 INSTANTIATE_TEST_SUITE_P(
     Sweep, GpuVsEmulation,
@@ -255,14 +257,25 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1, 8, 4, 2200, 2200, 128, kTL, kHND, kBF16, k8, 4},
         // D = 64 causal under 2048 query rows: the two-consumer fused-Q kernel (the launcher
         // takes three consumers for D = 64 elsewhere); Nq > Nk and a partial last tile.
-        Case{2, 4, 2, 1100, 900, 64, kBR, kHND, kBF16, k8, 4}),
+        Case{2, 4, 2, 1100, 900, 64, kBR, kHND, kBF16, k8, 4},
+        // Q smoothing (mma.sync: ΔS formed in the kernel from the caller's K, a key block
+        // ahead), 8-bit and 4-bit: GQA/MQA, both causal alignments, lengths off the 64/128
+        // blocks, K rows only 2-byte aligned (kv_shift 1: the kernel's 2-byte loads), a single
+        // query row (Q - q_mean = 0: the scores are ΔS alone), many key blocks.
+        Case{1, 8, 2, 1000, 1000, 128, kBR, kNHD, kF16, k8, 4, kSmoothQKV, 1},
+        Case{2, 4, 2, 777, 1500, 64, kTL, kHND, kBF16, k8, 8, kSmoothQKV},
+        Case{1, 2, 2, 1, 65, 128, kBR, kHND, kF16, k8, 4, kSmoothQKV},
+        Case{1, 4, 1, 300, 1000, 128, kBR, kHND, kF16, k4, 4, 0, 1},
+        Case{1, 6, 3, 129, 4097, 64, kNone, kNHD, kBF16, k4, 0},
+        Case{1, 4, 2, 2000, 333, 128, kTL, kNHD, kBF16, k4, 8, 0, 1}),
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
 // Head dims zero-padded to the native 64 or 128 (32, 48 -> 64; 80, 96, 112 -> 128), held to the
 // same emulation bound and accuracy bands as the native ones: the emulation runs at the caller's
 // D (the plan's config is the native head dim's: plan.cpp says why that is exact). Both masks,
 // fp16/bf16, both layouts, GQA/MQA, 8- and 4-bit, sizes that are not multiples of the blocks,
-// decode-like and Nq > Nk rows, several tiles per CTA, D = 32/48 on the three-consumer sm90 tile.
+// decode-like and Nq > Nk rows, several tiles per CTA, D = 32/48 on the three-consumer sm90 tile,
+// Q smoothing (8-bit cases with it; the 4-bit preset has it) with K rows 2-byte aligned.
 INSTANTIATE_TEST_SUITE_P(
     HeadDims, GpuVsEmulation,
     ::testing::Values(
@@ -279,7 +292,10 @@ INSTANTIATE_TEST_SUITE_P(
         Case{2, 4, 2, 1100, 900, 96, kBR, kNHD, kBF16, k8, 4},
         Case{1, 4, 4, 1500, 1500, 112, kBR, kNHD, kF16, k8, 4},
         Case{1, 2, 2, 4097, 4097, 112, kNone, kHND, kBF16, k4, 8},
-        Case{1, 2, 2, 700, 3000, 112, kNone, kHND, kF16, k8, 0}),  // flat
+        Case{1, 2, 2, 700, 3000, 112, kNone, kHND, kF16, k8, 0},   // flat
+        // Q smoothing: ΔS from the caller's K reads only its D channels (4-bit has it too).
+        Case{1, 4, 2, 500, 700, 80, kBR, kNHD, kF16, k8, 4, kSmoothQKV, 1},
+        Case{1, 2, 2, 300, 1000, 48, kTL, kHND, kBF16, k8, 8, kSmoothQKV}),
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
 // The wgmma E4M3 accumulator model, checked against the kernel's outputs: for flat and peaked

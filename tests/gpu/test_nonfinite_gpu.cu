@@ -1,8 +1,8 @@
 // Non-finite inputs on the GPU (README, "Non-finite inputs"), each kernel family the GPU has, 8-
-// and 4-bit, both layouts, every mask, native and zero-padded head dims: an Inf/NaN in Q row i
-// makes row i NaN, one in K or V row j makes every row that sees key j NaN (output and LSE), and
-// every other row is bit-identical to the same call with the bad elements set to zero; float64
-// is non-finite only in marked rows.
+// and 4-bit, SageAttention3's FP4, both layouts, every mask, native and zero-padded head dims:
+// an Inf/NaN in Q row i makes row i NaN, one in K or V row j makes every row that sees key j NaN
+// (output and LSE), and every other row is bit-identical to the same call with the bad elements
+// set to zero; float64 is non-finite only in marked rows.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -33,9 +33,13 @@ class GpuNonFinite : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GpuNonFinite, MarksExactlyTheRowsItReaches) {
   SAGE_REQUIRE_GPU();
-  const std::vector<KernelChoice> kernels = kernels_of_this_gpu();
-  if (kernels.empty()) GTEST_SKIP() << "no SageAttention2 kernel below sm_89";
   const Case c = GetParam();
+  // SageAttention3's FP4 runs its own kernel (never forced); the others, each family there is.
+  const std::vector<KernelChoice> kernels =
+      c.variant == SAGE_VARIANT_SAGE3_FP4 && compute_capability() >= 89
+          ? std::vector<KernelChoice>{{SAGE_KERNEL_AUTO, 0u, "fp4"}}
+          : kernels_of_this_gpu();
+  if (kernels.empty()) GTEST_SKIP() << "no SageAttention2 kernel below sm_89";
   const uint64_t seed = sage::test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed) + " " + name(c));
   std::mt19937_64 rng(seed);
@@ -123,6 +127,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2, 4, 2, 300, 500, 64, kNone, kNHD, kF16, k4, 4},
                       Case{1, 4, 2, 500, 300, 128, kTL, kHND, kBF16, k4, 4},
                       Case{1, 2, 2, 2100, 2100, 64, kBR, kNHD, kF16, k4, 4},
+                      Case{1, 4, 2, 500, 300, 128, kNone, kHND, kF16, SAGE_VARIANT_SAGE3_FP4, 4},
+                      Case{1, 4, 2, 300, 500, 64, kTL, kNHD, kBF16, SAGE_VARIANT_SAGE3_FP4, 4},
                       // Zero-padded head dims (the bad element is among the caller's channels).
                       Case{2, 4, 2, 300, 500, 80, kNone, kNHD, kBF16, k8, 4},
                       Case{1, 4, 2, 500, 300, 48, kTL, kHND, kF16, k8, 4},

@@ -143,7 +143,9 @@ bool run_bench(const BenchOptions& opt, std::vector<BenchRow>* rows) {
           a.q = t.q, a.k = t.k, a.v = t.v, a.o = t.o;
           a.batch = t.B, a.heads_q = t.H, a.heads_kv = t.H, a.seq_q = N, a.seq_kv = N, a.head_dim = D;
           a.mask = causal ? SAGE_MASK_CAUSAL_TOP_LEFT : SAGE_MASK_NONE;
-          a.variant = variant == "sage-4b" ? SAGE_VARIANT_SAGE2_4B : SAGE_VARIANT_SAGE2_8B;
+          a.variant = variant == "sage-4b"   ? SAGE_VARIANT_SAGE2_4B
+                      : variant == "sage-fp4" ? SAGE_VARIANT_SAGE3_FP4  // pre-pass in the kernel stage
+                                              : SAGE_VARIANT_SAGE2_8B;
           a.kernel = opt.kernel;
           a.options = opt.options;
           const std::string impl = bench_impl_name(variant, opt);

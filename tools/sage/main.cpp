@@ -57,7 +57,7 @@ const char* const kAccuracyOptions =
     "  --json                 print JSON instead of tables\n";
 
 const char* const kBenchOptions =
-    "  --variants sage-8b,sage-4b  --dims 64,128  --seqs 1024,...,32768  --causal 0,1\n"
+    "  --variants sage-8b,sage-4b,sage-fp4  --dims 64,128  --seqs 1024,...,32768  --causal 0,1\n"
     "  --batch B --heads H    (default 4 x 32)   --seconds S (timed per figure, 0.5)\n"
     "  --bias                 channel-bias inputs (Q += 4·randn(H,D), K, V += 8·randn)\n"
     "  --accuracy-rows R      sampled rows per checked head (64)\n"
@@ -397,8 +397,8 @@ int cmd_bench(const Options& o) {
     return 2;
   }
   for (const std::string& v : b.variants)
-    if (v != "sage-8b" && v != "sage-4b") {
-      std::fprintf(stderr, "sage bench: --variants takes sage-8b and/or sage-4b, not '%s'\n",
+    if (v != "sage-8b" && v != "sage-4b" && v != "sage-fp4") {
+      std::fprintf(stderr, "sage bench: --variants takes sage-8b, sage-4b and/or sage-fp4, not '%s'\n",
                    v.c_str());
       return 2;
     }

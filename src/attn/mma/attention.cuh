@@ -8,6 +8,8 @@
 // warp the accumulators fit: S 8 tiles x 4, R and O D/8 tiles x 4 each (D=128: 32+64+64 regs).
 // Vᵀ arrives with the keys of each 32-chunk permuted (v_position_of_key) so the E4M3 pairs a
 // thread converts from its S registers are exactly its A-operand bytes: no shuffles.
+// Q smoothing's ΔS (a value per key and Q block) is formed here, a key block ahead, from the
+// caller's K (DeltaS): a pre-pass product of it would take Nq·Nk/32 bytes.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -22,6 +24,7 @@
 #include "ptx/ldmatrix.cuh"
 #include "ptx/math.cuh"
 #include "ptx/mma.cuh"
+#include "quant/elements.cuh"
 
 namespace sage::mma {
 
@@ -69,13 +72,72 @@ __device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, 
   }
 }
 
+// ΔS of Q smoothing (SPEC.md §2.2) for a block of 64 keys: q_mean·(k - k_mean), q_mean this
+// CTA's Q block's, k the caller's fp16/bf16 K. Thread i takes key i/4 of the block and the
+// 8-channel chunks ci·4 + i%4 (the quantizers' row parts, so a key's 4 threads read 64
+// consecutive bytes a chunk step); its part is an fp32 FMA chain over its channels in increasing
+// order, fma(q_mean, k - k_mean, acc) with k - k_mean rounded first, and the 4 parts are added as
+// (p0 + p1) + (p2 + p3). The CPU emulation (ref/attention_quant.cpp) sums in exactly this order,
+// so the two agree bit for bit; against the exact dot product of the same fp32 factors the error
+// is at most (D/4 + 2)·2^-24 of Σ|q_mean·(k - k_mean)| (to first order: 2e-6 at D = 128), far
+// below the INT8/INT4 error of the scores it corrects. An Inf/NaN in K (which the pre-pass counts
+// as a zero) is left in: it makes its key's ΔS non-finite, and only the rows that see that key
+// read it, which are poisoned (NaN) anyway (quant::RowSight); the others mask it.
+template <int D, typename T>
+struct DeltaS {
+  static constexpr int kChunks = D / 32;
+  uint4 raw[kChunks];  // the thread's channels of its key, as loaded
+
+  // Issues the loads of key block kb (keys past seq_kv read as zeros; their scores are masked;
+  // so do the channels past a zero-padded head_dim, whole 8-channel chunks: their q_mean and
+  // k_mean are 0, so they add exact zeros after the part's real channels, as the emulation at
+  // head_dim has it).
+  __device__ __forceinline__ void load(const AttnParams& p, const T* k_head, int64_t kb) {
+    const int64_t key = kb * kBlockK + threadIdx.x / 4;
+    const T* row = k_head + key * p.k_in_token + (threadIdx.x % 4) * 8;
+    for (int ci = 0; ci < kChunks; ++ci) {
+      raw[ci] = make_uint4(0u, 0u, 0u, 0u);
+      if (key >= p.seq_kv || (ci * 4 + threadIdx.x % 4) * 8 >= p.head_dim) continue;
+      const T* src = row + ci * 32;
+      if (p.k_in_vec) {
+        raw[ci] = __ldg(reinterpret_cast<const uint4*>(src));
+      } else {  // rows 2-byte aligned only
+        const unsigned short* e = reinterpret_cast<const unsigned short*>(src);
+        uint32_t w[4];
+        for (int i = 0; i < 4; ++i) w[i] = __ldg(e + 2 * i) | uint32_t(__ldg(e + 2 * i + 1)) << 16;
+        raw[ci] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+  }
+
+  // ΔS of the loaded keys into ds[64] (shared memory). qm, km: the Q block's and the KV head's
+  // means (D floats each, shared memory). Every thread of the CTA calls it (shuffles).
+  __device__ __forceinline__ void store(const float* qm, const float* km, float* ds) const {
+    const int part = threadIdx.x % 4;
+    float acc = 0.0f;
+    for (int ci = 0; ci < kChunks; ++ci) {
+      const int c0 = (ci * 4 + part) * 8;
+      for (int e = 0; e < 8; ++e)
+        acc = __fmaf_rn(qm[c0 + e], __fsub_rn(quant::elem_float<T>(raw[ci], e), km[c0 + e]), acc);
+    }
+    acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
+    acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
+    if (part == 0) ds[threadIdx.x / 4] = acc;
+  }
+};
+
 // D=64 fits two CTAs an SM in 128 registers a thread (the occupancy that hides the MMA latency).
-template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel>
+template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, bool kSmoothQ>
 __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   using T = Tile<D, kBits>;
   constexpr int kDTiles = D / 8;
   extern __shared__ __align__(16) uint8_t smem[];
+  // Q smoothing: the Q block's and the KV head's means, and ΔS of two key blocks (this one, and
+  // the next, whose K rows are loaded while this one is processed).
+  constexpr int kMeans = kSmoothQ ? D : 4, kDs = kSmoothQ ? kBlockK : 1;
+  __shared__ __align__(16) float q_mean_s[kMeans], k_mean_s[kMeans];
+  __shared__ float delta_s[2][kDs];
 
   const int64_t qb = blockIdx.x, bh = blockIdx.y;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
@@ -111,7 +173,20 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
   }
   const float q_scale_log2 =
       p.q_scale[(bh * p.q_blocks + qb) * kQGroups + warp * 8 + g] * p.scale_log2;
-  const float* delta_s = p.delta_s ? p.delta_s + (bh * p.q_blocks + qb) * p.nk_pad : nullptr;
+
+  DeltaS<D, OutT> ds_next;
+  const OutT* k_head = nullptr;
+  if constexpr (kSmoothQ) {
+    k_head = static_cast<const OutT*>(p.k_in) + b * p.k_in_batch +
+             (bhk - b * p.heads_kv) * p.k_in_head;
+    if (threadIdx.x < D) {
+      q_mean_s[threadIdx.x] = p.q_mean[(bh * p.q_blocks + qb) * D + threadIdx.x];
+      k_mean_s[threadIdx.x] = p.k_mean[bhk * D + threadIdx.x];
+    }
+    if (n_blocks > 0) ds_next.load(p, k_head, 0);
+    __syncthreads();
+    if (n_blocks > 0) ds_next.store(q_mean_s, k_mean_s, delta_s[0]);  // the loop's sync publishes
+  }
 
   // Rows a, b (l: this thread's part, from 0 or NaN: attn::row_poison).
   float m[2] = {-INFINITY, -INFINITY};
@@ -128,6 +203,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     ptx::cp_async_commit();
     const uint8_t* ks = smem + (kb % 2) * T::kStageBytes;
     const uint8_t* vs = ks + T::kKBytes;
+    // The next block's K rows for its ΔS, in flight during this block's work (CTA-uniform).
+    const bool ds_ahead = kSmoothQ && kb + 1 < n_blocks;
+    if (ds_ahead) ds_next.load(p, k_head, kb + 1);
 
     // S = Q^·K^ᵀ (exact int32), 8 tiles of 8 keys; K fragments by ldmatrix, two k-steps a load
     // (lane l addresses key row l%8 of the tile at byte column 16·(l/8) of the step pair).
@@ -156,13 +234,13 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     const int64_t j0 = kb * kBlockK;
     int visible[2];
     attn::visible_keys<kCausal, kBlockK>(p, row_a, j0, visible);
-    const float* ds = delta_s ? delta_s + j0 + 2 * t : nullptr;
     float sc[8][4];
     float row_max[2] = {-INFINITY, -INFINITY};
     for (int nt = 0; nt < 8; ++nt)
       for (int e = 0; e < 4; ++e) {
         float x = float(acc[nt][e]) * f;
-        if (ds) x = fmaf(ds[nt * 8 + (e & 1)], p.scale_log2, x);
+        if constexpr (kSmoothQ)
+          x = fmaf(delta_s[kb % 2][nt * 8 + 2 * t + (e & 1)], p.scale_log2, x);
         sc[nt][e] = x;
       }
     if (kb >= first_masked_block)  // CTA-uniform: only the diagonal and Nk-edge blocks
@@ -190,6 +268,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     // (measured on sm_90, docs/fp8-accumulator.md) the MMA accumulates into O directly.
     uint32_t pf[2][4];
     attn::pack_p_e4m3(pf, [&](int n, int e) { return sc[n][e] * 448.0f; });
+    // ΔS of the next block, here where S's registers are free (ptxas spilled less here than after
+    // Q·Kᵀ or after P·V). Its buffer was last read in the previous iteration, before this one's
+    // __syncthreads; the next one's publishes it.
+    if (ds_ahead) ds_next.store(q_mean_s, k_mean_s, delta_s[(kb + 1) % 2]);
     for (int i = 0; i < kDTiles; ++i) {
       // V fragments of channel tile i for both key chunks in one ldmatrix.x4.
       uint32_t vf4[4];
@@ -218,11 +300,12 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
 
 namespace sage::mma {
 
-// Picks the instantiation for (INT8/INT4, output dtype, mask, accumulation) of one head dim.
-template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel>
+// Picks the instantiation for (INT8/INT4, output dtype, mask, accumulation, Q smoothing) of one
+// head dim.
+template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, bool kSmoothQ>
 cudaError_t launch_one(const AttnParams& p, int device, cudaStream_t stream) {
   constexpr int kSmem = 2 * Tile<D, kBits>::kStageBytes;
-  constexpr auto kernel = attention_kernel<D, kBits, OutT, kCausal, kTwoLevel>;
+  constexpr auto kernel = attention_kernel<D, kBits, OutT, kCausal, kTwoLevel, kSmoothQ>;
   if (kSmem > 48 * 1024) {
     const cudaError_t e = set_max_dynamic_smem_once<kernel>(device, kSmem);
     if (e != cudaSuccess) return e;
@@ -232,22 +315,28 @@ cudaError_t launch_one(const AttnParams& p, int device, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int D, int kBits, typename OutT>
+template <int D, int kBits, typename OutT, bool kSmoothQ>
 cudaError_t launch_mask(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
   if (c.two_level)
-    return c.causal ? launch_one<D, kBits, OutT, true, true>(p, c.device, stream)
-                    : launch_one<D, kBits, OutT, false, true>(p, c.device, stream);
-  return c.causal ? launch_one<D, kBits, OutT, true, false>(p, c.device, stream)
-                  : launch_one<D, kBits, OutT, false, false>(p, c.device, stream);
+    return c.causal ? launch_one<D, kBits, OutT, true, true, kSmoothQ>(p, c.device, stream)
+                    : launch_one<D, kBits, OutT, false, true, kSmoothQ>(p, c.device, stream);
+  return c.causal ? launch_one<D, kBits, OutT, true, false, kSmoothQ>(p, c.device, stream)
+                  : launch_one<D, kBits, OutT, false, false, kSmoothQ>(p, c.device, stream);
+}
+
+template <int D, int kBits, typename OutT>
+cudaError_t launch_smooth(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
+  return c.smooth_q ? launch_mask<D, kBits, OutT, true>(p, c, stream)
+                    : launch_mask<D, kBits, OutT, false>(p, c, stream);
 }
 
 template <int D>
 cudaError_t launch_attention(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
   if (c.bits == 8)
-    return c.bf16 ? launch_mask<D, 8, __nv_bfloat16>(p, c, stream)
-                  : launch_mask<D, 8, __half>(p, c, stream);
-  return c.bf16 ? launch_mask<D, 4, __nv_bfloat16>(p, c, stream)
-                : launch_mask<D, 4, __half>(p, c, stream);
+    return c.bf16 ? launch_smooth<D, 8, __nv_bfloat16>(p, c, stream)
+                  : launch_smooth<D, 8, __half>(p, c, stream);
+  return c.bf16 ? launch_smooth<D, 4, __nv_bfloat16>(p, c, stream)
+                : launch_smooth<D, 4, __half>(p, c, stream);
 }
 
 }  // namespace sage::mma

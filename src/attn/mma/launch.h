@@ -13,6 +13,7 @@ struct LaunchConfig {
   bool bf16 = false;       // output dtype: bf16, else fp16
   bool causal = false;
   bool two_level = true;   // P·V in a fresh accumulator per key block, then fp32
+  bool smooth_q = false;   // Q smoothing: ΔS added to the scores
   int device = 0;          // the current device
 };
 

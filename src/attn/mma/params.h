@@ -31,8 +31,14 @@ struct AttnParams {
   const uint8_t* v;        // [B*Hkv][D][nk_pad] E4M3, keys permuted inside each 32 (see prepass)
   const float* v_scale;    // [B*Hkv][D]
   const float* v_mean;     // [B*Hkv][D]
-  const float* delta_s;    // [B*Hq][q_blocks][nk_pad] or null (no Q smoothing)
-  const float* lse_shift;  // [B*Hq][Nq] (written by quant_q)
+  const float* lse_shift;  // [B*Hq][Nq] (written by quant_q; read where the LSE is asked for)
+  // Q smoothing (LaunchConfig::smooth_q): ΔS = q_mean·(k - k_mean), formed in the kernel from
+  // the block means, K's means and the caller's K (fp16/bf16 as o; strides in elements).
+  const float* q_mean;     // [B*Hq][q_blocks][D]
+  const float* k_mean;     // [B*Hkv][D]
+  const void* k_in;
+  int64_t k_in_batch, k_in_head, k_in_token;
+  bool k_in_vec;           // every row of k_in 16-byte aligned: one load per 8 channels
   void* o;                 // caller's output, strides in elements
   int64_t o_batch, o_head, o_token;
   int64_t head_dim;        // the caller's channels of o (<= D: D's past it are zero padding,
