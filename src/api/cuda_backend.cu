@@ -253,8 +253,9 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
                                     : sm90::launch_attention<128>(sp, cfg, stream);
   } else {
     const mma::AttnParams mp = mma_params(r, a, plan, ws);
-    const mma::LaunchConfig cfg{plan.prepass.bits, bf16, causal, plan.two_level,
-                                plan.prepass.smooth_q, dev.index};
+    mma::LaunchConfig cfg{plan.prepass.bits, bf16, causal, plan.two_level,
+                          plan.prepass.smooth_q, dev.index};
+    cfg.padded = plan.prepass.channels < plan.prepass.head_dim;
     e = plan.prepass.head_dim == 64 ? mma::launch_attention<64>(mp, cfg, stream)
                                     : mma::launch_attention<128>(mp, cfg, stream);
   }
