@@ -1,0 +1,296 @@
+"""sage_attn.parallel on the CPU: the LSE merge on its own, and Ulysses and ring attention in 2 and
+3 processes over gloo (torch.multiprocessing spawn) against one process computing the whole
+sequence with the same local kernel: float64 attention (equal to ~1e-12), the library's float64
+reference through attention_numpy(exact=True) (float32 outputs: ~1e-6), and sageattn's CPU
+emulation of the 8-bit kernel (its quantization groups see other keys per block: within a stated
+band of the one-process call, and in the 8-bit band of float64 truth)."""
+import math
+import os
+import socket
+import tempfile
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import sage_attn  # noqa: E402
+from sage_attn import parallel  # noqa: E402
+from sage_attn._numpy import metrics  # noqa: E402
+from conftest import naive_attention  # noqa: E402
+
+
+def f64_attention(q, k, v, tensor_layout, is_causal, sm_scale):
+    """A local kernel: float64 attention of any inputs (bottom-right causal), with its LSE."""
+    if tensor_layout == "NHD":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    q, k, v = (x.double() for x in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = q @ k.transpose(-1, -2) * sm_scale
+    if is_causal:
+        nq, nk = q.shape[2], k.shape[2]
+        allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+        s = s.masked_fill(~allowed, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(lse == -math.inf, 0.0, lse)[..., None])
+    o = p @ v
+    if tensor_layout == "NHD":
+        o = o.transpose(1, 2)
+    return o, lse
+
+
+def numpy_exact(q, k, v, tensor_layout, is_causal, sm_scale):
+    """A local kernel: the library's float64 reference (attention_numpy(exact=True), float32
+    results)."""
+    o, lse = sage_attn.attention_numpy(q.numpy(), k.numpy(), v.numpy(), tensor_layout, is_causal,
+                                       sm_scale, True, exact=True)
+    return torch.from_numpy(o), torch.from_numpy(lse)
+
+
+KERNELS = {"f64": f64_attention, "numpy_exact": numpy_exact, "sage": "sage"}
+DTYPES = {"f64": torch.float64, "numpy_exact": torch.float32, "sage": torch.float16}
+B, N, D = 1, 384, 64  # (N divides by 2W for W = 2, 3)
+HQ_GQA, HKV_GQA = 12, 6  # (GQA; both divide by W = 2, 3)
+
+
+def problem(kernel, heads_q, heads_kv, layout, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape_q, shape_k = (B, heads_q, N, D), (B, heads_kv, N, D)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in (shape_q, shape_k,
+                                                                         shape_k))
+    k = k + 0.5 * torch.randn((1, heads_kv, 1, D), generator=g, dtype=torch.float64)  # a bias
+    q, k, v = (x.to(DTYPES[kernel]) for x in (q, k, v))
+    if layout == "NHD":
+        q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    return q, k, v
+
+
+def cases():
+    for scheme in ("ulysses", "ring"):
+        for causal in (False, True):
+            for kernel in KERNELS:
+                for layout in ("HND", "NHD"):
+                    if kernel != "f64" and layout == "NHD" and causal:
+                        continue  # (the layouts' index arithmetic is checked exactly by f64)
+                    yield scheme, causal, kernel, layout
+
+
+def shard(x, scheme, causal, rank, world, dim):
+    if scheme == "ring" and causal:
+        return parallel.zigzag_shard(x, rank, world, dim)
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
+def unshard(parts, scheme, causal, dim):
+    if scheme == "ring" and causal:
+        return parallel.zigzag_unshard(parts, dim)
+    return torch.cat(parts, dim=dim)
+
+
+def expect_value_error(fn, *words):
+    try:
+        fn()
+    except ValueError as e:
+        return all(w in str(e) for w in words) or str(e)
+    return "no ValueError"
+
+
+def worker(rank, world, port, out_dir):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        torch.set_num_threads(1)
+        results = {}
+        for scheme, causal, kernel, layout in cases():
+            fn = parallel.ulysses_attention if scheme == "ulysses" else parallel.ring_attention
+            ni = 2 if layout == "HND" else 1
+            q, k, v = problem(kernel, HQ_GQA, HKV_GQA, layout)
+            q, k, v = (shard(x, scheme, causal, rank, world, ni) for x in (q, k, v))
+            o, lse = fn(q, k, v, layout, causal, return_lse=True, local=KERNELS[kernel])
+            results[(scheme, causal, kernel, layout)] = (o, lse)
+        # What is refused, on every rank alike.
+        errors = {}
+        q = torch.randn(1, 4, 2 * world + 1, 64)
+        errors["ring odd shard"] = expect_value_error(
+            lambda: parallel.ring_attention(q, q, q, is_causal=True), "q:", "2 * world size")
+        qh = torch.randn(1, world + 1, 8, 64)
+        errors["ulysses heads"] = expect_value_error(
+            lambda: parallel.ulysses_attention(qh, qh, qh), "q:", "world size")
+        qg, kg = torch.randn(1, 2 * world, 8, 64), torch.randn(1, 1, 8, 64)
+        errors["ulysses kv heads"] = expect_value_error(
+            lambda: parallel.ulysses_attention(qg, kg, kg), "k:", "world size")
+        qu = torch.randn(1, 2 * world, 8 + 2 * rank, 64)  # unequal shards
+        for name, fn in (("ulysses", parallel.ulysses_attention),
+                         ("ring", parallel.ring_attention)):
+            errors[f"{name} unequal shards"] = expect_value_error(
+                lambda: fn(qu, qu, qu, local=f64_attention), "every rank", "rank 1")
+        torch.save({"results": results, "errors": errors},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def distributed_run(request):
+    """Every case in one spawn per world size (starting processes costs more than the cases)."""
+    world = request.param
+    with tempfile.TemporaryDirectory() as out_dir:
+        torch.multiprocessing.spawn(worker, args=(world, free_port(), out_dir), nprocs=world,
+                                    join=True)
+        ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    return world, ranks
+
+
+def test_refusals(distributed_run):
+    world, ranks = distributed_run
+    for rank, r in enumerate(ranks):
+        for what, ok in r["errors"].items():
+            assert ok is True, (world, rank, what, ok)
+
+
+@pytest.mark.parametrize("case", list(cases()), ids=lambda c: "-".join(map(str, c)))
+def test_matches_one_process(distributed_run, case):
+    world, ranks = distributed_run
+    scheme, causal, kernel, layout = case
+    ni = 2 if layout == "HND" else 1
+    o = unshard([r["results"][case][0] for r in ranks], scheme, causal, ni)
+    lse = unshard([r["results"][case][1] for r in ranks], scheme, causal, 2)
+    q, k, v = problem(kernel, HQ_GQA, HKV_GQA, layout)
+    scale = 1.0 / math.sqrt(D)
+    if kernel == "sage":
+        o1, lse1 = sage_attn.sageattn(q, k, v, layout, causal, return_lse=True)
+    else:
+        o1, lse1 = KERNELS[kernel](q, k, v, layout, causal, scale)
+    assert o.shape == o1.shape and o.dtype == o1.dtype and lse.shape == lse1.shape
+    if kernel == "f64":
+        assert torch.allclose(o, o1, rtol=0, atol=1e-12), (o - o1).abs().max()
+        assert torch.allclose(lse, lse1, rtol=0, atol=1e-12), (lse - lse1).abs().max()
+        return
+    if kernel == "numpy_exact":
+        assert torch.allclose(o, o1, rtol=0, atol=2e-6), (o - o1).abs().max()
+        assert torch.allclose(lse, lse1, rtol=0, atol=2e-6), (lse - lse1).abs().max()
+        return
+    if scheme == "ulysses":  # the same kernel on the same per-head problems: the same bits
+        assert torch.equal(o, o1) and torch.equal(lse, lse1)
+    # The 8-bit emulation: each ring block quantizes (and smooths K over) the keys it is given,
+    # so the ring's result is another rounding of the same attention, as accurate as the
+    # one-process call against float64 truth (measured: rel-L1 0.034-0.036 vs 0.035-0.038) and
+    # about sqrt(2) times that from it (rel-L1 0.044-0.049, LSE within 0.03).
+    truth_o, truth_lse = naive_attention(q.float().numpy(), k.float().numpy(),
+                                         v.float().numpy(), layout,
+                                         "bottom_right" if causal else None)
+    m_truth = metrics(o.float().numpy(), truth_o)
+    m_one = metrics(o1.float().numpy(), truth_o)
+    assert m_truth["cos"] > 0.999 and m_truth["rel_l1"] < 0.06, m_truth
+    assert m_truth["rel_l1"] < 1.25 * m_one["rel_l1"] + 1e-3, (m_truth, m_one)
+    m_pair = metrics(o.float().numpy(), o1.float().numpy())
+    assert m_pair["cos"] > 0.998 and m_pair["rel_l1"] < 0.08, m_pair
+    assert np.abs(lse.numpy() - truth_lse).max() < 0.05
+    assert (lse - lse1).abs().max() < 0.05
+
+
+# --- the merge on its own ------------------------------------------------------------------------
+def split_keys_problem(rng, nk1, nk2, layout="HND"):
+    q = torch.from_numpy(rng.standard_normal((2, 3, 5, 16)))
+    k = torch.from_numpy(rng.standard_normal((2, 3, nk1 + nk2, 16)) * 2)
+    v = torch.from_numpy(rng.standard_normal((2, 3, nk1 + nk2, 16)))
+    if layout == "NHD":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    return q, k, v
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_merge_equals_softmax_over_all_keys(rng, layout):
+    q, k, v = split_keys_problem(rng, 7, 11, layout)
+    ni = 2 if layout == "HND" else 1
+    whole_o, whole_lse = f64_attention(q, k, v, layout, False, 0.25)
+    parts = [f64_attention(q, k.narrow(ni, a, n), v.narrow(ni, a, n), layout, False, 0.25)
+             for a, n in ((0, 7), (7, 11))]
+    o, lse = parallel.merge_attention(*parts[0], *parts[1], tensor_layout=layout)
+    assert o.dtype == torch.float64 and lse.dtype == torch.float64
+    assert torch.allclose(o, whole_o, rtol=0, atol=1e-13)
+    assert torch.allclose(lse, whole_lse, rtol=0, atol=1e-13)
+    # Either order, and float32 partials to float32 accuracy.
+    o21, lse21 = parallel.merge_attention(*parts[1], *parts[0], tensor_layout=layout)
+    assert torch.allclose(o21, whole_o, rtol=0, atol=1e-13)
+    o32, lse32 = parallel.merge_attention(parts[0][0].float(), parts[0][1].float(),
+                                          parts[1][0].float(), parts[1][1].float(), layout)
+    assert o32.dtype == torch.float32 and lse32.dtype == torch.float32
+    assert torch.allclose(o32.double(), whole_o, rtol=0, atol=1e-5)
+
+
+def test_merge_large_lse_no_overflow():
+    o1, o2 = torch.ones(1, 1, 2, 4), 3 * torch.ones(1, 1, 2, 4)
+    lse1 = torch.tensor([[[1000.0, -1000.0]]])
+    lse2 = torch.tensor([[[1000.0 + math.log(3), -1000.0 - math.log(3)]]])
+    o, lse = parallel.merge_attention(o1, lse1, o2, lse2)
+    assert torch.allclose(o[0, 0, 0], torch.full((4,), 2.5))  # weights 1 : 3
+    assert torch.allclose(o[0, 0, 1], torch.full((4,), 1.5))  # weights 3 : 1
+    assert torch.allclose(lse, torch.tensor([[[1000 + math.log(4), -1000 + math.log(4 / 3)]]]))
+
+
+def test_merge_fully_masked_partials():
+    o1 = torch.randn(1, 2, 3, 4)
+    lse1 = torch.randn(1, 2, 3)
+    zero, ninf = torch.zeros(1, 2, 3, 4), torch.full((1, 2, 3), -math.inf)
+    for args in ((o1, lse1, zero, ninf), (zero, ninf, o1, lse1)):
+        o, lse = parallel.merge_attention(*args)
+        assert torch.equal(o, o1) and torch.equal(lse, lse1)
+    o, lse = parallel.merge_attention(zero, ninf, zero, ninf)
+    assert torch.equal(o, zero) and torch.equal(lse, ninf)
+
+
+def test_merge_nan_stays_nan():
+    o1, lse1 = torch.randn(1, 1, 4, 2), torch.randn(1, 1, 4)
+    o2, lse2 = torch.randn(1, 1, 4, 2), torch.randn(1, 1, 4)
+    lse2[0, 0, 0] = math.nan             # a poisoned row's LSE
+    o2[0, 0, 1, 0] = math.nan            # a NaN in one output element
+    ninf = torch.full((1, 1, 4), -math.inf)
+    o, lse = parallel.merge_attention(o1, lse1, o2, lse2)
+    assert torch.isnan(o[0, 0, 0]).all() and torch.isnan(lse[0, 0, 0])
+    assert torch.isnan(o[0, 0, 1, 0]) and torch.isfinite(o[0, 0, 1, 1])
+    assert torch.isfinite(o[0, 0, 2:]).all() and torch.isfinite(lse[0, 0, 1:]).all()
+    # NaN against a fully masked partial stays NaN too.
+    o, lse = parallel.merge_attention(torch.full((1, 1, 4, 2), math.nan),
+                                      torch.full((1, 1, 4), math.nan), torch.zeros(1, 1, 4, 2),
+                                      ninf)
+    assert torch.isnan(o).all() and torch.isnan(lse).all()
+
+
+def test_merge_checks_arguments():
+    o, lse = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3)
+    with pytest.raises(ValueError, match="lse2"):
+        parallel.merge_attention(o, lse, o, torch.zeros(1, 3, 2))
+    with pytest.raises(ValueError, match="o2"):
+        parallel.merge_attention(o, lse, torch.zeros(1, 2, 3, 5), lse)
+    with pytest.raises(ValueError, match="tensor_layout"):
+        parallel.merge_attention(o, lse, o, lse, "BHND")
+    with pytest.raises(TypeError, match="o1"):
+        parallel.merge_attention(o.numpy(), lse, o, lse)
+
+
+def test_zigzag_round_trip_and_refusal():
+    x = torch.arange(24).reshape(1, 1, 24, 1)
+    parts = [parallel.zigzag_shard(x, r, 3, dim=2) for r in range(3)]
+    assert parts[0].flatten().tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
+    assert torch.equal(parallel.zigzag_unshard(parts, dim=2), x)
+    with pytest.raises(ValueError, match="2 \\* world_size = 8"):
+        parallel.zigzag_shard(x.narrow(2, 0, 20), 0, 4)
+
+
+def test_not_initialized_is_explained():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    x = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        parallel.ring_attention(x, x, x)
