@@ -113,7 +113,7 @@ def _sdpa_kernel(**options):
                 q, k, v, 0.0, is_causal, scale=sm_scale)[:2]
         if tensor_layout == "NHD":
             o = o.transpose(1, 2)
-        return o, lse.float()
+        return o, lse[..., :q.shape[2]].float()  # (in case a kernel pads its LSE's rows)
     return run
 
 
@@ -155,6 +155,11 @@ def _check_inputs(q, k, v, tensor_layout, is_causal, return_lse):
                              f" for tensor_layout={tensor_layout!r}), got shape {tuple(x.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        # The collectives have no autograd: an output without its gradient would lose it.
+        raise NotImplementedError("sage_attn.parallel is forward-only for now (no backward "
+                                  "through the collectives); call it under torch.no_grad() or "
+                                  "on tensors that do not require grad")
     hi = 1 if tensor_layout == "HND" else 2
     if q.shape[hi] % k.shape[hi]:
         raise ValueError(f"k: {k.shape[hi]} key/value heads must divide q's {q.shape[hi]} heads")
@@ -316,7 +321,8 @@ def ring_attention(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None,
 
     q [B,Hq,n,D], k/v [B,Hkv,n,D] (HND; NHD [B,n,H,D]), the same shape on every rank; any GQA
     ratio. local, options, group, check_shapes as for ulysses_attention. Returns o (q's
-    shape and dtype), or (o, lse) with lse [B,Hq,n] float32."""
+    shape and dtype), or (o, lse) with lse [B,Hq,n] float32. Both schemes are forward-only
+    for now (inputs that require grad raise NotImplementedError)."""
     _check_inputs(q, k, v, tensor_layout, is_causal, return_lse)
     kernel = local_kernel(local, **options)
     group, world, rank = _group_info(group)

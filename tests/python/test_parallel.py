@@ -293,6 +293,15 @@ def test_zigzag_round_trip_and_refusal():
         parallel.zigzag_shard(x.narrow(2, 0, 20), 0, 4)
 
 
+def test_forward_only_refuses_grad():
+    x = torch.zeros(1, 2, 4, 8, requires_grad=True)
+    for fn in (parallel.ulysses_attention, parallel.ring_attention):
+        with pytest.raises(NotImplementedError, match="no_grad"):
+            fn(x, x, x)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="init_process_group"):
+            fn(x, x, x)  # (past the check: no process group in this process)
+
+
 def test_not_initialized_is_explained():
     if dist.is_initialized():
         pytest.skip("a process group is initialized in this process")
