@@ -5,6 +5,7 @@ reference through attention_numpy(exact=True) and torch's CPU SDPA kernel (local
 float32 outputs: ~1e-6), and sageattn's CPU
 emulation of the 8-bit kernel (its quantization groups see other keys per block: within a stated
 band of the one-process call, and in the 8-bit band of float64 truth)."""
+import functools
 import math
 import os
 import socket
@@ -161,6 +162,21 @@ def test_refusals(distributed_run):
             assert ok is True, (world, rank, what, ok)
 
 
+@functools.lru_cache(maxsize=None)  # (each world size compares with the same results)
+def one_process(kernel, layout, causal):
+    q, k, v = problem(kernel, HQ_GQA, HKV_GQA, layout)
+    if kernel == "sage":
+        return sage_attn.sageattn(q, k, v, layout, causal, return_lse=True)
+    local = parallel.local_kernel(KERNELS[kernel])
+    return local(q, k, v, layout, causal, 1.0 / math.sqrt(D))
+
+
+@functools.lru_cache(maxsize=None)
+def truth(layout, causal):
+    q, k, v = (x.float().numpy() for x in problem("sage", HQ_GQA, HKV_GQA, layout))
+    return naive_attention(q, k, v, layout, "bottom_right" if causal else None)
+
+
 @pytest.mark.parametrize("case", list(cases()), ids=lambda c: "-".join(map(str, c)))
 def test_matches_one_process(distributed_run, case):
     world, ranks = distributed_run
@@ -169,13 +185,7 @@ def test_matches_one_process(distributed_run, case):
     o = unshard([r["results"][case][0] for r in ranks], scheme, causal, ni)
     lse = unshard([r["results"][case][1] for r in ranks], scheme, causal, 2)
     q, k, v = problem(kernel, HQ_GQA, HKV_GQA, layout)
-    scale = 1.0 / math.sqrt(D)
-    if kernel == "sage":
-        o1, lse1 = sage_attn.sageattn(q, k, v, layout, causal, return_lse=True)
-    elif kernel == "sdpa":
-        o1, lse1 = parallel.local_kernel("sdpa")(q, k, v, layout, causal, scale)
-    else:
-        o1, lse1 = KERNELS[kernel](q, k, v, layout, causal, scale)
+    o1, lse1 = one_process(kernel, layout, causal)
     assert o.shape == o1.shape and o.dtype == o1.dtype and lse.shape == lse1.shape
     if kernel == "f64":
         assert torch.allclose(o, o1, rtol=0, atol=1e-12), (o - o1).abs().max()
@@ -191,9 +201,7 @@ def test_matches_one_process(distributed_run, case):
     # so the ring's result is another rounding of the same attention, as accurate as the
     # one-process call against float64 truth (measured: rel-L1 0.034-0.036 vs 0.035-0.038) and
     # about sqrt(2) times that from it (rel-L1 0.044-0.049, LSE within 0.03).
-    truth_o, truth_lse = naive_attention(q.float().numpy(), k.float().numpy(),
-                                         v.float().numpy(), layout,
-                                         "bottom_right" if causal else None)
+    truth_o, truth_lse = truth(layout, causal)
     m_truth = metrics(o.float().numpy(), truth_o)
     m_one = metrics(o1.float().numpy(), truth_o)
     assert m_truth["cos"] > 0.999 and m_truth["rel_l1"] < 0.06, m_truth
