@@ -1,5 +1,6 @@
-"""sage_attn.parallel on the CPU: the LSE merge on its own, and Ulysses and ring attention in 2 and
-3 processes over gloo (torch.multiprocessing spawn) against one process computing the whole
+"""sage_attn.parallel on the CPU: the LSE merge on its own, and Ulysses and ring attention over gloo
+in 3 processes (torch.multiprocessing spawn; world size 3 on WORLD, world size 2 on a group of
+global ranks 1 and 2) against one process computing the whole
 sequence with the same local kernel: float64 attention (equal to ~1e-12), the library's float64
 reference through attention_numpy(exact=True) and torch's CPU SDPA kernel (local="sdpa"; both
 float32 outputs: ~1e-6), and sageattn's CPU
@@ -103,37 +104,48 @@ def expect_value_error(fn, *words):
     return "no ValueError"
 
 
-def worker(rank, world, port, out_dir):
+def run_cases(rank, world, group, out_path):
+    """Every case and refusal on this group (this process's rank in it, its size)."""
+    results = {}
+    for scheme, causal, kernel, layout in cases():
+        fn = parallel.ulysses_attention if scheme == "ulysses" else parallel.ring_attention
+        ni = 2 if layout == "HND" else 1
+        q, k, v = problem(kernel, HQ_GQA, HKV_GQA, layout)
+        q, k, v = (shard(x, scheme, causal, rank, world, ni) for x in (q, k, v))
+        o, lse = fn(q, k, v, layout, causal, return_lse=True, local=KERNELS[kernel],
+                    group=group)
+        results[(scheme, causal, kernel, layout)] = (o, lse)
+    # What is refused, on every rank alike.
+    errors = {}
+    q = torch.randn(1, 4, 2 * world + 1, 64)
+    errors["ring odd shard"] = expect_value_error(
+        lambda: parallel.ring_attention(q, q, q, is_causal=True, group=group), "q:",
+        "2 * world size")
+    qh = torch.randn(1, world + 1, 8, 64)
+    errors["ulysses heads"] = expect_value_error(
+        lambda: parallel.ulysses_attention(qh, qh, qh, group=group), "q:", "world size")
+    qg, kg = torch.randn(1, 2 * world, 8, 64), torch.randn(1, 1, 8, 64)
+    errors["ulysses kv heads"] = expect_value_error(
+        lambda: parallel.ulysses_attention(qg, kg, kg, group=group), "k:", "world size")
+    qu = torch.randn(1, 2 * world, 8 + 2 * rank, 64)  # unequal shards
+    for name, fn in (("ulysses", parallel.ulysses_attention),
+                     ("ring", parallel.ring_attention)):
+        errors[f"{name} unequal shards"] = expect_value_error(
+            lambda: fn(qu, qu, qu, local=f64_attention, group=group), "every rank", "rank 1")
+    torch.save({"results": results, "errors": errors}, out_path)
+
+
+def worker(rank, port, out_dir):
+    """Three processes: world size 3 on WORLD, and world size 2 on the group of global ranks
+    1 and 2 (so the ring's peers are mapped from group ranks to global ones)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=3)
     try:
         torch.set_num_threads(1)
-        results = {}
-        for scheme, causal, kernel, layout in cases():
-            fn = parallel.ulysses_attention if scheme == "ulysses" else parallel.ring_attention
-            ni = 2 if layout == "HND" else 1
-            q, k, v = problem(kernel, HQ_GQA, HKV_GQA, layout)
-            q, k, v = (shard(x, scheme, causal, rank, world, ni) for x in (q, k, v))
-            o, lse = fn(q, k, v, layout, causal, return_lse=True, local=KERNELS[kernel])
-            results[(scheme, causal, kernel, layout)] = (o, lse)
-        # What is refused, on every rank alike.
-        errors = {}
-        q = torch.randn(1, 4, 2 * world + 1, 64)
-        errors["ring odd shard"] = expect_value_error(
-            lambda: parallel.ring_attention(q, q, q, is_causal=True), "q:", "2 * world size")
-        qh = torch.randn(1, world + 1, 8, 64)
-        errors["ulysses heads"] = expect_value_error(
-            lambda: parallel.ulysses_attention(qh, qh, qh), "q:", "world size")
-        qg, kg = torch.randn(1, 2 * world, 8, 64), torch.randn(1, 1, 8, 64)
-        errors["ulysses kv heads"] = expect_value_error(
-            lambda: parallel.ulysses_attention(qg, kg, kg), "k:", "world size")
-        qu = torch.randn(1, 2 * world, 8 + 2 * rank, 64)  # unequal shards
-        for name, fn in (("ulysses", parallel.ulysses_attention),
-                         ("ring", parallel.ring_attention)):
-            errors[f"{name} unequal shards"] = expect_value_error(
-                lambda: fn(qu, qu, qu, local=f64_attention), "every rank", "rank 1")
-        torch.save({"results": results, "errors": errors},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        pair = dist.new_group([1, 2])  # (every rank takes part in creating it)
+        run_cases(rank, 3, None, os.path.join(out_dir, f"world3-rank{rank}.pt"))
+        if rank > 0:
+            run_cases(rank - 1, 2, pair, os.path.join(out_dir, f"world2-rank{rank - 1}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -144,15 +156,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
-def distributed_run(request):
-    """Every case in one spawn per world size (starting processes costs more than the cases)."""
-    world = request.param
+@pytest.fixture(scope="module")
+def distributed_results():
+    """Every case in one spawn of 3 processes (starting them costs more than the cases)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        torch.multiprocessing.spawn(worker, args=(world, free_port(), out_dir), nprocs=world,
-                                    join=True)
-        ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
-    return world, ranks
+        torch.multiprocessing.spawn(worker, args=(free_port(), out_dir), nprocs=3, join=True)
+        return {w: [torch.load(os.path.join(out_dir, f"world{w}-rank{r}.pt"))
+                    for r in range(w)] for w in (2, 3)}
+
+
+@pytest.fixture(params=[2, 3], ids=lambda w: f"world{w}")
+def distributed_run(request, distributed_results):
+    return request.param, distributed_results[request.param]
 
 
 def test_refusals(distributed_run):
