@@ -1,11 +1,11 @@
-"""sage_attn.parallel on the CPU: the LSE merge on its own, and Ulysses and ring attention over gloo
-in 3 processes (torch.multiprocessing spawn; world size 3 on WORLD, world size 2 on a group of
-global ranks 1 and 2) against one process computing the whole
-sequence with the same local kernel: float64 attention (equal to ~1e-12), the library's float64
-reference through attention_numpy(exact=True) and torch's CPU SDPA kernel (local="sdpa"; both
-float32 outputs: ~1e-6), and sageattn's CPU
-emulation of the 8-bit kernel (its quantization groups see other keys per block: within a stated
-band of the one-process call, and in the 8-bit band of float64 truth)."""
+"""sage_attn.parallel on the CPU: the LSE merge on its own, and Ulysses and ring attention over
+gloo in 3 processes (torch.multiprocessing spawn; world size 3 on WORLD, world size 2 on the group
+of global ranks 1 and 2) against one process computing the whole sequence with the same local
+kernel: float64 attention (equal to ~1e-12); the library's float64 reference through
+attention_numpy(exact=True) and torch's CPU SDPA kernel (local="sdpa"), both float32 results
+(~1e-6); and sageattn's CPU emulation of the 8-bit kernel (Ulysses: the same bits; ring: each
+block quantizes its own keys, so within a stated band of the one-process call, and in the 8-bit
+band of float64 truth). On a machine with 2 GPUs, the same over NCCL."""
 import functools
 import math
 import os
