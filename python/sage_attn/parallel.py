@@ -16,7 +16,7 @@ Each rank holds a shard of the sequence (all heads); the collectives are torch.d
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
