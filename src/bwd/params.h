@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/formats.h"  // SAGE_HOST_DEVICE
+#include "common/workspace.h"
 #include "ref/reference.h"
 #include "sage/sage.h"
 
@@ -50,12 +51,8 @@ inline Layout make_layout(const ref::Problem& p) {
   w.nq_pad = w.q_blocks * kBlockQ;
   w.nk_pad = w.k_blocks * kBlockK;
   w.k_chunks = (p.seq_kv + 255) / 256;
-  size_t at = 0;
-  auto take = [&](size_t bytes) {
-    const size_t off = at;
-    at += (bytes + 255) / 256 * 256;
-    return off;
-  };
+  WorkspaceCarver carve;
+  auto take = [&](size_t bytes) { return carve.take(bytes); };
   w.k_part = take(size_t(bk * w.k_chunks * D) * 4);
   w.k_mean = take(size_t(bk * D) * 4);
   w.k_scale = take(size_t(bk * w.k_blocks) * 4);
@@ -72,7 +69,7 @@ inline Layout make_layout(const ref::Problem& p) {
   w.delta = take(size_t(bq * w.nq_pad) * 4);
   w.dq_acc = take(size_t(bq * w.nq_pad * D) * 4);
   w.dq_turn = take(size_t(bq * w.q_blocks) * 4);
-  w.total = at;
+  w.total = carve.total;
   return w;
 }
 

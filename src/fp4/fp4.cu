@@ -31,26 +31,24 @@ namespace {
 constexpr float kNaN = __builtin_nanf("");
 
 template <typename T>
+__device__ __forceinline__ float load(const void* base, const sage_strides& s, int64_t b, int64_t h,
+                                      int64_t n, int64_t d) {
+  const T* p = static_cast<const T*>(base) + b * s.batch + h * s.head + n * s.token + d;
+  if constexpr (std::is_same_v<T, __half>)
+    return __half2float(*p);
+  else
+    return __bfloat162float(*p);
+}
+template <typename T>
 __device__ __forceinline__ float load_finite(const void* base, const sage_strides& s, int64_t b,
                                              int64_t h, int64_t n, int64_t d) {
-  const T* p = static_cast<const T*>(base) + b * s.batch + h * s.head + n * s.token + d;
-  float x;
-  if constexpr (std::is_same_v<T, __half>)
-    x = __half2float(*p);
-  else
-    x = __bfloat162float(*p);
+  const float x = load<T>(base, s, b, h, n, d);
   return isfinite(x) ? x : 0.0f;  // an Inf/NaN counts as zero; its rows are poisoned (README)
 }
 template <typename T>
 __device__ __forceinline__ bool finite_at(const void* base, const sage_strides& s, int64_t b,
                                           int64_t h, int64_t n, int64_t d) {
-  const T* p = static_cast<const T*>(base) + b * s.batch + h * s.head + n * s.token + d;
-  float x;
-  if constexpr (std::is_same_v<T, __half>)
-    x = __half2float(*p);
-  else
-    x = __bfloat162float(*p);
-  return isfinite(x);
+  return isfinite(load<T>(base, s, b, h, n, d));
 }
 
 // One NVFP4 run (16 floats) quantized and dequantized in place, as ref::quantize_fp4.

@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/workspace.h"
+
 namespace sage::fp4 {
 
 constexpr int kBlockQ = 128;  // the emulation's Q block (block_q): Q's smoothing mean, ΔS
@@ -24,12 +26,8 @@ inline Layout make_layout(int64_t batch, int64_t heads_q, int64_t heads_kv, int6
   l.nq_pad = l.q_blocks * kBlockQ;
   l.nk_pad = (seq_kv + kBlockK - 1) / kBlockK * kBlockK;
   const int64_t bq = batch * heads_q, bk = batch * heads_kv;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    const size_t at = off;
-    off += (bytes + 255) / 256 * 256;
-    return at;
-  };
+  WorkspaceCarver carve;
+  auto take = [&](size_t bytes) { return carve.take(bytes); };
   l.q = take(size_t(bq * l.nq_pad * head_dim) * 2);
   l.k = take(size_t(bk * l.nk_pad * head_dim) * 2);
   l.vt = take(size_t(bk * l.nk_pad * head_dim) * 2);
@@ -37,7 +35,7 @@ inline Layout make_layout(int64_t batch, int64_t heads_q, int64_t heads_kv, int6
   l.k_mean = take(size_t(bk * head_dim) * 4);
   l.lse_shift = take(size_t(bq * seq_q) * 4);
   l.kv_bad = take(size_t(bk) * 8);
-  l.total = off;
+  l.total = carve.total;
   return l;
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "common/formats.h"  // SAGE_HOST_DEVICE
+#include "common/workspace.h"
 #include "sage/sage.h"
 
 namespace sage::quant {
@@ -125,12 +126,8 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   p.k_mean_stride = k_mean_stride;
   p.k_mean_samples = (seq_kv + p.k_mean_stride - 1) / p.k_mean_stride;
   const int64_t bq = batch * heads_q, bk = batch * heads_kv;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    const size_t at = off;
-    off += (bytes + 255) / 256 * 256;
-    return at;
-  };
+  WorkspaceCarver carve;
+  auto take = [&](size_t bytes) { return carve.take(bytes); };
   // Q: the pre-pass's INT8/INT4 rows and 64 group scales a 128-row block (the sm90 kernel's fused
   // Q quantizes each tile in shared memory instead); the block means with Q smoothing (the mma
   // kernel forms ΔS from them and the caller's K); each row's LSE shift, NaN for a row an Inf/NaN
@@ -161,7 +158,7 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   // Per KV head: the first key whose K or V row holds Inf/NaN (kKvBadNone: none), for the rows
   // the pre-pass or the sm90 kernel's Q quantization marks as poisoned.
   p.kv_bad = take(size_t(bk) * 8);
-  p.total = off;
+  p.total = carve.total;
   return p;
 }
 

@@ -11,21 +11,12 @@
 #include <vector>
 
 #include "common/test_util.h"
+#include "gpu/gpu_test_util.h"
 #include "sage/sage.h"
 
 namespace sage::gpu_test {
 
 using sage::test::Fp16Tensor;
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) {
-    if (cudaMalloc(&ptr, bytes) != cudaSuccess) ptr = nullptr;
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
 
 struct Case {
   int64_t B, Hq, Hkv, Nq, Nk, D;

@@ -49,3 +49,14 @@ inline bool sage_test_has_gpu(std::string* why) {
         << #call << ": " << cudaGetErrorName(sage_assert_cuda_err_) << " (" \
         << cudaGetErrorString(sage_assert_cuda_err_) << ")";                \
   } while (0)
+
+// A device allocation freed at scope exit (ptr null when cudaMalloc failed; 0 bytes take 1).
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(size_t bytes) {
+    if (cudaMalloc(&ptr, bytes ? bytes : 1) != cudaSuccess) ptr = nullptr;
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};

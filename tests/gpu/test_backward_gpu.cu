@@ -19,16 +19,6 @@
 
 namespace {
 
-struct Buf {
-  void* ptr = nullptr;
-  explicit Buf(size_t bytes) {
-    if (cudaMalloc(&ptr, bytes ? bytes : 1) != cudaSuccess) ptr = nullptr;
-  }
-  ~Buf() { cudaFree(ptr); }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-};
-
 struct BwdCase {
   int64_t B, Hq, Hkv, Nq, Nk, D;
   sage_mask mask;
@@ -155,7 +145,7 @@ class GpuCall {
       error_ = sage_last_error();
       return;
     }
-    ws_ = std::make_unique<Buf>(ws_bytes);
+    ws_ = std::make_unique<DeviceBuffer>(ws_bytes);
     cudaMemset(ws_->ptr, 0xFF, ws_bytes);  // the pre-pass must write everything it reads
     a_.workspace = ws_->ptr, a_.workspace_size = ws_bytes;
   }
@@ -192,8 +182,8 @@ class GpuCall {
  private:
   const Problem& pr_;
   size_t qb_, kb_;
-  Buf q_, k_, v_, o_, d_o_, lse_, dlse_, dq_, dk_, dv_;
-  std::unique_ptr<Buf> ws_;
+  DeviceBuffer q_, k_, v_, o_, d_o_, lse_, dlse_, dq_, dk_, dv_;
+  std::unique_ptr<DeviceBuffer> ws_;
   sage_backward_args a_{};
   sage_status status_ = SAGE_OK;
   std::string error_;

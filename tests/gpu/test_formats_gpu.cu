@@ -299,6 +299,26 @@ void query_features(int* flags) {
   SAGE_ASSERT_CUDA(cudaMemcpy(flags, d_flags.ptr, 2 * sizeof(int), cudaMemcpyDeviceToHost));
 }
 
+// Why a cvt of the sm_100a/sm_120a families cannot run here (empty: it can): the device's
+// compute capability, or a build without code for it (query_features' second flag).
+std::string blackwell_cvt_missing(const char* what) {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+    return std::string("cannot query the device for ") + what;
+  const std::string cc = std::to_string(major) + "." + std::to_string(minor);
+  if (major < 10)
+    return std::string(what) + " needs compute capability 10.0 or later (sm_100a/sm_120a " +
+           "families); this device is " + cc;
+  int flags[2] = {0, 0};
+  query_features(flags);
+  if (flags[1] == 0)
+    return std::string("this build has no ") + what + " code for compute capability " + cc +
+           " (add an arch-specific target such as 100a or 120a)";
+  return std::string();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tests.
 
@@ -376,22 +396,9 @@ TEST(CvtGpu, Fp8ToF16x2MatchesHostDecode) {
 
 TEST(CvtGpu, E2m1MatchesHostCodec) {
   SAGE_REQUIRE_GPU();
-  int device = 0;
-  SAGE_ASSERT_CUDA(cudaGetDevice(&device));
-  int major = 0, minor = 0;
-  SAGE_ASSERT_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  SAGE_ASSERT_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major < 10) {
-    GTEST_SKIP() << "cvt.rn.satfinite.e2m1x2 needs compute capability 10.0 or later (sm_100a/"
-                    "sm_120a families); this device is "
-                 << major << "." << minor;
-  }
-  int flags[2] = {0, 0};
-  ASSERT_NO_FATAL_FAILURE(query_features(flags));
-  if (flags[1] == 0) {
-    GTEST_SKIP() << "this build has no E2M1 cvt code for compute capability " << major << "."
-                 << minor << " (add an arch-specific target such as 100a or 120a)";
-  }
+  std::string why;
+  ASSERT_NO_FATAL_FAILURE(why = blackwell_cvt_missing("cvt.rn.satfinite.e2m1x2"));
+  if (!why.empty()) GTEST_SKIP() << why;
 
   std::vector<float> x = every_fp16_input();
   for (const std::vector<float>& more : {midpoint_inputs(), special_inputs(), random_inputs()})
@@ -420,22 +427,9 @@ TEST(CvtGpu, E2m1MatchesHostCodec) {
 // PTX ISA, not measured: this test is what measures them).
 TEST(CvtGpu, Ue8m0MatchesHostCodec) {
   SAGE_REQUIRE_GPU();
-  int device = 0;
-  SAGE_ASSERT_CUDA(cudaGetDevice(&device));
-  int major = 0, minor = 0;
-  SAGE_ASSERT_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  SAGE_ASSERT_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major < 10) {
-    GTEST_SKIP() << "cvt.ue8m0x2 needs compute capability 10.0 or later (sm_100a/sm_120a "
-                    "families); this device is "
-                 << major << "." << minor;
-  }
-  int flags[2] = {0, 0};
-  ASSERT_NO_FATAL_FAILURE(query_features(flags));
-  if (flags[1] == 0) {
-    GTEST_SKIP() << "this build has no E8M0 cvt code for compute capability " << major << "."
-                 << minor << " (add an arch-specific target such as 100a or 120a)";
-  }
+  std::string why;
+  ASSERT_NO_FATAL_FAILURE(why = blackwell_cvt_missing("cvt.ue8m0x2"));
+  if (!why.empty()) GTEST_SKIP() << why;
   std::vector<float> x = every_fp16_input();
   for (const std::vector<float>& more : {midpoint_inputs(), special_inputs(), random_inputs()})
     x.insert(x.end(), more.begin(), more.end());
