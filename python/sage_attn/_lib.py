@@ -44,7 +44,7 @@ class SageArgumentError(SageError, ValueError):
 
 
 class SageUnsupportedError(SageArgumentError):
-    """Valid arguments that no kernel/backend implements (e.g. head_dim 96 on the GPU)."""
+    """Valid arguments that no kernel/backend implements (e.g. head_dim 256 on the GPU)."""
 
 
 # --- structs (field order and types exactly as sage.h; checked against struct_size at load) -----
@@ -178,6 +178,8 @@ class PlanInfo(ctypes.Structure):
         ("prefer_sdpa", ctypes.c_int32),
         ("workspace_size", ctypes.c_size_t),
         ("emulation", QuantConfig),
+        ("kernel_head_dim", ctypes.c_int64),
+        ("has_backward", ctypes.c_int32),
     ]
 
 

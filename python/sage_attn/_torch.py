@@ -64,13 +64,15 @@ def _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_
 
 class _Prepared:
     """A CUDA call's shape, planned once: the argument struct without its pointers, the
-    workspace size, and whether the library's crossover table prefers torch's SDPA."""
-    __slots__ = ("args", "workspace", "prefer_sdpa")
+    workspace size, whether the library's crossover table prefers torch's SDPA, and whether the
+    library has the call's backward."""
+    __slots__ = ("args", "workspace", "prefer_sdpa", "has_backward")
 
     def __init__(self, args, info):
         self.args = bytes(args)
         self.workspace = info.workspace_size
         self.prefer_sdpa = bool(info.prefer_sdpa)
+        self.has_backward = bool(info.has_backward)
 
 
 class _Unsupported:
@@ -141,9 +143,11 @@ def _warn_once(reason: str):
 def _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse,
                fallback, kernel=_lib.KERNEL_AUTO):
     """The op's implementation (see the module docstring): (o, lse), lse None unless asked."""
-    if fallback == _FALLBACK_SDPA and q.is_cuda and _dropin_prefers_sdpa(q, k, v, mask, scale):
-        # The SDPA drop-in (top-left causal, HND, no LSE) on a shape where torch's SDPA is
-        # faster on this GPU: decided here, inside the op, so that compiled graphs decide alike.
+    if (fallback == _FALLBACK_SDPA and q.is_cuda and
+            _dropin_prefers_sdpa(q, k, v, mask, scale, training=return_lse)):
+        # The SDPA drop-in (top-left causal, HND, no LSE unless training: _call) on a shape where
+        # torch's SDPA is faster on this GPU, or a training call whose backward the library does
+        # not have: decided here, inside the op, so that compiled graphs decide alike.
         return _torch_sdpa(q, k, v, is_causal=mask != _lib.MASK_NONE, scale=scale,
                            enable_gqa=q.shape[1] != k.shape[1]), None
     o = q.new_empty(q.shape)  # (new_empty: fewer arguments to parse than torch.empty)
@@ -573,25 +577,30 @@ def _dropin_args(query, key, value):
     return q, k, v
 
 
-def _dropin_route(q, k, v, mask, scale):
+def _dropin_route(q, k, v, mask, scale, training=False):
     """None: the drop-in runs sage; else it hands the call to torch's SDPA, with this reason to
-    warn about ("": the crossover table, silently)."""
+    warn about ("": the crossover table, silently). training: the inputs require grad, so the
+    library must have the backward too (its plan says)."""
     try:
         prep = _plan_of(q, k, v, _lib.LAYOUT_HND, mask, scale)
     except _lib.SageUnsupportedError as e:
         return f"no kernel for this call ({e})"
+    if training and not prep.has_backward:
+        return f"no backward kernel for head_dim {q.shape[-1]} (training)"
     return "" if _use_crossover and prep.prefer_sdpa else None
 
 
-def _dropin_prefers_sdpa(q, k, v, mask, scale):
-    return _dropin_route(q, k, v, mask, scale) == ""
+def _dropin_prefers_sdpa(q, k, v, mask, scale, training=False):
+    route = _dropin_route(q, k, v, mask, scale, training)
+    return route == "" or (training and route is not None)
 
 
 def dropin_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False) -> str:
     """What scaled_dot_product_attention would run for these arguments: "sage" or "sdpa"
-    (torch's own, for arguments the library does not take or, by its crossover table, shapes
-    where torch's SDPA measured faster on this GPU)."""
+    (torch's own, for arguments the library does not take, training calls whose backward it
+    does not have or, by its crossover table, shapes where torch's SDPA measured faster on this
+    GPU)."""
     if _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa) is not None:
         return "sdpa"
     if _training_to_sdpa(query, key, value):
@@ -599,7 +608,13 @@ def dropin_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     q, k, v = _dropin_args(query, key, value)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
-    return "sage" if _dropin_route(q, k, v, mask, s) is None else "sdpa"
+    route = _dropin_route(q, k, v, mask, s, _training(query, key, value))
+    return "sage" if route is None else "sdpa"
+
+
+def _training(query, key, value):
+    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
+                                        value.requires_grad)
 
 
 def _training_to_sdpa(query, key, value):
@@ -608,8 +623,7 @@ def _training_to_sdpa(query, key, value):
     # the grid (N 1k-16k, D 64/128, causal or not; bench/results/*-train.json), so the drop-in
     # keeps torch's SDPA for training until a shape measures faster;
     # set_dropin_crossover(False) trains with sage.
-    return (_use_crossover and torch.is_grad_enabled() and
-            (query.requires_grad or key.requires_grad or value.requires_grad))
+    return _use_crossover and _training(query, key, value)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -617,9 +631,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """torch.nn.functional.scaled_dot_product_attention with SDPA's exact semantics (causal is
     top-left aligned; scale defaults to 1/sqrt(E); GQA only with enable_gqa), computed by
     SageAttn2-8b where it can and is faster, by torch's SDPA otherwise: arguments the library
-    does not take (a one-time warning per reason), and shapes where the library's crossover
-    table says torch's SDPA is faster on this GPU (silently; set_dropin_crossover(False) turns
-    that off; under torch.compile the same choice is made inside the op). So
+    does not take (a one-time warning per reason; a training call whose backward the library
+    does not have is one), and shapes where the library's crossover table says torch's SDPA is
+    faster on this GPU (silently; set_dropin_crossover(False) turns that off; under
+    torch.compile the same choice is made inside the op). So
     `F.scaled_dot_product_attention = sage_attn.scaled_dot_product_attention` is safe anywhere
     and not slower than SDPA where the table was measured."""
     reason = _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
@@ -634,7 +649,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
     if not torch.compiler.is_compiling():  # (compiled graphs decide inside the op)
-        route = _dropin_route(q, k, v, mask, s)
+        route = _dropin_route(q, k, v, mask, s, _training(query, key, value))
         if route is not None:
             if route:
                 _warn_once(route)

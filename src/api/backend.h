@@ -13,10 +13,22 @@ namespace sage::api {
 // Head dims. Any call takes 1..kMaxHeadDim, the largest head dim SPEC.md plans a GPU kernel for
 // (32, 64, 80, 96, 128, 256): the CPU reference, the oracle, covers every kernel to come (and
 // the odd sizes tests use), but nothing larger than any GPU kernel will take. The GPU runs the
-// head dims it has a kernel for and refuses the others (UNSUPPORTED), naming this list.
+// head dims it has a kernel for and refuses the others (UNSUPPORTED), naming these lists.
 constexpr int64_t kMaxHeadDim = 256;
-constexpr bool gpu_has_head_dim(int64_t d) { return d == 64 || d == 128; }
-constexpr char kGpuHeadDims[] = "64, 128";
+// The forward kernels are compiled for the native head dims 64 and 128 only; a head dim that is
+// a multiple of 16 from 32 to 128 runs at the smallest of them that holds it, the channels past
+// it zero (the pre-pass writes them so; plan.h says why that computes the call exactly). 0: no
+// forward kernel. Multiples of 16: the grid models use and the GPU tests cover (every load the
+// pre-pass makes of a caller's row, 8 elements, divides them, so a load is wholly inside the
+// real channels or wholly past them).
+constexpr int64_t gpu_kernel_head_dim(int64_t d) {
+  return d < 32 || d > 128 || d % 16 != 0 ? 0 : (d <= 64 ? 64 : 128);
+}
+constexpr bool gpu_has_head_dim(int64_t d) { return gpu_kernel_head_dim(d) != 0; }
+constexpr char kGpuHeadDims[] = "multiples of 16 from 32 to 128";
+// The backward kernels take their native head dims only (no zero padding there yet).
+constexpr bool gpu_backward_has_head_dim(int64_t d) { return d == 64 || d == 128; }
+constexpr char kGpuBackwardHeadDims[] = "64, 128";
 
 // sage_attention_args after validation: defaults filled in, strides resolved, preset expanded.
 struct Resolved {

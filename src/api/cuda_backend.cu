@@ -131,6 +131,7 @@ void fill_common(P& x, const api::Resolved& r, const sage_attention_args& a, con
   x.v_scale = f32(w.v_scale), x.v_mean = f32(w.v_mean);
   x.lse_shift = f32(w.lse_shift);
   x.o = a.o, x.o_batch = r.o.batch, x.o_head = r.o.head, x.o_token = r.o.token;
+  x.head_dim = p.head_dim;  // the caller's (the kernel's is plan.prepass.head_dim)
   x.lse = a.lse, x.lse_batch = r.lse.batch, x.lse_head = r.lse.head, x.lse_token = r.lse.token;
   x.batch = p.batch, x.heads_q = p.heads_q, x.heads_kv = p.heads_kv;
   x.seq_q = p.seq_q, x.seq_kv = p.seq_kv, x.nq_pad = w.nq_pad, x.nk_pad = w.nk_pad;
@@ -248,14 +249,15 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   if (plan.family == api::Family::kSm90) {
     const sm90::Params sp = sm90_params(r, a, plan, ws);
     const sm90::LaunchConfig cfg{plan.consumers, bf16, causal, dev.index, dev.sms};
-    e = p.head_dim == 64 ? sm90::launch_attention<64>(sp, cfg, stream)
-                         : sm90::launch_attention<128>(sp, cfg, stream);
+    e = plan.prepass.head_dim == 64 ? sm90::launch_attention<64>(sp, cfg, stream)
+                                    : sm90::launch_attention<128>(sp, cfg, stream);
   } else {
     const mma::AttnParams mp = mma_params(r, a, plan, ws);
-    const mma::LaunchConfig cfg{plan.prepass.bits, bf16, causal, plan.two_level,
-                                plan.prepass.smooth_q, dev.index};
-    e = p.head_dim == 64 ? mma::launch_attention<64>(mp, cfg, stream)
-                         : mma::launch_attention<128>(mp, cfg, stream);
+    mma::LaunchConfig cfg{plan.prepass.bits, bf16, causal, plan.two_level,
+                          plan.prepass.smooth_q, dev.index};
+    cfg.padded = plan.prepass.channels < plan.prepass.head_dim;
+    e = plan.prepass.head_dim == 64 ? mma::launch_attention<64>(mp, cfg, stream)
+                                    : mma::launch_attention<128>(mp, cfg, stream);
   }
   if (e != cudaSuccess)
     return set_error(SAGE_ERROR_CUDA, "attention launch: %s", cudaGetErrorString(e));
@@ -278,11 +280,11 @@ sage_status check_backward(const api::ResolvedBackward& r, const sage_backward_a
                      "the GPU is sm_%d; the backward, like the library, is built for sm_89 or "
                      "newer",
                      dev.cc);
-  if (!api::gpu_has_head_dim(p.head_dim))
+  if (!api::gpu_backward_has_head_dim(p.head_dim))
     return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "head_dim = %lld has no GPU backward kernel (GPU kernels: %s; the CPU "
-                     "reference takes 1..%lld)",
-                     static_cast<long long>(p.head_dim), api::kGpuHeadDims,
+                     "head_dim = %lld has no GPU backward kernel (GPU backward kernels: %s; the "
+                     "CPU reference takes 1..%lld)",
+                     static_cast<long long>(p.head_dim), api::kGpuBackwardHeadDims,
                      static_cast<long long>(api::kMaxHeadDim));
   if (a.dtype == SAGE_DTYPE_FP32)
     return set_error(SAGE_ERROR_UNSUPPORTED, "dtype = FP32 runs on the CPU reference only");

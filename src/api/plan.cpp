@@ -109,8 +109,10 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "dtype = FP32 has no GPU kernel: pass fp16 or bf16 (fp32 runs on the CPU "
                      "reference)");
-  const int64_t D = p.head_dim;
-  if (!gpu_has_head_dim(D))
+  // D: the caller's head dim; Dk: the native head dim of the kernel that runs it (64 or 128),
+  // the workspace's channels, D's zero-padded up to it.
+  const int64_t D = p.head_dim, Dk = gpu_kernel_head_dim(D);
+  if (Dk == 0)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "head_dim = %lld has no GPU kernel yet (GPU kernels: %s; the CPU reference "
                      "takes 1..%lld)",
@@ -142,6 +144,13 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
                      "the GPU is sm_%d%d; the SageAttention2 kernels need sm_89 or newer (FP8 MMA)",
                      dev.cc / 10, dev.cc % 10);
   if (fp4) {
+    // The FP4 kernel reads the caller's Q, K, V at its template head dim: native ones only (no
+    // zero padding there yet).
+    if (D != Dk)
+      return set_error(SAGE_ERROR_UNSUPPORTED,
+                       "head_dim = %lld: the FP4 kernel (variant SAGE3_FP4) takes head dims 64 "
+                       "and 128 (the 8-bit and 4-bit kernels take %s; the CPU reference any)",
+                       static_cast<long long>(D), kGpuHeadDims);
     if (a.kernel != SAGE_KERNEL_AUTO)
       return set_error(SAGE_ERROR_UNSUPPORTED,
                        "kernel = %s: FP4 calls run their own kernel (SAGE_KERNEL_FP4); pass AUTO",
@@ -150,6 +159,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
     plan.family = Family::kFp4;
     plan.fp4 = fp4::make_layout(p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, D);
     plan.prepass.total = plan.fp4.total;
+    plan.prepass.head_dim = plan.prepass.channels = D;  // (sage_plan_info.kernel_head_dim)
     plan.block_q = 64;
     plan.block_k = fp4::kBlockK;
     plan.launches = 5;
@@ -171,13 +181,14 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   Plan plan;
   plan.family = sm90_ok && a.kernel != SAGE_KERNEL_MMA ? Family::kSm90 : Family::kMma;
   // The sm90 kernel quantizes Q itself (reading it once, through TMA, a tile ahead of its use)
-  // when a TMA map can describe Q: rows 16-byte aligned, positive strides;
+  // when a TMA map can describe Q: rows 16-byte aligned, positive strides (the map's inner
+  // extent is D and its box Dk: TMA fills the channels past D with zeros, so any D takes it);
   // SAGE_OPTION_PREPASS_Q keeps the pre-pass's quant_q (to compare the two).
   plan.fused_q = plan.family == Family::kSm90 && !(a.options & SAGE_OPTION_PREPASS_Q) &&
                  quant::rows_aligned16(a.q, r.q) && r.q.batch > 0 && r.q.head > 0 &&
                  r.q.token > 0;
   plan.prepass = quant::make_prepass_plan(
-      p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, D, bits8 ? 8 : 4, smooth_q,
+      p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, Dk, D, bits8 ? 8 : 4, smooth_q,
       c.smooth & SAGE_SMOOTH_K, c.smooth & SAGE_SMOOTH_V,
       ref::mean_token_stride(p.seq_kv, c.k_mean_tokens),  // as the emulation samples K's mean
       // K/V's pre-pass in one cluster launch where a cluster holds the head's chunks;
@@ -185,9 +196,21 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       a.options & SAGE_OPTION_PREPASS_KV_SPLIT ? 0 : dev.kv_cluster,
       /*quantize_q=*/!plan.fused_q, /*lse=*/a.lse != nullptr);
   plan.launches = (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + 1;
-  plan.prefer_sdpa = prefer_sdpa(dev.cc, D, p.mask, p.seq_q, p.seq_kv);
+  // A padded head dim looks up its kernel's row: it does Dk's work while SDPA does D's, so Dk's
+  // crossover is the least length from which it could win (not measured at the padded dims).
+  plan.prefer_sdpa = prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv);
+  // The backward has no zero-padded head dims yet: a training call at a padded D gets its forward
+  // here and must get its backward elsewhere (the SDPA drop-in asks this before taking one).
+  plan.has_backward = gpu_backward_has_head_dim(D);
 
-  // What the call computes, as the CPU emulation's config.
+  // What the call computes, as the CPU emulation's config, at the caller's D. With D < Dk the
+  // kernel computes exactly what it would at D: the pre-pass reads D channels and writes the rest
+  // as zeros (zero K and V means, V scale 0), and a zero channel changes no quantization group's
+  // max (|0 - 0| is below any), no integer Q·K dot product (exact), no mean, no ΔS, no LSE shift
+  // (exact zero products), while P (its scores, maxima, sums, E4M3 rounding and the polynomial
+  // 2^x positions: by key) and each output channel's P·V accumulation (the wgmma accumulator
+  // aligns per output element) never read another channel; the channels past D are not stored.
+  // What does depend on Dk is the kernel's tile (consumers, poly share): taken at Dk below.
   sage_quant_config e = c;
   e.granularity = SAGE_GRANULARITY_PER_THREAD_MMA;
   e.pv_format = SAGE_PV_FP8_E4M3;
@@ -196,7 +219,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   e.accum_chunk = 32;  // keys of one k32 MMA step
   e.block_k = quant::kBlockK;
   if (plan.family == Family::kSm90) {
-    plan.consumers = sm90_consumers(D, causal, p.seq_q, plan.fused_q);
+    plan.consumers = sm90_consumers(Dk, causal, p.seq_q, plan.fused_q);
     plan.block_q = 64 * plan.consumers;
     plan.block_k = sm90::kBlockK;
     // The wgmma E4M3 accumulator: each k32 step's products aligned to its largest addend and cut
@@ -206,7 +229,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
     e.block_q = plan.block_q;
     e.warps = plan.block_q / 16;
     e.softmax_block_k = sm90::kBlockK;
-    e.exp2_poly_every = sm90_poly_every(D, plan.consumers);
+    e.exp2_poly_every = sm90_poly_every(Dk, plan.consumers);
   } else {
     plan.block_q = mma::kBlockQ;
     plan.block_k = mma::kBlockK;
@@ -240,6 +263,8 @@ void describe(const Plan& plan, sage_plan_info* info) {
   info->prefer_sdpa = plan.prefer_sdpa;
   info->workspace_size = plan.prepass.total;
   info->emulation = plan.emulation;
+  info->kernel_head_dim = plan.prepass.head_dim;
+  info->has_backward = plan.has_backward;
 }
 
 }  // namespace sage::api

@@ -24,13 +24,16 @@ enum class Family { kMma, kSm90, kFp4 };
 
 struct Plan {
   Family family = Family::kMma;
-  quant::PrepassPlan prepass;  // the workspace layout and the pre-pass's steps (total: the size)
+  // The workspace layout and the pre-pass's steps (total: the size); prepass.head_dim is the
+  // kernel's native head dim (64 or 128), prepass.channels the caller's (zero-padded up to it).
+  quant::PrepassPlan prepass;
   fp4::Layout fp4;             // kFp4: its own workspace layout (prepass.total is its size)
   int block_q = 0, block_k = 0;
   int consumers = 0;       // sm90: consumer warpgroups (tile rows = 64 · consumers)
   bool fused_q = false;    // sm90: Q quantized inside the kernel (no quant_q launch)
   bool two_level = false;  // mma: P·V in a fresh accumulator per key block, added into fp32
   bool prefer_sdpa = false;
+  bool has_backward = false;  // the GPU backward takes this call's head dim
   int launches = 0;        // kernels launched per call
   sage_quant_config emulation{};
 };
@@ -41,7 +44,8 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
                       Plan* plan);
 
 // The crossover table: true where a dense fp16 SDPA (cuDNN) measured faster than this library's
-// call for this head dim, mask and length on this architecture (unmeasured architectures: false).
+// call for this (kernel, native) head dim, mask and length on this architecture (unmeasured
+// architectures: false).
 bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv);
 
 // The public description of a plan (sage_plan_info).

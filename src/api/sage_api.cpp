@@ -256,6 +256,8 @@ sage_status sage_attention_plan(const sage_attention_args* args, sage_plan_info*
   info->block_q = r.quant.block_q;
   info->block_k = r.quant.block_k;
   info->emulation = r.quant;
+  info->kernel_head_dim = r.problem.head_dim;
+  info->has_backward = 1;
   return SAGE_OK;
 }
 

@@ -123,8 +123,9 @@ sage_status check_common(const Args& a) {
   SAGE_CHECK_ARG(a.seq_q >= 1, "seq_q = %" PRId64 " must be >= 1", a.seq_q);
   SAGE_CHECK_ARG(a.seq_kv >= 1, "seq_kv = %" PRId64 " must be >= 1", a.seq_kv);
   SAGE_CHECK_ARG(a.head_dim >= 1 && a.head_dim <= kMaxHeadDim,
-                 "head_dim = %" PRId64 " is outside 1..%" PRId64 " (GPU kernels: %s)", a.head_dim,
-                 kMaxHeadDim, kGpuHeadDims);
+                 "head_dim = %" PRId64 " is outside 1..%" PRId64
+                 " (GPU kernels: %s; the backward's: %s)",
+                 a.head_dim, kMaxHeadDim, kGpuHeadDims, kGpuBackwardHeadDims);
   SAGE_CHECK_ARG(std::isfinite(a.scale), "scale = %g is not finite", double(a.scale));
   SAGE_CHECK_ARG(a.num_threads >= 0, "num_threads = %d must be >= 0", int(a.num_threads));
   return SAGE_OK;

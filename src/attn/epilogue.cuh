@@ -84,6 +84,8 @@ __device__ __forceinline__ float row_poison(const Params& p, int64_t bh, int64_t
 // channel tile i. kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 when
 // it sums the E4M3-range values P~ · 448 the kernel computed directly. vsc / vmean: this head's V
 // scales and means (D floats each), from global memory or staged in shared memory by the caller.
+// Only the caller's p.head_dim channels are stored (a padded head dim's zero channels past it
+// would land in memory that is not the output's); a pair never straddles it (an even head_dim).
 template <int D, typename OutT, int kLUnit, typename Params, typename OAt>
 __device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float (&m)[2],
                                          float (&l)[2], int64_t b, int64_t h, int64_t bh,
@@ -103,7 +105,7 @@ __device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float 
       const int c = i * 8 + 2 * t;
       const float x0 = empty ? 0.0f : o_at(i, 2 * r) * (vsc[c] * inv) + vmean[c];
       const float x1 = empty ? 0.0f : o_at(i, 2 * r + 1) * (vsc[c + 1] * inv) + vmean[c + 1];
-      store2<OutT>(dst + c, x0, x1);
+      if (c < p.head_dim) store2<OutT>(dst + c, x0, x1);
     }
     if (p.lse && t == 0)
       p.lse[b * p.lse_batch + h * p.lse_head + row * p.lse_token] =

@@ -69,7 +69,13 @@ struct RowSight {
 // for and whether the pre-pass quantizes Q (on sm_90: whether Q's rows are 16-byte aligned), so a
 // caller may cache it per shape and those two facts.
 struct PrepassPlan {
-  int64_t batch = 0, heads_q = 0, heads_kv = 0, seq_q = 0, seq_kv = 0, head_dim = 0;
+  int64_t batch = 0, heads_q = 0, heads_kv = 0, seq_q = 0, seq_kv = 0;
+  // head_dim: the kernel's (native) head dim, the workspace's channels; channels: the caller's
+  // head_dim, the channels read from Q, K and V (<= head_dim). The pre-pass writes the channels
+  // from `channels` to head_dim as an all-zero channel's products: 0 in Q, K and Vᵀ, k_mean,
+  // v_mean and V's scale 0 (make_quant_scale of a zero amax), so they change no dot product, no
+  // group max and no mean (plan.h).
+  int64_t head_dim = 0, channels = 0;
   int bits = 8;                 // QK format: 8 (INT8) or 4 (INT4)
   bool smooth_q = false, smooth_k = false, smooth_v = false;
   // The K smoothing mean is taken over tokens 0, s, 2s, ... < Nk (s = k_mean_stride,
@@ -100,13 +106,13 @@ struct PrepassPlan {
 constexpr int64_t kKvStatBytes = 24;
 
 inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t heads_kv,
-                                     int64_t seq_q, int64_t seq_kv, int64_t head_dim, int bits,
-                                     bool smooth_q, bool smooth_k, bool smooth_v,
-                                     int64_t k_mean_stride, int max_kv_cluster, bool quantize_q,
-                                     bool lse) {
+                                     int64_t seq_q, int64_t seq_kv, int64_t head_dim,
+                                     int64_t channels, int bits, bool smooth_q, bool smooth_k,
+                                     bool smooth_v, int64_t k_mean_stride, int max_kv_cluster,
+                                     bool quantize_q, bool lse) {
   PrepassPlan p;
   p.batch = batch, p.heads_q = heads_q, p.heads_kv = heads_kv;
-  p.seq_q = seq_q, p.seq_kv = seq_kv, p.head_dim = head_dim, p.bits = bits;
+  p.seq_q = seq_q, p.seq_kv = seq_kv, p.head_dim = head_dim, p.channels = channels, p.bits = bits;
   p.smooth_q = smooth_q, p.smooth_k = smooth_k, p.smooth_v = smooth_v;
   p.quantize_q = quantize_q, p.lse = lse;
   p.q_blocks = (seq_q + kBlockQ - 1) / kBlockQ;

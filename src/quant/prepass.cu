@@ -145,14 +145,16 @@ __device__ __forceinline__ void copy16(uint8_t* dst, const T* src) {
 
 // Stages the chunk's rows n0 + r (r < kStatTokens) of K and V: V's every row, K's every row when
 // all_k, else only the rows the K mean samples (n % k_stride == 0); rows past `rows` (the
-// sequence's end) are zero-filled. 256 threads: D/8 lanes a row.
+// sequence's end) are zero-filled, and so are the channels from `dim` (the caller's head dim) to
+// D. 256 threads: D/8 lanes a row, each a 16-byte piece (wholly inside dim: a multiple of 8).
 template <typename T, int D, bool kVec>
 __device__ __forceinline__ void stage_rows(const T* k, const T* v, const sage_strides& ks,
-                                           const sage_strides& vs, int b, int h, int64_t n0,
-                                           int rows, uint32_t k_stride, bool all_k,
+                                           const sage_strides& vs, int dim, int b, int h,
+                                           int64_t n0, int rows, uint32_t k_stride, bool all_k,
                                            uint8_t* smem) {
   constexpr int kPieces = D / 8, kRowStep = 256 / kPieces;
   const int piece = threadIdx.x % kPieces;
+  const bool real = piece * 8 < dim;  // a piece of the caller's channels, not zero padding
   int r = threadIdx.x / kPieces;
   const T* k_row = row_ptr(k, ks, b, h, n0 + r) + piece * 8;
   const T* v_row = row_ptr(v, vs, b, h, n0 + r) + piece * 8;
@@ -163,7 +165,7 @@ __device__ __forceinline__ void stage_rows(const T* k, const T* v, const sage_st
   for (; r < Stage<D>::kRows; r += kRowStep) {
     uint8_t* kd = smem + r * Stage<D>::kPitch + piece * 16;
     uint8_t* vd = kd + Stage<D>::kV;
-    if (r < rows) {
+    if (r < rows && real) {
       copy16<kVec>(vd, v_row);
       if (all_k || residue == 0u) copy16<kVec>(kd, k_row);
     } else {
@@ -354,23 +356,27 @@ struct KvBlock {
 };
 
 // Loads block kb from global memory (quant_kv_kernel): every load of the thread is issued first.
+// Channels from `dim` (the caller's head dim) to D are zeros: a K chunk (8 channels) and a V slice
+// (D/16 = 4 or 8 channels) lie wholly inside dim (a multiple of 16) or wholly past it.
 template <typename T, int D, bool kVec>
 __device__ __forceinline__ KvBlock<D> load_block_global(const T* k, const T* v,
                                                         const sage_strides& ks,
-                                                        const sage_strides& vs, int b, int h,
-                                                        int64_t kb, int64_t seq_kv) {
+                                                        const sage_strides& vs, int dim, int b,
+                                                        int h, int64_t kb, int64_t seq_kv) {
   using B = KvBlock<D>;
   B x;
   const int64_t key = kb * kBlockK + B::key();
   for (int ci = 0; ci < B::kChunks; ++ci) {
+    const int d0 = (ci * 4 + B::part()) * 8;
     x.kr[ci] = make_uint4(0u, 0u, 0u, 0u);
-    if (key < seq_kv) x.kr[ci] = load_raw8<kVec>(row_ptr(k, ks, b, h, key) + (ci * 4 + B::part()) * 8);
+    if (key < seq_kv && d0 < dim) x.kr[ci] = load_raw8<kVec>(row_ptr(k, ks, b, h, key) + d0);
   }
+  const bool v_real = B::slice() * B::kW < dim;
   for (int u = 0; u < 4; ++u) {
     const int64_t n = kb * kBlockK + B::vkey(u);
     for (int i = 0; i < B::kW / 2; ++i) x.vr[u][i] = 0u;
     if (n < seq_kv) {
-      load_raw<kVec, B::kW>(row_ptr(v, vs, b, h, n) + B::slice() * B::kW, x.vr[u]);
+      if (v_real) load_raw<kVec, B::kW>(row_ptr(v, vs, b, h, n) + B::slice() * B::kW, x.vr[u]);
       x.vkeep |= 0xFFu << (8 * u);
     }
   }
@@ -473,10 +479,11 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
 // attention kernel and quant_q), and quantizes its staged rows.
 template <typename T, int D, int kBits, bool kVec>
 __global__ void __launch_bounds__(256, 2)
-    kv_prepass_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
-                      int64_t chunks, uint32_t k_stride, int64_t k_samples, bool smooth_k,
-                      bool smooth_v, KvStat* stats, int64_t stats_stride, float* k_mean,
-                      float* v_mean, float* v_scale, float* v_inv, unsigned* tile_counter,
+    kv_prepass_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
+                      int64_t seq_kv, int64_t chunks, uint32_t k_stride, int64_t k_samples,
+                      bool smooth_k, bool smooth_v, KvStat* stats, int64_t stats_stride,
+                      float* k_mean, float* v_mean, float* v_scale, float* v_inv,
+                      unsigned* tile_counter,
                       unsigned long long* kv_bad, int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
                       float* k_scale, uint8_t* vq) {
   pdl_enter();
@@ -489,7 +496,7 @@ __global__ void __launch_bounds__(256, 2)
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
   const int rows = int(min(int64_t(kStatTokens), seq_kv - n0));
-  stage_rows<T, D, kVec>(k, v, ks, vs, b, h, n0, rows, k_stride, true, stage);
+  stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0, rows, k_stride, true, stage);
   ChunkStats<T, D> st;
   st.accumulate(stage, rows, n0, k_stride);
   KvStat* hs = head_stats(stats, bh, stats_stride);
@@ -529,15 +536,16 @@ __global__ void __launch_bounds__(256, 2)
 // rows K's mean samples staged).
 template <typename T, int D, bool kVec>
 __global__ void __launch_bounds__(256, 2)
-    kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
-                    int64_t chunks, uint32_t k_stride, KvStat* stats, int64_t stats_stride) {
+    kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
+                    int64_t seq_kv, int64_t chunks, uint32_t k_stride, KvStat* stats,
+                    int64_t stats_stride) {
   pdl_enter();
   extern __shared__ __align__(16) uint8_t stage[];
   __shared__ double red[kStatRed];
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
   const int rows = int(min(int64_t(kStatTokens), seq_kv - n0));
-  stage_rows<T, D, kVec>(k, v, ks, vs, b, h, n0, rows, k_stride, false, stage);
+  stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0, rows, k_stride, false, stage);
   ChunkStats<T, D> st;
   st.accumulate(stage, rows, n0, k_stride);
   st.write(red, head_stats(stats, bh, stats_stride) + chunk * D);
@@ -569,8 +577,8 @@ __global__ void __launch_bounds__(128)
 // together (the loads of both in flight at once) before the head's means and scales.
 template <typename T, int D, int kBits, bool kVec>
 __global__ void __launch_bounds__(256, 3)
-    quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int64_t seq_kv,
-                    const float* k_mean, const float* v_mean, const float* v_inv,
+    quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
+                    int64_t seq_kv, const float* k_mean, const float* v_mean, const float* v_inv,
                     unsigned long long* kv_bad, int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
                     float* k_scale, uint8_t* vq) {
   pdl_enter();
@@ -580,7 +588,7 @@ __global__ void __launch_bounds__(256, 3)
   __shared__ __align__(16) float vi[D];
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t kb = blockIdx.x;
-  KvBlock<D> x = load_block_global<T, D, kVec>(k, v, ks, vs, b, h, kb, seq_kv);
+  KvBlock<D> x = load_block_global<T, D, kVec>(k, v, ks, vs, dim, b, h, kb, seq_kv);
   x.template zero_special_keys<T>(kb * kBlockK, kv_bad + bh);
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
@@ -606,10 +614,11 @@ __global__ void __launch_bounds__(256, 3)
 // and no operand is NaN.
 template <typename T, int D, int kBits, bool kVec, bool kSmooth>
 __global__ void __launch_bounds__(512, 2)
-    quant_q_kernel(const T* q, sage_strides qs, int heads_kv, int group_ratio, int64_t seq_q,
-                   float scale, const float* k_mean, const unsigned long long* kv_bad,
-                   RowSight sight, int64_t nq_pad, int64_t q_blocks, uint8_t* qq,
-                   float* q_scale, float* q_mean, float* lse_shift) {
+    quant_q_kernel(const T* q, sage_strides qs, int dim, int heads_kv, int group_ratio,
+                   int64_t seq_q, float scale, const float* k_mean,
+                   const unsigned long long* kv_bad, RowSight sight, int64_t nq_pad,
+                   int64_t q_blocks, uint8_t* qq, float* q_scale, float* q_mean,
+                   float* lse_shift) {
   pdl_enter();
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   constexpr int kChunks = D / 32;
@@ -625,9 +634,10 @@ __global__ void __launch_bounds__(512, 2)
   const int64_t row = r0 + r;
   const bool valid = row < seq_q;
   uint4 raw[kChunks];
-  for (int ci = 0; ci < kChunks; ++ci) {
+  for (int ci = 0; ci < kChunks; ++ci) {  // channels from dim to D: zeros (whole chunks)
+    const int d0 = (ci * 4 + part) * 8;
     raw[ci] = make_uint4(0u, 0u, 0u, 0u);
-    if (valid) raw[ci] = load_raw8<kVec>(row_ptr(q, qs, b, h, row) + (ci * 4 + part) * 8);
+    if (valid && d0 < dim) raw[ci] = load_raw8<kVec>(row_ptr(q, qs, b, h, row) + d0);
   }
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
@@ -635,7 +645,7 @@ __global__ void __launch_bounds__(512, 2)
     if constexpr (kSmooth) {
       const int64_t r1 = min(seq_q, r0 + kBlockQ);
       double s = 0;
-      for (int64_t rr = r0; rr < r1; ++rr) {
+      for (int64_t rr = r0; rr < r1 && c < dim; ++rr) {  // a padded channel's mean is 0
         const float x = to_float(row_ptr(q, qs, b, h, rr)[c]);
         s += isfinite(x) ? double(x) : 0.0;
       }
@@ -713,6 +723,9 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
   const T* v = static_cast<const T*>(in.v);
   const unsigned bk = unsigned(p.batch * p.heads_kv);
   const int heads_q = int(p.heads_q), heads_kv = int(p.heads_kv);
+  // The caller's channels (<= D, a multiple of 16): the kernels read these and write the rest of
+  // D as zero channels (layout.h, PrepassPlan::channels).
+  const int dim = int(p.channels);
   // (blocks, heads, batch): no division for the batch and head in the kernels.
   auto kv_grid = [&](int64_t blocks) {
     return dim3(unsigned(blocks), unsigned(p.heads_kv), unsigned(p.batch));
@@ -737,7 +750,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
       check(set_max_dynamic_smem_once<kernel>(device, Stage<D>::kBytes));
       LaunchShape shape{kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)};
       shape.cluster = unsigned(p.kv_cluster);
-      check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, p.seq_kv,
+      check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, dim, p.seq_kv,
                        p.stat_chunks, uint32_t(p.k_mean_stride), p.k_mean_samples, p.smooth_k,
                        p.smooth_v, stats, p.kv_stats_stride, f32(p.k_mean), f32(p.v_mean),
                        f32(p.v_scale), f32(p.v_inv), tile_counter, kv_bad, p.nk_pad, p.k_blocks,
@@ -748,7 +761,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     check(set_max_dynamic_smem_once<stats_kernel>(device, Stage<D>::kBytes));
     check(launch_pdl(stats_kernel,
                      {kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)}, st, k, v,
-                     in.k_strides, in.v_strides, p.seq_kv, p.stat_chunks,
+                     in.k_strides, in.v_strides, dim, p.seq_kv, p.stat_chunks,
                      uint32_t(p.k_mean_stride), stats, p.kv_stats_stride));
     if (err != cudaSuccess) return;
     check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D)}, st, stats, p.kv_stats_stride,
@@ -757,7 +770,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
                      kv_bad));
     if (err != cudaSuccess) return;
     check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(256)}, st, k,
-                     v, in.k_strides, in.v_strides, p.seq_kv, f32(p.k_mean), f32(p.v_mean),
+                     v, in.k_strides, in.v_strides, dim, p.seq_kv, f32(p.k_mean), f32(p.v_mean),
                      f32(p.v_inv), kv_bad, p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale),
                      ws + p.v));
   };
@@ -768,7 +781,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     auto qk = p.smooth_q ? quant_q_kernel<T, D, kBits, decltype(vq)::value, true>
                          : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
     check(launch_pdl(qk, {dim3(unsigned(p.q_blocks), unsigned(p.heads_q), unsigned(p.batch)),
-                     dim3(512)}, st, q, in.q_strides, heads_kv, heads_q / heads_kv, p.seq_q,
+                     dim3(512)}, st, q, in.q_strides, dim, heads_kv, heads_q / heads_kv, p.seq_q,
                      in.scale, f32(p.k_mean), kv_bad, in.sight, p.nq_pad, p.q_blocks, ws + p.q,
                      f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
   };

@@ -760,12 +760,12 @@ TEST_F(ApiErrors, Sizes) {
       expect_rejected(std::string(c.name) + " = " + std::to_string(bad),
                       [&](sage_attention_args& a) { a.*c.field = bad; }, {c.name});
   // Above 256, the largest head dim a GPU kernel is planned for, the CPU reference refuses too,
-  // naming the head dims the GPU has.
+  // naming the head dims the GPU has (forward and backward).
   for (int64_t bad : {int64_t(257), int64_t(513), int64_t(1) << 20,
                       std::numeric_limits<int64_t>::max()})
     expect_rejected("head_dim = " + std::to_string(bad),
                     [&](sage_attention_args& a) { a.head_dim = bad; },
-                    {"head_dim", "1..256", "64, 128"});
+                    {"head_dim", "1..256", "multiples of 16 from 32 to 128", "64, 128"});
   // GQA needs heads_q % heads_kv == 0.
   expect_rejected("heads_q 2, heads_kv 4", [](sage_attention_args& a) { a.heads_kv = 4; },
                   {"heads_q", "heads_kv"});

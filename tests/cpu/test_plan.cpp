@@ -3,13 +3,18 @@
 // reports, and its refusals (each naming the argument).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "api/backend.h"
 #include "api/plan.h"
 #include "common/error.h"
+#include "common/test_util.h"
 #include "ref/reference.h"
 
 namespace {
@@ -151,6 +156,140 @@ TEST(Planner, EmulationConfigIsWhatRuns) {
   EXPECT_TRUE(mma89.two_level);
   EXPECT_EQ(mma89.emulation.softmax_block_k, 0);
   EXPECT_EQ(sage::ref::quant_config_error(mma89.emulation), "");
+}
+
+// Head dims that are multiples of 16 from 32 to 128 run at the native 64 or 128 (zero channels
+// past head_dim): the kernel head dim, the family, the tile and the emulation config are the
+// native head dim's, the workspace too (its layout is the kernel's); the pre-pass reads the
+// caller's channels. Every other head dim is refused naming it and the supported set.
+TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
+  for (const int64_t d : {32, 48, 64, 80, 96, 112, 128}) {
+    SCOPED_TRACE("D = " + std::to_string(d));
+    const int64_t dk = d <= 64 ? 64 : 128;
+    EXPECT_EQ(sage::api::gpu_kernel_head_dim(d), dk);
+    for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
+      for (const Device& dev : {kH100, kAda, kBlackwell}) {
+        const Plan p = must_plan(Call(3000, 2500, d, mask), dev);
+        const Plan native = must_plan(Call(3000, 2500, dk, mask), dev);
+        EXPECT_EQ(p.prepass.head_dim, dk);
+        EXPECT_EQ(p.prepass.channels, d);
+        EXPECT_EQ(p.family, dev.cc == 90 ? Family::kSm90 : Family::kMma);
+        EXPECT_EQ(p.family, native.family);
+        EXPECT_EQ(p.fused_q, dev.cc == 90);  // TMA reads the D channels, zero-fills up to Dk
+        EXPECT_EQ(p.consumers, native.consumers);
+        EXPECT_EQ(p.block_q, native.block_q);
+        EXPECT_EQ(p.launches, native.launches);
+        EXPECT_EQ(p.prefer_sdpa, native.prefer_sdpa);
+        EXPECT_EQ(p.has_backward, d == dk);  // the backward has no padded head dims yet
+        EXPECT_TRUE(native.has_backward);
+        EXPECT_EQ(p.prepass.total, native.prepass.total);
+        EXPECT_EQ(p.prepass.row_bytes, native.prepass.row_bytes);
+        // The emulation at the caller's D computes what the kernel at Dk does (plan.cpp says
+        // why): the same config as the native head dim's.
+        EXPECT_EQ(std::memcmp(&p.emulation, &native.emulation, sizeof(sage_quant_config)), 0);
+        EXPECT_EQ(sage::ref::quant_config_error(p.emulation), "");
+        sage_plan_info info{};
+        sage::api::describe(p, &info);
+        EXPECT_EQ(info.kernel_head_dim, dk);
+        EXPECT_EQ(info.has_backward, d == dk ? 1 : 0);
+      }
+    }
+    // 4-bit (mma.sync on the H100 too) and Q smoothing pad the same way.
+    const Plan p4 = must_plan(Call(1000, 1000, d, SAGE_MASK_NONE, SAGE_VARIANT_SAGE2_4B), kH100);
+    EXPECT_EQ(p4.family, Family::kMma);
+    EXPECT_EQ(p4.prepass.head_dim, dk);
+    EXPECT_EQ(p4.prepass.row_bytes, dk / 2);
+    // A Q that a TMA map cannot describe (rows 2-byte aligned) takes the pre-pass's Q.
+    Call odd(3000, 3000, d);
+    odd.a.q = odd.q.data() + 1;
+    const Plan po = must_plan(odd, kH100);
+    EXPECT_FALSE(po.fused_q);
+    EXPECT_TRUE(po.prepass.quantize_q);
+  }
+  // The crossover of a padded head dim is its kernel's: the same work at any D <= Dk.
+  EXPECT_TRUE(must_plan(Call(2048, 2048, 80), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(4096, 4096, 96), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(4096, 4096, 48, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
+  // Not a multiple of 16, under 32, over 128: refused on every GPU, naming head_dim and the set.
+  Plan p;
+  // The FP4 kernel has no padded head dims: refused, never run at its template head dim.
+  for (const int64_t d : {32, 48, 80, 96, 112}) {
+    for (const Device& dev : {kH100, kBlackwell}) {
+      EXPECT_EQ(Call(100, 100, d, SAGE_MASK_NONE, SAGE_VARIANT_SAGE3_FP4).plan(dev, &p),
+                SAGE_ERROR_UNSUPPORTED)
+          << d;
+      const std::string msg = sage_last_error();
+      EXPECT_NE(msg.find("head_dim = " + std::to_string(d) + ": the FP4 kernel"),
+                std::string::npos)
+          << msg;
+    }
+    EXPECT_EQ(must_plan(Call(100, 100, d == 48 || d == 32 ? 64 : 128, SAGE_MASK_NONE,
+                             SAGE_VARIANT_SAGE3_FP4),
+                        kBlackwell)
+                  .family,
+              Family::kFp4);
+  }
+  for (const int64_t d : {1, 8, 16, 24, 40, 72, 88, 100, 120, 136, 144, 160, 192, 240, 256}) {
+    EXPECT_EQ(sage::api::gpu_kernel_head_dim(d), 0) << d;
+    for (const Device& dev : {kH100, kAda, kBlackwell}) {
+      EXPECT_EQ(Call(100, 100, d).plan(dev, &p), SAGE_ERROR_UNSUPPORTED) << d;
+      const std::string msg = sage_last_error();
+      EXPECT_NE(msg.find("head_dim = " + std::to_string(d)), std::string::npos) << msg;
+      EXPECT_NE(msg.find("multiples of 16 from 32 to 128"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("CPU reference"), std::string::npos) << msg;
+    }
+  }
+}
+
+// Why the plan's emulation at the caller's D is what the padded kernel computes: the kernel at Dk
+// is held to the emulation at Dk (the native GPU sweep), and the emulation at Dk of inputs whose
+// channels past D are zero is the emulation at D, bit for bit (the D channels of O and the LSE):
+// for each config a padded call reports (sm90 8-bit, mma.sync two-level and fp32, 4-bit with Q
+// smoothing), both masks, channel-biased inputs (smoothing at work), GQA, N not multiples of the
+// blocks.
+TEST(Planner, PaddedEmulationIsTheNativeOneOnZeroChannels) {
+  std::mt19937_64 rng(sage::test::fresh_seed());
+  const int64_t B = 1, Hq = 4, Hkv = 2, Nq = 300, Nk = 333;
+  for (const int64_t d : {32, 48, 80, 112}) {
+    const int64_t dk = d <= 64 ? 64 : 128;
+    const sage::test::Fp16Tensor q = sage::test::random_tensor(rng, B, Hq, Nq, d, 2.0f);
+    const sage::test::Fp16Tensor k = sage::test::random_tensor(rng, B, Hkv, Nk, d, 4.0f);
+    const sage::test::Fp16Tensor v = sage::test::random_tensor(rng, B, Hkv, Nk, d, 4.0f);
+    // The same tensors with dk channels, those past d zero.
+    auto padded = [&](const sage::test::Fp16Tensor& x, int64_t H, int64_t N) {
+      sage::test::Fp16Tensor y;
+      y.strides = sage::ref::contiguous_strides(SAGE_LAYOUT_HND, H, N, dk);
+      y.data.assign(size_t(B * H * N * dk), 0);
+      for (int64_t r = 0; r < B * H * N; ++r)
+        std::copy_n(&x.data[size_t(r * d)], d, &y.data[size_t(r * dk)]);
+      return y;
+    };
+    const sage::test::Fp16Tensor qp = padded(q, Hq, Nq), kp = padded(k, Hkv, Nk),
+                                 vp = padded(v, Hkv, Nk);
+    for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
+      const std::pair<Device, sage_variant> calls[] = {{kH100, SAGE_VARIANT_SAGE2_8B},
+                                                       {kAda, SAGE_VARIANT_SAGE2_8B},
+                                                       {kH100, SAGE_VARIANT_SAGE2_4B}};
+      for (const auto& [dev, variant] : calls) {
+        SCOPED_TRACE("D " + std::to_string(d) + " mask " + std::to_string(int(mask)) + " sm_" +
+                     std::to_string(dev.cc) + " variant " + std::to_string(int(variant)));
+        const sage_quant_config cfg = must_plan(Call(Nq, Nk, d, mask, variant), dev).emulation;
+        const double scale = 1.0 / std::sqrt(double(d));
+        const sage::ref::Problem at_d{B, Hq, Hkv, Nq, Nk, d, scale, mask};
+        const sage::ref::Problem at_dk{B, Hq, Hkv, Nq, Nk, dk, scale, mask};
+        std::vector<float> o(size_t(B * Hq * Nq * d)), lse(size_t(B * Hq * Nq));
+        std::vector<float> op(size_t(B * Hq * Nq * dk)), lsep(lse.size());
+        sage::ref::attention_quant(at_d, cfg, q.view(), k.view(), v.view(), o.data(), lse.data());
+        sage::ref::attention_quant(at_dk, cfg, qp.view(), kp.view(), vp.view(), op.data(),
+                                   lsep.data());
+        size_t differ = 0;
+        for (int64_t r = 0; r < B * Hq * Nq; ++r)
+          differ += std::memcmp(&o[size_t(r * d)], &op[size_t(r * dk)], size_t(d) * 4) != 0;
+        EXPECT_EQ(differ, 0u) << "rows of O that differ";
+        EXPECT_EQ(std::memcmp(lse.data(), lsep.data(), lse.size() * 4), 0) << "LSE differs";
+      }
+    }
+  }
 }
 
 // ---- The workspace: the README's formula ----------------------------------------------------
@@ -310,8 +449,8 @@ TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {
     EXPECT_EQ(c.plan(dev, &p), SAGE_ERROR_UNSUPPORTED) << word;
     EXPECT_NE(std::string(sage_last_error()).find(word), std::string::npos) << sage_last_error();
   };
-  refused(Call(100, 100, 96), kH100, "head_dim = 96");
-  refused(Call(100, 100, 256), kH100, "GPU kernels: 64, 128");  // the set, named
+  refused(Call(100, 100, 72), kH100, "head_dim = 72");
+  refused(Call(100, 100, 256), kH100, "GPU kernels: multiples of 16 from 32 to 128");  // the set
   refused(Call(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_EXACT), kH100, "EXACT");
   refused(Call(100, 100, 128), kAmpere, "sm_86");
   Call custom(100, 100, 128);

@@ -1,9 +1,9 @@
 // The SageAttention2 kernels through the C API, each kernel family the GPU has (mma.sync on
 // sm_89+, the wgmma kernel on sm_90 with fused or pre-pass Q) against the CPU emulation of what
 // the call runs (sage_attention_plan(...).emulation, tight) and float64 attention (accuracy
-// bands): head dims, dtypes, layouts, sizes that are not multiples of the blocks, Nq != Nk,
-// GQA/MQA, both causal alignments, LSE, poisoned outputs, determinism, the wgmma accumulator
-// model (a diagnostic table), and the GPU-specific argument errors.
+// bands): head dims (native and zero-padded), dtypes, layouts, sizes that are not multiples of
+// the blocks, Nq != Nk, GQA/MQA, both causal alignments, LSE, poisoned outputs, determinism, the
+// wgmma accumulator model (a diagnostic table), and the GPU-specific argument errors.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -270,6 +270,34 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1, 4, 2, 2000, 333, 128, kTL, kNHD, kBF16, k4, 8, 0, 1}),
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
+// Head dims zero-padded to the native 64 or 128 (32, 48 -> 64; 80, 96, 112 -> 128), held to the
+// same emulation bound and accuracy bands as the native ones: the emulation runs at the caller's
+// D (the plan's config is the native head dim's: plan.cpp says why that is exact). Both masks,
+// fp16/bf16, both layouts, GQA/MQA, 8- and 4-bit, sizes that are not multiples of the blocks,
+// decode-like and Nq > Nk rows, several tiles per CTA, D = 32/48 on the three-consumer sm90 tile,
+// Q smoothing (8-bit cases with it; the 4-bit preset has it) with K rows 2-byte aligned.
+INSTANTIATE_TEST_SUITE_P(
+    HeadDims, GpuVsEmulation,
+    ::testing::Values(
+        Case{1, 2, 2, 17, 17, 32, kNone, kHND, kF16, k8, 4},
+        Case{1, 4, 1, 1000, 1000, 32, kTL, kNHD, kBF16, k4, 8},    // MQA
+        Case{1, 2, 2, 1, 4097, 48, kBR, kHND, kBF16, k8, 4},       // decode-like Nq = 1
+        Case{2, 6, 2, 3000, 2500, 48, kBR, kNHD, kF16, k8, 4},     // GQA 3:1, causal, many tiles
+        Case{1, 4, 2, 5000, 300, 48, kNone, kNHD, kBF16, k8, 4},   // > 1 tile per CTA
+        Case{1, 8, 2, 2100, 2100, 80, kNone, kHND, kF16, k8, 8},   // GQA 4:1
+        Case{1, 2, 2, 700, 3000, 80, kTL, kNHD, kBF16, k8, 0},     // flat
+        Case{1, 2, 2, 300, 77, 80, kBR, kHND, kF16, k4, 4},        // Nq > Nk: empty rows
+        Case{2, 2, 2, 129, 1000, 96, kNone, kNHD, kF16, k4, 0},
+        Case{1, 2, 1, 77, 300, 96, kTL, kHND, kBF16, k8, 8},
+        Case{2, 4, 2, 1100, 900, 96, kBR, kNHD, kBF16, k8, 4},
+        Case{1, 4, 4, 1500, 1500, 112, kBR, kNHD, kF16, k8, 4},
+        Case{1, 2, 2, 4097, 4097, 112, kNone, kHND, kBF16, k4, 8},
+        Case{1, 2, 2, 700, 3000, 112, kNone, kHND, kF16, k8, 0},   // flat
+        // Q smoothing: ΔS from the caller's K reads only its D channels (4-bit has it too).
+        Case{1, 4, 2, 500, 700, 80, kBR, kNHD, kF16, k8, 4, kSmoothQKV, 1},
+        Case{1, 2, 2, 300, 1000, 48, kTL, kHND, kBF16, k8, 8, kSmoothQKV}),
+    [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
+
 // The wgmma E4M3 accumulator model, checked against the kernel's outputs: for flat and peaked
 // attention at both head dims, the sm90 kernel's distance to emulations that differ only in the
 // P·V accumulator (aligned with 12, 13 or 14 kept bits, and a true fp32). One GPU run shows
@@ -527,9 +555,14 @@ TEST(GpuAttention, ArgumentErrorsAreClear) {
   EXPECT_EQ(sage_attention(&a), SAGE_OK) << sage_last_error();
   // Unsupported combinations are refused, never half-done.
   sage_attention_args b = a;
-  b.head_dim = 96;
+  b.head_dim = 72;  // not a multiple of 16 (and 256: no kernel above 128 yet)
   EXPECT_EQ(sage_attention(&b), SAGE_ERROR_UNSUPPORTED);
-  EXPECT_NE(std::string(sage_last_error()).find("head_dim"), std::string::npos);
+  EXPECT_NE(std::string(sage_last_error()).find("head_dim = 72"), std::string::npos);
+  b.head_dim = 256, b.seq_q = b.seq_kv = 32;  // (within the buffers)
+  EXPECT_EQ(sage_attention(&b), SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("multiples of 16 from 32 to 128"),
+            std::string::npos)
+      << sage_last_error();
   b = a;
   b.dtype = SAGE_DTYPE_FP32;
   EXPECT_EQ(sage_attention(&b), SAGE_ERROR_UNSUPPORTED);

@@ -1,7 +1,8 @@
 // Non-finite inputs on the GPU (README, "Non-finite inputs"), each kernel family the GPU has, 8-
-// and 4-bit, SageAttention3's FP4, both layouts, every mask: an Inf/NaN in Q row i makes row i NaN, one in K or V row
-// j makes every row that sees key j NaN (output and LSE), and every other row is bit-identical to
-// the same call with the bad elements set to zero; float64 is non-finite only in marked rows.
+// and 4-bit, SageAttention3's FP4, both layouts, every mask, native and zero-padded head dims:
+// an Inf/NaN in Q row i makes row i NaN, one in K or V row j makes every row that sees key j NaN
+// (output and LSE), and every other row is bit-identical to the same call with the bad elements
+// set to zero; float64 is non-finite only in marked rows.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -127,7 +128,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{1, 4, 2, 500, 300, 128, kTL, kHND, kBF16, k4, 4},
                       Case{1, 2, 2, 2100, 2100, 64, kBR, kNHD, kF16, k4, 4},
                       Case{1, 4, 2, 500, 300, 128, kNone, kHND, kF16, SAGE_VARIANT_SAGE3_FP4, 4},
-                      Case{1, 4, 2, 300, 500, 64, kTL, kNHD, kBF16, SAGE_VARIANT_SAGE3_FP4, 4}),
+                      Case{1, 4, 2, 300, 500, 64, kTL, kNHD, kBF16, SAGE_VARIANT_SAGE3_FP4, 4},
+                      // Zero-padded head dims (the bad element is among the caller's channels).
+                      Case{2, 4, 2, 300, 500, 80, kNone, kNHD, kBF16, k8, 4},
+                      Case{1, 4, 2, 500, 300, 48, kTL, kHND, kF16, k8, 4},
+                      Case{1, 4, 2, 700, 700, 112, kBR, kHND, kF16, k4, 4}),
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
 }  // namespace

@@ -226,6 +226,56 @@ def test_gpu_matches_emulation_and_float64(gen, d, shape, causal):
 
 
 @gpu
+@pytest.mark.parametrize("d", [32, 48, 80, 96, 112])
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_gpu_padded_head_dims(gen, d, causal, dropin_always_sage):
+    """Head dims that are multiples of 16 run at the native 64 or 128 with zero channels (the
+    plan's kernel_head_dim): against the emulation at the caller's head dim as tight as the
+    native ones, against float64 as accurate; and the SDPA drop-in runs them (which head dims
+    have a kernel is the library's answer, not a list here)."""
+    q, k, v = randn(gen, (1, 4, 300, d)), randn(gen, (1, 2, 777, d), bias=2.0), \
+        randn(gen, (1, 2, 777, d))
+    o = sage_attn.sageattn(q, k, v, is_causal=causal is not None,
+                           causal_align=causal or "bottom_right")
+    assert o.shape == q.shape
+    emu = call_emulation(q, k, v, causal)
+    m = metrics(o, emu.double())
+    assert m["rel_l1"] < 2e-3 and m["cos"] > 0.99999, m
+    ref, _ = ref64(q, k, v, causal)
+    assert metrics(o, ref)["cos"] > 0.999
+    qs, ks, vs = q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    assert sage_attn.dropin_backend(qs, ks, vs, is_causal=causal is not None) == "sage"
+    with torch.no_grad():
+        got = sage_attn.scaled_dot_product_attention(qs, ks, vs, is_causal=causal is not None)
+    want = TORCH_SDPA(qs, ks, vs, is_causal=causal is not None)
+    m = metrics(got, want.double())
+    assert m["cos"] > 0.999 and m["rel_l1"] < 0.06, m
+
+
+@gpu
+@pytest.mark.parametrize("d", [80, 64])
+def test_gpu_dropin_training_needs_the_library_backward(gen, d, dropin_always_sage):
+    """With the crossover off the drop-in trains with sage where the library has the backward
+    (its plan's has_backward: D 64 and 128) and hands a padded head dim's training call to
+    torch's SDPA (one warning), whose gradients it then gives; inference at that D runs sage."""
+    q, k, v = (randn(gen, (1, 2, 200, d)).requires_grad_() for _ in range(3))
+    with torch.no_grad():
+        assert sage_attn.dropin_backend(q, k, v, is_causal=True) == "sage"
+    assert sage_attn.dropin_backend(q, k, v, is_causal=True) == ("sage" if d == 64 else "sdpa")
+    g = randn(gen, (1, 2, 200, d))
+    want = torch.autograd.grad(TORCH_SDPA(q, k, v, is_causal=True), (q, k, v), g)
+    sage_attn._torch._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = sage_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        got = torch.autograd.grad(out, (q, k, v), g)
+    backward_warnings = [w for w in caught if "no backward kernel" in str(w.message)]
+    assert len(backward_warnings) == (0 if d == 64 else 1), [str(w.message) for w in caught]
+    for x, y in zip(got, want):  # (SDPA's backward may sum dQ in any order: not bitwise)
+        assert metrics(x, y.double())["cos"] > (0.99 if d == 64 else 0.99999)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_gpu_dtypes_layouts_strides(gen, dtype, layout):
@@ -416,7 +466,7 @@ def test_gpu_sdpa_fallbacks_warn_once_and_match_torch(gen, case):
     if case == "mask":
         kw["attn_mask"] = torch.randn(64, 64, device="cuda", dtype=torch.float16)
     elif case == "head_dim":
-        q, k, v = (x[..., :48].contiguous() for x in (q, k, v))
+        q, k, v = (x[..., :40].contiguous() for x in (q, k, v))  # not a multiple of 16
     elif case == "fp32":
         q, k, v = (x.float() for x in (q, k, v))
     elif case == "3d":
@@ -440,7 +490,7 @@ def test_gpu_sdpa_fallbacks_warn_once_and_match_torch(gen, case):
 @gpu
 @pytest.mark.parametrize("make,exc,words", [
     (lambda q: (q.float(), q.float(), q.float()), TypeError, "dtype"),
-    (lambda q: (q[..., :96].contiguous(),) * 3, ValueError, "head_dim"),
+    (lambda q: (q[..., :72].contiguous(),) * 3, ValueError, "head_dim"),
     (lambda q: (q, q[:, :3], q[:, :3]), ValueError, "heads_kv"),
     (lambda q: (q, q.cpu(), q.cpu()), ValueError, "device"),
     (lambda q: (q.transpose(-1, -2), q, q), ValueError, "contiguous"),

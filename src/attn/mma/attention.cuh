@@ -83,18 +83,26 @@ __device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, 
 // below the INT8/INT4 error of the scores it corrects. An Inf/NaN in K (which the pre-pass counts
 // as a zero) is left in: it makes its key's ΔS non-finite, and only the rows that see that key
 // read it, which are poisoned (NaN) anyway (quant::RowSight); the others mask it.
-template <int D, typename T>
+template <int D, typename T, bool kPadded>
 struct DeltaS {
   static constexpr int kChunks = D / 32;
   uint4 raw[kChunks];  // the thread's channels of its key, as loaded
 
   // Issues the loads of key block kb (keys past seq_kv read as zeros; their scores are masked).
+  // kPadded (a head_dim zero-padded to D): the chunks past head_dim (whole 8-channel chunks) are
+  // not read either and stay zero; their q_mean and k_mean are 0, so they add exact zeros after
+  // the part's real channels, as the emulation at head_dim sums. A template flag, not a runtime
+  // test: the test in the native head dims' loop changed their register allocation (ptxas moved
+  // their spills by up to 40 bytes).
   __device__ __forceinline__ void load(const AttnParams& p, const T* k_head, int64_t kb) {
     const int64_t key = kb * kBlockK + threadIdx.x / 4;
     const T* row = k_head + key * p.k_in_token + (threadIdx.x % 4) * 8;
     for (int ci = 0; ci < kChunks; ++ci) {
       raw[ci] = make_uint4(0u, 0u, 0u, 0u);
       if (key >= p.seq_kv) continue;
+      if constexpr (kPadded) {
+        if ((ci * 4 + int(threadIdx.x % 4)) * 8 >= p.head_dim) continue;
+      }
       const T* src = row + ci * 32;
       if (p.k_in_vec) {
         raw[ci] = __ldg(reinterpret_cast<const uint4*>(src));
@@ -124,8 +132,11 @@ struct DeltaS {
 };
 
 // D=64 fits two CTAs an SM in 128 registers a thread (the occupancy that hides the MMA latency).
-template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, bool kSmoothQ>
+// kDeltaS: 0 no Q smoothing; 1 Q smoothing (ΔS from the caller's K); 2 the same for a head_dim
+// zero-padded to D (ΔS reads only the caller's channels).
+template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, int kDeltaS>
 __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(const AttnParams p) {
+  constexpr bool kSmoothQ = kDeltaS != 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   using T = Tile<D, kBits>;
   constexpr int kDTiles = D / 8;
@@ -171,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
   const float q_scale_log2 =
       p.q_scale[(bh * p.q_blocks + qb) * kQGroups + warp * 8 + g] * p.scale_log2;
 
-  DeltaS<D, OutT> ds_next;
+  DeltaS<D, OutT, kDeltaS == 2> ds_next;
   const OutT* k_head = nullptr;
   if constexpr (kSmoothQ) {
     k_head = static_cast<const OutT*>(p.k_in) + b * p.k_in_batch +
@@ -299,10 +310,10 @@ namespace sage::mma {
 
 // Picks the instantiation for (INT8/INT4, output dtype, mask, accumulation, Q smoothing) of one
 // head dim.
-template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, bool kSmoothQ>
+template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, int kDeltaS>
 cudaError_t launch_one(const AttnParams& p, int device, cudaStream_t stream) {
   constexpr int kSmem = 2 * Tile<D, kBits>::kStageBytes;
-  constexpr auto kernel = attention_kernel<D, kBits, OutT, kCausal, kTwoLevel, kSmoothQ>;
+  constexpr auto kernel = attention_kernel<D, kBits, OutT, kCausal, kTwoLevel, kDeltaS>;
   if (kSmem > 48 * 1024) {
     const cudaError_t e = set_max_dynamic_smem_once<kernel>(device, kSmem);
     if (e != cudaSuccess) return e;
@@ -312,19 +323,20 @@ cudaError_t launch_one(const AttnParams& p, int device, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int D, int kBits, typename OutT, bool kSmoothQ>
+template <int D, int kBits, typename OutT, int kDeltaS>
 cudaError_t launch_mask(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
   if (c.two_level)
-    return c.causal ? launch_one<D, kBits, OutT, true, true, kSmoothQ>(p, c.device, stream)
-                    : launch_one<D, kBits, OutT, false, true, kSmoothQ>(p, c.device, stream);
-  return c.causal ? launch_one<D, kBits, OutT, true, false, kSmoothQ>(p, c.device, stream)
-                  : launch_one<D, kBits, OutT, false, false, kSmoothQ>(p, c.device, stream);
+    return c.causal ? launch_one<D, kBits, OutT, true, true, kDeltaS>(p, c.device, stream)
+                    : launch_one<D, kBits, OutT, false, true, kDeltaS>(p, c.device, stream);
+  return c.causal ? launch_one<D, kBits, OutT, true, false, kDeltaS>(p, c.device, stream)
+                  : launch_one<D, kBits, OutT, false, false, kDeltaS>(p, c.device, stream);
 }
 
 template <int D, int kBits, typename OutT>
 cudaError_t launch_smooth(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
-  return c.smooth_q ? launch_mask<D, kBits, OutT, true>(p, c, stream)
-                    : launch_mask<D, kBits, OutT, false>(p, c, stream);
+  if (!c.smooth_q) return launch_mask<D, kBits, OutT, 0>(p, c, stream);
+  return c.padded ? launch_mask<D, kBits, OutT, 2>(p, c, stream)
+                  : launch_mask<D, kBits, OutT, 1>(p, c, stream);
 }
 
 template <int D>

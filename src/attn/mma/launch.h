@@ -15,6 +15,7 @@ struct LaunchConfig {
   bool two_level = true;   // P·V in a fresh accumulator per key block, then fp32
   bool smooth_q = false;   // Q smoothing: ΔS added to the scores
   int device = 0;          // the current device
+  bool padded = false;     // head_dim < D (zero-padded): ΔS reads only the caller's channels
 };
 
 template <int D>

@@ -41,6 +41,8 @@ struct AttnParams {
   bool k_in_vec;           // every row of k_in 16-byte aligned: one load per 8 channels
   void* o;                 // caller's output, strides in elements
   int64_t o_batch, o_head, o_token;
+  int64_t head_dim;        // the caller's channels of o (<= D: D's past it are zero padding,
+                           // never stored)
   float* lse;              // caller's LSE or null
   int64_t lse_batch, lse_head, lse_token;
   int64_t batch, heads_q, heads_kv;

@@ -84,11 +84,14 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uin
                       b0 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
 }
 
-// fused_q: the caller's 16-bit Q as a 4-D map {D, Nq, Hq, B} (strides in elements, all positive
-// and 16-byte multiples: cuda_backend checks) with box {D, rows, 1, 1} (a tile: 64 per consumer
-// warpgroup), no swizzle; rows past Nq read as zeros.
+// fused_q: the caller's 16-bit Q as a 4-D map {head_dim, Nq, Hq, B} (strides in elements, all
+// positive and 16-byte multiples: the planner checks) with box {d, rows, 1, 1} (d: the kernel's
+// head dim; a tile: 64 rows per consumer warpgroup), no swizzle. Elements past the tensor read as
+// zeros (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) and count in the box's bytes like the others: rows
+// past Nq, and channels past a padded head_dim (< d), which the quantization then takes as the
+// zero channels the pre-pass writes for K and V.
 inline cudaError_t make_q_in_map(CUtensorMap* map, const Params& p, int d, int rows) {
-  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(p.seq_q), cuuint64_t(p.heads_q),
+  const cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.seq_q), cuuint64_t(p.heads_q),
                               cuuint64_t(p.batch)};
   const cuuint64_t strides[3] = {cuuint64_t(p.q_in_token) * 2, cuuint64_t(p.q_in_head) * 2,
                                  cuuint64_t(p.q_in_batch) * 2};

@@ -30,6 +30,8 @@ struct Params {
   int64_t q_in_batch, q_in_head, q_in_token;
   void* o;                 // the caller's output, strides in elements
   int64_t o_batch, o_head, o_token;
+  int64_t head_dim;        // the caller's channels of q_in and o (<= D: D's past it are zero
+                           // padding, read as zeros by fused Q's TMA and never stored)
   float* lse;              // the caller's LSE or null
   int64_t lse_batch, lse_head, lse_token;
   int64_t batch, heads_q, heads_kv;

@@ -24,18 +24,20 @@ struct TmaMaps {
   CUtensorMap q;     // 3-D: {D bytes, nq_pad rows, B*Hq}, box {D, 128, 1}
   CUtensorMap k;     // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
   CUtensorMap v;     // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
-  CUtensorMap q_in;  // fused Q: the caller's Q, 4-D {D, Nq, Hq, B} 16-bit, box {D, kBlockQ, 1, 1}
+  CUtensorMap q_in;  // fused Q: the caller's Q, 4-D {head_dim, Nq, Hq, B} 16-bit, box
+                     // {D, kBlockQ, 1, 1} (channels past a padded head_dim read as zeros)
 #ifdef SAGE_SM90_TRACE
   uint32_t* trace;   // the phase trace's buffer (trace.cuh)
 #endif
 };
 
-// Quantizes the staged Q tile (2·kQGroups rows x D fp16/bf16, row-major, rows past seq_q zero:
-// TMA's out-of-bounds fill) as the pre-pass's quant_q does: INT8 per thread group (rows g, g+8 of
-// each 16-row slab: the rows one consumer thread's accumulator holds), scale max|q| / 127, into the
-// INT8 tile in the layout the Q·Kᵀ wgmma reads (TMA's 128-byte swizzle for 128-byte rows, 64-byte
-// for 64-byte rows), and the group scales into q_sc. With km (this KV head's K mean; LSE asked
-// for) also each row's LSE shift scale · q·k_mean (exact products summed in double, as quant_q).
+// Quantizes the staged Q tile (2·kQGroups rows x D fp16/bf16, row-major; rows past seq_q and
+// channels past a padded head_dim zero: TMA's out-of-bounds fill) as the pre-pass's quant_q
+// does: INT8 per thread group (rows g, g+8 of each 16-row slab: the rows one consumer thread's
+// accumulator holds), scale max|q| / 127, into the INT8 tile in the layout the Q·Kᵀ wgmma reads
+// (TMA's 128-byte swizzle for 128-byte rows, 64-byte for 64-byte rows), and the group scales into
+// q_sc. With km (this KV head's K mean; LSE asked for) also each row's LSE shift
+// scale · q·k_mean (exact products summed in double, as quant_q).
 // Inf/NaN elements count as zeros; a row that is poisoned (sight, kv_first_bad: quant::RowSight)
 // gets a NaN shift, as quant_q gives it, and a NaN in `poison` (every row's, for the consumers:
 // attn::row_poison's shared-memory twin).
