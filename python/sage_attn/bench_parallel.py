@@ -97,26 +97,11 @@ def _time_ms(fn, target_s, samples):
 
 def _time_single(fn, rank, target_s, samples):
     """One GPU's time (rank 0 runs, the others wait), broadcast to every rank."""
+    from .bench import time_ms  # the one-GPU benchmark's timer
+
     t = torch.zeros(1, device="cuda")
     if rank == 0:
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        iters = max(1, min(100, int(target_s * 1e3 / samples / max(start.elapsed_time(end),
-                                                                      1e-3))))
-        times = []
-        for _ in range(samples):
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / iters)
-        t.fill_(statistics.median(times))
+        t.fill_(time_ms(fn, target_s, samples))
     dist.broadcast(t, 0)
     return t.item()
 

@@ -91,6 +91,32 @@ struct GpuRun {
   std::vector<float> lse;
 };
 
+// The plan, the workspace and the call of prepared args (a.o and a.lse on the device), then
+// o_elems outputs and lse_elems LSE values copied back into r (status and error set).
+template <typename Run>
+void run_args(sage_attention_args* a, Run* r, size_t o_elems, size_t lse_elems) {
+  r->plan.struct_size = sizeof(sage_plan_info);
+  size_t ws_bytes = 0;
+  r->status = sage_attention_plan(a, &r->plan);
+  if (r->status == SAGE_OK) r->status = sage_attention_workspace_size(a, &ws_bytes);
+  if (r->status != SAGE_OK) {
+    r->error = sage_last_error();
+    return;
+  }
+  DeviceBuffer ws(ws_bytes ? ws_bytes : 1);
+  a->workspace = ws.ptr, a->workspace_size = ws_bytes;
+  r->status = sage_attention(a);
+  r->error = sage_last_error();
+  if (cudaDeviceSynchronize() != cudaSuccess) {
+    r->status = SAGE_ERROR_CUDA;
+    r->error = cudaGetErrorString(cudaGetLastError());
+  }
+  r->o.resize(o_elems);
+  r->lse.resize(lse_elems);
+  cudaMemcpy(r->o.data(), a->o, o_elems * 2, cudaMemcpyDeviceToHost);
+  cudaMemcpy(r->lse.data(), a->lse, lse_elems * 4, cudaMemcpyDeviceToHost);
+}
+
 // Runs the GPU kernel on host tensors (copied to the device), with o and lse poisoned first.
 // scale 0: 1/sqrt(D). The plan is taken from the same args the call gets.
 inline GpuRun run_gpu(const Case& c, const std::vector<uint16_t>& q, const std::vector<uint16_t>& k,
@@ -122,30 +148,7 @@ inline GpuRun run_gpu(const Case& c, const std::vector<uint16_t>& q, const std::
   a.scale = scale;
   a.kernel = kc.kernel;
   a.options = kc.options;
-  r.plan.struct_size = sizeof(sage_plan_info);
-  r.status = sage_attention_plan(&a, &r.plan);
-  if (r.status != SAGE_OK) {
-    r.error = sage_last_error();
-    return r;
-  }
-  size_t ws_bytes = 0;
-  r.status = sage_attention_workspace_size(&a, &ws_bytes);
-  if (r.status != SAGE_OK) {
-    r.error = sage_last_error();
-    return r;
-  }
-  DeviceBuffer ws(ws_bytes ? ws_bytes : 1);
-  a.workspace = ws.ptr, a.workspace_size = ws_bytes;
-  r.status = sage_attention(&a);
-  r.error = sage_last_error();
-  if (cudaDeviceSynchronize() != cudaSuccess) {
-    r.status = SAGE_ERROR_CUDA;
-    r.error = cudaGetErrorString(cudaGetLastError());
-  }
-  r.o.resize(o_elems);
-  r.lse.resize(lse_elems);
-  cudaMemcpy(r.o.data(), dout.ptr, o_elems * 2, cudaMemcpyDeviceToHost);
-  cudaMemcpy(r.lse.data(), dlse.ptr, lse_elems * 4, cudaMemcpyDeviceToHost);
+  run_args(&a, &r, o_elems, lse_elems);
   return r;
 }
 

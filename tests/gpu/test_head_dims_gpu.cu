@@ -76,26 +76,7 @@ StridedRun run_strided(const Case& c, const Inputs& in, const KernelChoice& kc, 
   a.q_strides = qs, a.k_strides = ks, a.v_strides = vs, a.o_strides = r.o_strides;
   a.kernel = kc.kernel;
   a.options = kc.options;
-  r.plan.struct_size = sizeof(sage_plan_info);
-  size_t ws_bytes = 0;
-  r.status = sage_attention_plan(&a, &r.plan);
-  if (r.status == SAGE_OK) r.status = sage_attention_workspace_size(&a, &ws_bytes);
-  if (r.status != SAGE_OK) {
-    r.error = sage_last_error();
-    return r;
-  }
-  DeviceBuffer ws(ws_bytes ? ws_bytes : 1);
-  a.workspace = ws.ptr, a.workspace_size = ws_bytes;
-  r.status = sage_attention(&a);
-  r.error = sage_last_error();
-  if (cudaDeviceSynchronize() != cudaSuccess) {
-    r.status = SAGE_ERROR_CUDA;
-    r.error = cudaGetErrorString(cudaGetLastError());
-  }
-  r.o.resize(o_elems);
-  r.lse.resize(lse_elems);
-  cudaMemcpy(r.o.data(), dout.ptr, o_elems * 2, cudaMemcpyDeviceToHost);
-  cudaMemcpy(r.lse.data(), dlse.ptr, lse_elems * 4, cudaMemcpyDeviceToHost);
+  run_args(&a, &r, o_elems, lse_elems);
   return r;
 }
 
