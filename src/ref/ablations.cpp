@@ -96,7 +96,7 @@ std::vector<AblationRow> paper_ablations() {
   // and fp16 attention (Q, K, P~, V in fp16, fp32 accumulator). Every FP4 row smooths Q and K as
   // Algorithm 1 does. The format is compared on Q·K alone (P~·V in fp16) and on both products;
   // MXFP4 takes P~ directly (its power-of-two scales leave a first level nothing to gain).
-  const std::string t1 = "FP4 microscaling, smoothed Q+K (paper 004 Table 1; CPU emulation only)";
+  const std::string t1 = "FP4 microscaling, smoothed Q+K (paper 004 Table 1; CPU emulation)";
   sage_quant_config f16 = quant_preset(SAGE_VARIANT_EXACT);
   f16.pv_format = SAGE_PV_FP16;  // Q, K are fp16 inputs already (qk_format NONE)
   rows.push_back({t1, "fp16 (P~, V in fp16, fp32 accumulator)", f16});
