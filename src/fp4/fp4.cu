@@ -39,16 +39,16 @@ __device__ __forceinline__ float load(const void* base, const sage_strides& s, i
   else
     return __bfloat162float(*p);
 }
+// An element as a float with an Inf/NaN taken as zero (its rows are poisoned: the README);
+// *bad, when given, is set if it was one.
 template <typename T>
 __device__ __forceinline__ float load_finite(const void* base, const sage_strides& s, int64_t b,
-                                             int64_t h, int64_t n, int64_t d) {
+                                             int64_t h, int64_t n, int64_t d,
+                                             bool* bad = nullptr) {
   const float x = load<T>(base, s, b, h, n, d);
-  return isfinite(x) ? x : 0.0f;  // an Inf/NaN counts as zero; its rows are poisoned (README)
-}
-template <typename T>
-__device__ __forceinline__ bool finite_at(const void* base, const sage_strides& s, int64_t b,
-                                          int64_t h, int64_t n, int64_t d) {
-  return isfinite(load<T>(base, s, b, h, n, d));
+  const bool finite = isfinite(x);
+  if (bad && !finite) *bad = true;
+  return finite ? x : 0.0f;
 }
 
 // One NVFP4 run (16 floats) quantized and dequantized in place, as ref::quantize_fp4.
@@ -107,8 +107,7 @@ __global__ void quant_k_kernel(Params p) {
     const int64_t c = run * 16 + i;
     x[i] = 0.0f;
     if (key < p.seq_kv) {
-      bad |= !finite_at<T>(p.k, p.ks, b, h, key, c);
-      x[i] = __fsub_rn(load_finite<T>(p.k, p.ks, b, h, key, c), km[c]);
+      x[i] = __fsub_rn(load_finite<T>(p.k, p.ks, b, h, key, c, &bad), km[c]);
     }
   }
   if (key < p.seq_kv) nvfp4_run(x);
@@ -131,8 +130,9 @@ __global__ void quant_v_kernel(Params p) {
     const int64_t key = key0 + i;
     x[i] = 0.0f;
     if (key < p.seq_kv) {
-      if (first_bad < 0 && !finite_at<T>(p.v, p.vs, b, h, key, c)) first_bad = key;
-      x[i] = load_finite<T>(p.v, p.vs, b, h, key, c);
+      bool bad = false;
+      x[i] = load_finite<T>(p.v, p.vs, b, h, key, c, &bad);
+      if (bad && first_bad < 0) first_bad = key;
     }
   }
   nvfp4_run(x);  // keys past Nk are zeros: they change no run's amax
@@ -168,8 +168,7 @@ __global__ void prep_q_kernel(Params p) {
   }
   const float* km = reinterpret_cast<const float*>(p.workspace + L.k_mean) + bhk * D;
   bool bad = false;
-  for (int64_t c = 0; c < D; ++c) bad |= !finite_at<T>(p.q, p.qs, b, h, row, c);
-  const double shift = p.scale * dot8([&](int64_t c) { return load_finite<T>(p.q, p.qs, b, h, row, c); },
+  const double shift = p.scale * dot8([&](int64_t c) { return load_finite<T>(p.q, p.qs, b, h, row, c, &bad); },
                                       [&](int64_t c) { return km[c]; }, D);
   const unsigned long long kv_bad =
       reinterpret_cast<const unsigned long long*>(p.workspace + L.kv_bad)[bhk];
@@ -233,7 +232,7 @@ __global__ void __launch_bounds__(128) attention_kernel(Params p) {
   float o[D / 8][4];
   for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
   const int64_t last = min(p.seq_q, first + 64) - 1;
-  const int64_t keys = p.causal ? min(p.seq_kv, max(int64_t(0), last + p.causal_offset + 1)) : p.seq_kv;
+  const int64_t keys = visible(p, last);  // the keys the CTA's last row sees: every row's at most
 
   for (int64_t j0 = 0; j0 < keys; j0 += kBlockK) {
     __syncthreads();  // ds of the previous block read by everyone (and qm written)

@@ -22,7 +22,7 @@ def poisoned_inputs(rng, layout, nq, nk, hq, hkv, d, dtype=np.float16):
     return (q, k, v), (qz, kz, vz), (iq, jk, jv)
 
 
-def expected_rows(layout, nq, nk, hq, hkv, causal, iq, jk, jv):
+def expected_rows(nq, nk, hq, hkv, causal, iq, jk, jv):
     """[Hq, Nq] bool: the rows marked NaN."""
     i = np.arange(nq)
     if causal == "bottom_right":
@@ -58,7 +58,7 @@ def test_numpy_marks_reached_rows(rng, layout, causal, qk_bits):
     o, lse = sage_attn.attention_numpy(*bad, **kw)
     oz, lsez = sage_attn.attention_numpy(*zeroed, **kw)
     o, oz = as_hnd(o, layout)[0].astype(np.float32), as_hnd(oz, layout)[0].astype(np.float32)
-    rows = expected_rows(layout, nq, nk, hq, hkv, causal, iq, jk, jv)
+    rows = expected_rows(nq, nk, hq, hkv, causal, iq, jk, jv)
     assert rows.any()
     assert np.isnan(o[rows]).all() and np.isnan(lse[0][rows]).all()
     assert np.isfinite(o[~rows]).all()
@@ -80,7 +80,7 @@ def test_torch_cuda_marks_reached_rows(rng, causal):
         causal_align="top_left", return_lse=True)
     o, lse = (t.float().cpu().numpy() for t in run(bad))
     oz, lsez = (t.float().cpu().numpy() for t in run(zeroed))
-    rows = expected_rows("HND", nq, nk, hq, hkv, "top_left" if causal else None, iq, jk, jv)
+    rows = expected_rows(nq, nk, hq, hkv, "top_left" if causal else None, iq, jk, jv)
     assert np.isnan(o[0][rows]).all() and np.isnan(lse[0][rows]).all()
     assert np.isfinite(o[0][~rows]).all()
     np.testing.assert_array_equal(o[0][~rows], oz[0][~rows])
