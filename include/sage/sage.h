@@ -268,9 +268,10 @@ typedef struct sage_plan_info {
   sage_quant_config emulation; /* the config whose CPU emulation (SAGE_VARIANT_CUSTOM on host
                                   pointers) computes what this call runs, accumulator included */
   int64_t kernel_head_dim; /* the head dim the call computes at: CUDA, the kernel's native 64,
-                              128 or 256 (head_dim padded with zero channels: the Q·K and P·V work of
-                              kernel_head_dim, estimated to cost about kernel_head_dim / head_dim
-                              times a native head_dim's); the CPU backend, head_dim */
+                              128 or 256 (head_dim padded with zero channels: the Q·K and P·V
+                              work of kernel_head_dim, estimated to cost about
+                              kernel_head_dim / head_dim times a native head_dim's); the CPU
+                              backend, head_dim */
   int32_t has_backward;    /* 1: sage_backward (its preset) runs the backward of this call here
                               (CUDA: head dims 64 and 128; the CPU reference: any), so a training
                               call can take both passes from the library */

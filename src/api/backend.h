@@ -18,9 +18,9 @@ constexpr int64_t kMaxHeadDim = 256;
 // The forward kernels are compiled for the native head dims 64, 128 and 256 (256: the mma.sync
 // kernel only); a head dim that is a multiple of 16 from 32 to 256 runs at the smallest of them
 // that holds it, the channels past it zero (the pre-pass writes them so; plan.h says why that
-// computes the call exactly). 0: no forward kernel. Multiples of 16: the grid models use and the GPU tests cover (every load the
-// pre-pass makes of a caller's row, 8 elements, divides them, so a load is wholly inside the
-// real channels or wholly past them).
+// computes the call exactly). 0: no forward kernel. Multiples of 16: the grid models use and the
+// GPU tests cover (every load the pre-pass makes of a caller's row, 8 elements, divides them, so
+// a load is wholly inside the real channels or wholly past them).
 constexpr int64_t gpu_kernel_head_dim(int64_t d) {
   return d < 32 || d > 256 || d % 16 != 0 ? 0 : (d <= 64 ? 64 : d <= 128 ? 128 : 256);
 }

@@ -558,18 +558,24 @@ __global__ void __launch_bounds__(256, 2)
   const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
   const int rows = int(min(int64_t(kStatTokens), seq_kv - n0));
   ChunkStats<T, D> st;
-  // The chunk in parts of Stage<D>::kRows (one part below D = 256). A thread's slice sums the
-  // same V rows in the same order either way (kRows is a multiple of kSlices); K's sampled rows
-  // are dealt to the slices from each part's first, so a slice may take other ones, and the
-  // chunk's Σk adds the same rows grouped otherwise (exact in double for fp16/bf16 values of
-  // moderate range, as the emulation's sum assumes).
   constexpr int kRows = Stage<D>::kRows;
-  static_assert(kRows % ChunkStats<T, D>::kSlices == 0, "slices keep their rows across parts");
-  for (int r0 = 0; r0 < rows; r0 += kRows) {
-    if (r0 > 0) __syncthreads();  // every thread has summed the previous part
-    const int part_rows = min(kRows, rows - r0);
-    stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0 + r0, part_rows, k_stride, false, stage);
-    st.accumulate(stage, part_rows, n0 + r0, k_stride);
+  if constexpr (kRows == kStatTokens) {
+    stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0, rows, k_stride, false, stage);
+    st.accumulate(stage, rows, n0, k_stride);
+  } else {
+    // D = 256: the chunk in parts of kRows. A thread's slice sums the same V rows in the same
+    // order as in one part (kRows is a multiple of kSlices); K's sampled rows are dealt to the
+    // slices from each part's first, so a slice may take other ones, and the chunk's Σk adds the
+    // same rows grouped otherwise (exact in double for fp16/bf16 values of moderate range, as
+    // the emulation's sum assumes).
+    static_assert(kRows % ChunkStats<T, D>::kSlices == 0, "slices keep their rows across parts");
+    for (int r0 = 0; r0 < rows; r0 += kRows) {
+      if (r0 > 0) __syncthreads();  // every thread has summed the previous part
+      const int part_rows = min(kRows, rows - r0);
+      stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0 + r0, part_rows, k_stride, false,
+                             stage);
+      st.accumulate(stage, part_rows, n0 + r0, k_stride);
+    }
   }
   st.write(red, head_stats(stats, bh, stats_stride) + chunk * D);
 }
@@ -792,10 +798,10 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
                      in.k_strides, in.v_strides, dim, p.seq_kv, p.stat_chunks,
                      uint32_t(p.k_mean_stride), stats, p.kv_stats_stride));
     if (err != cudaSuccess) return;
-    check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D < 128 ? D : 128)}, st, stats, p.kv_stats_stride,
-                     p.seq_kv, p.k_mean_samples, int64_t(D), p.stat_chunks, p.smooth_k, p.smooth_v,
-                     f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter,
-                     kv_bad));
+    check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D < 128 ? D : 128)}, st, stats,
+                     p.kv_stats_stride, p.seq_kv, p.k_mean_samples, int64_t(D), p.stat_chunks,
+                     p.smooth_k, p.smooth_v, f32(p.k_mean), f32(p.v_mean), f32(p.v_scale),
+                     f32(p.v_inv), tile_counter, kv_bad));
     if (err != cudaSuccess) return;
     check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(256)}, st, k,
                      v, in.k_strides, in.v_strides, dim, p.seq_kv, f32(p.k_mean), f32(p.v_mean),

@@ -1,10 +1,10 @@
 // Zero-padded head dims on the GPU: a head dim that is a multiple of 16 from 32 to 256 runs the
-// native 64, 128 or 256 kernel with the channels past it zero (256: the mma.sync kernel only). Here, for every kernel family this GPU
-// has: the caller's memory past head_dim is never read (the channels past D of strided Q, K and V
-// hold NaN) nor written (an output with a longer token stride keeps its poison there), the result
-// is bit for bit the contiguous call's, and the plan reports the kernel's head dim. Accuracy of
-// these head dims against their emulation and float64: GpuVsEmulation's HeadDims sweep
-// (test_attention_gpu.cu).
+// native 64, 128 or 256 kernel with the channels past it zero (256: the mma.sync kernel only).
+// Here, for every kernel family this GPU has: the caller's memory past head_dim is never read
+// (the channels past D of strided Q, K and V hold NaN) nor written (an output with a longer token
+// stride keeps its poison there), the result is bit for bit the contiguous call's, and the plan
+// reports the kernel's head dim. Accuracy of these head dims against their emulation and float64:
+// GpuVsEmulation's HeadDims and WideHeadDims sweeps (test_attention_gpu.cu).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
