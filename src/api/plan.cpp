@@ -72,8 +72,11 @@ bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_
       {90, 128, false, 4096}, {90, 128, true, 8192}, {90, 64, false, 4096}, {90, 64, true, 8192},
   };
   const bool causal = mask != SAGE_MASK_NONE;
+  // D = 256 (the mma.sync kernel) has no measured row yet: it takes D = 128's, so the drop-in
+  // hands the short sequences to torch rather than risk a slower call there.
+  const int64_t row_dim = head_dim == 256 ? 128 : head_dim;
   for (const Crossover& c : kTable)
-    if (c.cc == cc && c.head_dim == head_dim && c.causal == causal)
+    if (c.cc == cc && c.head_dim == row_dim && c.causal == causal)
       return seq_q < c.min_seq || seq_kv < c.min_seq;
   return false;
 }

@@ -228,6 +228,10 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
   EXPECT_TRUE(must_plan(Call(2048, 2048, 80), kH100).prefer_sdpa);
   EXPECT_FALSE(must_plan(Call(4096, 4096, 96), kH100).prefer_sdpa);
   EXPECT_TRUE(must_plan(Call(4096, 4096, 48, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
+  // D = 256 borrows D = 128's crossover until its own is measured.
+  EXPECT_TRUE(must_plan(Call(2048, 2048, 256), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(4096, 4096, 192), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(4096, 4096, 160, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
   // Not a multiple of 16, under 32: refused on every GPU, naming head_dim and the set.
   Plan p;
   // The FP4 kernel has no padded head dims and no D = 256: refused, never run at its template
