@@ -202,8 +202,9 @@ typedef struct sage_attention_args {
   int64_t seq_q;
   int64_t seq_kv;
   int64_t head_dim; /* 1..256 (the CPU reference); the GPU kernels take multiples of 16 from 32
-                       to 128 (64 and 128 natively, the others zero-padded up to them:
-                       sage_plan_info.kernel_head_dim), the GPU backward 64 and 128 */
+                       to 256 (64, 128 and 256 natively, the others zero-padded up to them:
+                       sage_plan_info.kernel_head_dim; 144..256 on the mma.sync kernel only),
+                       the GPU backward and the FP4 kernel 64 and 128 */
 
   sage_layout layout;
   sage_strides q_strides, k_strides, v_strides, o_strides, lse_strides;
@@ -266,10 +267,11 @@ typedef struct sage_plan_info {
   size_t workspace_size;   /* bytes of device workspace (sage_attention_workspace_size) */
   sage_quant_config emulation; /* the config whose CPU emulation (SAGE_VARIANT_CUSTOM on host
                                   pointers) computes what this call runs, accumulator included */
-  int64_t kernel_head_dim; /* the head dim the call computes at: CUDA, the kernel's native 64 or
-                              128 (head_dim padded with zero channels: the Q·K and P·V work of
-                              kernel_head_dim, estimated to cost about kernel_head_dim / head_dim
-                              times a native head_dim's); the CPU backend, head_dim */
+  int64_t kernel_head_dim; /* the head dim the call computes at: CUDA, the kernel's native 64,
+                              128 or 256 (head_dim padded with zero channels: the Q·K and P·V
+                              work of kernel_head_dim, estimated to cost about
+                              kernel_head_dim / head_dim times a native head_dim's); the CPU
+                              backend, head_dim */
   int32_t has_backward;    /* 1: sage_backward (its preset) runs the backward of this call here
                               (CUDA: head dims 64 and 128; the CPU reference: any), so a training
                               call can take both passes from the library */

@@ -256,8 +256,9 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
     mma::LaunchConfig cfg{plan.prepass.bits, bf16, causal, plan.two_level,
                           plan.prepass.smooth_q, dev.index};
     cfg.padded = plan.prepass.channels < plan.prepass.head_dim;
-    e = plan.prepass.head_dim == 64 ? mma::launch_attention<64>(mp, cfg, stream)
-                                    : mma::launch_attention<128>(mp, cfg, stream);
+    e = plan.prepass.head_dim == 64    ? mma::launch_attention<64>(mp, cfg, stream)
+        : plan.prepass.head_dim == 128 ? mma::launch_attention<128>(mp, cfg, stream)
+                                       : mma::launch_attention<256>(mp, cfg, stream);
   }
   if (e != cudaSuccess)
     return set_error(SAGE_ERROR_CUDA, "attention launch: %s", cudaGetErrorString(e));

@@ -72,8 +72,11 @@ bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_
       {90, 128, false, 4096}, {90, 128, true, 8192}, {90, 64, false, 4096}, {90, 64, true, 8192},
   };
   const bool causal = mask != SAGE_MASK_NONE;
+  // D = 256 (the mma.sync kernel) has no measured row yet: it takes D = 128's, so the drop-in
+  // hands the short sequences to torch rather than risk a slower call there.
+  const int64_t row_dim = head_dim == 256 ? 128 : head_dim;
   for (const Crossover& c : kTable)
-    if (c.cc == cc && c.head_dim == head_dim && c.causal == causal)
+    if (c.cc == cc && c.head_dim == row_dim && c.causal == causal)
       return seq_q < c.min_seq || seq_kv < c.min_seq;
   return false;
 }
@@ -109,7 +112,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "dtype = FP32 has no GPU kernel: pass fp16 or bf16 (fp32 runs on the CPU "
                      "reference)");
-  // D: the caller's head dim; Dk: the native head dim of the kernel that runs it (64 or 128),
+  // D: the caller's head dim; Dk: the native head dim of the kernel that runs it (64, 128 or 256),
   // the workspace's channels, D's zero-padded up to it.
   const int64_t D = p.head_dim, Dk = gpu_kernel_head_dim(D);
   if (Dk == 0)
@@ -145,8 +148,8 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
                      dev.cc / 10, dev.cc % 10);
   if (fp4) {
     // The FP4 kernel reads the caller's Q, K, V at its template head dim: native ones only (no
-    // zero padding there yet).
-    if (D != Dk)
+    // zero padding there yet), 64 and 128.
+    if (D != Dk || Dk > 128)
       return set_error(SAGE_ERROR_UNSUPPORTED,
                        "head_dim = %lld: the FP4 kernel (variant SAGE3_FP4) takes head dims 64 "
                        "and 128 (the 8-bit and 4-bit kernels take %s; the CPU reference any)",
@@ -172,12 +175,13 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
 
   // The family: the wgmma kernel on sm_90 where it applies (8-bit, no Q smoothing: ΔS stays on
   // mma.sync); args.kernel forces one (tests and benchmarks compare them).
-  const bool sm90_ok = dev.cc == 90 && bits8 && !smooth_q;
+  const bool sm90_ok = dev.cc == 90 && bits8 && !smooth_q && sm90_has_kernel_head_dim(Dk);
   if (a.kernel == SAGE_KERNEL_SM90 && !sm90_ok)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "kernel = SM90: the wgmma kernel needs an sm_90 GPU (this is sm_%d%d), "
-                     "qk_format INT8 and no Q smoothing",
-                     dev.cc / 10, dev.cc % 10);
+                     "qk_format INT8, no Q smoothing and head_dim <= 128 (head_dim = %lld; "
+                     "144..256 run the mma.sync kernel)",
+                     dev.cc / 10, dev.cc % 10, static_cast<long long>(D));
   Plan plan;
   plan.family = sm90_ok && a.kernel != SAGE_KERNEL_MMA ? Family::kSm90 : Family::kMma;
   // The sm90 kernel quantizes Q itself (reading it once, through TMA, a tile ahead of its use)
@@ -192,8 +196,10 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       c.smooth & SAGE_SMOOTH_K, c.smooth & SAGE_SMOOTH_V,
       ref::mean_token_stride(p.seq_kv, c.k_mean_tokens),  // as the emulation samples K's mean
       // K/V's pre-pass in one cluster launch where a cluster holds the head's chunks;
-      // SAGE_OPTION_PREPASS_KV_SPLIT keeps the three launches (to compare the two).
-      a.options & SAGE_OPTION_PREPASS_KV_SPLIT ? 0 : dev.kv_cluster,
+      // SAGE_OPTION_PREPASS_KV_SPLIT keeps the three launches (to compare the two). Not at
+      // Dk = 256: a staged chunk (132 KB) exceeds what sm_89/sm_120 give a CTA, and at one CTA an
+      // SM the one launch lost on the H100 already at 139 KB (docs/sm90-kernel.md, Tried 41).
+      (a.options & SAGE_OPTION_PREPASS_KV_SPLIT) || Dk > 128 ? 0 : dev.kv_cluster,
       /*quantize_q=*/!plan.fused_q, /*lse=*/a.lse != nullptr);
   plan.launches = (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + 1;
   // A padded head dim looks up its kernel's row: it does Dk's work while SDPA does D's, so Dk's

@@ -25,7 +25,8 @@ enum class Family { kMma, kSm90, kFp4 };
 struct Plan {
   Family family = Family::kMma;
   // The workspace layout and the pre-pass's steps (total: the size); prepass.head_dim is the
-  // kernel's native head dim (64 or 128), prepass.channels the caller's (zero-padded up to it).
+  // kernel's native head dim (64, 128 or 256), prepass.channels the caller's (zero-padded up to
+  // it).
   quant::PrepassPlan prepass;
   fp4::Layout fp4;             // kFp4: its own workspace layout (prepass.total is its size)
   int block_q = 0, block_k = 0;

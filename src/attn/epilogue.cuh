@@ -95,9 +95,9 @@ __device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float 
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
   }
-  for (int r = 0; r < 2; ++r) {
+  auto store_row = [&](int r) {
     const int64_t row = row_a + 8 * r;
-    if (row >= p.seq_q) continue;
+    if (row >= p.seq_q) return;
     const bool empty = l[r] == 0.0f;
     const float inv = empty ? 0.0f : 1.0f / (l[r] * (448.0f / kLUnit));
     OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
@@ -112,6 +112,14 @@ __device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float 
           empty ? -INFINITY
                 : (m[r] + log2f(l[r] * (1.0f / kLUnit))) * 0.69314718055994531f +
                       p.lse_shift[bh * p.seq_q + row];
+  };
+  // At D = 256 ptxas kept this loop rolled, so o_at's register index was dynamic and O went to
+  // local memory (512 bytes of stack): the two rows written out. Below, the loop as it was tuned.
+  if constexpr (D > 128) {
+    store_row(0);
+    store_row(1);
+  } else {
+    for (int r = 0; r < 2; ++r) store_row(r);
   }
 }
 

@@ -79,6 +79,7 @@ __device__ __forceinline__ uint32_t zero_special2(uint32_t w) {
 template <typename T, int N>
 __device__ __forceinline__ uint32_t special_any(const uint4 (&raw)[N]) {
   uint32_t bad = 0u;
+  #pragma unroll
   for (int c = 0; c < N; ++c)
     bad |= special2<T>(raw[c].x) | special2<T>(raw[c].y) | special2<T>(raw[c].z) |
            special2<T>(raw[c].w);
@@ -91,6 +92,7 @@ template <typename T, int N>
 __device__ __forceinline__ uint32_t zero_special(uint4 (&raw)[N]) {
   const uint32_t bad = special_any<T>(raw);
   if (bad != 0u)
+    #pragma unroll
     for (int c = 0; c < N; ++c)
       raw[c] = make_uint4(zero_special2<T>(raw[c].x), zero_special2<T>(raw[c].y),
                           zero_special2<T>(raw[c].z), zero_special2<T>(raw[c].w));
@@ -157,6 +159,7 @@ __device__ __forceinline__ void quantize_store_row_part(uint8_t* dst, const uint
                                                         Center center, int part, float inv,
                                                         float qmax, bool fast, uint32_t keep,
                                                         Place place = {}) {
+  #pragma unroll
   for (int ci = 0; ci < D / 32; ++ci) {
     const int d0 = (ci * 4 + part) * 8;
     uint32_t qv[8];

@@ -106,11 +106,16 @@ __device__ __forceinline__ uint4 load_raw8(const T* p) {
   return w;
 }
 
-// Elements p[0..N-1] (N = 4 or 8) as raw bits, two a word: load_raw8, or one 8-byte load.
+// Elements p[0..N-1] (N = 4, 8 or 16) as raw bits, two a word: load_raw8 (twice for 16), or one
+// 8-byte load.
 template <bool kVec, int N, typename T>
 __device__ __forceinline__ void load_raw(const T* p, uint32_t (&w)[N / 2]) {
-  static_assert(N == 4 || N == 8, "4 or 8 elements");
-  if constexpr (N == 8) {
+  static_assert(N == 4 || N == 8 || N == 16, "4, 8 or 16 elements");
+  if constexpr (N == 16) {
+    const uint4 x = load_raw8<kVec>(p), y = load_raw8<kVec>(p + 8);
+    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+    w[4] = y.x, w[5] = y.y, w[6] = y.z, w[7] = y.w;
+  } else if constexpr (N == 8) {
     const uint4 x = load_raw8<kVec>(p);
     w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
   } else if constexpr (kVec) {
@@ -124,11 +129,14 @@ __device__ __forceinline__ void load_raw(const T* p, uint32_t (&w)[N / 2]) {
 
 // ---- Staging a chunk of K/V rows in shared memory --------------------------------------------
 // Rows of a chunk sit at a pitch of 2·D + 16 bytes (the 16 spread the rows that quant_kv_block's
-// V groups read together over the banks: at most two-way conflicts), K rows then V rows.
+// V groups read together over the banks: at most two-way conflicts), K rows then V rows. At
+// D = 256 a stage holds half a chunk (66 KB; a whole one, 132 KB, exceeds the 99 KB a CTA may
+// have on sm_89 and sm_120): kv_stats stages and sums a chunk in two parts, and the one-launch
+// kv_prepass, which keeps a whole chunk staged, is planned for D <= 128 only.
 template <int D>
 struct Stage {
   static constexpr int kPitch = 2 * D + 16;
-  static constexpr int kRows = kStatTokens;           // rows a full stage holds
+  static constexpr int kRows = D <= 128 ? kStatTokens : kStatTokens / 2;  // rows a stage holds
   static constexpr int kV = kRows * kPitch;           // V's offset
   static constexpr int kBytes = 2 * kV;               // K and V: 70 KB at D = 128
 };
@@ -395,9 +403,12 @@ __device__ __forceinline__ KvBlock<D> load_block_staged(const uint8_t* smem, int
   for (int u = 0; u < 4; ++u) {
     const uint8_t* vrow = smem + Stage<D>::kV + (r0 + B::vkey(u)) * Stage<D>::kPitch +
                           B::slice() * B::kW * 2;
-    if constexpr (B::kW == 8) {
-      const uint4 w = *reinterpret_cast<const uint4*>(vrow);
-      x.vr[u][0] = w.x, x.vr[u][1] = w.y, x.vr[u][2] = w.z, x.vr[u][3] = w.w;
+    if constexpr (B::kW >= 8) {
+      for (int i = 0; i < B::kW / 8; ++i) {
+        const uint4 w = *reinterpret_cast<const uint4*>(vrow + 16 * i);
+        x.vr[u][4 * i] = w.x, x.vr[u][4 * i + 1] = w.y;
+        x.vr[u][4 * i + 2] = w.z, x.vr[u][4 * i + 3] = w.w;
+      }
     } else {
       const uint2 w = *reinterpret_cast<const uint2*>(vrow);
       x.vr[u][0] = w.x, x.vr[u][1] = w.y;
@@ -486,6 +497,7 @@ __global__ void __launch_bounds__(256, 2)
                       unsigned* tile_counter,
                       unsigned long long* kv_bad, int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
                       float* k_scale, uint8_t* vq) {
+  static_assert(Stage<D>::kRows == kStatTokens, "a whole chunk staged (D <= 128)");
   pdl_enter();
   extern __shared__ __align__(16) uint8_t stage[];
   __shared__ double red[kStatRed];
@@ -545,9 +557,26 @@ __global__ void __launch_bounds__(256, 2)
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
   const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
   const int rows = int(min(int64_t(kStatTokens), seq_kv - n0));
-  stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0, rows, k_stride, false, stage);
   ChunkStats<T, D> st;
-  st.accumulate(stage, rows, n0, k_stride);
+  constexpr int kRows = Stage<D>::kRows;
+  if constexpr (kRows == kStatTokens) {
+    stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0, rows, k_stride, false, stage);
+    st.accumulate(stage, rows, n0, k_stride);
+  } else {
+    // D = 256: the chunk in parts of kRows. A thread's slice sums the same V rows in the same
+    // order as in one part (kRows is a multiple of kSlices); K's sampled rows are dealt to the
+    // slices from each part's first, so a slice may take other ones, and the chunk's Σk adds the
+    // same rows grouped otherwise (exact in double for fp16/bf16 values of moderate range, as
+    // the emulation's sum assumes).
+    static_assert(kRows % ChunkStats<T, D>::kSlices == 0, "slices keep their rows across parts");
+    for (int r0 = 0; r0 < rows; r0 += kRows) {
+      if (r0 > 0) __syncthreads();  // every thread has summed the previous part
+      const int part_rows = min(kRows, rows - r0);
+      stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0 + r0, part_rows, k_stride, false,
+                             stage);
+      st.accumulate(stage, part_rows, n0 + r0, k_stride);
+    }
+  }
   st.write(red, head_stats(stats, bh, stats_stride) + chunk * D);
 }
 
@@ -575,8 +604,10 @@ __global__ void __launch_bounds__(128)
 
 // The three-launch path's quantization: one CTA (256 threads) per 64-key block, K and V loaded
 // together (the loads of both in flight at once) before the head's means and scales.
+// At D = 256 a thread holds twice the K and V words: two CTAs an SM (128 registers; at three,
+// ptxas spilled ~0.5 KB a thread).
 template <typename T, int D, int kBits, bool kVec>
-__global__ void __launch_bounds__(256, 3)
+__global__ void __launch_bounds__(256, D <= 128 ? 3 : 2)
     quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
                     int64_t seq_kv, const float* k_mean, const float* v_mean, const float* v_inv,
                     unsigned long long* kv_bad, int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
@@ -612,8 +643,9 @@ __global__ void __launch_bounds__(256, 3)
 // quantize_bits' clamp and NaN test where neither can act: every |x - mean| of the group is at
 // most its finite amax, so with a finite inv |y| <= qmax·(1+2^-24)^2 rounds into [-qmax, qmax],
 // and no operand is NaN.
+// (At D = 256, one CTA an SM: 128 registers for the row's 32 words.)
 template <typename T, int D, int kBits, bool kVec, bool kSmooth>
-__global__ void __launch_bounds__(512, 2)
+__global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
     quant_q_kernel(const T* q, sage_strides qs, int dim, int heads_kv, int group_ratio,
                    int64_t seq_q, float scale, const float* k_mean,
                    const unsigned long long* kv_bad, RowSight sight, int64_t nq_pad,
@@ -745,17 +777,19 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
   auto kv = [&](auto bits, auto vec) {
     constexpr int kBits = decltype(bits)::value;
     constexpr bool kVec = decltype(vec)::value;
-    if (p.kv_cluster > 0) {
-      constexpr auto kernel = kv_prepass_kernel<T, D, kBits, kVec>;
-      check(set_max_dynamic_smem_once<kernel>(device, Stage<D>::kBytes));
-      LaunchShape shape{kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)};
-      shape.cluster = unsigned(p.kv_cluster);
-      check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, dim, p.seq_kv,
-                       p.stat_chunks, uint32_t(p.k_mean_stride), p.k_mean_samples, p.smooth_k,
-                       p.smooth_v, stats, p.kv_stats_stride, f32(p.k_mean), f32(p.v_mean),
-                       f32(p.v_scale), f32(p.v_inv), tile_counter, kv_bad, p.nk_pad, p.k_blocks,
-                       ws + p.k, f32(p.k_scale), ws + p.v));
-      return;
+    if constexpr (Stage<D>::kRows == kStatTokens) {  // (the planner plans none at D = 256)
+      if (p.kv_cluster > 0) {
+        constexpr auto kernel = kv_prepass_kernel<T, D, kBits, kVec>;
+        check(set_max_dynamic_smem_once<kernel>(device, Stage<D>::kBytes));
+        LaunchShape shape{kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)};
+        shape.cluster = unsigned(p.kv_cluster);
+        check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, dim, p.seq_kv,
+                         p.stat_chunks, uint32_t(p.k_mean_stride), p.k_mean_samples, p.smooth_k,
+                         p.smooth_v, stats, p.kv_stats_stride, f32(p.k_mean), f32(p.v_mean),
+                         f32(p.v_scale), f32(p.v_inv), tile_counter, kv_bad, p.nk_pad,
+                         p.k_blocks, ws + p.k, f32(p.k_scale), ws + p.v));
+        return;
+      }
     }
     constexpr auto stats_kernel = kv_stats_kernel<T, D, kVec>;
     check(set_max_dynamic_smem_once<stats_kernel>(device, Stage<D>::kBytes));
@@ -764,10 +798,10 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
                      in.k_strides, in.v_strides, dim, p.seq_kv, p.stat_chunks,
                      uint32_t(p.k_mean_stride), stats, p.kv_stats_stride));
     if (err != cudaSuccess) return;
-    check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D)}, st, stats, p.kv_stats_stride,
-                     p.seq_kv, p.k_mean_samples, int64_t(D), p.stat_chunks, p.smooth_k, p.smooth_v,
-                     f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter,
-                     kv_bad));
+    check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D < 128 ? D : 128)}, st, stats,
+                     p.kv_stats_stride, p.seq_kv, p.k_mean_samples, int64_t(D), p.stat_chunks,
+                     p.smooth_k, p.smooth_v, f32(p.k_mean), f32(p.v_mean), f32(p.v_scale),
+                     f32(p.v_inv), tile_counter, kv_bad));
     if (err != cudaSuccess) return;
     check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(256)}, st, k,
                      v, in.k_strides, in.v_strides, dim, p.seq_kv, f32(p.k_mean), f32(p.v_mean),
@@ -805,8 +839,9 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
 template <typename T>
 cudaError_t launch_all(const Plan& p, const PrepassInputs& in, uint8_t* ws, int device,
                        cudaStream_t st) {
-  const cudaError_t e = p.head_dim == 64 ? launch_dim<T, 64>(p, in, ws, device, st)
-                                         : launch_dim<T, 128>(p, in, ws, device, st);
+  const cudaError_t e = p.head_dim == 64    ? launch_dim<T, 64>(p, in, ws, device, st)
+                        : p.head_dim == 128 ? launch_dim<T, 128>(p, in, ws, device, st)
+                                            : launch_dim<T, 256>(p, in, ws, device, st);
   const cudaError_t last = cudaGetLastError();  // also clears a launch error just returned
   return e != cudaSuccess ? e : last;
 }

@@ -158,14 +158,16 @@ TEST(Planner, EmulationConfigIsWhatRuns) {
   EXPECT_EQ(sage::ref::quant_config_error(mma89.emulation), "");
 }
 
-// Head dims that are multiples of 16 from 32 to 128 run at the native 64 or 128 (zero channels
-// past head_dim): the kernel head dim, the family, the tile and the emulation config are the
-// native head dim's, the workspace too (its layout is the kernel's); the pre-pass reads the
-// caller's channels. Every other head dim is refused naming it and the supported set.
+// Head dims that are multiples of 16 from 32 to 256 run at the native 64, 128 or 256 (zero
+// channels past head_dim): the kernel head dim, the family, the tile and the emulation config are
+// the native head dim's, the workspace too (its layout is the kernel's); the pre-pass reads the
+// caller's channels. Kernel head dim 256 runs the mma.sync kernel on every GPU (the sm90 kernel
+// has no D = 256 instantiation). Every other head dim is refused naming it and the supported set.
 TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
-  for (const int64_t d : {32, 48, 64, 80, 96, 112, 128}) {
+  for (const int64_t d : {32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 240, 256}) {
     SCOPED_TRACE("D = " + std::to_string(d));
-    const int64_t dk = d <= 64 ? 64 : 128;
+    const int64_t dk = d <= 64 ? 64 : d <= 128 ? 128 : 256;
+    const bool sm90_dk = dk <= 128;
     EXPECT_EQ(sage::api::gpu_kernel_head_dim(d), dk);
     for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
       for (const Device& dev : {kH100, kAda, kBlackwell}) {
@@ -173,15 +175,20 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
         const Plan native = must_plan(Call(3000, 2500, dk, mask), dev);
         EXPECT_EQ(p.prepass.head_dim, dk);
         EXPECT_EQ(p.prepass.channels, d);
-        EXPECT_EQ(p.family, dev.cc == 90 ? Family::kSm90 : Family::kMma);
+        EXPECT_EQ(p.family, dev.cc == 90 && sm90_dk ? Family::kSm90 : Family::kMma);
         EXPECT_EQ(p.family, native.family);
-        EXPECT_EQ(p.fused_q, dev.cc == 90);  // TMA reads the D channels, zero-fills up to Dk
+        // TMA reads the D channels, zero-fills up to Dk
+        EXPECT_EQ(p.fused_q, dev.cc == 90 && sm90_dk);
+        // The one-launch K/V pre-pass stages a whole 128-token chunk: not at Dk = 256.
+        const Plan short_kv = must_plan(Call(1000, 1000, d, mask), dev);
+        EXPECT_EQ(short_kv.prepass.kv_cluster, dev.cc == 90 && dk <= 128 ? 8 : 0);
         EXPECT_EQ(p.consumers, native.consumers);
         EXPECT_EQ(p.block_q, native.block_q);
         EXPECT_EQ(p.launches, native.launches);
         EXPECT_EQ(p.prefer_sdpa, native.prefer_sdpa);
-        EXPECT_EQ(p.has_backward, d == dk);  // the backward has no padded head dims yet
-        EXPECT_TRUE(native.has_backward);
+        // The backward has no padded head dims yet, and no D = 256.
+        EXPECT_EQ(p.has_backward, d == dk && dk <= 128);
+        EXPECT_EQ(native.has_backward, dk <= 128);
         EXPECT_EQ(p.prepass.total, native.prepass.total);
         EXPECT_EQ(p.prepass.row_bytes, native.prepass.row_bytes);
         // The emulation at the caller's D computes what the kernel at Dk does (plan.cpp says
@@ -191,8 +198,19 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
         sage_plan_info info{};
         sage::api::describe(p, &info);
         EXPECT_EQ(info.kernel_head_dim, dk);
-        EXPECT_EQ(info.has_backward, d == dk ? 1 : 0);
+        EXPECT_EQ(info.has_backward, d == dk && dk <= 128 ? 1 : 0);
       }
+    }
+    // Forcing the sm90 kernel at kernel head dim 256 is refused, naming head_dim.
+    if (!sm90_dk) {
+      Call forced(1000, 1000, d);
+      forced.a.kernel = SAGE_KERNEL_SM90;
+      Plan p;
+      EXPECT_EQ(forced.plan(kH100, &p), SAGE_ERROR_UNSUPPORTED);
+      const std::string msg = sage_last_error();
+      EXPECT_NE(msg.find("head_dim = " + std::to_string(d)), std::string::npos) << msg;
+      forced.a.kernel = SAGE_KERNEL_MMA;
+      EXPECT_EQ(must_plan(forced, kH100).family, Family::kMma);
     }
     // 4-bit (mma.sync on the H100 too) and Q smoothing pad the same way.
     const Plan p4 = must_plan(Call(1000, 1000, d, SAGE_MASK_NONE, SAGE_VARIANT_SAGE2_4B), kH100);
@@ -210,10 +228,15 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
   EXPECT_TRUE(must_plan(Call(2048, 2048, 80), kH100).prefer_sdpa);
   EXPECT_FALSE(must_plan(Call(4096, 4096, 96), kH100).prefer_sdpa);
   EXPECT_TRUE(must_plan(Call(4096, 4096, 48, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  // Not a multiple of 16, under 32, over 128: refused on every GPU, naming head_dim and the set.
+  // D = 256 borrows D = 128's crossover until its own is measured.
+  EXPECT_TRUE(must_plan(Call(2048, 2048, 256), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(4096, 4096, 192), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(4096, 4096, 160, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
+  // Not a multiple of 16, under 32: refused on every GPU, naming head_dim and the set.
   Plan p;
-  // The FP4 kernel has no padded head dims: refused, never run at its template head dim.
-  for (const int64_t d : {32, 48, 80, 96, 112}) {
+  // The FP4 kernel has no padded head dims and no D = 256: refused, never run at its template
+  // head dim.
+  for (const int64_t d : {32, 48, 80, 96, 112, 144, 192, 256}) {
     for (const Device& dev : {kH100, kBlackwell}) {
       EXPECT_EQ(Call(100, 100, d, SAGE_MASK_NONE, SAGE_VARIANT_SAGE3_FP4).plan(dev, &p),
                 SAGE_ERROR_UNSUPPORTED)
@@ -223,19 +246,20 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
                 std::string::npos)
           << msg;
     }
+    if (d > 128) continue;
     EXPECT_EQ(must_plan(Call(100, 100, d == 48 || d == 32 ? 64 : 128, SAGE_MASK_NONE,
                              SAGE_VARIANT_SAGE3_FP4),
                         kBlackwell)
                   .family,
               Family::kFp4);
   }
-  for (const int64_t d : {1, 8, 16, 24, 40, 72, 88, 100, 120, 136, 144, 160, 192, 240, 256}) {
+  for (const int64_t d : {1, 8, 16, 24, 40, 72, 88, 100, 120, 136, 152, 200, 250, 255}) {
     EXPECT_EQ(sage::api::gpu_kernel_head_dim(d), 0) << d;
     for (const Device& dev : {kH100, kAda, kBlackwell}) {
       EXPECT_EQ(Call(100, 100, d).plan(dev, &p), SAGE_ERROR_UNSUPPORTED) << d;
       const std::string msg = sage_last_error();
       EXPECT_NE(msg.find("head_dim = " + std::to_string(d)), std::string::npos) << msg;
-      EXPECT_NE(msg.find("multiples of 16 from 32 to 128"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("multiples of 16 from 32 to 256"), std::string::npos) << msg;
       EXPECT_NE(msg.find("CPU reference"), std::string::npos) << msg;
     }
   }
@@ -250,8 +274,8 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
 TEST(Planner, PaddedEmulationIsTheNativeOneOnZeroChannels) {
   std::mt19937_64 rng(sage::test::fresh_seed());
   const int64_t B = 1, Hq = 4, Hkv = 2, Nq = 300, Nk = 333;
-  for (const int64_t d : {32, 48, 80, 112}) {
-    const int64_t dk = d <= 64 ? 64 : 128;
+  for (const int64_t d : {32, 48, 80, 112, 144, 240}) {
+    const int64_t dk = d <= 64 ? 64 : d <= 128 ? 128 : 256;
     const sage::test::Fp16Tensor q = sage::test::random_tensor(rng, B, Hq, Nq, d, 2.0f);
     const sage::test::Fp16Tensor k = sage::test::random_tensor(rng, B, Hkv, Nk, d, 4.0f);
     const sage::test::Fp16Tensor v = sage::test::random_tensor(rng, B, Hkv, Nk, d, 4.0f);
@@ -450,7 +474,7 @@ TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {
     EXPECT_NE(std::string(sage_last_error()).find(word), std::string::npos) << sage_last_error();
   };
   refused(Call(100, 100, 72), kH100, "head_dim = 72");
-  refused(Call(100, 100, 256), kH100, "GPU kernels: multiples of 16 from 32 to 128");  // the set
+  refused(Call(100, 100, 136), kH100, "GPU kernels: multiples of 16 from 32 to 256");  // the set
   refused(Call(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_EXACT), kH100, "EXACT");
   refused(Call(100, 100, 128), kAmpere, "sm_86");
   Call custom(100, 100, 128);

@@ -1,10 +1,10 @@
-// Zero-padded head dims on the GPU: a head dim that is a multiple of 16 from 32 to 128 runs the
-// native 64 or 128 kernel with the channels past it zero. Here, for every kernel family this GPU
-// has: the caller's memory past head_dim is never read (the channels past D of strided Q, K and V
-// hold NaN) nor written (an output with a longer token stride keeps its poison there), the result
-// is bit for bit the contiguous call's, and the plan reports the kernel's head dim. Accuracy of
-// these head dims against their emulation and float64: GpuVsEmulation's HeadDims sweep
-// (test_attention_gpu.cu).
+// Zero-padded head dims on the GPU: a head dim that is a multiple of 16 from 32 to 256 runs the
+// native 64, 128 or 256 kernel with the channels past it zero (256: the mma.sync kernel only).
+// Here, for every kernel family this GPU has: the caller's memory past head_dim is never read
+// (the channels past D of strided Q, K and V hold NaN) nor written (an output with a longer token
+// stride keeps its poison there), the result is bit for bit the contiguous call's, and the plan
+// reports the kernel's head dim. Accuracy of these head dims against their emulation and float64:
+// GpuVsEmulation's HeadDims and WideHeadDims sweeps (test_attention_gpu.cu).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -73,6 +73,11 @@ StridedRun run_strided(const Case& c, const Inputs& in, const KernelChoice& kc, 
   a.batch = c.B, a.heads_q = c.Hq, a.heads_kv = c.Hkv, a.seq_q = c.Nq, a.seq_kv = c.Nk;
   a.head_dim = c.D, a.layout = c.layout, a.dtype = c.dtype, a.mask = c.mask;
   a.variant = c.variant;
+  if (c.smooth) {  // as run_gpu
+    a.variant = SAGE_VARIANT_CUSTOM;
+    sage_quant_config_init(&a.quant, c.variant);
+    a.quant.smooth = c.smooth;
+  }
   a.q_strides = qs, a.k_strides = ks, a.v_strides = vs, a.o_strides = r.o_strides;
   a.kernel = kc.kernel;
   a.options = kc.options;
@@ -85,13 +90,15 @@ constexpr sage_mask kNone = SAGE_MASK_NONE, kBR = SAGE_MASK_CAUSAL_BOTTOM_RIGHT,
 constexpr sage_layout kHND = SAGE_LAYOUT_HND, kNHD = SAGE_LAYOUT_NHD;
 constexpr sage_dtype kF16 = SAGE_DTYPE_FP16, kBF16 = SAGE_DTYPE_BF16;
 constexpr sage_variant k8 = SAGE_VARIANT_SAGE2_8B, k4 = SAGE_VARIANT_SAGE2_4B;
+constexpr unsigned kSmoothQKV = SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V;
 
 // Input rows of D + 16 elements (16-byte aligned: the pre-pass's 16-byte loads and, on sm_90,
 // fused Q's TMA map, whose inner extent is D and whose box is the kernel's head dim) and of D + 3
 // (2-byte aligned: element loads, and the pre-pass's Q); output rows of D + 24 elements. The
 // call's O and LSE must be the contiguous call's bits (the same plan: pre-pass Q where the
-// strided Q cannot take fused Q), the output's elements past D untouched. Native 64 and 128 are
-// the control.
+// strided Q cannot take fused Q), the output's elements past D untouched. Native 64, 128 and
+// 256 are the control; 208 with Q smoothing checks that ΔS (formed from the caller's K) reads
+// only D channels.
 TEST(GpuHeadDims, MemoryPastHeadDimIsNeitherReadNorWritten) {
   SAGE_REQUIRE_GPU();
   const std::vector<KernelChoice> kernels = kernels_of_this_gpu();
@@ -104,10 +111,15 @@ TEST(GpuHeadDims, MemoryPastHeadDimIsNeitherReadNorWritten) {
                         Case{2, 2, 1, 250, 250, 112, kBR, kHND, kF16, k8, 4},
                         Case{1, 4, 2, 190, 270, 80, kNone, kNHD, kF16, k4, 4},
                         Case{1, 2, 2, 150, 150, 64, kBR, kNHD, kBF16, k8, 4},
-                        Case{1, 2, 2, 150, 150, 128, kNone, kHND, kF16, k8, 4}}) {
+                        Case{1, 2, 2, 150, 150, 128, kNone, kHND, kF16, k8, 4},
+                        Case{1, 4, 2, 200, 333, 144, kBR, kHND, kF16, k8, 4},
+                        Case{2, 2, 1, 129, 250, 192, kTL, kNHD, kBF16, k4, 4},
+                        Case{1, 2, 2, 300, 300, 240, kNone, kNHD, kBF16, k8, 4},
+                        Case{1, 4, 2, 190, 270, 208, kNone, kHND, kF16, k8, 4, kSmoothQKV},
+                        Case{1, 2, 2, 150, 150, 256, kBR, kHND, kF16, k8, 4}}) {
     SCOPED_TRACE(name(c));
     const Inputs in = draw_inputs(rng, c);
-    const int64_t dk = c.D <= 64 ? 64 : 128;
+    const int64_t dk = c.D <= 64 ? 64 : c.D <= 128 ? 128 : 256;
     for (const KernelChoice& kc : kernels) {
       SCOPED_TRACE(kc.label);
       for (const int64_t in_pad : {16, 3}) {
@@ -115,8 +127,8 @@ TEST(GpuHeadDims, MemoryPastHeadDimIsNeitherReadNorWritten) {
         const int64_t out_pitch = c.D + 24;
         const StridedRun s = run_strided(c, in, kc, c.D + in_pad, out_pitch);
         if (s.status == SAGE_ERROR_UNSUPPORTED && kc.kernel == SAGE_KERNEL_SM90 &&
-            c.variant == k4) {
-          continue;  // no 4-bit wgmma kernel (the sweep says so too)
+            (c.variant == k4 || c.smooth != 0u || c.D > 128)) {
+          continue;  // no 4-bit, Q-smoothing or D > 128 wgmma kernel (the sweep says so too)
         }
         ASSERT_EQ(s.status, SAGE_OK) << s.error;
         EXPECT_EQ(s.plan.kernel_head_dim, dk);

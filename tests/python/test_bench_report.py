@@ -43,6 +43,8 @@ def test_parse_args_values():
                        "sage-8b-mma,cudnn-fp8", "--no-graph", "--seconds", "0.1"])
     assert a.dims == [128] and a.seqs == [1024, 4096] and a.causals == [True]
     assert a.impls == ["sage-8b-mma", "cudnn-fp8"] and a.no_graph and a.seconds == 0.1
+    # The wide head dims (the library says which run; the bench passes any on).
+    assert bc.parse_args(["--dims", "192,256"]).dims == [192, 256]
 
 
 @pytest.mark.parametrize("argv", [["--impls", "sage-9b"], ["--dims", "64,x"], ["--seqs", "0"],

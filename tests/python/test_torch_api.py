@@ -154,7 +154,8 @@ SHAPES = [  # (B, Hq, Hkv, Nq, Nk)
 ]
 
 
-def call_emulation(q, k, v, causal_align=None, scale=None, kernel=None, return_lse=False):
+def call_emulation(q, k, v, causal_align=None, scale=None, kernel=None, return_lse=False,
+                   qk_bits=None):
     """The CPU emulation of what sageattn(q, k, v, ..., kernel=kernel) runs on the GPU: the plan
     of the same arguments (sage_attention_plan) names the quantization config whose emulation
     computes the call (the kernel's tile, K groups, softmax blocks, accumulator, polynomial 2^x),
@@ -176,10 +177,11 @@ def call_emulation(q, k, v, causal_align=None, scale=None, kernel=None, return_l
         a.scale = 0.0 if scale is None else float(scale)
         a.mask = _lib.CAUSAL_ALIGNS[causal_align] if causal_align else _lib.MASK_NONE
 
-    # The GPU call's plan: sageattn's defaults (8-bit, smooth K, the preset's smooth V).
+    # The GPU call's plan: sageattn's defaults (8-bit unless qk_bits, smooth K, the preset's
+    # smooth Q and V).
     a = _lib.new_args()
     fill(a, (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()), o)
-    a.variant, a.quant = _lib.quant_settings(None, None, True, None)
+    a.variant, a.quant = _lib.quant_settings(qk_bits, None, True, None)
     a.kernel = kernels[kernel]
     info = _lib.plan(a)
     # Its emulation on the host: the same bits (fp16/bf16 copies), the plan's config as CUSTOM.
@@ -198,8 +200,25 @@ def call_emulation(q, k, v, causal_align=None, scale=None, kernel=None, return_l
 IS_SM90 = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)
 
 
+def sage_attn_plan_head_dim(q, k, v, causal_align, qk_bits):
+    """The kernel_head_dim of the plan sageattn's call gets (HND CUDA tensors)."""
+    from sage_attn import _lib
+    a = _lib.new_args()
+    o = torch.empty_like(q)
+    a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    a.batch, a.heads_q, a.heads_kv = q.shape[0], q.shape[1], k.shape[1]
+    a.seq_q, a.seq_kv, a.head_dim = q.shape[2], k.shape[2], q.shape[3]
+    a.layout = _lib.LAYOUT_HND
+    for field, x in (("q_strides", q), ("k_strides", k), ("v_strides", v), ("o_strides", o)):
+        _lib.set_strides(getattr(a, field), _lib.LAYOUT_HND, list(x.stride()))
+    a.dtype = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16}[q.dtype]
+    a.mask = _lib.CAUSAL_ALIGNS[causal_align] if causal_align else _lib.MASK_NONE
+    a.variant, a.quant = _lib.quant_settings(qk_bits, None, True, None)
+    return _lib.plan(a).kernel_head_dim
+
+
 @gpu
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("causal", [None, "bottom_right", "top_left"])
 def test_gpu_matches_emulation_and_float64(gen, d, shape, causal):
@@ -226,11 +245,11 @@ def test_gpu_matches_emulation_and_float64(gen, d, shape, causal):
 
 
 @gpu
-@pytest.mark.parametrize("d", [32, 48, 80, 96, 112])
+@pytest.mark.parametrize("d", [32, 48, 80, 96, 112, 144, 192, 240])
 @pytest.mark.parametrize("causal", [None, "top_left"])
 def test_gpu_padded_head_dims(gen, d, causal, dropin_always_sage):
-    """Head dims that are multiples of 16 run at the native 64 or 128 with zero channels (the
-    plan's kernel_head_dim): against the emulation at the caller's head dim as tight as the
+    """Head dims that are multiples of 16 run at the native 64, 128 or 256 with zero channels
+    (the plan's kernel_head_dim): against the emulation at the caller's head dim as tight as the
     native ones, against float64 as accurate; and the SDPA drop-in runs them (which head dims
     have a kernel is the library's answer, not a list here)."""
     q, k, v = randn(gen, (1, 4, 300, d)), randn(gen, (1, 2, 777, d), bias=2.0), \
@@ -250,6 +269,46 @@ def test_gpu_padded_head_dims(gen, d, causal, dropin_always_sage):
     want = TORCH_SDPA(qs, ks, vs, is_causal=causal is not None)
     m = metrics(got, want.double())
     assert m["cos"] > 0.999 and m["rel_l1"] < 0.06, m
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("qk_bits", [8, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_head_dim_256(gen, dtype, qk_bits, causal, dropin_always_sage):
+    """D = 256 runs natively on the GPU (the mma.sync kernel, on sm_90 too): NHD and HND, GQA,
+    N off the blocks, as accurate against float64 as D = 128 (8-bit cos > 0.999; 4-bit on these
+    channel-biased inputs too), the emulation's config reproduced; the plan says kernel_head_dim
+    256; forcing the sm90 kernel is a ValueError naming head_dim; the drop-in runs it."""
+    q = randn(gen, (2, 4, 333, 256), dtype, bias=0.5)
+    k, v = randn(gen, (2, 2, 1000, 256), dtype, bias=2.0), randn(gen, (2, 2, 1000, 256), dtype)
+    o = sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=qk_bits)
+    assert o.shape == q.shape and o.dtype == dtype and torch.isfinite(o).all()
+    align = "bottom_right" if causal else None
+    assert sage_attn_plan_head_dim(q, k, v, align, qk_bits) == 256
+    # The emulation of the plan's config, as tight as at D = 64/128 (one output ulp on average).
+    emu = call_emulation(q, k, v, align, qk_bits=qk_bits)
+    m = metrics(o, emu.double())
+    assert m["rel_l1"] < (2e-3 if dtype == torch.float16 else 4e-3) and m["cos"] > 0.99999, m
+    ref, _ = ref64(q, k, v, align)
+    m = metrics(o, ref)
+    if qk_bits == 8:
+        assert m["cos"] > 0.999 and m["rel_l1"] < 0.06, m
+    else:  # (4-bit on N(0,1) queries: cos ~0.98, as at D = 64/128)
+        assert m["cos"] > 0.97, m
+    # NHD gives the same bits as HND.
+    o_nhd = sage_attn.sageattn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               tensor_layout="NHD", is_causal=causal, qk_bits=qk_bits)
+    assert torch.equal(o_nhd.transpose(1, 2), o)
+    if IS_SM90:
+        with pytest.raises(ValueError, match="head_dim"):
+            sage_attn.sageattn(q, k, v, is_causal=causal, kernel="sm90")
+    if qk_bits == 8:
+        kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        assert sage_attn.dropin_backend(q, kr, vr, is_causal=causal) == "sage"
+        with torch.no_grad():
+            got = sage_attn.scaled_dot_product_attention(q, kr, vr, is_causal=causal)
+        assert metrics(got, TORCH_SDPA(q, kr, vr, is_causal=causal).double())["cos"] > 0.999
 
 
 @gpu

@@ -6,6 +6,9 @@
 // Why the shapes: a warp owns 16 rows, so a thread holds rows g and g+8 (one Q group) and, per
 // 8-key tile, keys 2t, 2t+1 (one K group) — per-thread quantization costs nothing. With 16 rows a
 // warp the accumulators fit: S 8 tiles x 4, R and O D/8 tiles x 4 each (D=128: 32+64+64 regs).
+// At D = 256 O alone is 128 registers and INT8 Q's fragments 32: the 255 a thread may have hold
+// the 8-bit loop with a few words spilled; with Q smoothing, ΔS's K words (32 a thread, in flight
+// across Q·Kᵀ) spill ~0.2 KB a thread (ptxas -v), which the portable kernel accepts.
 // Vᵀ arrives with the keys of each 32-chunk permuted (v_position_of_key) so the E4M3 pairs a
 // thread converts from its S registers are exactly its A-operand bytes: no shuffles.
 // Q smoothing's ΔS (a value per key and Q block) is formed here, a key block ahead, from the

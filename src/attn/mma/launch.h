@@ -24,5 +24,7 @@ extern template cudaError_t launch_attention<64>(const AttnParams&, const Launch
                                                  cudaStream_t);
 extern template cudaError_t launch_attention<128>(const AttnParams&, const LaunchConfig&,
                                                   cudaStream_t);
+extern template cudaError_t launch_attention<256>(const AttnParams&, const LaunchConfig&,
+                                                  cudaStream_t);
 
 }  // namespace sage::mma
