@@ -68,15 +68,16 @@ bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_
     bool causal;
     int64_t min_seq;
   };
+  // D = 256 runs the mma.sync kernel on sm_90, which never reached SDPA there (H200, 2026-11-26,
+  // B=4 H=32, graph: 4k 242 vs 619, 16k 271 vs 610; causal 203 vs 555, 249 vs 619): no length.
+  constexpr int64_t kNever = INT64_MAX;
   static constexpr Crossover kTable[] = {
       {90, 128, false, 4096}, {90, 128, true, 8192}, {90, 64, false, 4096}, {90, 64, true, 8192},
+      {90, 256, false, kNever}, {90, 256, true, kNever},
   };
   const bool causal = mask != SAGE_MASK_NONE;
-  // D = 256 (the mma.sync kernel) has no measured row yet: it takes D = 128's, so the drop-in
-  // hands the short sequences to torch rather than risk a slower call there.
-  const int64_t row_dim = head_dim == 256 ? 128 : head_dim;
   for (const Crossover& c : kTable)
-    if (c.cc == cc && c.head_dim == row_dim && c.causal == causal)
+    if (c.cc == cc && c.head_dim == head_dim && c.causal == causal)
       return seq_q < c.min_seq || seq_kv < c.min_seq;
   return false;
 }
