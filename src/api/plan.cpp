@@ -82,10 +82,6 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
                       Plan* out) {
   const sage_quant_config& c = r.quant;
   const ref::Problem& p = r.problem;
-  if (r.packed())
-    return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "cu_seqlens_q, cu_seqlens_k: packed variable-length batches have no GPU "
-                     "kernel yet (the CPU reference runs them: pass host pointers)");
   if (r.exact)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "variant = EXACT has no GPU kernel (float64 runs on the CPU reference)");
@@ -94,6 +90,10 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   // src/fp4); every other FP4 combination runs on the CPU only, and no other kernel stands in.
   const bool fp4 = ref::qk_microscale(c.qk_format) != nullptr ||
                    ref::pv_microscale(c.pv_format) != nullptr;
+  if (fp4 && r.packed())
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "cu_seqlens_q: packed variable-length batches have no FP4 GPU kernel (the "
+                     "8-bit and 4-bit variants take them; the CPU reference runs FP4 ones)");
   if (fp4) {
     const std::string off = fp4_gpu_mismatch(c);
     if (!off.empty())
@@ -171,8 +171,13 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   const bool causal = p.mask != SAGE_MASK_NONE;
 
   // The family: the wgmma kernel on sm_90 where it applies (8-bit, no Q smoothing: ΔS stays on
-  // mma.sync); args.kernel forces one (tests and benchmarks compare them).
-  const bool sm90_ok = dev.cc == 90 && bits8 && !smooth_q;
+  // mma.sync; dense batches: a packed batch runs on mma.sync, whose CTAs find their sequence
+  // from cu_seqlens); args.kernel forces one (tests and benchmarks compare them).
+  if (a.kernel == SAGE_KERNEL_SM90 && r.packed())
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "kernel = SM90: packed variable-length batches (cu_seqlens_q) run on the "
+                     "mma.sync kernel only so far; pass AUTO or MMA");
+  const bool sm90_ok = dev.cc == 90 && bits8 && !smooth_q && !r.packed();
   if (a.kernel == SAGE_KERNEL_SM90 && !sm90_ok)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "kernel = SM90: the wgmma kernel needs an sm_90 GPU (this is sm_%d%d), "
@@ -194,11 +199,15 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       // K/V's pre-pass in one cluster launch where a cluster holds the head's chunks;
       // SAGE_OPTION_PREPASS_KV_SPLIT keeps the three launches (to compare the two).
       a.options & SAGE_OPTION_PREPASS_KV_SPLIT ? 0 : dev.kv_cluster,
-      /*quantize_q=*/!plan.fused_q, /*lse=*/a.lse != nullptr);
+      /*quantize_q=*/!plan.fused_q, /*lse=*/a.lse != nullptr, c.k_mean_tokens,
+      // A packed batch: p.seq_q, p.seq_kv are the longest sequences (the grids' extents), the
+      // workspace rows come from the totals (quant/layout.h, SeqRows).
+      r.cu_seqlens_q, r.cu_seqlens_k, r.total_q, r.total_k);
   plan.launches = (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + 1;
   // A padded head dim looks up its kernel's row: it does Dk's work while SDPA does D's, so Dk's
   // crossover is the least length from which it could win (not measured at the padded dims).
-  plan.prefer_sdpa = prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv);
+  // (No SDPA stands in for a packed batch: the table is for dense calls.)
+  plan.prefer_sdpa = !r.packed() && prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv);
   // The backward has no zero-padded head dims yet: a training call at a padded D gets its forward
   // here and must get its backward elsewhere (the SDPA drop-in asks this before taking one).
   plan.has_backward = gpu_backward_has_head_dim(D);
