@@ -449,7 +449,7 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
 def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     is_causal=False, sm_scale=None, return_lse=False,
                     causal_align="bottom_right", *, qk_bits=None, smooth_k=True, smooth_q=None,
-                    smooth_v=None):
+                    smooth_v=None, kernel=None):
     """SageAttention2 of a packed variable-length batch, with flash_attn_varlen_func's
     conventions: q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [batch + 1]
     cumulative lengths (start 0, non-decreasing), max_seqlen_q/k the longest sequence's lengths.
@@ -464,7 +464,8 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     fixed at capture bound them). The GPU does not check cu_seqlens' contents: lengths that break
     the conventions leave rows unwritten (never memory outside the tensors). CPU tensors run the
     library's CPU reference, which checks them. No autograd yet: inputs that require grad raise
-    NotImplementedError."""
+    NotImplementedError. kernel: None (the library's choice: mma.sync for packed batches so
+    far), "mma" or "sm90" (the wgmma kernel's packed path, sm_90, 8-bit), as in sageattn."""
     _lib.check_call_flags(causal_align, is_causal, return_lse)
     named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
              ("cu_seqlens_k", cu_seqlens_k))
@@ -496,6 +497,8 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]})")
     for name, value in (("smooth_q", smooth_q), ("smooth_k", smooth_k), ("smooth_v", smooth_v)):
         _lib.check_flag(name, value)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel = {kernel!r}: must be None, 'auto', 'mma' or 'sm90'")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -519,6 +522,7 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if q.dtype == torch.float32:
         raise TypeError("q: float32 CUDA tensors have no GPU kernel; pass float16 or bfloat16")
     a.backend = _lib.BACKEND_CUDA
+    a.kernel = KERNELS[kernel]
     with torch.cuda.device(q.device):
         a.stream = _current_stream(q.device)
         # The workspace from torch's caching allocator (graph-capturable; sized from the shapes,

@@ -35,6 +35,8 @@ def _parser():
     p.add_argument("--causal", default="0,1", help="0, 1 or 0,1 (default both)")
     p.add_argument("--seed", type=int, default=0, help="seed of the lengths and inputs")
     p.add_argument("--no-sdpa", action="store_true", help="skip the padded SDPA row")
+    p.add_argument("--kernel", default=None, choices=["auto", "mma", "sm90"],
+                   help="the packed call's kernel family (default: the library's choice)")
     p.add_argument("--out", default=None, help="directory for <date>-<gpu>-varlen.json")
     return p
 
@@ -71,7 +73,7 @@ def main(argv=None):
 
             def packed():
                 return sage_attn.sageattn_varlen(q, k, v, cu, cu, longest, longest,
-                                                 is_causal=causal)
+                                                 is_causal=causal, kernel=args.kernel)
 
             starts = [0] + list(torch.tensor(lens).cumsum(0).tolist())
             views = [(q[None, a:b], k[None, a:b], v[None, a:b])

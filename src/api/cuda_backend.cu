@@ -149,9 +149,12 @@ sm90::Params sm90_params(const api::Resolved& r, const sage_attention_args& a,
   s.k_mean = reinterpret_cast<const float*>(ws + w.k_mean);  // fused Q's LSE shift
   s.tile_counter = reinterpret_cast<unsigned*>(ws + w.tile_counter);
   s.kv_bad = reinterpret_cast<const unsigned long long*>(ws + w.kv_bad);
-  s.q_in = a.q, s.q_in_batch = r.q.batch, s.q_in_head = r.q.head, s.q_in_token = r.q.token;
+  s.q_in = a.q, s.q_in_batch = r.packed() ? 0 : r.q.batch, s.q_in_head = r.q.head;
+  s.q_in_token = r.q.token;
   s.scale = float(r.problem.scale);
   s.fused_q = plan.fused_q;
+  s.q_rows = w.q_rows, s.kv_rows = w.kv_rows, s.shift_rows = w.shift_rows;
+  s.bottom_right = r.problem.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT;
   return s;
 }
 

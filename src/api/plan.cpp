@@ -171,13 +171,22 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   const bool causal = p.mask != SAGE_MASK_NONE;
 
   // The family: the wgmma kernel on sm_90 where it applies (8-bit, no Q smoothing: ΔS stays on
-  // mma.sync; dense batches: a packed batch runs on mma.sync, whose CTAs find their sequence
-  // from cu_seqlens); args.kernel forces one (tests and benchmarks compare them).
-  if (a.kernel == SAGE_KERNEL_SM90 && r.packed())
+  // mma.sync); args.kernel forces one (tests and benchmarks compare them). A packed batch runs on
+  // mma.sync unless SM90 is forced (kPackedAutoSm90): the wgmma kernel's packed path (its
+  // scheduler finding each tile's sequence from cu_seqlens, fused Q only) has not yet run on a
+  // GPU, so AUTO keeps the simpler path until GpuVarlenSm90.* pass on an H100.
+  constexpr bool kPackedAutoSm90 = false;
+  const bool q_map = quant::rows_aligned16(a.q, r.q) && (r.packed() || r.q.batch > 0) &&
+                     r.q.head > 0 && r.q.token > 0;  // a TMA map can describe Q (fused Q)
+  if (a.kernel == SAGE_KERNEL_SM90 && r.packed() &&
+      (!q_map || (a.options & SAGE_OPTION_PREPASS_Q)))
     return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "kernel = SM90: packed variable-length batches (cu_seqlens_q) run on the "
-                     "mma.sync kernel only so far; pass AUTO or MMA");
-  const bool sm90_ok = dev.cc == 90 && bits8 && !smooth_q && !r.packed();
+                     "kernel = SM90: a packed batch (cu_seqlens_q) runs on the wgmma kernel only "
+                     "with Q quantized in the kernel: q's rows 16-byte aligned, positive strides, "
+                     "no SAGE_OPTION_PREPASS_Q; pass AUTO or MMA");
+  const bool packed_sm90 = kPackedAutoSm90 && q_map && !(a.options & SAGE_OPTION_PREPASS_Q);
+  const bool sm90_ok = dev.cc == 90 && bits8 && !smooth_q &&
+                       (!r.packed() || a.kernel == SAGE_KERNEL_SM90 || packed_sm90);
   if (a.kernel == SAGE_KERNEL_SM90 && !sm90_ok)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "kernel = SM90: the wgmma kernel needs an sm_90 GPU (this is sm_%d%d), "
@@ -189,9 +198,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   // when a TMA map can describe Q: rows 16-byte aligned, positive strides (the map's inner
   // extent is D and its box Dk: TMA fills the channels past D with zeros, so any D takes it);
   // SAGE_OPTION_PREPASS_Q keeps the pre-pass's quant_q (to compare the two).
-  plan.fused_q = plan.family == Family::kSm90 && !(a.options & SAGE_OPTION_PREPASS_Q) &&
-                 quant::rows_aligned16(a.q, r.q) && r.q.batch > 0 && r.q.head > 0 &&
-                 r.q.token > 0;
+  plan.fused_q = plan.family == Family::kSm90 && !(a.options & SAGE_OPTION_PREPASS_Q) && q_map;
   plan.prepass = quant::make_prepass_plan(
       p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, Dk, D, bits8 ? 8 : 4, smooth_q,
       c.smooth & SAGE_SMOOTH_K, c.smooth & SAGE_SMOOTH_V,
@@ -228,7 +235,9 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   e.accum_chunk = 32;  // keys of one k32 MMA step
   e.block_k = quant::kBlockK;
   if (plan.family == Family::kSm90) {
-    plan.consumers = sm90_consumers(Dk, causal, p.seq_q, plan.fused_q);
+    // A packed batch: two consumers (its instantiations, attn/sm90/launch.cuh; the emulation is
+    // the same either way: the polynomial share depends on the head dim only).
+    plan.consumers = r.packed() ? 2 : sm90_consumers(Dk, causal, p.seq_q, plan.fused_q);
     plan.block_q = 64 * plan.consumers;
     plan.block_k = sm90::kBlockK;
     // The wgmma E4M3 accumulator: each k32 step's products aligned to its largest addend and cut

@@ -434,11 +434,11 @@ __device__ __forceinline__ KvBlock<D> load_block_staged(const uint8_t* smem, int
 
 // Quantizes and stores block kb of the (sequence, KV head) whose K̂ rows start at row krow0 and
 // whose Vᵀ at byte vcol0 (channel pitch `pitch`: quant/layout.h, SeqRows). km, vm, vi: the head's
-// k_mean, v_mean and 1/v_scale in shared memory; group_max: [8][4] floats of shared memory (one __syncthreads inside: a caller that
-// loops over blocks alternates two). x holds no Inf/NaN (KvBlock::zero_special_keys), and k_mean
-// is finite, so K's max is taken on the bits of |k - k_mean| (non-negative floats order as their
-// bits), and with a finite group amax and inv quantize_bits' clamp and NaN test cannot act (see
-// quant_q) and are skipped.
+// k_mean, v_mean and 1/v_scale in shared memory; group_max: [8][4] floats of shared memory (one
+// __syncthreads inside: a caller that loops over blocks alternates two). x holds no Inf/NaN
+// (KvBlock::zero_special_keys), and k_mean is finite, so K's max is taken on the bits of
+// |k - k_mean| (non-negative floats order as their bits), and with a finite group amax and inv
+// quantize_bits' clamp and NaN test cannot act (see quant_q) and are skipped.
 template <typename T, int D, int kBits>
 __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, int64_t krow0,
                                                int64_t vcol0, int64_t pitch, const float* km,
@@ -494,6 +494,24 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
   quantize_store_row_part<T, D, kBits>(
       kq + (krow0 + key) * (D * kBits / 8), x.kr,
       [&](float y, int c) { return __fsub_rn(y, km[c]); }, part, s.inv, qmax, fast, keep);
+}
+
+// A packed batch's sequence whose keys end in the first half of a 128-key block (kb, its last
+// 64-key block, even): the sm90 kernel's TMA reads Vᵀ in 128-key blocks, so the second half's
+// columns, the sequence's own padding that nothing else writes, are zeroed. A masked key's P̃ is
+// 0, but 0·NaN of stale workspace bytes would not be. (Its K̂ rows there may hold anything: their
+// scores are masked, and their scale group is never read.) A dense call's Vᵀ ends at nk_pad,
+// where TMA reads zeros past the tensor.
+template <int D>
+__device__ __forceinline__ void zero_v_tail(const SeqRows& rows, int64_t kb, int64_t k_blocks,
+                                            int64_t vcol0, uint8_t* vq) {
+  if (!rows.packed() || kb != k_blocks - 1 || kb % 2 != 0) return;
+  const int64_t col0 = (kb + 1) * kBlockK;
+  for (int i = threadIdx.x; i < D * (kBlockK / 16); i += blockDim.x) {
+    const int c = i / (kBlockK / 16), part = i % (kBlockK / 16);
+    *reinterpret_cast<uint4*>(vq + vcol0 + c * rows.pitch + col0 + part * 16) =
+        make_uint4(0u, 0u, 0u, 0u);
+  }
 }
 
 // ---- The kernels -----------------------------------------------------------------------------
@@ -561,6 +579,7 @@ __global__ void __launch_bounds__(256, 2)
     x.template zero_special_keys<T>(kb * kBlockK, kv_bad + bh);
     quant_kv_block<T, D, kBits>(x, kb, krow0, vcol0, kv_rows.pitch, km, vm, vi, group_max[i % 2],
                                 seq_kv, kq, k_scale, vq);
+    zero_v_tail<D>(kv_rows, kb, k_blocks, vcol0, vq);
   }
 }
 
@@ -639,8 +658,10 @@ __global__ void __launch_bounds__(256, 3)
     vi[c] = v_inv[int64_t(bh) * D + c];
   }
   __syncthreads();
-  quant_kv_block<T, D, kBits>(x, kb, kv_rows.row0(b, h, sp), v_base(kv_rows, b, h, sp, D),
-                              kv_rows.pitch, km, vm, vi, group_max, seq_kv, kq, k_scale, vq);
+  const int64_t vcol0 = v_base(kv_rows, b, h, sp, D);
+  quant_kv_block<T, D, kBits>(x, kb, kv_rows.row0(b, h, sp), vcol0, kv_rows.pitch, km, vm, vi,
+                              group_max, seq_kv, kq, k_scale, vq);
+  zero_v_tail<D>(kv_rows, kb, (seq_kv + kBlockK - 1) / kBlockK, vcol0, vq);
 }
 
 // One CTA (512 threads, 4 a row) per 128-row Q block: optional block mean (kSmooth), the LSE

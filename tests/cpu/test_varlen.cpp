@@ -360,9 +360,9 @@ TEST(VarlenErrors, EachNamesItsArgument) {
 }
 
 // The planner takes packed batches on the GPU (a described H100: a CUDA call needs device
-// pointers; the GPU suite runs them): the mma.sync kernel (the wgmma one is for dense batches;
-// forcing it is refused naming the kernel), a workspace sized by the totals and the batch (each
-// sequence padded to 128 rows, not to max_seqlen), every CTA's sequence found on the device.
+// pointers; the GPU suite runs them): AUTO the mma.sync kernel, the wgmma one when forced, a
+// workspace sized by the totals and the batch (each sequence padded to 128 rows, not to
+// max_seqlen), every CTA's sequence found on the device.
 TEST(VarlenPlan, PackedBatchesRunOnTheMmaKernel) {
   std::mt19937_64 rng(fresh_seed());
   Packed p({64, 128, 0, 5}, {64, 128, 7, 0}, 2, 2, 128, SAGE_DTYPE_FP16, rng);
@@ -385,10 +385,22 @@ TEST(VarlenPlan, PackedBatchesRunOnTheMmaKernel) {
   EXPECT_GE(w.k_scale - w.k, size_t(2 * w.kv_rows.pitch * 128));
   EXPECT_LT(w.k_scale - w.k, size_t(2 * w.kv_rows.pitch * 128) + 256);
   // The same call forced onto the wgmma kernel, or in FP4: refused naming what.
-  // (Validation on host pointers refuses a forced GPU family: the planner sees the args as a
-  // CUDA call would pass them.)
+  // The wgmma kernel when forced (validation on host pointers refuses a forced GPU family: the
+  // planner sees the args as a CUDA call would pass them): fused Q, two consumers; with the
+  // pre-pass's Q, or on another GPU, refused naming the kernel.
   a.kernel = SAGE_KERNEL_SM90;
+  ASSERT_EQ(sage::api::make_plan(r, a, h100, &plan), SAGE_OK) << sage_last_error();
+  EXPECT_EQ(plan.family, sage::api::Family::kSm90);
+  EXPECT_TRUE(plan.fused_q);
+  EXPECT_EQ(plan.consumers, 2);
+  EXPECT_EQ(plan.block_q, 128);
+  a.options = SAGE_OPTION_PREPASS_Q;
   EXPECT_EQ(sage::api::make_plan(r, a, h100, &plan), SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("kernel = SM90"), std::string::npos)
+      << sage_last_error();
+  a.options = 0;
+  EXPECT_EQ(sage::api::make_plan(r, a, sage::api::Device{0, 89, 128, 0}, &plan),
+            SAGE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(sage_last_error()).find("kernel = SM90"), std::string::npos)
       << sage_last_error();
   a.kernel = SAGE_KERNEL_AUTO;

@@ -179,65 +179,60 @@ void expect_per_sequence(const Packed& p, const Options& opt, const Result& pack
   }
 }
 
-std::vector<sage_kernel> packed_families() {
-  // AUTO too: it must choose a family that takes packed batches on this GPU.
-  return {SAGE_KERNEL_MMA, SAGE_KERNEL_AUTO};
-}
-
-TEST(GpuVarlen, EachSequenceEqualsItsDenseCall) {
-  SAGE_REQUIRE_GPU();
-  if (compute_capability() < 89) GTEST_SKIP() << "no SageAttention2 kernel below sm_89";
+// Every sequence of packed calls on `kernel` (8- and 4-bit where `four_bit`), D 64 and 128,
+// fp16/bf16, three masks, both K/V pre-pass paths, against its dense call on the same family.
+void each_sequence_equals_its_dense_call(sage_kernel kernel, bool four_bit) {
   const uint64_t seed = sage::test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   for (int64_t D : {64, 128})
     for (sage_dtype dtype : {SAGE_DTYPE_FP16, SAGE_DTYPE_BF16}) {
       const Packed p = make_packed(rng, kSeqs, D, dtype);
-      for (sage_variant variant : {SAGE_VARIANT_SAGE2_8B, SAGE_VARIANT_SAGE2_4B})
+      for (sage_variant variant : {SAGE_VARIANT_SAGE2_8B, SAGE_VARIANT_SAGE2_4B}) {
+        if (variant == SAGE_VARIANT_SAGE2_4B && !four_bit) continue;
         for (sage_mask mask :
              {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, SAGE_MASK_CAUSAL_TOP_LEFT})
-          for (sage_kernel kernel : packed_families())
-            for (uint32_t options : {0u, unsigned(SAGE_OPTION_PREPASS_KV_SPLIT)}) {
-              const Options opt{dtype, variant, mask, kernel, options};
-              SCOPED_TRACE(describe(opt, D));
-              expect_per_sequence(p, opt, run_packed(p, opt), p.q, p.k, p.v);
-            }
+          for (uint32_t options : {0u, unsigned(SAGE_OPTION_PREPASS_KV_SPLIT)}) {
+            const Options opt{dtype, variant, mask, kernel, options};
+            SCOPED_TRACE(describe(opt, D));
+            expect_per_sequence(p, opt, run_packed(p, opt), p.q, p.k, p.v);
+          }
+      }
     }
 }
 
 // A sequence longer than a K/V pre-pass cluster holds (8 chunks of 128 keys), so the packed
 // call's K/V statistics take the three-launch path, beside short ones; Q smoothing's ΔS (4-bit)
 // reads the caller's K at each sequence's offset.
-TEST(GpuVarlen, LongAndShortSequencesTogether) {
-  SAGE_REQUIRE_GPU();
-  if (compute_capability() < 89) GTEST_SKIP() << "no SageAttention2 kernel below sm_89";
+void long_and_short_sequences(sage_kernel kernel, bool four_bit) {
   const uint64_t seed = sage::test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  const std::vector<Seq> seqs = {{33, 2100}, {2049, 2049}, {1, 7}, {700, 1500}};
-  for (sage_variant variant : {SAGE_VARIANT_SAGE2_8B, SAGE_VARIANT_SAGE2_4B})
+  const std::vector<Seq> seqs = {{33, 2100}, {2049, 2049}, {1, 7}, {700, 1500}, {0, 3000}};
+  for (sage_variant variant : {SAGE_VARIANT_SAGE2_8B, SAGE_VARIANT_SAGE2_4B}) {
+    if (variant == SAGE_VARIANT_SAGE2_4B && !four_bit) continue;
     for (sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
       const Packed p = make_packed(rng, seqs, 128, SAGE_DTYPE_BF16);
-      const Options opt{SAGE_DTYPE_BF16, variant, mask, SAGE_KERNEL_AUTO, 0u};
+      const Options opt{SAGE_DTYPE_BF16, variant, mask, kernel, 0u};
       SCOPED_TRACE(describe(opt, 128));
       expect_per_sequence(p, opt, run_packed(p, opt), p.q, p.k, p.v);
     }
+  }
 }
 
 // An Inf/NaN in one sequence's K, V or Q follows the non-finite rule within that sequence (as
 // its dense call does, bit for bit) and leaves every other sequence as the clean call has it.
-TEST(GpuVarlen, NonFiniteInputStaysInItsSequence) {
-  SAGE_REQUIRE_GPU();
-  if (compute_capability() < 89) GTEST_SKIP() << "no SageAttention2 kernel below sm_89";
+void non_finite_input_stays_in_its_sequence(sage_kernel kernel, bool four_bit) {
   const uint64_t seed = sage::test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const Packed clean = make_packed(rng, kSeqs, 64, SAGE_DTYPE_FP16);
   const size_t bad_k = 2, bad_q = 9;  // sequence 2: K row 500 (Nk 1000); 9: Q row 150
-  for (sage_variant variant : {SAGE_VARIANT_SAGE2_8B, SAGE_VARIANT_SAGE2_4B})
+  for (sage_variant variant : {SAGE_VARIANT_SAGE2_8B, SAGE_VARIANT_SAGE2_4B}) {
+    if (variant == SAGE_VARIANT_SAGE2_4B && !four_bit) continue;
     for (sage_mask mask :
          {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, SAGE_MASK_CAUSAL_TOP_LEFT}) {
-      const Options opt{SAGE_DTYPE_FP16, variant, mask, SAGE_KERNEL_AUTO, 0u};
+      const Options opt{SAGE_DTYPE_FP16, variant, mask, kernel, 0u};
       SCOPED_TRACE(describe(opt, 64));
       Packed p = clean;
       const int64_t D = p.D;
@@ -267,13 +262,54 @@ TEST(GpuVarlen, NonFiniteInputStaysInItsSequence) {
       }
       EXPECT_TRUE(any_nan);
     }
+  }
+}
+
+#define SAGE_REQUIRE_SM89()                                                              \
+  do {                                                                                   \
+    SAGE_REQUIRE_GPU();                                                                  \
+    if (compute_capability() < 89) GTEST_SKIP() << "no SageAttention2 kernel below sm_89"; \
+  } while (0)
+#define SAGE_REQUIRE_SM90()                                                               \
+  do {                                                                                    \
+    SAGE_REQUIRE_GPU();                                                                   \
+    if (compute_capability() != 90) GTEST_SKIP() << "the wgmma kernel runs on sm_90 only"; \
+  } while (0)
+
+// The mma.sync family (forced, and AUTO, which must pick a family that takes packed batches).
+TEST(GpuVarlen, EachSequenceEqualsItsDenseCall) {
+  SAGE_REQUIRE_SM89();
+  each_sequence_equals_its_dense_call(SAGE_KERNEL_MMA, true);
+  each_sequence_equals_its_dense_call(SAGE_KERNEL_AUTO, true);
+}
+TEST(GpuVarlen, LongAndShortSequencesTogether) {
+  SAGE_REQUIRE_SM89();
+  long_and_short_sequences(SAGE_KERNEL_MMA, true);
+}
+TEST(GpuVarlen, NonFiniteInputStaysInItsSequence) {
+  SAGE_REQUIRE_SM89();
+  non_finite_input_stays_in_its_sequence(SAGE_KERNEL_MMA, true);
+}
+
+// The wgmma kernel's packed path (kernel = SM90 forced; 8-bit): its own suite, so that it can be
+// run (or left out) on its own: --gtest_filter='GpuVarlenSm90.*'.
+TEST(GpuVarlenSm90, EachSequenceEqualsItsDenseCall) {
+  SAGE_REQUIRE_SM90();
+  each_sequence_equals_its_dense_call(SAGE_KERNEL_SM90, false);
+}
+TEST(GpuVarlenSm90, LongAndShortSequencesTogether) {
+  SAGE_REQUIRE_SM90();
+  long_and_short_sequences(SAGE_KERNEL_SM90, false);
+}
+TEST(GpuVarlenSm90, NonFiniteInputStaysInItsSequence) {
+  SAGE_REQUIRE_SM90();
+  non_finite_input_stays_in_its_sequence(SAGE_KERNEL_SM90, false);
 }
 
 // The plan of a packed call: its workspace grows with the total token counts, not with
-// batch · max_seqlen, and a forced SM90 family is refused with a message naming the argument.
+// batch · max_seqlen; AUTO picks mma.sync, SM90 is taken only with fused Q.
 TEST(GpuVarlen, PlanAndErrors) {
-  SAGE_REQUIRE_GPU();
-  if (compute_capability() < 89) GTEST_SKIP() << "no SageAttention2 kernel below sm_89";
+  SAGE_REQUIRE_SM89();
   sage_attention_args a;
   sage_attention_args_init(&a);
   DeviceBuffer buf(64 << 20), cu(4 * 65);
@@ -287,11 +323,21 @@ TEST(GpuVarlen, PlanAndErrors) {
   // K̂ + V̂ᵀ of (total + 128 · (batch + 1)) rows of 64 bytes each, with scales and statistics:
   // far below 64 · 8192 rows.
   EXPECT_LT(ws, size_t(4) * (a.total_k + 128 * 65) * 64) << ws;
+  sage_plan_info info{};
+  info.struct_size = sizeof info;
+  ASSERT_EQ(sage_attention_plan(&a, &info), SAGE_OK) << sage_last_error();
+  EXPECT_EQ(info.kernel, SAGE_KERNEL_MMA);  // AUTO: mma.sync for packed batches (for now)
   a.kernel = SAGE_KERNEL_SM90;
+  a.options = SAGE_OPTION_PREPASS_Q;  // the wgmma kernel takes packed batches with fused Q only
+  EXPECT_EQ(sage_attention_workspace_size(&a, &ws), SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("kernel = SM90"), std::string::npos)
+      << sage_last_error();
   if (compute_capability() == 90) {
-    EXPECT_EQ(sage_attention_workspace_size(&a, &ws), SAGE_ERROR_UNSUPPORTED);
-    EXPECT_NE(std::string(sage_last_error()).find("kernel = SM90"), std::string::npos)
-        << sage_last_error();
+    a.options = 0;
+    ASSERT_EQ(sage_attention_plan(&a, &info), SAGE_OK) << sage_last_error();
+    EXPECT_EQ(info.kernel, SAGE_KERNEL_SM90);
+    EXPECT_EQ(info.fused_q, 1);
+    EXPECT_EQ(info.block_q, 128);  // two consumer warpgroups for packed batches
   }
 }
 

@@ -142,16 +142,41 @@ def test_cuda_equals_dense_calls_and_float64(rng, dtype, qk_bits, causal):
             assert m["cos"] > 0.99 and m["rel_l1"] < 0.25, (b, m)
 
 
-def test_cuda_graph_capture_replays_with_new_cu_seqlens(rng):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [None, "bottom_right", "top_left"])
+def test_cuda_sm90_packed_equals_dense_sm90_calls(rng, dtype, causal):
+    torch = _cuda_torch()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel runs on sm_90 only")
+    dt = getattr(torch, dtype)
+    q, k, v, cu_q, cu_k = _cuda_packed(torch, rng, dt, d=64)
+    kw = dict(is_causal=causal is not None, causal_align=causal or "bottom_right",
+              return_lse=True, kernel="sm90")
+    o, lse = sage_attn.sageattn_varlen(q, k, v, cu_q, cu_k, max(CUDA_LENS_Q), max(CUDA_LENS_K),
+                                       **kw)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(CUDA_LENS_Q)):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if CUDA_LENS_Q[b] == 0 or CUDA_LENS_K[b] == 0:
+            continue
+        do, dl = sage_attn.sageattn(q[None, qs], k[None, ks], v[None, ks], tensor_layout="NHD",
+                                    **kw)
+        assert torch.equal(o[qs], do[0]) and torch.equal(lse[:, qs], dl[0]), f"sequence {b}"
+
+
+@pytest.mark.parametrize("kernel", [None, "sm90"])
+def test_cuda_graph_capture_replays_with_new_cu_seqlens(rng, kernel):
     torch = _cuda_torch()
     lens_q, lens_k = [100, 300, 7, 600], [50, 300, 900, 10]
+    if kernel == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel runs on sm_90 only")
     q, k, v, cu_q, cu_k = _cuda_packed(torch, rng, torch.float16, lens_q=lens_q, lens_k=lens_k)
     total_q, total_k = q.shape[0], k.shape[0]
     max_q = max_k = 1000  # bounds every layout replayed below
 
     def call():
         return sage_attn.sageattn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True,
-                                         return_lse=True)
+                                         return_lse=True, kernel=kernel)
 
     eager_o, eager_lse = call()
     torch.cuda.synchronize()
