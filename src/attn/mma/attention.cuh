@@ -132,6 +132,21 @@ struct DeltaS {
   }
 };
 
+// The params as the epilogue of (sequence b, query head h) sees them: its length, its o, lse and
+// LSE-shift rows from row 0 (finalize then takes bh = 0). cu_seqlens are read again here rather
+// than kept from the kernel's start: the three pointers and the length would otherwise stay live
+// through the key loop, beside its accumulators.
+template <typename OutT>
+__device__ __forceinline__ AttnParams out_view(const AttnParams& params, int64_t b, int64_t h) {
+  const quant::SeqSpan sq = params.q_rows.span(b);
+  AttnParams v = params;
+  v.seq_q = sq.len;
+  v.o = static_cast<OutT*>(params.o) + sq.tok0 * params.o_token;
+  if (params.lse) v.lse = params.lse + sq.tok0 * params.lse_token;
+  v.lse_shift = params.lse_shift + params.shift_rows.row0(b, h, sq);
+  return v;
+}
+
 // D=64 fits two CTAs an SM in 128 registers a thread (the occupancy that hides the MMA latency).
 // kDeltaS: 0 no Q smoothing; 1 Q smoothing (ΔS from the caller's K); 2 the same for a head_dim
 // zero-padded to D (ΔS reads only the caller's channels).
@@ -155,15 +170,13 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1)
   // This CTA's problem: sequence b's rows (a packed batch: a sequence of its own lengths and
   // causal alignment, whose caller rows start at token tok0; the grid covers the longest, and a
   // block past this sequence's end has nothing to do). p is the params seen from this (sequence,
-  // head): its lengths, its o, lse and LSE-shift rows from row 0 (the helpers of attn/epilogue
-  // then take it with bh = 0).
+  // head): its lengths and its LSE-shift rows from row 0 (the helpers of attn/epilogue then take
+  // it with bh = 0); the output's view is made again for the epilogue (out_view).
   const quant::SeqSpan sq = params.q_rows.span(b), sk = params.kv_rows.span(b);
   if (qb * kBlockQ >= sq.len) return;
   AttnParams p = params;
   p.seq_q = sq.len, p.seq_kv = sk.len;
   if (params.q_rows.packed()) p.causal_offset = params.bottom_right ? sk.len - sq.len : 0;
-  p.o = static_cast<OutT*>(params.o) + sq.tok0 * params.o_token;
-  if (params.lse) p.lse = params.lse + sq.tok0 * params.lse_token;
   p.lse_shift = params.lse_shift + params.shift_rows.row0(b, h, sq);
   const int64_t q_row0 = params.q_rows.row0(b, h, sq), k_row0 = params.kv_rows.row0(b, hk, sk);
   const int64_t pitch = params.kv_rows.pitch;
@@ -317,8 +330,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1)
   ptx::cp_async_wait<0>();
 
   attn::finalize<D, OutT, 1>(
-      p, [&](int i, int e) { return o[i][e]; }, m, l, b, h, 0, row_a, t, p.v_scale + bhk * D,
-      p.v_mean + bhk * D);
+      out_view<OutT>(params, b, h), [&](int i, int e) { return o[i][e]; }, m, l, b, h, 0, row_a,
+      t, p.v_scale + bhk * D, p.v_mean + bhk * D);
 #endif
 }
 
