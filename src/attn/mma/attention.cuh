@@ -136,9 +136,20 @@ struct DeltaS {
 // LSE-shift rows from row 0 (finalize then takes bh = 0). cu_seqlens are read again here rather
 // than kept from the kernel's start: the three pointers and the length would otherwise stay live
 // through the key loop, beside its accumulators.
-template <typename OutT>
+// Sequence b's span: a packed batch's from cu_seqlens; a dense call's from the params alone (a
+// template flag, kPacked: with a runtime test the dense kernels held the lengths in registers
+// through the key loop instead of reading them as constants, and ptxas spilled more at D = 64).
+template <bool kPacked>
+__device__ __forceinline__ quant::SeqSpan seq_span(const quant::SeqRows& rows, int64_t b) {
+  if constexpr (kPacked)
+    return rows.span(b);
+  else
+    return {0, rows.len, 0};
+}
+
+template <typename OutT, bool kPacked>
 __device__ __forceinline__ AttnParams out_view(const AttnParams& params, int64_t b, int64_t h) {
-  const quant::SeqSpan sq = params.q_rows.span(b);
+  const quant::SeqSpan sq = seq_span<kPacked>(params.q_rows, b);
   AttnParams v = params;
   v.seq_q = sq.len;
   v.o = static_cast<OutT*>(params.o) + sq.tok0 * params.o_token;
@@ -149,8 +160,8 @@ __device__ __forceinline__ AttnParams out_view(const AttnParams& params, int64_t
 
 // D=64 fits two CTAs an SM in 128 registers a thread (the occupancy that hides the MMA latency).
 // kDeltaS: 0 no Q smoothing; 1 Q smoothing (ΔS from the caller's K); 2 the same for a head_dim
-// zero-padded to D (ΔS reads only the caller's channels).
-template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, int kDeltaS>
+// zero-padded to D (ΔS reads only the caller's channels). kPacked: a packed batch (cu_seqlens).
+template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, int kDeltaS, bool kPacked>
 __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1)
     attention_kernel(const AttnParams params) {
   constexpr bool kSmoothQ = kDeltaS != 0;
@@ -172,11 +183,12 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1)
   // block past this sequence's end has nothing to do). p is the params seen from this (sequence,
   // head): its lengths and its LSE-shift rows from row 0 (the helpers of attn/epilogue then take
   // it with bh = 0); the output's view is made again for the epilogue (out_view).
-  const quant::SeqSpan sq = params.q_rows.span(b), sk = params.kv_rows.span(b);
+  const quant::SeqSpan sq = seq_span<kPacked>(params.q_rows, b);
+  const quant::SeqSpan sk = seq_span<kPacked>(params.kv_rows, b);
   if (qb * kBlockQ >= sq.len) return;
   AttnParams p = params;
   p.seq_q = sq.len, p.seq_kv = sk.len;
-  if (params.q_rows.packed()) p.causal_offset = params.bottom_right ? sk.len - sq.len : 0;
+  if constexpr (kPacked) p.causal_offset = params.bottom_right ? sk.len - sq.len : 0;
   p.lse_shift = params.lse_shift + params.shift_rows.row0(b, h, sq);
   const int64_t q_row0 = params.q_rows.row0(b, h, sq), k_row0 = params.kv_rows.row0(b, hk, sk);
   const int64_t pitch = params.kv_rows.pitch;
@@ -330,8 +342,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1)
   ptx::cp_async_wait<0>();
 
   attn::finalize<D, OutT, 1>(
-      out_view<OutT>(params, b, h), [&](int i, int e) { return o[i][e]; }, m, l, b, h, 0, row_a,
-      t, p.v_scale + bhk * D, p.v_mean + bhk * D);
+      out_view<OutT, kPacked>(params, b, h), [&](int i, int e) { return o[i][e]; }, m, l, b, h,
+      0, row_a, t, p.v_scale + bhk * D, p.v_mean + bhk * D);
 #endif
 }
 
@@ -341,10 +353,11 @@ namespace sage::mma {
 
 // Picks the instantiation for (INT8/INT4, output dtype, mask, accumulation, Q smoothing) of one
 // head dim.
-template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, int kDeltaS>
+template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, int kDeltaS,
+          bool kPacked>
 cudaError_t launch_one(const AttnParams& p, int device, cudaStream_t stream) {
   constexpr int kSmem = 2 * Tile<D, kBits>::kStageBytes;
-  constexpr auto kernel = attention_kernel<D, kBits, OutT, kCausal, kTwoLevel, kDeltaS>;
+  constexpr auto kernel = attention_kernel<D, kBits, OutT, kCausal, kTwoLevel, kDeltaS, kPacked>;
   if (kSmem > 48 * 1024) {
     const cudaError_t e = set_max_dynamic_smem_once<kernel>(device, kSmem);
     if (e != cudaSuccess) return e;
@@ -355,20 +368,28 @@ cudaError_t launch_one(const AttnParams& p, int device, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int D, int kBits, typename OutT, int kDeltaS>
+template <int D, int kBits, typename OutT, int kDeltaS, bool kPacked>
 cudaError_t launch_mask(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
+  constexpr int kD = kDeltaS;
+  constexpr bool kP = kPacked;
   if (c.two_level)
-    return c.causal ? launch_one<D, kBits, OutT, true, true, kDeltaS>(p, c.device, stream)
-                    : launch_one<D, kBits, OutT, false, true, kDeltaS>(p, c.device, stream);
-  return c.causal ? launch_one<D, kBits, OutT, true, false, kDeltaS>(p, c.device, stream)
-                  : launch_one<D, kBits, OutT, false, false, kDeltaS>(p, c.device, stream);
+    return c.causal ? launch_one<D, kBits, OutT, true, true, kD, kP>(p, c.device, stream)
+                    : launch_one<D, kBits, OutT, false, true, kD, kP>(p, c.device, stream);
+  return c.causal ? launch_one<D, kBits, OutT, true, false, kD, kP>(p, c.device, stream)
+                  : launch_one<D, kBits, OutT, false, false, kD, kP>(p, c.device, stream);
+}
+
+template <int D, int kBits, typename OutT, int kDeltaS>
+cudaError_t launch_packed(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
+  return p.q_rows.packed() ? launch_mask<D, kBits, OutT, kDeltaS, true>(p, c, stream)
+                           : launch_mask<D, kBits, OutT, kDeltaS, false>(p, c, stream);
 }
 
 template <int D, int kBits, typename OutT>
 cudaError_t launch_smooth(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
-  if (!c.smooth_q) return launch_mask<D, kBits, OutT, 0>(p, c, stream);
-  return c.padded ? launch_mask<D, kBits, OutT, 2>(p, c, stream)
-                  : launch_mask<D, kBits, OutT, 1>(p, c, stream);
+  if (!c.smooth_q) return launch_packed<D, kBits, OutT, 0>(p, c, stream);
+  return c.padded ? launch_packed<D, kBits, OutT, 2>(p, c, stream)
+                  : launch_packed<D, kBits, OutT, 1>(p, c, stream);
 }
 
 template <int D>
