@@ -113,7 +113,7 @@ def test_cuda_equals_dense_calls_and_float64(rng, dtype, qk_bits, causal):
     o, lse = sage_attn.sageattn_varlen(q, k, v, cu_q, cu_k, max(CUDA_LENS_Q), max(CUDA_LENS_K),
                                        is_causal=causal is not None,
                                        causal_align=causal or "bottom_right", return_lse=True,
-                                       qk_bits=qk_bits)
+                                       qk_bits=qk_bits, kernel="mma")
     assert o.shape == q.shape and o.dtype == dt and lse.shape == (4, q.shape[0])
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for b in range(len(CUDA_LENS_Q)):
@@ -123,8 +123,7 @@ def test_cuda_equals_dense_calls_and_float64(rng, dtype, qk_bits, causal):
         if CUDA_LENS_K[b] == 0:
             assert (o[qs] == 0).all() and (lse[:, qs] == -float("inf")).all()
             continue
-        # The same family's dense call on this sequence alone ("mma": the family that takes
-        # packed batches): the same bits.
+        # The same family's dense call on this sequence alone: the same bits.
         do, dl = sage_attn.sageattn(q[None, qs], k[None, ks], v[None, ks], tensor_layout="NHD",
                                     is_causal=causal is not None,
                                     causal_align=causal or "bottom_right", return_lse=True,
