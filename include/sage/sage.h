@@ -234,14 +234,20 @@ typedef struct sage_attention_args {
    *   lse (optional) is [Hq, total_q] fp32 (FlashAttention's varlen LSE): lse_strides.head and
    *     .token, .batch 0; all zero = contiguous.
    *   cu_seqlens_* are int32 [batch + 1]: start at 0, non-decreasing, end at total_*. They live
-   *     on the backend's side; the CPU backend checks their contents, the CUDA backend will not
-   *     read them on the host (no synchronization), so total_* give the extents to validate.
+   *     on the backend's side; the CPU backend checks their contents; the CUDA backend never
+   *     reads them on the host (no synchronization: a call can be captured in a CUDA graph and
+   *     replayed with new contents of the same batch size, within seq_q, seq_kv and total_*),
+   *     so total_* give the extents to validate. On the GPU, contents that break the
+   *     conventions leave rows unwritten or wrong, never memory outside the tensors touched.
    *   seq_q, seq_kv are the longest sequence's lengths (max_seqlen_q, max_seqlen_k): every
-   *     sequence must fit in them.
+   *     sequence must fit in them (the GPU grids are sized by them).
    *   A sequence with no queries writes nothing; one with queries but no keys gives o = 0 and
    *     lse = -inf for its rows, as a fully masked row of the dense call.
-   * The GPU kernels do not take packed batches yet: the CUDA backend returns
-   * SAGE_ERROR_UNSUPPORTED (the CPU reference runs them). */
+   * The CUDA backend runs packed batches on the mma.sync kernel (8-bit and 4-bit, not FP4), and
+   * on the wgmma kernel where kernel = SM90 is asked for (sm_90, 8-bit, Q rows 16-byte aligned,
+   * no SAGE_OPTION_PREPASS_Q): each sequence gives the bits the same kernel gives it as a dense
+   * call of batch 1. The workspace holds each sequence's rows padded to a multiple of 128 (no
+   * padding to seq_q/seq_kv): README.md, "Device memory". */
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
   int64_t total_q; /* query tokens in all sequences (rows of q and o), >= 1 */

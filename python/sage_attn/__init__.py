@@ -8,8 +8,8 @@
 
 The library is reached through its C API (ctypes); torch is needed only for the torch functions.
 `sage_attn.attention_numpy` runs the CPU reference on numpy arrays (no torch, no GPU).
-Packed variable-length batches: `sageattn_varlen` (flash_attn_varlen_func's conventions; CPU
-tensors only for now) and `attention_varlen_numpy`.
+Packed variable-length batches: `sageattn_varlen` (flash_attn_varlen_func's conventions; CUDA
+tensors on the GPU kernels, CPU tensors on the CPU reference) and `attention_varlen_numpy`.
 Context parallelism (Ulysses, ring attention, the LSE merge) on torch.distributed:
 `sage_attn.parallel`.
 """

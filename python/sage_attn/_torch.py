@@ -449,7 +449,7 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
 def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     is_causal=False, sm_scale=None, return_lse=False,
                     causal_align="bottom_right", *, qk_bits=None, smooth_k=True, smooth_q=None,
-                    smooth_v=None):
+                    smooth_v=None, kernel=None):
     """SageAttention2 of a packed variable-length batch, with flash_attn_varlen_func's
     conventions: q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [batch + 1]
     cumulative lengths (start 0, non-decreasing), max_seqlen_q/k the longest sequence's lengths.
@@ -458,20 +458,24 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     with lse [Hq, total_q] float32 (FlashAttention's varlen layout); a sequence with queries but
     no keys gives o = 0, lse = -inf.
 
-    CPU tensors run the library's CPU reference (no autograd yet: inputs that require grad raise
-    NotImplementedError). CUDA tensors raise
-    NotImplementedError: the GPU kernels do not take packed batches yet (the library refuses them
-    with SAGE_ERROR_UNSUPPORTED); a missing feature rather than a wrong argument, so a caller can
-    catch it and fall back (e.g. to flash_attn_varlen_func)."""
+    CUDA tensors (cu_seqlens on the same device) run the GPU kernels without reading
+    cu_seqlens on the host: no synchronization, so the call can be captured in a CUDA graph and
+    replayed with new cu_seqlens contents of the same batch size (max_seqlen_q/k and the totals
+    fixed at capture bound them). The GPU does not check cu_seqlens' contents: lengths that break
+    the conventions leave rows unwritten (never memory outside the tensors). CPU tensors run the
+    library's CPU reference, which checks them. No autograd yet: inputs that require grad raise
+    NotImplementedError. kernel: None (the library's choice: mma.sync for packed batches so
+    far), "mma" or "sm90" (the wgmma kernel's packed path, sm_90, 8-bit), as in sageattn."""
     _lib.check_call_flags(causal_align, is_causal, return_lse)
     named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
              ("cu_seqlens_k", cu_seqlens_k))
     for name, x in named:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if any(x.is_cuda for _, x in named):
-        raise NotImplementedError("sageattn_varlen: packed variable-length batches have no GPU "
-                                  "kernel yet (CPU tensors run the CPU reference)")
+    for name, x in named[1:]:
+        if x.device != q.device:
+            raise ValueError(f"{name}: on {x.device}, but q is on {q.device} (every tensor of "
+                             "the call, cu_seqlens included, must be on one device)")
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         # Silently returning an output without a gradient would lose it: refuse instead.
         raise NotImplementedError("sageattn_varlen: no backward for packed batches yet (call it "
@@ -493,10 +497,13 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]})")
     for name, value in (("smooth_q", smooth_q), ("smooth_k", smooth_k), ("smooth_v", smooth_v)):
         _lib.check_flag(name, value)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel = {kernel!r}: must be None, 'auto', 'mma' or 'sm90'")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    o = torch.empty(q.shape, dtype=q.dtype)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse else None
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = (torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+           if return_lse else None)
     a = _lib.new_args()
     a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
     a.lse = lse.data_ptr() if lse is not None else None
@@ -508,8 +515,22 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     a.scale = _scale(sm_scale, q.shape[-1], "sm_scale")
     a.mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
     a.variant, a.quant = _lib.quant_settings(qk_bits, smooth_q, smooth_k, smooth_v)
-    a.backend = _lib.BACKEND_CPU
-    _lib.run(a)
+    if not q.is_cuda:
+        a.backend = _lib.BACKEND_CPU
+        _lib.run(a)
+        return (o, lse) if return_lse else o
+    if q.dtype == torch.float32:
+        raise TypeError("q: float32 CUDA tensors have no GPU kernel; pass float16 or bfloat16")
+    a.backend = _lib.BACKEND_CUDA
+    a.kernel = KERNELS[kernel]
+    with torch.cuda.device(q.device):
+        a.stream = _current_stream(q.device)
+        # The workspace from torch's caching allocator (graph-capturable; sized from the shapes,
+        # max_seqlen and the totals only: the planner never reads cu_seqlens).
+        size = _lib.workspace_size(a)
+        ws = torch.empty((max(size, 1),), dtype=torch.uint8, device=q.device)
+        a.workspace, a.workspace_size = ws.data_ptr(), size
+        _lib.run(a)
     return (o, lse) if return_lse else o
 
 

@@ -138,6 +138,7 @@ void fill_common(P& x, const api::Resolved& r, const sage_attention_args& a, con
   x.q_blocks = w.q_blocks, x.k_blocks = w.k_blocks;
   x.causal_offset = causal_offset(p);
   x.scale_log2 = float(p.scale * 1.4426950408889634);
+  if (r.packed()) x.o_batch = x.lse_batch = 0;  // sequences found by cu_seqlens (validated 0)
 }
 
 sm90::Params sm90_params(const api::Resolved& r, const sage_attention_args& a,
@@ -148,9 +149,12 @@ sm90::Params sm90_params(const api::Resolved& r, const sage_attention_args& a,
   s.k_mean = reinterpret_cast<const float*>(ws + w.k_mean);  // fused Q's LSE shift
   s.tile_counter = reinterpret_cast<unsigned*>(ws + w.tile_counter);
   s.kv_bad = reinterpret_cast<const unsigned long long*>(ws + w.kv_bad);
-  s.q_in = a.q, s.q_in_batch = r.q.batch, s.q_in_head = r.q.head, s.q_in_token = r.q.token;
+  s.q_in = a.q, s.q_in_batch = r.packed() ? 0 : r.q.batch, s.q_in_head = r.q.head;
+  s.q_in_token = r.q.token;
   s.scale = float(r.problem.scale);
   s.fused_q = plan.fused_q;
+  s.q_rows = w.q_rows, s.kv_rows = w.kv_rows, s.shift_rows = w.shift_rows;
+  s.bottom_right = r.problem.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT;
   return s;
 }
 
@@ -159,10 +163,13 @@ mma::AttnParams mma_params(const api::Resolved& r, const sage_attention_args& a,
   mma::AttnParams m{};
   fill_common(m, r, a, plan, ws);
   const quant::PrepassPlan& w = plan.prepass;
+  m.q_rows = w.q_rows, m.kv_rows = w.kv_rows, m.shift_rows = w.shift_rows;
+  m.bottom_right = r.problem.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT;
   if (w.smooth_q) {  // ΔS from the block means and the caller's K (attn/mma DeltaS)
     m.q_mean = reinterpret_cast<const float*>(ws + w.q_mean);
     m.k_mean = reinterpret_cast<const float*>(ws + w.k_mean);
-    m.k_in = a.k, m.k_in_batch = r.k.batch, m.k_in_head = r.k.head, m.k_in_token = r.k.token;
+    m.k_in = a.k, m.k_in_batch = r.packed() ? 0 : r.k.batch, m.k_in_head = r.k.head;
+    m.k_in_token = r.k.token;
     m.k_in_vec = quant::rows_aligned16(a.k, r.k);
   }
   return m;
@@ -231,7 +238,13 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   const ref::Problem& p = r.problem;
   const bool causal = p.mask != SAGE_MASK_NONE, bf16 = a.dtype == SAGE_DTYPE_BF16;
   const quant::RowSight sight{p.seq_kv, causal_offset(p), causal};
-  const quant::PrepassInputs in{a.q, a.k, a.v, a.dtype, r.q, r.k, r.v, float(p.scale), sight};
+  // A packed batch's tensors have no batch dimension: its strides' batch is 0 (validated so;
+  // validation's resolved defaults may fill it in), each sequence's rows are offset by its first
+  // token (cu_seqlens, read on the device).
+  sage_strides qs = r.q, ks = r.k, vs = r.v;
+  if (r.packed()) qs.batch = ks.batch = vs.batch = 0;
+  quant::PrepassInputs in{a.q, a.k, a.v, a.dtype, qs, ks, vs, float(p.scale), sight};
+  in.bottom_right = p.mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT;
   cudaError_t e = cudaSuccess;
   if (plan.family == api::Family::kFp4) {
     // Its pre-pass and kernel run together, with the kernel stage (benchmarks time them as one).

@@ -86,10 +86,6 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
                       Plan* out) {
   const sage_quant_config& c = r.quant;
   const ref::Problem& p = r.problem;
-  if (r.packed())
-    return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "cu_seqlens_q, cu_seqlens_k: packed variable-length batches have no GPU "
-                     "kernel yet (the CPU reference runs them: pass host pointers)");
   if (r.exact)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "variant = EXACT has no GPU kernel (float64 runs on the CPU reference)");
@@ -98,6 +94,10 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   // src/fp4); every other FP4 combination runs on the CPU only, and no other kernel stands in.
   const bool fp4 = ref::qk_microscale(c.qk_format) != nullptr ||
                    ref::pv_microscale(c.pv_format) != nullptr;
+  if (fp4 && r.packed())
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "cu_seqlens_q: packed variable-length batches have no FP4 GPU kernel (the "
+                     "8-bit and 4-bit variants take them; the CPU reference runs FP4 ones)");
   if (fp4) {
     const std::string off = fp4_gpu_mismatch(c);
     if (!off.empty())
@@ -175,8 +175,22 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   const bool causal = p.mask != SAGE_MASK_NONE;
 
   // The family: the wgmma kernel on sm_90 where it applies (8-bit, no Q smoothing: ΔS stays on
-  // mma.sync); args.kernel forces one (tests and benchmarks compare them).
-  const bool sm90_ok = dev.cc == 90 && bits8 && !smooth_q && sm90_has_kernel_head_dim(Dk);
+  // mma.sync); args.kernel forces one (tests and benchmarks compare them). A packed batch runs on
+  // mma.sync unless SM90 is forced (kPackedAutoSm90): the wgmma kernel's packed path (its
+  // scheduler finding each tile's sequence from cu_seqlens, fused Q only) has not yet run on a
+  // GPU, so AUTO keeps the simpler path until GpuVarlenSm90.* pass on an H100.
+  constexpr bool kPackedAutoSm90 = false;
+  const bool q_map = quant::rows_aligned16(a.q, r.q) && (r.packed() || r.q.batch > 0) &&
+                     r.q.head > 0 && r.q.token > 0;  // a TMA map can describe Q (fused Q)
+  if (a.kernel == SAGE_KERNEL_SM90 && r.packed() &&
+      (!q_map || (a.options & SAGE_OPTION_PREPASS_Q)))
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "kernel = SM90: a packed batch (cu_seqlens_q) runs on the wgmma kernel only "
+                     "with Q quantized in the kernel: q's rows 16-byte aligned, positive strides, "
+                     "no SAGE_OPTION_PREPASS_Q; pass AUTO or MMA");
+  const bool packed_sm90 = kPackedAutoSm90 && q_map && !(a.options & SAGE_OPTION_PREPASS_Q);
+  const bool sm90_ok = dev.cc == 90 && bits8 && !smooth_q && sm90_has_kernel_head_dim(Dk) &&
+                       (!r.packed() || a.kernel == SAGE_KERNEL_SM90 || packed_sm90);
   if (a.kernel == SAGE_KERNEL_SM90 && !sm90_ok)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "kernel = SM90: the wgmma kernel needs an sm_90 GPU (this is sm_%d%d), "
@@ -189,9 +203,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   // when a TMA map can describe Q: rows 16-byte aligned, positive strides (the map's inner
   // extent is D and its box Dk: TMA fills the channels past D with zeros, so any D takes it);
   // SAGE_OPTION_PREPASS_Q keeps the pre-pass's quant_q (to compare the two).
-  plan.fused_q = plan.family == Family::kSm90 && !(a.options & SAGE_OPTION_PREPASS_Q) &&
-                 quant::rows_aligned16(a.q, r.q) && r.q.batch > 0 && r.q.head > 0 &&
-                 r.q.token > 0;
+  plan.fused_q = plan.family == Family::kSm90 && !(a.options & SAGE_OPTION_PREPASS_Q) && q_map;
   plan.prepass = quant::make_prepass_plan(
       p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, Dk, D, bits8 ? 8 : 4, smooth_q,
       c.smooth & SAGE_SMOOTH_K, c.smooth & SAGE_SMOOTH_V,
@@ -201,11 +213,15 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       // Dk = 256: a staged chunk (132 KB) exceeds what sm_89/sm_120 give a CTA, and at one CTA an
       // SM the one launch lost on the H100 already at 139 KB (docs/sm90-kernel.md, Tried 41).
       (a.options & SAGE_OPTION_PREPASS_KV_SPLIT) || Dk > 128 ? 0 : dev.kv_cluster,
-      /*quantize_q=*/!plan.fused_q, /*lse=*/a.lse != nullptr);
+      /*quantize_q=*/!plan.fused_q, /*lse=*/a.lse != nullptr, c.k_mean_tokens,
+      // A packed batch: p.seq_q, p.seq_kv are the longest sequences (the grids' extents), the
+      // workspace rows come from the totals (quant/layout.h, SeqRows).
+      r.cu_seqlens_q, r.cu_seqlens_k, r.total_q, r.total_k);
   plan.launches = (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + 1;
   // A padded head dim looks up its kernel's row: it does Dk's work while SDPA does D's, so Dk's
   // crossover is the least length from which it could win (not measured at the padded dims).
-  plan.prefer_sdpa = prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv);
+  // (No SDPA stands in for a packed batch: the table is for dense calls.)
+  plan.prefer_sdpa = !r.packed() && prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv);
   // The backward has no zero-padded head dims yet: a training call at a padded D gets its forward
   // here and must get its backward elsewhere (the SDPA drop-in asks this before taking one).
   plan.has_backward = gpu_backward_has_head_dim(D);
@@ -226,7 +242,9 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   e.accum_chunk = 32;  // keys of one k32 MMA step
   e.block_k = quant::kBlockK;
   if (plan.family == Family::kSm90) {
-    plan.consumers = sm90_consumers(Dk, causal, p.seq_q, plan.fused_q);
+    // A packed batch: two consumers (its instantiations, attn/sm90/launch.cuh; the emulation is
+    // the same either way: the polynomial share depends on the head dim only).
+    plan.consumers = r.packed() ? 2 : sm90_consumers(Dk, causal, p.seq_q, plan.fused_q);
     plan.block_q = 64 * plan.consumers;
     plan.block_k = sm90::kBlockK;
     // The wgmma E4M3 accumulator: each k32 step's products aligned to its largest addend and cut

@@ -64,6 +64,58 @@ struct RowSight {
   }
 };
 
+// Where one sequence's rows lie: tokens tok0 .. tok0 + len - 1 of the caller's tensors (added to
+// the batch stride, which a packed batch has as 0), and rows ws0 .. of each head's rows in the
+// workspace.
+struct SeqSpan {
+  int64_t tok0 = 0, len = 0, ws0 = 0;
+};
+
+// The first workspace row of packed sequence b, from its first token c0 alone: a multiple of
+// 128 (a Q block, two K blocks, a statistics chunk), at least 128·⌈len/128⌉ rows before the
+// next sequence's (floor((x + y)/128) >= floor(x/128) + floor(y/128) with y = len + 128), and
+// at most total + 128·batch for b = batch (packed_pitch).
+SAGE_HOST_DEVICE inline int64_t packed_start(int64_t c0, int64_t b) {
+  return (c0 + b * 128) / 128 * 128;
+}
+SAGE_HOST_DEVICE inline int64_t packed_pitch(int64_t total, int64_t batch) {
+  return (total + 127) / 128 * 128 + 128 * batch;
+}
+
+// One side's rows (Q, or K and V): dense, (b, h)'s rows start at b·batch_rows + h·pitch (pitch
+// the padded length, batch_rows heads·pitch); packed (cu non-null: the device's cumulative
+// lengths, read by the kernels, never by the host), at h·pitch + packed_start (pitch
+// packed_pitch, batch_rows 0), every head holding every sequence. The statistics, scales and
+// means of a (sequence, head) are indexed by these rows too (row / 128 or row / 64), so they are
+// per sequence by construction.
+struct SeqRows {
+  const int32_t* cu = nullptr;
+  int64_t len = 0;         // dense: the sequence length; packed: the longest (max_seqlen)
+  int64_t total = 0;       // packed: tokens in all sequences (cu's last entry)
+  int64_t pitch = 0, batch_rows = 0;
+  SAGE_HOST_DEVICE bool packed() const { return cu != nullptr; }
+  // Sequence b's span. A packed batch's cumulative lengths are clamped into [0, total] and each
+  // length to len, so lengths the caller got wrong (the device's cu_seqlens are not checked) keep
+  // every access inside the tensors and the workspace.
+  SAGE_HOST_DEVICE SeqSpan span(int64_t b) const {
+    if (!cu) return {0, len, 0};
+    int64_t c0 = cu[b], c1 = cu[b + 1];
+    c0 = c0 < 0 ? 0 : (c0 > total ? total : c0);
+    c1 = c1 < c0 ? c0 : (c1 > total ? total : c1);
+    return {c0, c1 - c0 < len ? c1 - c0 : len, packed_start(c0, b)};
+  }
+  SAGE_HOST_DEVICE int64_t row0(int64_t b, int64_t h, const SeqSpan& s) const {
+    return b * batch_rows + h * pitch + s.ws0;
+  }
+};
+
+// K's smoothing mean samples tokens 0, s, 2s, ... of a sequence of n keys (ref::mean_token_stride
+// on the device: a packed batch's lengths are known there only).
+SAGE_HOST_DEVICE inline int64_t k_mean_stride_of(int64_t n, int32_t k_mean_tokens) {
+  const int64_t s = k_mean_tokens > 0 ? n / k_mean_tokens : 1;
+  return s > 1 ? s : 1;
+}
+
 // Byte offsets of every pre-pass product inside the caller's workspace (all 256-aligned), and the
 // steps the pre-pass runs. The size depends on the shapes, the config, whether the LSE is asked
 // for and whether the pre-pass quantizes Q (on sm_90: whether Q's rows are 16-byte aligned), so a
@@ -81,6 +133,7 @@ struct PrepassPlan {
   // The K smoothing mean is taken over tokens 0, s, 2s, ... < Nk (s = k_mean_stride,
   // k_mean_samples of them; sage_quant_config::k_mean_tokens); V's statistics over every token.
   int64_t k_mean_stride = 1, k_mean_samples = 0;
+  int32_t k_mean_tokens = 0;  // the kernels take each sequence's stride from its own length
   bool quantize_q = true;       // false: the sm90 kernel quantizes Q itself (fused Q)
   bool lse = false;             // the call asks for the LSE (the fused Q then writes each row's
                                 // shift scale·q·k_mean)
@@ -90,7 +143,12 @@ struct PrepassPlan {
   // three-launch path (kv_stats, kv_finalize, quant_kv), for heads of more chunks than a cluster
   // holds and GPUs without clusters.
   int kv_cluster = 0;
+  // Grid extents: a packed batch's from its longest sequences (a CTA past its own sequence's
+  // end exits), so no launch depends on cu_seqlens' contents.
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;
+  // The rows of Q (Q̂, its scales and block means), K and V (K̂, its scales, Vᵀ's columns, the
+  // chunk statistics) and the LSE shifts (SeqRows).
+  SeqRows q_rows, kv_rows, shift_rows;
   // Offsets. q and q_scale hold bytes only where the pre-pass quantizes Q, q_mean only with Q
   // smoothing, lse_shift only where the pre-pass quantizes Q or the LSE is asked for; an empty
   // region has the offset of the next one. kv_stats is not a region of its own (see
@@ -109,7 +167,10 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
                                      int64_t seq_q, int64_t seq_kv, int64_t head_dim,
                                      int64_t channels, int bits, bool smooth_q, bool smooth_k,
                                      bool smooth_v, int64_t k_mean_stride, int max_kv_cluster,
-                                     bool quantize_q, bool lse) {
+                                     bool quantize_q, bool lse, int32_t k_mean_tokens = 0,
+                                     const int32_t* cu_q = nullptr,
+                                     const int32_t* cu_k = nullptr, int64_t total_q = 0,
+                                     int64_t total_k = 0) {
   PrepassPlan p;
   p.batch = batch, p.heads_q = heads_q, p.heads_kv = heads_kv;
   p.seq_q = seq_q, p.seq_kv = seq_kv, p.head_dim = head_dim, p.channels = channels, p.bits = bits;
@@ -125,7 +186,23 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   p.kv_cluster = p.stat_chunks <= max_kv_cluster ? int(p.stat_chunks) : 0;
   p.k_mean_stride = k_mean_stride;
   p.k_mean_samples = (seq_kv + p.k_mean_stride - 1) / p.k_mean_stride;
+  p.k_mean_tokens = k_mean_tokens;
   const int64_t bq = batch * heads_q, bk = batch * heads_kv;
+  // Rows of all (sequence, head) pairs: dense B·H·padded length; packed H·packed_pitch (each
+  // sequence padded to a multiple of 128 rows at most: total + 128·B rows a head, not
+  // B·max_seqlen).
+  if (cu_q) {
+    p.q_rows = {cu_q, seq_q, total_q, packed_pitch(total_q, batch), 0};
+    p.kv_rows = {cu_k, seq_kv, total_k, packed_pitch(total_k, batch), 0};
+    p.shift_rows = p.q_rows;
+  } else {
+    p.q_rows = {nullptr, seq_q, 0, p.nq_pad, heads_q * p.nq_pad};
+    p.kv_rows = {nullptr, seq_kv, 0, p.nk_pad, heads_kv * p.nk_pad};
+    p.shift_rows = {nullptr, seq_q, 0, seq_q, heads_q * seq_q};
+  }
+  const int64_t q_all = cu_q ? heads_q * p.q_rows.pitch : bq * p.nq_pad;
+  const int64_t k_all = cu_q ? heads_kv * p.kv_rows.pitch : bk * p.nk_pad;
+  const int64_t shift_all = cu_q ? q_all : bq * seq_q;
   WorkspaceCarver carve;
   auto take = [&](size_t bytes) { return carve.take(bytes); };
   // Q: the pre-pass's INT8/INT4 rows and 64 group scales a 128-row block (the sm90 kernel's fused
@@ -134,18 +211,20 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   // input poisons: quant_q writes it for every row and the kernels read it for every row, where
   // the pre-pass quantizes Q; the fused Q writes it (and keeps the poison in shared memory) only
   // where the LSE is asked for.
-  p.q = take(quantize_q ? size_t(bq * p.nq_pad * p.row_bytes) : 0);
-  p.q_scale = take(quantize_q ? size_t(bq * p.q_blocks * kQGroups) * 4 : 0);
-  p.q_mean = take(smooth_q ? size_t(bq * p.q_blocks * head_dim) * 4 : 0);
-  p.lse_shift = take(quantize_q || lse ? size_t(bq * seq_q) * 4 : 0);
-  p.k = take(size_t(bk * p.nk_pad * p.row_bytes));
-  p.k_scale = take(size_t(bk * p.k_blocks * kKGroups) * 4);
-  p.v = take(size_t(bk * head_dim * p.nk_pad));
+  p.q = take(quantize_q ? size_t(q_all * p.row_bytes) : 0);
+  p.q_scale = take(quantize_q ? size_t(q_all / kBlockQ * kQGroups) * 4 : 0);
+  p.q_mean = take(smooth_q ? size_t(q_all / kBlockQ * head_dim) * 4 : 0);
+  p.lse_shift = take(quantize_q || lse ? size_t(shift_all) * 4 : 0);
+  p.k = take(size_t(k_all * p.row_bytes));
+  p.k_scale = take(size_t(k_all / kBlockK * kKGroups) * 4);
+  p.v = take(size_t(k_all * head_dim));
   // The K/V statistics of a head sit at the start of that head's Vᵀ rows rather than in a region
   // of their own: quant_kv's V stores are their only overwriter and come after their last read
   // (three launches: a later kernel of the stream; one cluster launch: after a second cluster
   // barrier, and a cluster writes only its own head's Vᵀ). A head's D·nk_pad bytes hold its
-  // 24·chunks·D: nk_pad >= 128·chunks - 64 >= 24·chunks.
+  // 24·chunks·D: nk_pad >= 128·chunks - 64 >= 24·chunks. A packed sequence's head has no
+  // contiguous Vᵀ bytes: its statistic (chunk, channel) sits at the start of the 128 columns of
+  // that chunk in that channel's Vᵀ row (StatView), inside the sequence's own columns.
   p.kv_stats = p.v;
   p.kv_stats_stride = head_dim * p.nk_pad;
   p.k_mean = take(size_t(bk * head_dim) * 4);

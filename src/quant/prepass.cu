@@ -74,11 +74,29 @@ struct KvStat {
 };
 static_assert(sizeof(KvStat) == kKvStatBytes, "the plan reserves 24 bytes per statistic");
 
-// KV head bh's statistics [chunk][channel]: at the start of its Vᵀ rows (PrepassPlan::kv_stats),
-// `stride` bytes after the previous head's.
-template <typename S>  // KvStat or const KvStat
-__device__ __forceinline__ S* head_stats(S* stats, int64_t bh, int64_t stride) {
-  return reinterpret_cast<S*>(reinterpret_cast<uintptr_t>(stats) + uintptr_t(bh * stride));
+// The byte offset of (b, h)'s Vᵀ in the workspace's Vᵀ region: channel c's keys start c·pitch
+// bytes later (quant/layout.h, SeqRows).
+__device__ __forceinline__ int64_t v_base(const SeqRows& rows, int64_t b, int64_t h,
+                                          const SeqSpan& s, int D) {
+  return (b * rows.batch_rows + h * rows.pitch) * D + s.ws0;
+}
+
+// A (sequence, KV head)'s chunk statistics, in the bytes its Vᵀ later takes (PrepassPlan::
+// kv_stats): dense [chunk][channel] from the start of the head's Vᵀ; packed, statistic (chunk,
+// channel) at the first 24 bytes of that chunk's 128 columns in that channel's Vᵀ row (a packed
+// head's Vᵀ bytes are not contiguous; these are the sequence's own columns all the same).
+struct StatView {
+  uint8_t* base;
+  int64_t chunk_step, channel_step;
+  __device__ KvStat* at(int64_t chunk, int64_t c) const {
+    return reinterpret_cast<KvStat*>(base + chunk * chunk_step + c * channel_step);
+  }
+};
+__device__ __forceinline__ StatView stat_view(KvStat* stats, const SeqRows& rows, int64_t b,
+                                              int64_t h, const SeqSpan& s, int D) {
+  uint8_t* base = reinterpret_cast<uint8_t*>(stats) + v_base(rows, b, h, s, D);
+  return rows.packed() ? StatView{base, kStatTokens, rows.pitch}
+                       : StatView{base, D * kKvStatBytes, kKvStatBytes};
 }
 
 template <typename T>
@@ -158,14 +176,15 @@ __device__ __forceinline__ void copy16(uint8_t* dst, const T* src) {
 template <typename T, int D, bool kVec>
 __device__ __forceinline__ void stage_rows(const T* k, const T* v, const sage_strides& ks,
                                            const sage_strides& vs, int dim, int b, int h,
-                                           int64_t n0, int rows, uint32_t k_stride, bool all_k,
-                                           uint8_t* smem) {
+                                           int64_t tok0, int64_t n0, int rows, uint32_t k_stride,
+                                           bool all_k, uint8_t* smem) {
   constexpr int kPieces = D / 8, kRowStep = 256 / kPieces;
   const int piece = threadIdx.x % kPieces;
   const bool real = piece * 8 < dim;  // a piece of the caller's channels, not zero padding
   int r = threadIdx.x / kPieces;
-  const T* k_row = row_ptr(k, ks, b, h, n0 + r) + piece * 8;
-  const T* v_row = row_ptr(v, vs, b, h, n0 + r) + piece * 8;
+  // (Pointers to rows past the sequence are formed, never read.)
+  const T* k_row = row_ptr(k, ks, b, h, tok0 + n0 + r) + piece * 8;
+  const T* v_row = row_ptr(v, vs, b, h, tok0 + n0 + r) + piece * 8;
   const int64_t k_step = int64_t(kRowStep) * ks.token, v_step = int64_t(kRowStep) * vs.token;
   // Whether K's mean samples row n0 + r, as a running residue (no division per row).
   uint32_t residue = uint32_t((n0 + r) % int64_t(k_stride));
@@ -252,9 +271,9 @@ struct ChunkStats {
       sk[1] += scaled_double_hi<T>(w);
     }
   }
-  // Adds the slices in order and writes the chunk's statistics (dst: D of them). `red`: kStatRed
-  // doubles of shared memory; ends with a __syncthreads.
-  __device__ void write(double* red, KvStat* dst) const {
+  // Adds the slices in order and writes the chunk's statistics (D of them, at dst.at(chunk, c)).
+  // `red`: kStatRed doubles of shared memory; ends with a __syncthreads.
+  __device__ void write(double* red, const StatView& dst, int64_t chunk) const {
     const int word = threadIdx.x % kWords, slice = threadIdx.x / kWords;
     static_assert(kSlices * D == 512, "kStatRed's layout");
     double* rk = red;                                  // Σk [slice][channel]
@@ -275,7 +294,7 @@ struct ChunkStats {
         s.max_v = fmaxf(s.max_v, rm[t * D + ch]);
         s.min_v = fminf(s.min_v, rm[kSlices * D + t * D + ch]);
       }
-      dst[ch] = s;
+      *dst.at(chunk, ch) = s;
     }
     __syncthreads();
   }
@@ -290,8 +309,8 @@ constexpr int kStatRed = 1536;
 struct ChannelFinal {
   float k_mean, v_mean, v_scale, v_inv;
 };
-__device__ __forceinline__ ChannelFinal finalize_channel(const KvStat* stats, int64_t chunks,
-                                                         int64_t dim, int64_t c, int64_t seq_kv,
+__device__ __forceinline__ ChannelFinal finalize_channel(const StatView& stats, int64_t chunks,
+                                                         int64_t c, int64_t seq_kv,
                                                          int64_t k_samples, bool smooth_k,
                                                          bool smooth_v) {
   constexpr int kBatch = 8;  // the statistics of kBatch chunks are loaded before their sums
@@ -300,7 +319,7 @@ __device__ __forceinline__ ChannelFinal finalize_channel(const KvStat* stats, in
   for (int64_t i0 = 0; i0 < chunks; i0 += kBatch) {
     KvStat s[kBatch];
     for (int u = 0; u < kBatch; ++u)
-      if (i0 + u < chunks) s[u] = stats[(i0 + u) * dim + c];
+      if (i0 + u < chunks) s[u] = *stats.at(i0 + u, c);
     for (int u = 0; u < kBatch; ++u) {
       if (i0 + u >= chunks) break;
       sk += s[u].sum_k;
@@ -309,10 +328,12 @@ __device__ __forceinline__ ChannelFinal finalize_channel(const KvStat* stats, in
       mn = fminf(mn, s[u].min_v);
     }
   }
-  const float km = smooth_k ? float(sk / double(k_samples)) : 0.0f;
-  const float vm = smooth_v ? float(sv / double(seq_kv)) : 0.0f;
+  // A packed batch's sequence may have no keys: zero means and a zero channel's scale (nothing
+  // reads them; they stay finite).
+  const float km = smooth_k && k_samples > 0 ? float(sk / double(k_samples)) : 0.0f;
+  const float vm = smooth_v && seq_kv > 0 ? float(sv / double(seq_kv)) : 0.0f;
   // max |fl(v - vm)| over the channel: subtraction is monotonic, so the extremes decide.
-  const float amax = fmaxf(__fsub_rn(mx, vm), __fsub_rn(vm, mn));
+  const float amax = seq_kv > 0 ? fmaxf(__fsub_rn(mx, vm), __fsub_rn(vm, mn)) : 0.0f;
   const QuantScale q = make_quant_scale(amax, kE4M3Max);
   return {km, vm, q.scale, q.inv};
 }
@@ -363,28 +384,32 @@ struct KvBlock {
   }
 };
 
-// Loads block kb from global memory (quant_kv_kernel): every load of the thread is issued first.
-// Channels from `dim` (the caller's head dim) to D are zeros: a K chunk (8 channels) and a V slice
-// (D/16 = 4 or 8 channels) lie wholly inside dim (a multiple of 16) or wholly past it.
+// Loads block kb (keys from the sequence's start, token tok0 of the caller's tensors) from global
+// memory (quant_kv_kernel): every load of the thread is issued first. Channels from `dim` (the
+// caller's head dim) to D are zeros: a K chunk (8 channels) and a V slice (D/16 = 4 or 8
+// channels) lie wholly inside dim (a multiple of 16) or wholly past it.
 template <typename T, int D, bool kVec>
 __device__ __forceinline__ KvBlock<D> load_block_global(const T* k, const T* v,
                                                         const sage_strides& ks,
                                                         const sage_strides& vs, int dim, int b,
-                                                        int h, int64_t kb, int64_t seq_kv) {
+                                                        int h, int64_t tok0, int64_t kb,
+                                                        int64_t seq_kv) {
   using B = KvBlock<D>;
   B x;
   const int64_t key = kb * kBlockK + B::key();
   for (int ci = 0; ci < B::kChunks; ++ci) {
     const int d0 = (ci * 4 + B::part()) * 8;
     x.kr[ci] = make_uint4(0u, 0u, 0u, 0u);
-    if (key < seq_kv && d0 < dim) x.kr[ci] = load_raw8<kVec>(row_ptr(k, ks, b, h, key) + d0);
+    if (key < seq_kv && d0 < dim)
+      x.kr[ci] = load_raw8<kVec>(row_ptr(k, ks, b, h, tok0 + key) + d0);
   }
   const bool v_real = B::slice() * B::kW < dim;
   for (int u = 0; u < 4; ++u) {
     const int64_t n = kb * kBlockK + B::vkey(u);
     for (int i = 0; i < B::kW / 2; ++i) x.vr[u][i] = 0u;
     if (n < seq_kv) {
-      if (v_real) load_raw<kVec, B::kW>(row_ptr(v, vs, b, h, n) + B::slice() * B::kW, x.vr[u]);
+      if (v_real)
+        load_raw<kVec, B::kW>(row_ptr(v, vs, b, h, tok0 + n) + B::slice() * B::kW, x.vr[u]);
       x.vkeep |= 0xFFu << (8 * u);
     }
   }
@@ -418,18 +443,19 @@ __device__ __forceinline__ KvBlock<D> load_block_staged(const uint8_t* smem, int
   return x;
 }
 
-// Quantizes and stores block kb. km, vm, vi: the head's k_mean, v_mean and 1/v_scale in shared
-// memory; group_max: [8][4] floats of shared memory (one __syncthreads inside: a caller that
-// loops over blocks alternates two). x holds no Inf/NaN (KvBlock::zero_special_keys), and k_mean
-// is finite, so K's max is taken on the bits of |k - k_mean| (non-negative floats order as their
-// bits), and with a finite group amax and inv quantize_bits' clamp and NaN test cannot act (see
-// quant_q) and are skipped.
+// Quantizes and stores block kb of the (sequence, KV head) whose K̂ rows start at row krow0 and
+// whose Vᵀ at byte vcol0 (channel pitch `pitch`: quant/layout.h, SeqRows). km, vm, vi: the head's
+// k_mean, v_mean and 1/v_scale in shared memory; group_max: [8][4] floats of shared memory (one
+// __syncthreads inside: a caller that loops over blocks alternates two). x holds no Inf/NaN
+// (KvBlock::zero_special_keys), and k_mean is finite, so K's max is taken on the bits of
+// |k - k_mean| (non-negative floats order as their bits), and with a finite group amax and inv
+// quantize_bits' clamp and NaN test cannot act (see quant_q) and are skipped.
 template <typename T, int D, int kBits>
-__device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, int bh,
-                                               const float* km, const float* vm, const float* vi,
+__device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, int64_t krow0,
+                                               int64_t vcol0, int64_t pitch, const float* km,
+                                               const float* vm, const float* vi,
                                                float (*group_max)[4], int64_t seq_kv,
-                                               int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
-                                               float* k_scale, uint8_t* vq) {
+                                               uint8_t* kq, float* k_scale, uint8_t* vq) {
   using B = KvBlock<D>;
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   const int j = B::key(), part = B::part(), warp = threadIdx.x / 32;
@@ -454,7 +480,7 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
   // V: E4M3 pairs (keys vkey0, vkey0 + 1) and (vkey0 + 8, vkey0 + 9) of each channel, one word.
   {
     const int sl = B::slice();
-    uint8_t* vdst = vq + (int64_t(bh) * D + sl * B::kW) * nk_pad + kb * kBlockK + 4 * B::group();
+    uint8_t* vdst = vq + vcol0 + int64_t(sl * B::kW) * pitch + kb * kBlockK + 4 * B::group();
     for (int e = 0; e < B::kW; ++e) {
       const int c = sl * B::kW + e;
       const float m = vm[c], s = vi[c];
@@ -463,7 +489,7 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
         return __fmul_rn(__fsub_rn(Bits<T>::to_float(bits), m), s);
       };
       const uint32_t lo = ptx::cvt_e4m3x2(val(0), val(1)), hi = ptx::cvt_e4m3x2(val(2), val(3));
-      *reinterpret_cast<uint32_t*>(vdst + int64_t(e) * nk_pad) =
+      *reinterpret_cast<uint32_t*>(vdst + int64_t(e) * pitch) =
           __byte_perm(lo, hi, 0x5410) & x.vkeep;
     }
   }
@@ -473,12 +499,30 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
   for (int w = 0; w < 8; ++w) amax = fmaxf(amax, group_max[w][t]);
   const QuantScale s = make_quant_scale(amax, qmax);
   if (threadIdx.x < 32 && threadIdx.x % 8 == 0)
-    k_scale[(int64_t(bh) * k_blocks + kb) * kKGroups + t] = s.scale;
+    k_scale[(krow0 / kBlockK + kb) * kKGroups + t] = s.scale;
   const bool fast = finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
   quantize_store_row_part<T, D, kBits>(
-      kq + (int64_t(bh) * nk_pad + key) * (D * kBits / 8), x.kr,
+      kq + (krow0 + key) * (D * kBits / 8), x.kr,
       [&](float y, int c) { return __fsub_rn(y, km[c]); }, part, s.inv, qmax, fast, keep);
+}
+
+// A packed batch's sequence whose keys end in the first half of a 128-key block (kb, its last
+// 64-key block, even): the sm90 kernel's TMA reads Vᵀ in 128-key blocks, so the second half's
+// columns, the sequence's own padding that nothing else writes, are zeroed. A masked key's P̃ is
+// 0, but 0·NaN of stale workspace bytes would not be. (Its K̂ rows there may hold anything: their
+// scores are masked, and their scale group is never read.) A dense call's Vᵀ ends at nk_pad,
+// where TMA reads zeros past the tensor.
+template <int D>
+__device__ __forceinline__ void zero_v_tail(const SeqRows& rows, int64_t kb, int64_t k_blocks,
+                                            int64_t vcol0, uint8_t* vq) {
+  if (!rows.packed() || kb != k_blocks - 1 || kb % 2 != 0) return;
+  const int64_t col0 = (kb + 1) * kBlockK;
+  for (int i = threadIdx.x; i < D * (kBlockK / 16); i += blockDim.x) {
+    const int c = i / (kBlockK / 16), part = i % (kBlockK / 16);
+    *reinterpret_cast<uint4*>(vq + vcol0 + c * rows.pitch + col0 + part * 16) =
+        make_uint4(0u, 0u, 0u, 0u);
+  }
 }
 
 // ---- The kernels -----------------------------------------------------------------------------
@@ -491,11 +535,9 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
 template <typename T, int D, int kBits, bool kVec>
 __global__ void __launch_bounds__(256, 2)
     kv_prepass_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
-                      int64_t seq_kv, int64_t chunks, uint32_t k_stride, int64_t k_samples,
-                      bool smooth_k, bool smooth_v, KvStat* stats, int64_t stats_stride,
-                      float* k_mean, float* v_mean, float* v_scale, float* v_inv,
-                      unsigned* tile_counter,
-                      unsigned long long* kv_bad, int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
+                      SeqRows kv_rows, int32_t k_mean_tokens, bool smooth_k, bool smooth_v,
+                      KvStat* stats, float* k_mean, float* v_mean, float* v_scale, float* v_inv,
+                      unsigned* tile_counter, unsigned long long* kv_bad, uint8_t* kq,
                       float* k_scale, uint8_t* vq) {
   static_assert(Stage<D>::kRows == kStatTokens, "a whole chunk staged (D <= 128)");
   pdl_enter();
@@ -506,20 +548,27 @@ __global__ void __launch_bounds__(256, 2)
   __shared__ __align__(16) float vm[D];
   __shared__ __align__(16) float vi[D];
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
+  // The sequence's keys (a packed batch's sequence b; the grid covers the longest, and a CTA past
+  // this one's end has no rows but still meets its cluster at both barriers).
+  const SeqSpan sp = kv_rows.span(b);
+  const int64_t seq_kv = sp.len, chunks = (seq_kv + kStatTokens - 1) / kStatTokens;
+  const int64_t k_blocks = (seq_kv + kBlockK - 1) / kBlockK;
+  const uint32_t k_stride = uint32_t(k_mean_stride_of(seq_kv, k_mean_tokens));
+  const int64_t k_samples = (seq_kv + k_stride - 1) / k_stride;
   const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
-  const int rows = int(min(int64_t(kStatTokens), seq_kv - n0));
-  stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0, rows, k_stride, true, stage);
+  const int rows = int(max(int64_t(0), min(int64_t(kStatTokens), seq_kv - n0)));
+  stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, sp.tok0, n0, rows, k_stride, true, stage);
   ChunkStats<T, D> st;
   st.accumulate(stage, rows, n0, k_stride);
-  KvStat* hs = head_stats(stats, bh, stats_stride);
-  st.write(red, hs + chunk * D);
+  const StatView hs = stat_view(stats, kv_rows, b, h, sp, D);
+  if (chunk < chunks) st.write(red, hs, chunk);  // (CTA-uniform)
   if (chunk == 0 && threadIdx.x == 0) kv_bad[bh] = kKvBadNone;  // lowered after the barrier
   __threadfence();
   ptx::cluster_sync();  // every chunk's statistics of the head are written
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
     const ChannelFinal f =
-        finalize_channel(hs, chunks, D, c, seq_kv, k_samples, smooth_k, smooth_v);
+        finalize_channel(hs, chunks, c, seq_kv, k_samples, smooth_k, smooth_v);
     km[c] = f.k_mean, vm[c] = f.v_mean, vi[c] = f.v_inv;
     if (chunk == 0) {
       const int64_t at = int64_t(bh) * D + c;
@@ -534,13 +583,15 @@ __global__ void __launch_bounds__(256, 2)
   // CTA of the cluster has read them first.
   ptx::cluster_sync();
   constexpr int kBlocks = kStatTokens / kBlockK;
+  const int64_t krow0 = kv_rows.row0(b, h, sp), vcol0 = v_base(kv_rows, b, h, sp, D);
   for (int i = 0; i < kBlocks; ++i) {
     const int64_t kb = chunk * kBlocks + i;
     if (kb >= k_blocks) break;
     KvBlock<D> x = load_block_staged<D>(stage, i * kBlockK, kb * kBlockK, seq_kv);
     x.template zero_special_keys<T>(kb * kBlockK, kv_bad + bh);
-    quant_kv_block<T, D, kBits>(x, kb, bh, km, vm, vi, group_max[i % 2], seq_kv, nk_pad,
-                                k_blocks, kq, k_scale, vq);
+    quant_kv_block<T, D, kBits>(x, kb, krow0, vcol0, kv_rows.pitch, km, vm, vi, group_max[i % 2],
+                                seq_kv, kq, k_scale, vq);
+    zero_v_tail<D>(kv_rows, kb, k_blocks, vcol0, vq);
   }
 }
 
@@ -549,18 +600,20 @@ __global__ void __launch_bounds__(256, 2)
 template <typename T, int D, bool kVec>
 __global__ void __launch_bounds__(256, 2)
     kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
-                    int64_t seq_kv, int64_t chunks, uint32_t k_stride, KvStat* stats,
-                    int64_t stats_stride) {
+                    SeqRows kv_rows, int32_t k_mean_tokens, KvStat* stats) {
   pdl_enter();
   extern __shared__ __align__(16) uint8_t stage[];
   __shared__ double red[kStatRed];
-  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
+  const int b = blockIdx.z, h = blockIdx.y;
+  const SeqSpan sp = kv_rows.span(b);
   const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
-  const int rows = int(min(int64_t(kStatTokens), seq_kv - n0));
+  if (n0 >= sp.len) return;  // past this sequence's keys (a packed batch)
+  const int rows = int(min(int64_t(kStatTokens), sp.len - n0));
+  const uint32_t k_stride = uint32_t(k_mean_stride_of(sp.len, k_mean_tokens));
   ChunkStats<T, D> st;
   constexpr int kRows = Stage<D>::kRows;
   if constexpr (kRows == kStatTokens) {
-    stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0, rows, k_stride, false, stage);
+    stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, sp.tok0, n0, rows, k_stride, false, stage);
     st.accumulate(stage, rows, n0, k_stride);
   } else {
     // D = 256: the chunk in parts of kRows. A thread's slice sums the same V rows in the same
@@ -572,33 +625,39 @@ __global__ void __launch_bounds__(256, 2)
     for (int r0 = 0; r0 < rows; r0 += kRows) {
       if (r0 > 0) __syncthreads();  // every thread has summed the previous part
       const int part_rows = min(kRows, rows - r0);
-      stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, n0 + r0, part_rows, k_stride, false,
-                             stage);
+      stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, sp.tok0, n0 + r0, part_rows, k_stride,
+                             false, stage);
       st.accumulate(stage, part_rows, n0 + r0, k_stride);
     }
   }
-  st.write(red, head_stats(stats, bh, stats_stride) + chunk * D);
+  st.write(red, stat_view(stats, kv_rows, b, h, sp, D), chunk);
 }
 
-// The three-launch path's finalize: one CTA per KV head, a thread per channel.
+// The three-launch path's finalize: one CTA per (sequence, KV head), a thread per channel.
+template <int D>
 __global__ void __launch_bounds__(128)
-    kv_finalize_kernel(const KvStat* stats, int64_t stats_stride, int64_t seq_kv,
-                       int64_t k_samples, int64_t dim, int64_t chunks, bool smooth_k,
-                       bool smooth_v, float* k_mean, float* v_mean, float* v_scale, float* v_inv,
-                       unsigned* tile_counter, unsigned long long* kv_bad) {
+    kv_finalize_kernel(KvStat* stats, SeqRows kv_rows, int64_t heads_kv, int32_t k_mean_tokens,
+                       bool smooth_k, bool smooth_v, float* k_mean, float* v_mean,
+                       float* v_scale, float* v_inv, unsigned* tile_counter,
+                       unsigned long long* kv_bad) {
   pdl_enter();
   // The attention kernel's tile counters start at zero (it leaves them so; this covers a fresh
   // workspace).
   if (blockIdx.x == 0 && threadIdx.x < 2) tile_counter[threadIdx.x] = 0u;
-  const int64_t bh = blockIdx.x;
+  const int64_t bh = blockIdx.x, b = bh / heads_kv, h = bh % heads_kv;
+  const SeqSpan sp = kv_rows.span(b);
+  const int64_t seq_kv = sp.len, chunks = (seq_kv + kStatTokens - 1) / kStatTokens;
+  const int64_t k_stride = k_mean_stride_of(seq_kv, k_mean_tokens);
+  const int64_t k_samples = (seq_kv + k_stride - 1) / k_stride;
+  const StatView hs = stat_view(stats, kv_rows, b, h, sp, D);
   if (threadIdx.x == 0) kv_bad[bh] = kKvBadNone;  // quant_kv lowers it
-  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-    const ChannelFinal f = finalize_channel(head_stats(stats, bh, stats_stride), chunks, dim, c,
-                                            seq_kv, k_samples, smooth_k, smooth_v);
-    k_mean[bh * dim + c] = f.k_mean;
-    v_mean[bh * dim + c] = f.v_mean;
-    v_scale[bh * dim + c] = f.v_scale;
-    v_inv[bh * dim + c] = f.v_inv;
+  for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
+    const ChannelFinal f =
+        finalize_channel(hs, chunks, c, seq_kv, k_samples, smooth_k, smooth_v);
+    k_mean[bh * D + c] = f.k_mean;
+    v_mean[bh * D + c] = f.v_mean;
+    v_scale[bh * D + c] = f.v_scale;
+    v_inv[bh * D + c] = f.v_inv;
   }
 }
 
@@ -609,17 +668,19 @@ __global__ void __launch_bounds__(128)
 template <typename T, int D, int kBits, bool kVec>
 __global__ void __launch_bounds__(256, D <= 128 ? 3 : 2)
     quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
-                    int64_t seq_kv, const float* k_mean, const float* v_mean, const float* v_inv,
-                    unsigned long long* kv_bad, int64_t nk_pad, int64_t k_blocks, uint8_t* kq,
-                    float* k_scale, uint8_t* vq) {
+                    SeqRows kv_rows, const float* k_mean, const float* v_mean,
+                    const float* v_inv, unsigned long long* kv_bad, uint8_t* kq, float* k_scale,
+                    uint8_t* vq) {
   pdl_enter();
   __shared__ float group_max[8][4];
   __shared__ __align__(16) float km[D];
   __shared__ __align__(16) float vm[D];
   __shared__ __align__(16) float vi[D];
   const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
-  const int64_t kb = blockIdx.x;
-  KvBlock<D> x = load_block_global<T, D, kVec>(k, v, ks, vs, dim, b, h, kb, seq_kv);
+  const SeqSpan sp = kv_rows.span(b);
+  const int64_t kb = blockIdx.x, seq_kv = sp.len;
+  if (kb * kBlockK >= seq_kv) return;  // past this sequence's keys (a packed batch)
+  KvBlock<D> x = load_block_global<T, D, kVec>(k, v, ks, vs, dim, b, h, sp.tok0, kb, seq_kv);
   x.template zero_special_keys<T>(kb * kBlockK, kv_bad + bh);
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
@@ -628,8 +689,10 @@ __global__ void __launch_bounds__(256, D <= 128 ? 3 : 2)
     vi[c] = v_inv[int64_t(bh) * D + c];
   }
   __syncthreads();
-  quant_kv_block<T, D, kBits>(x, kb, bh, km, vm, vi, group_max, seq_kv, nk_pad, k_blocks, kq,
-                              k_scale, vq);
+  const int64_t vcol0 = v_base(kv_rows, b, h, sp, D);
+  quant_kv_block<T, D, kBits>(x, kb, kv_rows.row0(b, h, sp), vcol0, kv_rows.pitch, km, vm, vi,
+                              group_max, seq_kv, kq, k_scale, vq);
+  zero_v_tail<D>(kv_rows, kb, (seq_kv + kBlockK - 1) / kBlockK, vcol0, vq);
 }
 
 // One CTA (512 threads, 4 a row) per 128-row Q block: optional block mean (kSmooth), the LSE
@@ -647,9 +710,9 @@ __global__ void __launch_bounds__(256, D <= 128 ? 3 : 2)
 template <typename T, int D, int kBits, bool kVec, bool kSmooth>
 __global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
     quant_q_kernel(const T* q, sage_strides qs, int dim, int heads_kv, int group_ratio,
-                   int64_t seq_q, float scale, const float* k_mean,
-                   const unsigned long long* kv_bad, RowSight sight, int64_t nq_pad,
-                   int64_t q_blocks, uint8_t* qq, float* q_scale, float* q_mean,
+                   SeqRows q_rows, SeqRows kv_rows, SeqRows shift_rows, float scale,
+                   const float* k_mean, const unsigned long long* kv_bad, RowSight sight,
+                   bool bottom_right, uint8_t* qq, float* q_scale, float* q_mean,
                    float* lse_shift) {
   pdl_enter();
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
@@ -657,9 +720,20 @@ __global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
   __shared__ float mean[kSmooth ? D : 1];
   __shared__ __align__(16) double km_d[D];
   __shared__ float row_max[kBlockQ];
-  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
+  const int b = blockIdx.z, h = blockIdx.y;
   const int64_t qb = blockIdx.x;
   const int64_t r0 = qb * kBlockQ;
+  // This sequence's query rows (a packed batch's sequence b: the grid covers the longest) and,
+  // for a packed batch, the keys its rows see (its own length and causal alignment).
+  const SeqSpan sq = q_rows.span(b);
+  const int64_t seq_q = sq.len;
+  if (r0 >= seq_q) return;
+  if (q_rows.packed()) {
+    const int64_t nk = kv_rows.span(b).len;
+    sight.seq_kv = nk;
+    sight.causal_offset = bottom_right ? nk - seq_q : 0;
+  }
+  const int64_t qrow0 = q_rows.row0(b, h, sq), srow0 = shift_rows.row0(b, h, sq);
   const int64_t bhk = int64_t(b) * heads_kv + h / group_ratio;
   const float* km = k_mean + bhk * D;
   const int r = threadIdx.x / 4, part = threadIdx.x % 4;
@@ -669,7 +743,7 @@ __global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
   for (int ci = 0; ci < kChunks; ++ci) {  // channels from dim to D: zeros (whole chunks)
     const int d0 = (ci * 4 + part) * 8;
     raw[ci] = make_uint4(0u, 0u, 0u, 0u);
-    if (valid && d0 < dim) raw[ci] = load_raw8<kVec>(row_ptr(q, qs, b, h, row) + d0);
+    if (valid && d0 < dim) raw[ci] = load_raw8<kVec>(row_ptr(q, qs, b, h, sq.tok0 + row) + d0);
   }
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
@@ -678,11 +752,11 @@ __global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
       const int64_t r1 = min(seq_q, r0 + kBlockQ);
       double s = 0;
       for (int64_t rr = r0; rr < r1 && c < dim; ++rr) {  // a padded channel's mean is 0
-        const float x = to_float(row_ptr(q, qs, b, h, rr)[c]);
+        const float x = to_float(row_ptr(q, qs, b, h, sq.tok0 + rr)[c]);
         s += isfinite(x) ? double(x) : 0.0;
       }
       const float m = float(s / double(r1 - r0));
-      q_mean[(int64_t(bh) * q_blocks + qb) * D + c] = m;
+      q_mean[(qrow0 / kBlockQ + qb) * D + c] = m;
       mean[c] = m;
     }
   }
@@ -732,7 +806,7 @@ __global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
   if (part == 0) {
     row_max[r] = amax;
     if (valid)
-      lse_shift[int64_t(bh) * seq_q + row] =
+      lse_shift[srow0 + row] =
           sight.poisoned(row, row_bad != 0, kv_bad[bhk]) ? __int_as_float(0x7FC00000)
                                                          : float(double(scale) * shift);
   }
@@ -740,10 +814,10 @@ __global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
   amax = fmaxf(row_max[r], row_max[r ^ 8]);  // the group: rows {g, g+8} of a 16-row slice
   const QuantScale s = make_quant_scale(amax, qmax);
   if (part == 0 && r % 16 < 8)
-    q_scale[(int64_t(bh) * q_blocks + qb) * kQGroups + (r / 16) * 8 + r % 8] = s.scale;
+    q_scale[(qrow0 / kBlockQ + qb) * kQGroups + (r / 16) * 8 + r % 8] = s.scale;
   const bool fast = finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
-  quantize_store_row_part<T, D, kBits>(qq + (int64_t(bh) * nq_pad + row) * (D * kBits / 8), raw,
+  quantize_store_row_part<T, D, kBits>(qq + (qrow0 + row) * (D * kBits / 8), raw,
                                        centered, part, s.inv, qmax, fast, keep);
 }
 
@@ -783,11 +857,10 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
         check(set_max_dynamic_smem_once<kernel>(device, Stage<D>::kBytes));
         LaunchShape shape{kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)};
         shape.cluster = unsigned(p.kv_cluster);
-        check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, dim, p.seq_kv,
-                         p.stat_chunks, uint32_t(p.k_mean_stride), p.k_mean_samples, p.smooth_k,
-                         p.smooth_v, stats, p.kv_stats_stride, f32(p.k_mean), f32(p.v_mean),
-                         f32(p.v_scale), f32(p.v_inv), tile_counter, kv_bad, p.nk_pad,
-                         p.k_blocks, ws + p.k, f32(p.k_scale), ws + p.v));
+        check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, dim, p.kv_rows,
+                         p.k_mean_tokens, p.smooth_k, p.smooth_v, stats, f32(p.k_mean),
+                         f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter, kv_bad,
+                         ws + p.k, f32(p.k_scale), ws + p.v));
         return;
       }
     }
@@ -795,18 +868,17 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     check(set_max_dynamic_smem_once<stats_kernel>(device, Stage<D>::kBytes));
     check(launch_pdl(stats_kernel,
                      {kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)}, st, k, v,
-                     in.k_strides, in.v_strides, dim, p.seq_kv, p.stat_chunks,
-                     uint32_t(p.k_mean_stride), stats, p.kv_stats_stride));
+                     in.k_strides, in.v_strides, dim, p.kv_rows, p.k_mean_tokens, stats));
     if (err != cudaSuccess) return;
-    check(launch_pdl(kv_finalize_kernel, {dim3(bk), dim3(D < 128 ? D : 128)}, st, stats,
-                     p.kv_stats_stride, p.seq_kv, p.k_mean_samples, int64_t(D), p.stat_chunks,
-                     p.smooth_k, p.smooth_v, f32(p.k_mean), f32(p.v_mean), f32(p.v_scale),
-                     f32(p.v_inv), tile_counter, kv_bad));
+    // A thread per channel, at most 128 (the kernel's bound; D = 256 loops twice).
+    check(launch_pdl(kv_finalize_kernel<D>, {dim3(bk), dim3(D < 128 ? D : 128)}, st, stats,
+                     p.kv_rows, p.heads_kv, p.k_mean_tokens, p.smooth_k, p.smooth_v,
+                     f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter,
+                     kv_bad));
     if (err != cudaSuccess) return;
     check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(256)}, st, k,
-                     v, in.k_strides, in.v_strides, dim, p.seq_kv, f32(p.k_mean), f32(p.v_mean),
-                     f32(p.v_inv), kv_bad, p.nk_pad, p.k_blocks, ws + p.k, f32(p.k_scale),
-                     ws + p.v));
+                     v, in.k_strides, in.v_strides, dim, p.kv_rows, f32(p.k_mean), f32(p.v_mean),
+                     f32(p.v_inv), kv_bad, ws + p.k, f32(p.k_scale), ws + p.v));
   };
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
@@ -815,9 +887,10 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     auto qk = p.smooth_q ? quant_q_kernel<T, D, kBits, decltype(vq)::value, true>
                          : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
     check(launch_pdl(qk, {dim3(unsigned(p.q_blocks), unsigned(p.heads_q), unsigned(p.batch)),
-                     dim3(512)}, st, q, in.q_strides, dim, heads_kv, heads_q / heads_kv, p.seq_q,
-                     in.scale, f32(p.k_mean), kv_bad, in.sight, p.nq_pad, p.q_blocks, ws + p.q,
-                     f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
+                     dim3(512)}, st, q, in.q_strides, dim, heads_kv, heads_q / heads_kv,
+                     p.q_rows, p.kv_rows, p.shift_rows, in.scale, f32(p.k_mean), kv_bad,
+                     in.sight, in.bottom_right, ws + p.q, f32(p.q_scale),
+                     p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
   };
   auto with_vec = [&](auto bits) {
     if (vec_kv && vec_q)

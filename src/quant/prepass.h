@@ -22,6 +22,9 @@ struct PrepassInputs {
   sage_strides q_strides, k_strides, v_strides;
   float scale;  // softmax scale (for the LSE correction)
   RowSight sight;  // the mask, for the rows an Inf/NaN input poisons
+  // A packed batch: causal aligned bottom-right (each sequence's RowSight is made on the device
+  // from its own lengths).
+  bool bottom_right = false;
 };
 
 // Runs every pre-pass kernel on `stream` (device `device`, the current one), writing the

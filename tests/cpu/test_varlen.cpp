@@ -2,7 +2,7 @@
 // the CPU reference. A packed call equals a dense call per sequence bit for bit (each sequence is
 // its own problem: smoothing and quantization never cross a sequence), float64 agrees with a naive
 // attention written here, the LSE is [Hq, total_q], empty sequences follow the dense call's fully
-// masked rows, each bad argument is named, and the planner refuses packed batches on the GPU.
+// masked rows, each bad argument is named, and the planner's packed GPU plan and row layout.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -359,29 +359,98 @@ TEST(VarlenErrors, EachNamesItsArgument) {
   EXPECT_EQ(info.backend, SAGE_BACKEND_CPU);
 }
 
-// The GPU has no packed kernel yet: the planner (every CUDA call, workspace query and plan goes
-// through it) refuses with UNSUPPORTED naming cu_seqlens. Checked on a described H100, since a
-// CUDA call needs device pointers (the GPU suite checks the public calls where there is a GPU).
-TEST(VarlenErrors, PlannerRefusesPackedBatches) {
+// The planner takes packed batches on the GPU (a described H100: a CUDA call needs device
+// pointers; the GPU suite runs them): AUTO the mma.sync kernel, the wgmma one when forced, a
+// workspace sized by the totals and the batch (each sequence padded to 128 rows, not to
+// max_seqlen), every CTA's sequence found on the device.
+TEST(VarlenPlan, PackedBatchesRunOnTheMmaKernel) {
   std::mt19937_64 rng(fresh_seed());
-  Packed p({64, 128}, {64, 128}, 2, 2, 128, SAGE_DTYPE_FP16, rng);
+  Packed p({64, 128, 0, 5}, {64, 128, 7, 0}, 2, 2, 128, SAGE_DTYPE_FP16, rng);
   sage_attention_args a = p.args(SAGE_VARIANT_SAGE2_8B, SAGE_MASK_NONE);
   sage::api::Resolved r;
   ASSERT_EQ(sage::api::validate(&a, &r), SAGE_OK) << sage_last_error();
   ASSERT_TRUE(r.packed());
+  const sage::api::Device h100{0, 90, 132, 8};
   sage::api::Plan plan;
-  EXPECT_EQ(sage::api::make_plan(r, a, sage::api::Device{0, 90, 132, 8}, &plan),
+  ASSERT_EQ(sage::api::make_plan(r, a, h100, &plan), SAGE_OK) << sage_last_error();
+  EXPECT_EQ(plan.family, sage::api::Family::kMma);
+  EXPECT_FALSE(plan.prefer_sdpa);
+  const sage::quant::PrepassPlan& w = plan.prepass;
+  EXPECT_TRUE(w.q_rows.packed());
+  EXPECT_EQ(w.q_rows.pitch, sage::quant::packed_pitch(p.total_q(), p.batch()));
+  EXPECT_EQ(w.kv_rows.pitch, sage::quant::packed_pitch(p.total_k(), p.batch()));
+  EXPECT_EQ(w.q_blocks, 1);  // the longest sequence's (the grid's extent)
+  EXPECT_EQ(w.k_blocks, 2);
+  // K̂: Hkv · pitch rows of D bytes (INT8).
+  EXPECT_GE(w.k_scale - w.k, size_t(2 * w.kv_rows.pitch * 128));
+  EXPECT_LT(w.k_scale - w.k, size_t(2 * w.kv_rows.pitch * 128) + 256);
+  // The same call forced onto the wgmma kernel, or in FP4: refused naming what.
+  // The wgmma kernel when forced (validation on host pointers refuses a forced GPU family: the
+  // planner sees the args as a CUDA call would pass them): fused Q, two consumers; with the
+  // pre-pass's Q, or on another GPU, refused naming the kernel.
+  a.kernel = SAGE_KERNEL_SM90;
+  ASSERT_EQ(sage::api::make_plan(r, a, h100, &plan), SAGE_OK) << sage_last_error();
+  EXPECT_EQ(plan.family, sage::api::Family::kSm90);
+  EXPECT_TRUE(plan.fused_q);
+  EXPECT_EQ(plan.consumers, 2);
+  EXPECT_EQ(plan.block_q, 128);
+  a.options = SAGE_OPTION_PREPASS_Q;
+  EXPECT_EQ(sage::api::make_plan(r, a, h100, &plan), SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("kernel = SM90"), std::string::npos)
+      << sage_last_error();
+  a.options = 0;
+  EXPECT_EQ(sage::api::make_plan(r, a, sage::api::Device{0, 89, 128, 0}, &plan),
             SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("kernel = SM90"), std::string::npos)
+      << sage_last_error();
+  a.kernel = SAGE_KERNEL_AUTO;
+  a.variant = SAGE_VARIANT_SAGE3_FP4;
+  r.quant = sage::ref::quant_preset(SAGE_VARIANT_SAGE3_FP4);
+  EXPECT_EQ(sage::api::make_plan(r, a, h100, &plan), SAGE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(sage_last_error()).find("cu_seqlens_q"), std::string::npos)
       << sage_last_error();
-  // The same args dense plan fine: the refusal is the packing, nothing else.
-  sage_attention_args dense = a;
-  dense.cu_seqlens_q = dense.cu_seqlens_k = nullptr;
-  dense.seq_q = dense.seq_kv = 64;
-  dense.batch = 1;
-  ASSERT_EQ(sage::api::validate(&dense, &r), SAGE_OK) << sage_last_error();
-  EXPECT_EQ(sage::api::make_plan(r, dense, sage::api::Device{0, 90, 132, 8}, &plan), SAGE_OK)
-      << sage_last_error();
+}
+
+// The packed workspace rows: every sequence gets at least 128·⌈len/128⌉ rows of its own, starts
+// 128-aligned, and the last one ends within packed_pitch (total + 128·batch, rounded), for
+// fresh random lengths (zeros and multiples of 128 included) — what keeps one sequence's K̂, V̂ᵀ,
+// statistics and Q̂ out of another's. The span read back clamps bad cu_seqlens into the tensors.
+TEST(VarlenPlan, PackedRowsNeverOverlapAndFitThePitch) {
+  std::mt19937_64 rng(fresh_seed());
+  for (int trial = 0; trial < 200; ++trial) {
+    const int batch = 1 + int(rng() % 80);
+    std::vector<int32_t> cu{0};
+    int64_t longest = 0;
+    for (int b = 0; b < batch; ++b) {
+      const int kind = int(rng() % 4);
+      const int len = kind == 0 ? 0 : kind == 1 ? 128 * int(rng() % 5) : int(rng() % 3000);
+      cu.push_back(cu.back() + len);
+      longest = std::max<int64_t>(longest, len);
+    }
+    const int64_t total = cu.back();
+    sage::quant::SeqRows rows{cu.data(), longest, total,
+                              sage::quant::packed_pitch(total, batch), 0};
+    int64_t end = 0;
+    for (int b = 0; b < batch; ++b) {
+      const sage::quant::SeqSpan s = rows.span(b);
+      ASSERT_EQ(s.tok0, cu[size_t(b)]);
+      ASSERT_EQ(s.len, cu[size_t(b) + 1] - cu[size_t(b)]);
+      ASSERT_EQ(s.ws0 % 128, 0);
+      ASSERT_GE(s.ws0, end) << "sequence " << b << " overlaps the previous one";
+      end = s.ws0 + (s.len + 127) / 128 * 128;
+      ASSERT_LE(end, rows.pitch) << "sequence " << b;
+    }
+  }
+  // Lengths the caller got wrong stay inside [0, total] and max_seqlen.
+  const std::vector<int32_t> bad = {5, -3, 1000};
+  sage::quant::SeqRows rows{bad.data(), 100, 50, sage::quant::packed_pitch(50, 2), 0};
+  for (int b = 0; b < 2; ++b) {
+    const sage::quant::SeqSpan s = rows.span(b);
+    EXPECT_GE(s.tok0, 0);
+    EXPECT_GE(s.len, 0);
+    EXPECT_LE(s.tok0 + s.len, 50);
+    EXPECT_LE(s.ws0 + (s.len + 127) / 128 * 128, rows.pitch);
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 """Packed variable-length batches through the ctypes layer: the numpy front end (CPU reference,
-runs in CI without torch) and, where torch is installed, sageattn_varlen on CPU tensors and its
-refusal of CUDA tensors."""
+runs in CI without torch) and, where torch is installed, sageattn_varlen on CPU tensors and, with
+a GPU, on CUDA tensors (equal to per-sequence dense sageattn calls bit for bit, close to float64,
+capturable in a CUDA graph and replayable with new cu_seqlens, clear errors)."""
 import numpy as np
 import pytest
 
@@ -71,7 +72,7 @@ def test_errors_name_the_argument(rng):
         sage_attn.attention_varlen_numpy(q[None], k, v, cu_q, cu_k, 8, 8)
 
 
-def test_torch_cpu_and_cuda_refusal(rng):
+def test_torch_cpu_matches_numpy(rng):
     torch = pytest.importorskip("torch")
     q, k, v, cu_q, cu_k = packed(rng, LENS_Q, LENS_K, 4, 2, 64, np.float16)
     want, want_lse = sage_attn.attention_varlen_numpy(q, k, v, cu_q, cu_k, 100, 100,
@@ -80,6 +81,137 @@ def test_torch_cpu_and_cuda_refusal(rng):
     t = [torch.from_numpy(x) for x in (q, k, v, cu_q, cu_k)]
     o, lse = sage_attn.sageattn_varlen(*t, 100, 100, is_causal=True, return_lse=True)
     assert np.array_equal(o.numpy(), want) and np.array_equal(lse.numpy(), want_lse)
-    if torch.cuda.is_available():
-        with pytest.raises(NotImplementedError, match="no GPU kernel"):
-            sage_attn.sageattn_varlen(*[x.cuda() for x in t], 100, 100)
+
+
+def _cuda_torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the SageAttention2 kernels need sm_89 or newer")
+    return torch
+
+
+# Lengths off every block size (64, 128), empty sequences of both kinds, Nq != Nk.
+CUDA_LENS_Q = [1, 17, 127, 129, 0, 1000, 5, 300]
+CUDA_LENS_K = [1, 129, 1000, 17, 5, 127, 0, 300]
+
+
+def _cuda_packed(torch, rng, dtype, hq=4, hkv=2, d=128, lens_q=CUDA_LENS_Q, lens_k=CUDA_LENS_K):
+    q, k, v, cu_q, cu_k = packed(rng, lens_q, lens_k, hq, hkv, d, np.float32)
+    t = [torch.from_numpy(x).to("cuda", dtype) for x in (q, k, v)]
+    return t + [torch.from_numpy(x).cuda() for x in (cu_q, cu_k)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("qk_bits", [8, 4])
+@pytest.mark.parametrize("causal", [None, "bottom_right", "top_left"])
+def test_cuda_equals_dense_calls_and_float64(rng, dtype, qk_bits, causal):
+    torch = _cuda_torch()
+    dt = getattr(torch, dtype)
+    q, k, v, cu_q, cu_k = _cuda_packed(torch, rng, dt)
+    o, lse = sage_attn.sageattn_varlen(q, k, v, cu_q, cu_k, max(CUDA_LENS_Q), max(CUDA_LENS_K),
+                                       is_causal=causal is not None,
+                                       causal_align=causal or "bottom_right", return_lse=True,
+                                       qk_bits=qk_bits, kernel="mma")
+    assert o.shape == q.shape and o.dtype == dt and lse.shape == (4, q.shape[0])
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(CUDA_LENS_Q)):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if CUDA_LENS_Q[b] == 0:
+            continue
+        if CUDA_LENS_K[b] == 0:
+            assert (o[qs] == 0).all() and (lse[:, qs] == -float("inf")).all()
+            continue
+        # The same family's dense call on this sequence alone: the same bits.
+        do, dl = sage_attn.sageattn(q[None, qs], k[None, ks], v[None, ks], tensor_layout="NHD",
+                                    is_causal=causal is not None,
+                                    causal_align=causal or "bottom_right", return_lse=True,
+                                    qk_bits=qk_bits, kernel="mma")
+        assert torch.equal(o[qs], do[0]), f"sequence {b}"
+        assert torch.equal(lse[:, qs], dl[0]), f"sequence {b}"
+        # And float64 truth, loosely.
+        ref, ref_lse = naive_attention(q[None, qs].double().cpu().numpy(),
+                                       k[None, ks].double().cpu().numpy(),
+                                       v[None, ks].double().cpu().numpy(), "NHD", causal)
+        m = sage_attn.metrics(o[qs].float().cpu().numpy(), ref[0])
+        if qk_bits == 8:
+            assert m["cos"] > 0.999 and m["rel_l1"] < 0.06, (b, m)
+        else:
+            assert m["cos"] > 0.99 and m["rel_l1"] < 0.25, (b, m)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [None, "bottom_right", "top_left"])
+def test_cuda_sm90_packed_equals_dense_sm90_calls(rng, dtype, causal):
+    torch = _cuda_torch()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel runs on sm_90 only")
+    dt = getattr(torch, dtype)
+    q, k, v, cu_q, cu_k = _cuda_packed(torch, rng, dt, d=64)
+    kw = dict(is_causal=causal is not None, causal_align=causal or "bottom_right",
+              return_lse=True, kernel="sm90")
+    o, lse = sage_attn.sageattn_varlen(q, k, v, cu_q, cu_k, max(CUDA_LENS_Q), max(CUDA_LENS_K),
+                                       **kw)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(CUDA_LENS_Q)):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if CUDA_LENS_Q[b] == 0 or CUDA_LENS_K[b] == 0:
+            continue
+        do, dl = sage_attn.sageattn(q[None, qs], k[None, ks], v[None, ks], tensor_layout="NHD",
+                                    **kw)
+        assert torch.equal(o[qs], do[0]) and torch.equal(lse[:, qs], dl[0]), f"sequence {b}"
+
+
+@pytest.mark.parametrize("kernel", [None, "sm90"])
+def test_cuda_graph_capture_replays_with_new_cu_seqlens(rng, kernel):
+    torch = _cuda_torch()
+    lens_q, lens_k = [100, 300, 7, 600], [50, 300, 900, 10]
+    if kernel == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel runs on sm_90 only")
+    q, k, v, cu_q, cu_k = _cuda_packed(torch, rng, torch.float16, lens_q=lens_q, lens_k=lens_k)
+    total_q, total_k = q.shape[0], k.shape[0]
+    max_q = max_k = 1000  # bounds every layout replayed below
+
+    def call():
+        return sage_attn.sageattn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True,
+                                         return_lse=True, kernel=kernel)
+
+    eager_o, eager_lse = call()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # warm-up outside the capture (plans, kernel attributes)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        go, glse = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(go, eager_o) and torch.equal(glse, eager_lse)
+    # New lengths, same batch size and totals: the replay reads the new cu_seqlens on the device.
+    new_q, new_k = [400, 1, 299, 307], [900, 60, 200, 100]
+    assert sum(new_q) == total_q and sum(new_k) == total_k
+    cu_q.copy_(torch.tensor(np.concatenate([[0], np.cumsum(new_q)]), dtype=torch.int32))
+    cu_k.copy_(torch.tensor(np.concatenate([[0], np.cumsum(new_k)]), dtype=torch.int32))
+    graph.replay()
+    want_o, want_lse = call()  # eager, with the new contents
+    torch.cuda.synchronize()
+    assert torch.equal(go, want_o) and torch.equal(glse, want_lse)
+    assert not torch.equal(go, eager_o)
+
+
+def test_cuda_errors_name_the_argument(rng):
+    torch = _cuda_torch()
+    q, k, v, cu_q, cu_k = _cuda_packed(torch, rng, torch.float16, lens_q=[3, 8], lens_k=[4, 8])
+    with pytest.raises(TypeError, match="cu_seqlens_k"):
+        sage_attn.sageattn_varlen(q, k, v, cu_q, cu_k.long(), 8, 8)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        sage_attn.sageattn_varlen(q, k, v, cu_q.cpu(), cu_k, 8, 8)
+    with pytest.raises(ValueError, match="v"):
+        sage_attn.sageattn_varlen(q, k, v.cpu(), cu_q, cu_k, 8, 8)
+    with pytest.raises(TypeError, match="max_seqlen_q"):
+        sage_attn.sageattn_varlen(q, k, v, cu_q, cu_k, 8.0, 8)
+    with pytest.raises(NotImplementedError, match="backward"):
+        sage_attn.sageattn_varlen(q.requires_grad_(), k, v, cu_q, cu_k, 8, 8)

@@ -57,10 +57,11 @@ __device__ __forceinline__ void qk_mma(int (&acc)[4], const uint32_t (&a)[4],
     ptx::mma_m16n8k64_s4(acc, a, b, acc);
 }
 
-// Issues the cp.async copies of key block `kb` (K rows and Vᵀ columns) into one stage.
+// Issues the cp.async copies of key block `kb` (K rows and Vᵀ columns, `pitch` bytes from one
+// channel's keys to the next) into one stage.
 template <int D, int kBits>
 __device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, const uint8_t* v,
-                                              int64_t kb, int64_t nk_pad) {
+                                              int64_t kb, int64_t pitch) {
   using T = Tile<D, kBits>;
   constexpr int kKChunks = kBlockK * T::kRowBytes / 16, kVChunks = D * kBlockK / 16;
   const uint8_t* ksrc = k + kb * kBlockK * T::kRowBytes;
@@ -71,7 +72,7 @@ __device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, 
   uint8_t* vdst = stage + T::kKBytes;
   for (int i = threadIdx.x; i < kVChunks; i += kThreads) {
     const int c = i / 4, part = i % 4;
-    ptx::cp_async_16(vdst + c * T::kVStride + part * 16, v + c * nk_pad + kb * kBlockK + part * 16);
+    ptx::cp_async_16(vdst + c * T::kVStride + part * 16, v + c * pitch + kb * kBlockK + part * 16);
   }
 }
 
@@ -134,11 +135,38 @@ struct DeltaS {
   }
 };
 
+// The params as the epilogue of (sequence b, query head h) sees them: its length, its o, lse and
+// LSE-shift rows from row 0 (finalize then takes bh = 0). cu_seqlens are read again here rather
+// than kept from the kernel's start: the three pointers and the length would otherwise stay live
+// through the key loop, beside its accumulators.
+// Sequence b's span: a packed batch's from cu_seqlens; a dense call's from the params alone (a
+// template flag, kPacked: with a runtime test the dense kernels held the lengths in registers
+// through the key loop instead of reading them as constants, and ptxas spilled more at D = 64).
+template <bool kPacked>
+__device__ __forceinline__ quant::SeqSpan seq_span(const quant::SeqRows& rows, int64_t b) {
+  if constexpr (kPacked)
+    return rows.span(b);
+  else
+    return {0, rows.len, 0};
+}
+
+template <typename OutT, bool kPacked>
+__device__ __forceinline__ AttnParams out_view(const AttnParams& params, int64_t b, int64_t h) {
+  const quant::SeqSpan sq = seq_span<kPacked>(params.q_rows, b);
+  AttnParams v = params;
+  v.seq_q = sq.len;
+  v.o = static_cast<OutT*>(params.o) + sq.tok0 * params.o_token;
+  if (params.lse) v.lse = params.lse + sq.tok0 * params.lse_token;
+  v.lse_shift = params.lse_shift + params.shift_rows.row0(b, h, sq);
+  return v;
+}
+
 // D=64 fits two CTAs an SM in 128 registers a thread (the occupancy that hides the MMA latency).
 // kDeltaS: 0 no Q smoothing; 1 Q smoothing (ΔS from the caller's K); 2 the same for a head_dim
-// zero-padded to D (ΔS reads only the caller's channels).
-template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, int kDeltaS>
-__global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(const AttnParams p) {
+// zero-padded to D (ΔS reads only the caller's channels). kPacked: a packed batch (cu_seqlens).
+template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, int kDeltaS, bool kPacked>
+__global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1)
+    attention_kernel(const AttnParams params) {
   constexpr bool kSmoothQ = kDeltaS != 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   using T = Tile<D, kBits>;
@@ -151,8 +179,22 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
   __shared__ float delta_s[2][kDs];
 
   const int64_t qb = blockIdx.x, bh = blockIdx.y;
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t bhk = p.kv_head(b, h);
+  const int64_t b = bh / params.heads_q, h = bh % params.heads_q;
+  const int64_t bhk = params.kv_head(b, h), hk = bhk - b * params.heads_kv;
+  // This CTA's problem: sequence b's rows (a packed batch: a sequence of its own lengths and
+  // causal alignment, whose caller rows start at token tok0; the grid covers the longest, and a
+  // block past this sequence's end has nothing to do). p is the params seen from this (sequence,
+  // head): its lengths and its LSE-shift rows from row 0 (the helpers of attn/epilogue then take
+  // it with bh = 0); the output's view is made again for the epilogue (out_view).
+  const quant::SeqSpan sq = seq_span<kPacked>(params.q_rows, b);
+  const quant::SeqSpan sk = seq_span<kPacked>(params.kv_rows, b);
+  if (qb * kBlockQ >= sq.len) return;
+  AttnParams p = params;
+  p.seq_q = sq.len, p.seq_kv = sk.len;
+  if constexpr (kPacked) p.causal_offset = params.bottom_right ? sk.len - sq.len : 0;
+  p.lse_shift = params.lse_shift + params.shift_rows.row0(b, h, sq);
+  const int64_t q_row0 = params.q_rows.row0(b, h, sq), k_row0 = params.kv_rows.row0(b, hk, sk);
+  const int64_t pitch = params.kv_rows.pitch;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t row_a = qb * kBlockQ + warp * 16 + g;
 
@@ -165,15 +207,16 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
   const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
   const int64_t first_masked_block = min_end > 0 ? min_end / kBlockK : 0;
 
-  const uint8_t* kbase = p.k + bhk * p.nk_pad * T::kRowBytes;
-  const uint8_t* vbase = p.v + bhk * D * p.nk_pad;
-  if (n_blocks > 0) load_kv_block<D, kBits>(smem, kbase, vbase, 0, p.nk_pad);
+  const uint8_t* kbase = p.k + k_row0 * T::kRowBytes;
+  const uint8_t* vbase = p.v + (k_row0 - sk.ws0) * D + sk.ws0;  // quant/layout.h, SeqRows
+  const float* k_scales = p.k_scale + k_row0 / kBlockK * kKGroups;
+  if (n_blocks > 0) load_kv_block<D, kBits>(smem, kbase, vbase, 0, pitch);
   ptx::cp_async_commit();
 
   // Q fragments of this warp's 16 rows, straight from global (read once).
   uint32_t qf[T::kQkSteps][4];
   {
-    const uint8_t* qa = p.q + (bh * p.nq_pad + row_a) * T::kRowBytes + 4 * t;
+    const uint8_t* qa = p.q + (q_row0 + row_a) * T::kRowBytes + 4 * t;
     const uint8_t* qbp = qa + 8 * T::kRowBytes;
     for (int s = 0; s < T::kQkSteps; ++s) {
       qf[s][0] = *reinterpret_cast<const uint32_t*>(qa + s * 32);
@@ -183,15 +226,15 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     }
   }
   const float q_scale_log2 =
-      p.q_scale[(bh * p.q_blocks + qb) * kQGroups + warp * 8 + g] * p.scale_log2;
+      p.q_scale[(q_row0 / kBlockQ + qb) * kQGroups + warp * 8 + g] * p.scale_log2;
 
   DeltaS<D, OutT, kDeltaS == 2> ds_next;
   const OutT* k_head = nullptr;
   if constexpr (kSmoothQ) {
-    k_head = static_cast<const OutT*>(p.k_in) + b * p.k_in_batch +
-             (bhk - b * p.heads_kv) * p.k_in_head;
+    k_head = static_cast<const OutT*>(p.k_in) + b * p.k_in_batch + hk * p.k_in_head +
+             sk.tok0 * p.k_in_token;
     if (threadIdx.x < D) {
-      q_mean_s[threadIdx.x] = p.q_mean[(bh * p.q_blocks + qb) * D + threadIdx.x];
+      q_mean_s[threadIdx.x] = p.q_mean[(q_row0 / kBlockQ + qb) * D + threadIdx.x];
       k_mean_s[threadIdx.x] = p.k_mean[bhk * D + threadIdx.x];
     }
     if (n_blocks > 0) ds_next.load(p, k_head, 0);
@@ -201,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
 
   // Rows a, b (l: this thread's part, from 0 or NaN: attn::row_poison).
   float m[2] = {-INFINITY, -INFINITY};
-  float l[2] = {attn::row_poison(p, bh, row_a), attn::row_poison(p, bh, row_a + 8)};
+  float l[2] = {attn::row_poison(p, 0, row_a), attn::row_poison(p, 0, row_a + 8)};
   float o[kDTiles][4];
   for (int i = 0; i < kDTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 
@@ -210,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     __syncthreads();  // block kb landed; everyone is done with the other stage
     if (kb + 1 < n_blocks)
       load_kv_block<D, kBits>(smem + ((kb + 1) % 2) * T::kStageBytes, kbase, vbase, kb + 1,
-                              p.nk_pad);
+                              pitch);
     ptx::cp_async_commit();
     const uint8_t* ks = smem + (kb % 2) * T::kStageBytes;
     const uint8_t* vs = ks + T::kKBytes;
@@ -241,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
     // Dequantize (one Q and one K scale per thread), add ΔS, mask; base-2 scores. The mask is
     // a per-row count of visible keys in this block (the Nk edge and the causal diagonal), so
     // the per-element test is a 32-bit compare.
-    const float f = q_scale_log2 * p.k_scale[(bhk * p.k_blocks + kb) * kKGroups + t];
+    const float f = q_scale_log2 * k_scales[kb * kKGroups + t];
     const int64_t j0 = kb * kBlockK;
     int visible[2];
     attn::visible_keys<kCausal, kBlockK>(p, row_a, j0, visible);
@@ -302,8 +345,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1) attention_kernel(co
   ptx::cp_async_wait<0>();
 
   attn::finalize<D, OutT, 1>(
-      p, [&](int i, int e) { return o[i][e]; }, m, l, b, h, bh, row_a, t, p.v_scale + bhk * D,
-      p.v_mean + bhk * D);
+      out_view<OutT, kPacked>(params, b, h), [&](int i, int e) { return o[i][e]; }, m, l, b, h,
+      0, row_a, t, p.v_scale + bhk * D, p.v_mean + bhk * D);
 #endif
 }
 
@@ -313,33 +356,43 @@ namespace sage::mma {
 
 // Picks the instantiation for (INT8/INT4, output dtype, mask, accumulation, Q smoothing) of one
 // head dim.
-template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, int kDeltaS>
+template <int D, int kBits, typename OutT, bool kCausal, bool kTwoLevel, int kDeltaS,
+          bool kPacked>
 cudaError_t launch_one(const AttnParams& p, int device, cudaStream_t stream) {
   constexpr int kSmem = 2 * Tile<D, kBits>::kStageBytes;
-  constexpr auto kernel = attention_kernel<D, kBits, OutT, kCausal, kTwoLevel, kDeltaS>;
+  constexpr auto kernel = attention_kernel<D, kBits, OutT, kCausal, kTwoLevel, kDeltaS, kPacked>;
   if (kSmem > 48 * 1024) {
     const cudaError_t e = set_max_dynamic_smem_once<kernel>(device, kSmem);
     if (e != cudaSuccess) return e;
   }
+  // A packed batch: q_blocks of its longest sequence (blocks past a sequence's end exit).
   const dim3 grid(unsigned(p.q_blocks), unsigned(p.batch * p.heads_q));
   kernel<<<grid, kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <int D, int kBits, typename OutT, int kDeltaS>
+template <int D, int kBits, typename OutT, int kDeltaS, bool kPacked>
 cudaError_t launch_mask(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
+  constexpr int kD = kDeltaS;
+  constexpr bool kP = kPacked;
   if (c.two_level)
-    return c.causal ? launch_one<D, kBits, OutT, true, true, kDeltaS>(p, c.device, stream)
-                    : launch_one<D, kBits, OutT, false, true, kDeltaS>(p, c.device, stream);
-  return c.causal ? launch_one<D, kBits, OutT, true, false, kDeltaS>(p, c.device, stream)
-                  : launch_one<D, kBits, OutT, false, false, kDeltaS>(p, c.device, stream);
+    return c.causal ? launch_one<D, kBits, OutT, true, true, kD, kP>(p, c.device, stream)
+                    : launch_one<D, kBits, OutT, false, true, kD, kP>(p, c.device, stream);
+  return c.causal ? launch_one<D, kBits, OutT, true, false, kD, kP>(p, c.device, stream)
+                  : launch_one<D, kBits, OutT, false, false, kD, kP>(p, c.device, stream);
+}
+
+template <int D, int kBits, typename OutT, int kDeltaS>
+cudaError_t launch_packed(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
+  return p.q_rows.packed() ? launch_mask<D, kBits, OutT, kDeltaS, true>(p, c, stream)
+                           : launch_mask<D, kBits, OutT, kDeltaS, false>(p, c, stream);
 }
 
 template <int D, int kBits, typename OutT>
 cudaError_t launch_smooth(const AttnParams& p, const LaunchConfig& c, cudaStream_t stream) {
-  if (!c.smooth_q) return launch_mask<D, kBits, OutT, 0>(p, c, stream);
-  return c.padded ? launch_mask<D, kBits, OutT, 2>(p, c, stream)
-                  : launch_mask<D, kBits, OutT, 1>(p, c, stream);
+  if (!c.smooth_q) return launch_packed<D, kBits, OutT, 0>(p, c, stream);
+  return c.padded ? launch_packed<D, kBits, OutT, 2>(p, c, stream)
+                  : launch_packed<D, kBits, OutT, 1>(p, c, stream);
 }
 
 template <int D>

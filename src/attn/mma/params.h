@@ -49,6 +49,11 @@ struct AttnParams {
   int64_t seq_q, seq_kv, nq_pad, nk_pad, q_blocks, k_blocks;
   int64_t causal_offset;   // query i sees keys j <= i + causal_offset
   float scale_log2;        // softmax scale * log2(e)
+  // Where each (sequence, head)'s rows lie in the workspace and the caller's tensors (dense, or a
+  // packed batch read from cu_seqlens on the device: quant/layout.h, SeqRows); the index
+  // comments above are the dense case. A packed batch's o and lse have batch strides 0.
+  quant::SeqRows q_rows, kv_rows, shift_rows;
+  bool bottom_right;       // packed, causal: each sequence's offset is its Nk - Nq (else 0)
 
   // The K/V head (batch · heads_kv + KV head) query head h of batch b reads (GQA).
   SAGE_HOST_DEVICE int64_t kv_head(int64_t b, int64_t h) const {

@@ -23,18 +23,43 @@ __device__ __forceinline__ void load_v_stats(const Params& p, float (&vst)[2][D]
   ptx::cp_async_commit();
 }
 
+// What attn::finalize reads of one tile's sequence: its query rows from row 0 (a dense call's
+// batch entry b through the batch strides; a packed batch's sequence from its first token).
+struct OutView {
+  int64_t seq_q, head_dim;
+  void* o;
+  int64_t o_batch, o_head, o_token;
+  float* lse;
+  int64_t lse_batch, lse_head, lse_token;
+  const float* lse_shift;
+};
+
 // Rows row_a and row_a + 8 of this thread: o[D/2] the wgmma accumulator (P~ · 448 · V^), m and l
-// the rows' softmax state. Waits for the V statistics and syncs the warpgroup (named barrier
-// `bar`) first: the copy was issued by other threads of it.
+// the rows' softmax state; seq_q, tok0_q, shift_row0: the tile's sequence (TileInfo). Waits for
+// the V statistics and syncs the warpgroup (named barrier `bar`) first: the copy was issued by
+// other threads of it.
 template <int D, typename OutT>
 __device__ __forceinline__ void store_tile(const Params& p, const float (&o)[D / 2],
                                            const float (&m)[2], float (&l)[2],
                                            const float (&vst)[2][D], int bar, int64_t b, int64_t h,
-                                           int64_t bh, int64_t row_a, int t) {
+                                           int64_t row_a, int t, int64_t seq_q, int64_t tok0_q,
+                                           int64_t shift_row0) {
   ptx::cp_async_wait<0>();
   ptx::named_bar_sync(bar, 128);
+  const OutView v{seq_q,
+                  p.head_dim,
+                  static_cast<OutT*>(p.o) + tok0_q * p.o_token,
+                  p.o_batch,
+                  p.o_head,
+                  p.o_token,
+                  p.lse ? p.lse + tok0_q * p.lse_token : nullptr,
+                  p.lse_batch,
+                  p.lse_head,
+                  p.lse_token,
+                  p.lse_shift + shift_row0};
   attn::finalize<D, OutT, 448>(
-      p, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, bh, row_a, t, vst[0], vst[1]);
+      v, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, /*bh=*/0, row_a, t, vst[0],
+      vst[1]);
 }
 
 }  // namespace sage::sm90

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "attn/sm90/kernel.cuh"
 #include "attn/sm90/launch.h"
@@ -90,21 +91,28 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uin
 // zeros (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) and count in the box's bytes like the others: rows
 // past Nq, and channels past a padded head_dim (< d), which the quantization then takes as the
 // zero channels the pre-pass writes for K and V.
+// A packed batch: {head_dim, total_q, Hq, 1} (its batch stride 0 stands in as the total's
+// extent: any valid stride serves a dimension of one), each tile's rows from its sequence's first
+// token; rows past a sequence's end that lie inside the tensor are the next sequence's, zeroed by
+// the quantization (producer.cuh).
 inline cudaError_t make_q_in_map(CUtensorMap* map, const Params& p, int d, int rows) {
-  const cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.seq_q), cuuint64_t(p.heads_q),
-                              cuuint64_t(p.batch)};
-  const cuuint64_t strides[3] = {cuuint64_t(p.q_in_token) * 2, cuuint64_t(p.q_in_head) * 2,
-                                 cuuint64_t(p.q_in_batch) * 2};
+  const bool packed = p.q_rows.packed();
+  const cuuint64_t dims[4] = {cuuint64_t(p.head_dim),
+                              cuuint64_t(packed ? p.q_rows.total : p.seq_q),
+                              cuuint64_t(p.heads_q), cuuint64_t(packed ? 1 : p.batch)};
+  const cuuint64_t strides[3] = {
+      cuuint64_t(p.q_in_token) * 2, cuuint64_t(p.q_in_head) * 2,
+      cuuint64_t(packed ? p.q_in_token * p.q_rows.total : p.q_in_batch) * 2};
   const cuuint32_t box[4] = {cuuint32_t(d), cuuint32_t(rows), 1, 1};
   return encode_tiled(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, p.q_in, dims, strides, box,
                       CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
-template <int D, typename OutT, bool kCausal, int kCons>
+template <int D, typename OutT, bool kCausal, int kCons, bool kPacked>
 cudaError_t launch_one(const Params& p, const TmaMaps& maps, const LaunchConfig& cfg,
                        cudaStream_t stream) {
   using Tr = Traits<D, kCons>;
-  constexpr auto kernel = attention_kernel<D, OutT, kCausal, kCons>;
+  constexpr auto kernel = attention_kernel<D, OutT, kCausal, kCons, kPacked>;
   const cudaError_t e = set_max_dynamic_smem_once<kernel>(cfg.device, Tr::kBytesFused);
   if (e != cudaSuccess) return e;
   // Persistent: one CTA per SM (at most one per tile), each walking its tiles (scheduler.cuh).
@@ -128,18 +136,32 @@ cudaError_t launch_with(const Params& p, const LaunchConfig& cfg, cudaStream_t s
 #ifdef SAGE_SM90_TRACE
   maps.trace = trace_buffer();
 #endif
-  const uint64_t bk = uint64_t(p.batch * p.heads_kv), nk = uint64_t(p.nk_pad);
+  // K and Vᵀ slabs: a dense call's (batch, KV head) of nk_pad rows, or a packed batch's KV head
+  // of kv_rows.pitch rows (every sequence's, each from a 128-aligned row: quant/layout.h).
+  const bool packed = p.kv_rows.packed();
+  const uint64_t bk = uint64_t(packed ? p.heads_kv : p.batch * p.heads_kv);
+  const uint64_t nk = uint64_t(packed ? p.kv_rows.pitch : p.nk_pad);
   const uint64_t bq = uint64_t(p.batch * p.heads_q), nq = uint64_t(p.nq_pad);
   cudaError_t e = p.fused_q ? make_q_in_map(&maps.q_in, p, D, Traits<D, kCons>::kBlockQ)
                             : make_map(&maps.q, p.q, D, nq, bq, D, nq * D, D, quant::kBlockQ);
   if (e == cudaSuccess) e = make_map(&maps.k, p.k, D, nk, bk, D, nk * D, D, kBlockK);
   if (e == cudaSuccess) e = make_map(&maps.v, p.v, nk, D, bk, nk, nk * D, kBlockK, D);
   if (e != cudaSuccess) return e;
-  if (cfg.bf16)
-    return cfg.causal ? launch_one<D, __nv_bfloat16, true, kCons>(p, maps, cfg, stream)
-                      : launch_one<D, __nv_bfloat16, false, kCons>(p, maps, cfg, stream);
-  return cfg.causal ? launch_one<D, __half, true, kCons>(p, maps, cfg, stream)
-                    : launch_one<D, __half, false, kCons>(p, maps, cfg, stream);
+  auto run = [&](auto packed_flag) {
+    constexpr bool kPacked = decltype(packed_flag)::value;
+    if (cfg.bf16)
+      return cfg.causal ? launch_one<D, __nv_bfloat16, true, kCons, kPacked>(p, maps, cfg, stream)
+                        : launch_one<D, __nv_bfloat16, false, kCons, kPacked>(p, maps, cfg, stream);
+    return cfg.causal ? launch_one<D, __half, true, kCons, kPacked>(p, maps, cfg, stream)
+                      : launch_one<D, __half, false, kCons, kPacked>(p, maps, cfg, stream);
+  };
+  // A packed batch: its own instantiations (kPacked), two consumer warpgroups only (the planner's
+  // choice for it: fewer instantiations).
+  if (packed) {
+    if constexpr (kCons == 2) return run(std::true_type{});
+    return cudaErrorInvalidConfiguration;
+  }
+  return run(std::false_type{});
 }
 
 template <int D>

@@ -38,7 +38,12 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[
 // (C7514, C7512). Hence block 0 alone before the loop (first_block), two blocks a turn of the
 // loop (the ring's stage is then a compile-time constant: descriptors, barriers and offsets fold
 // into immediates), the odd last one after it, and the last P̃·V alone (last_pv).
-template <int D, typename OutT, bool kCausal, int kCons>
+// What attn::visible_keys reads of a tile's sequence.
+struct KeySight {
+  int64_t seq_kv, causal_offset;
+};
+
+template <int D, typename OutT, bool kCausal, int kCons, bool kPacked>
 struct Consumer {
   using Tr = Traits<D, kCons>;
   static constexpr bool kTurnAfterMax = Tr::turn_after_max(kCausal);
@@ -54,9 +59,11 @@ struct Consumer {
   const int consumer = warp / 4;
   RingPhase phase;  // the K/Vᵀ ring's phases, in step with the producer's
 
-  // The tile in hand.
-  int it, qbuf, n_blocks, first_masked_block;
+  // The tile in hand, and its sequence (a packed batch's, else the call's: scheduler.cuh).
+  int it, qbuf, n_blocks, first_masked_block, k_blocks;
   int64_t b, h, bh, bhk, row_a;
+  int32_t seq_q, tok0_q;
+  int32_t seq_kv, causal_offset;
   float q_scale_log2;
   const float* k_scale;
   uint64_t q_desc, k_desc, v_desc;
@@ -91,9 +98,12 @@ struct Consumer {
     qbuf = it & 1;
     n_blocks = ti.n_blocks;
     b = ti.b, h = ti.h, bh = ti.bh, bhk = ti.bhk;
+    const TileSeq s = tile_seq<kPacked>(p, ti.b, ti.bhk);
+    seq_q = s.seq_q, tok0_q = s.tok0_q, seq_kv = s.seq_kv, causal_offset = s.causal_offset;
+    k_blocks = int((s.seq_kv + quant::kBlockK - 1) / quant::kBlockK);
     const int64_t first_row = int64_t(ti.qb) * Tr::kBlockQ;
     row_a = first_row + warp * 16 + g;
-    const int64_t min_end = kCausal ? min(p.seq_kv, first_row + p.causal_offset + 1) : p.seq_kv;
+    const int64_t min_end = kCausal ? min(s.seq_kv, first_row + s.causal_offset + 1) : s.seq_kv;
     first_masked_block = min_end > 0 ? int(min_end / kBlockK) : 0;  // blocks before: unmasked
     // This warpgroup's 64 Q rows are the A operand of Q·Kᵀ straight from shared memory (A from
     // registers held across the loop was miscompiled at D = 128: ptxas gave the P^ fragments the
@@ -102,7 +112,9 @@ struct Consumer {
     // The Q scale: from the pre-pass (loaded before the wait), or from the quantizing warps.
     q_scale_log2 = fused_q ? 0.0f
                            : p.q_scale[(bh * p.q_blocks + ti.qb) * quant::kQGroups + warp * 8 + g];
-    k_scale = p.k_scale + bhk * p.k_blocks * quant::kKGroups;
+    // (Dense: bhk · k_blocks groups in; packed: the sequence's rows of its KV head's slab.)
+    k_scale = p.k_scale + (s.k_slab * p.kv_rows.pitch + s.k_row) / quant::kBlockK *
+                              quant::kKGroups;
     load_v_stats<D>(p, sh.v_stat[qbuf][consumer], bhk);
     m[0] = m[1] = -INFINITY;
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
@@ -111,8 +123,9 @@ struct Consumer {
       // The CTA's first Q tile: quantized with warps 1-3 (kFirstQWarps), then released by them.
       const unsigned long long kv_first_bad = p.kv_bad[bhk];
       ptx::mbar_wait(&sh.bar.staged, 0);
-      quantize_q<D, OutT, kCausal>(p, sh, tiles, ti, 0, kQuantWarps * 32 + threadIdx.x - 128,
-                                   Tr::kFirstQWarps, kv_first_bad);
+      quantize_q<D, OutT, kCausal, kPacked>(p, sh, tiles, ti, 0,
+                                            kQuantWarps * 32 + threadIdx.x - 128,
+                                            Tr::kFirstQWarps, kv_first_bad);
       ptx::named_bar_sync(Tr::kBarFirstQ, Tr::kFirstQWarps * 32);
     }
     ptx::mbar_wait(&sh.bar.full_q[qbuf], (it >> 1) & 1);
@@ -128,7 +141,7 @@ struct Consumer {
   // The scale products f of keys 0-63 and 64-127 of block kb (their K scale groups).
   __device__ __forceinline__ void scales(int kb, float (&f)[2]) const {
     f[0] = q_scale_log2 * k_scale[(2 * kb) * quant::kKGroups + t];
-    f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, int(p.k_blocks) - 1) * quant::kKGroups + t];
+    f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, k_blocks - 1) * quant::kKGroups + t];
   }
 
   // Q·Kᵀ of block kb (in stage st) into sacc, seeded with kMagic (softmax.cuh); its scales into f
@@ -164,7 +177,8 @@ struct Consumer {
     softmax_block<Tr::kPolyEvery>(
         sacc, kb < first_masked_block, f, m, l, alpha, t,
         [&](int (&vis)[2]) {
-          attn::visible_keys<kCausal, kBlockK>(p, row_a, int64_t(kb) * kBlockK, vis);
+          const KeySight sight{seq_kv, causal_offset};
+          attn::visible_keys<kCausal, kBlockK>(sight, row_a, int64_t(kb) * kBlockK, vis);
         },
         [] {
           if constexpr (kTurnAfterMax) pass_turn();
@@ -257,7 +271,7 @@ struct Consumer {
 
   __device__ __forceinline__ void end_tile() {
     store_tile<D, OutT>(p, o, m, l, sh.v_stat[qbuf][consumer], Tr::kBarEpilogue + consumer, b, h,
-                        bh, row_a, t);
+                        row_a, t, seq_q, tok0_q, shift_row0<kPacked>(p, tok0_q, b, h, bh));
     tile_event(trace, it, 6);
     phase.next_tile(n_blocks);
   }

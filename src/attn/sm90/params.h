@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/formats.h"  // SAGE_HOST_DEVICE
+#include "quant/layout.h"
 
 namespace sage::sm90 {
 
@@ -40,6 +41,12 @@ struct Params {
   float scale_log2;        // softmax scale · log2(e)
   float scale;             // softmax scale
   bool fused_q;            // Q quantized by the kernel (q, q_scale unused)
+  // Where each (sequence, head)'s rows lie (quant/layout.h, SeqRows): dense, or a packed batch
+  // whose sequences the scheduler finds from cu_seqlens on the device (fused Q only; the index
+  // comments above are the dense case; kv_rows.pitch is the K/Vᵀ rows of one TMA slab: nk_pad,
+  // or a packed head's). A packed batch's q_in, o and lse have batch strides 0.
+  quant::SeqRows q_rows, kv_rows, shift_rows;
+  bool bottom_right;       // packed, causal: each sequence's offset is its Nk - Nq (else 0)
 
   // The K/V head (batch · heads_kv + KV head) query head h of batch b reads (GQA).
   SAGE_HOST_DEVICE int64_t kv_head(int64_t b, int64_t h) const {

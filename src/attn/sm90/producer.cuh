@@ -31,10 +31,11 @@ struct TmaMaps {
 #endif
 };
 
-// Quantizes the staged Q tile (2·kQGroups rows x D fp16/bf16, row-major; rows past seq_q and
-// channels past a padded head_dim zero: TMA's out-of-bounds fill) as the pre-pass's quant_q
-// does: INT8 per thread group (rows g, g+8 of each 16-row slab: the rows one consumer thread's
-// accumulator holds), scale max|q| / 127, into the INT8 tile in the layout the Q·Kᵀ wgmma reads
+// Quantizes the staged Q tile (2·kQGroups rows x D fp16/bf16, row-major; rows past the tensor
+// and channels past a padded head_dim zero: TMA's out-of-bounds fill; rows past seq_q that a
+// packed batch's next sequence filled count as zeros here) as the pre-pass's quant_q does: INT8
+// per thread group (rows g, g+8 of each 16-row slab: the rows one consumer thread's accumulator
+// holds), scale max|q| / 127, into the INT8 tile in the layout the Q·Kᵀ wgmma reads
 // (TMA's 128-byte swizzle for 128-byte rows, 64-byte for 64-byte rows), and the group scales into
 // q_sc. With km (this KV head's K mean; LSE asked for) also each row's LSE shift
 // scale · q·k_mean (exact products summed in double, as quant_q).
@@ -53,7 +54,7 @@ __device__ __noinline__ void zero_staged_part(uint8_t* row, int part) {
   }
 }
 
-template <int D, typename T, int kQGroups>
+template <int D, typename T, int kQGroups, bool kPacked>
 __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile, float* q_sc,
                                                 float* poison, int qt, int n_warps, const float* km,
                                                 float* shift, int64_t row0, int64_t seq_q,
@@ -69,8 +70,12 @@ __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile
     const int grp = g0 + lane / kLanesPerGroup;
     const int r = 16 * (grp / 8) + grp % 8 + 8 * hi;
     uint4 w[kChunks];
+    // A row past the sequence stays out of its group's scale (a packed batch's staged tile holds
+    // the next sequence's rows there; a dense one's are zero already).
+    const bool live = !kPacked || row0 + r < seq_q;
     for (int c = 0; c < kChunks; ++c)
-      w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
+      w[c] = live ? *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2)
+                  : make_uint4(0u, 0u, 0u, 0u);
     // Inf/NaN are rare: a test of the lane's words, and the zeroing only where one is.
     const bool part_bad = quant::special_any<T>(w) != 0u;
     if (part_bad) {  // rare: the Inf/NaN zeroed in the staged row itself (the shift reads it again)
@@ -121,21 +126,23 @@ __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile
 // 1-3 every tile; with every consumer warp for the CTA's first) and made visible to the wgmma
 // (the async proxy). The caller then syncs its quantizing threads. kv_first_bad: p.kv_bad of the
 // tile's KV head, loaded by the caller before its waits.
-template <int D, typename InT, bool kCausal, int kCons>
+template <int D, typename InT, bool kCausal, bool kPacked, int kCons>
 __device__ __forceinline__ void quantize_q(const Params& p, SharedStorage<D, kCons>& sh,
                                            const Tiles<Traits<D, kCons>>& tiles,
                                            const TileInfo& ti, int qbuf, int qt, int n_warps,
                                            unsigned long long kv_first_bad) {
   using Tr = Traits<D, kCons>;
-  quantize_q_tile<D, InT, Tr::kQGroups>(
+  const TileSeq s = tile_seq<kPacked>(p, ti.b, ti.bhk);
+  quantize_q_tile<D, InT, Tr::kQGroups, kPacked>(
       tiles.q_staged, tiles.q + qbuf * Tr::kQTile, sh.q_sc[qbuf], sh.poison[qbuf], qt, n_warps,
-      p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr, p.lse_shift + ti.bh * p.seq_q,
-      int64_t(ti.qb) * Tr::kBlockQ, p.seq_q, p.scale,
-      quant::RowSight{p.seq_kv, p.causal_offset, kCausal}, kv_first_bad);
+      p.lse ? p.k_mean + int64_t(ti.bhk) * D : nullptr,
+      p.lse_shift + shift_row0<kPacked>(p, s.tok0_q, ti.b, ti.h, ti.bh),
+      int64_t(ti.qb) * Tr::kBlockQ, s.seq_q, p.scale,
+      quant::RowSight{s.seq_kv, s.causal_offset, kCausal}, kv_first_bad);
   ptx::fence_proxy_async_smem();
 }
 
-template <int D, typename InT, bool kCausal, int kCons>
+template <int D, typename InT, bool kCausal, int kCons, bool kPacked>
 struct Producer {
   using Tr = Traits<D, kCons>;
   const Params& p;
@@ -143,11 +150,13 @@ struct Producer {
   SharedStorage<D, kCons>& sh;
   const Tiles<Tr>& tiles;
 
-  // The caller's Q of tile ti staged by TMA (16-bit, rows past Nq zero).
+  // The caller's Q of tile ti staged by TMA (16-bit, rows past Nq zero; a packed batch's map is
+  // [total_q] rows of one batch entry, its sequences located by tok0_q).
   __device__ __forceinline__ void stage_q(const TileInfo& ti) const {
     ptx::mbar_arrive_expect_tx(&sh.bar.staged, Tr::kQStaged);
-    ptx::tma_load_4d(tiles.q_staged, &maps.q_in, &sh.bar.staged, 0, ti.qb * Tr::kBlockQ, ti.h,
-                     ti.b);
+    const int tok0 = int(tile_seq<kPacked>(p, ti.b, ti.bhk).tok0_q);
+    ptx::tma_load_4d(tiles.q_staged, &maps.q_in, &sh.bar.staged, 0, tok0 + ti.qb * Tr::kBlockQ,
+                     ti.h, kPacked ? 0 : ti.b);
   }
 
   // Warps 1-3 (fused Q): each tile's Q, staged by TMA, quantized into the Q buffer once the
@@ -162,8 +171,9 @@ struct Producer {
       const unsigned long long kv_first_bad = p.kv_bad[ti.bhk];  // in flight during the waits
       ptx::mbar_wait(&sh.bar.staged, it & 1);
       ptx::mbar_wait(&sh.bar.empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first lap passes at once
-      quantize_q<D, InT, kCausal>(p, sh, tiles, ti, qbuf, qt,
-                                  it == 0 ? Tr::kFirstQWarps : kQuantWarps, kv_first_bad);
+      quantize_q<D, InT, kCausal, kPacked>(p, sh, tiles, ti, qbuf, qt,
+                                           it == 0 ? Tr::kFirstQWarps : kQuantWarps,
+                                           kv_first_bad);
       if (it == 0)  // every quantizing thread, the consumers' too: the staged tile is free
         ptx::named_bar_sync(Tr::kBarFirstQ, Tr::kFirstQWarps * 32);
       else
@@ -177,16 +187,16 @@ struct Producer {
   // Thread 0: draws each round's tile one round ahead, publishes it, and issues its loads: Q
   // (pre-pass Q) and the K/Vᵀ blocks into the ring as stages free up.
   __device__ __forceinline__ void load_tiles(bool fused_q) const {
-    const TileScheduler<kCausal, Tr::kBlockQ> sched(p);
+    const TileScheduler<kCausal, Tr::kBlockQ, kPacked> sched(p);
     RingPhase phase;
-    TileInfo ti = sched.decode(sched.tile_of(0));
+    TileInfo ti = sched.next(0);
     // The first tile's Q before any K/V load: every CTA starts at once, and the ~12 MB of first Q
     // tiles and K/V stages they ask for together made each CTA's first Q tile wait ~13.7k cycles
     // (at N = 1k) while nothing can start without it.
     if (fused_q && !ti.done) stage_q(ti);
     sh.sched.publish(0, ti);
     for (int it = 0; !ti.done; ++it) {
-      const TileInfo next = sched.decode(sched.tile_of(it + 1));
+      const TileInfo next = sched.next(it + 1);
       sh.sched.publish(it + 1, next);  // the quantizing warps prepare its Q during this tile
       const int qbuf = it & 1;
       if (!fused_q) {
@@ -195,17 +205,19 @@ struct Producer {
         ptx::tma_load_3d(tiles.q + qbuf * Tr::kQTile, &maps.q, &sh.bar.full_q[qbuf], 0,
                          ti.qb * Tr::kBlockQ, int(ti.bh));
       }
+      const TileSeq seq = tile_seq<kPacked>(p, ti.b, ti.bhk);
+      const int k_row = int(seq.k_row);
       for (int kb = 0; kb < ti.n_blocks; ++kb) {
         const int s = kb % kStages;
         const uint32_t parity = phase.empty(kb, s);
         ptx::mbar_wait(&sh.bar.empty_k[s], parity);
         ptx::mbar_arrive_expect_tx(&sh.bar.full_k[s], Tr::kKTile);
-        ptx::tma_load_3d(tiles.k + s * Tr::kKTile, &maps.k, &sh.bar.full_k[s], 0, kb * kBlockK,
-                         ti.bhk);
+        ptx::tma_load_3d(tiles.k + s * Tr::kKTile, &maps.k, &sh.bar.full_k[s], 0,
+                         k_row + kb * kBlockK, seq.k_slab);
         ptx::mbar_wait(&sh.bar.empty_v[s], parity);
         ptx::mbar_arrive_expect_tx(&sh.bar.full_v[s], Tr::kVTile);
-        ptx::tma_load_3d(tiles.v + s * Tr::kVTile, &maps.v, &sh.bar.full_v[s], kb * kBlockK, 0,
-                         ti.bhk);
+        ptx::tma_load_3d(tiles.v + s * Tr::kVTile, &maps.v, &sh.bar.full_v[s],
+                         k_row + kb * kBlockK, 0, seq.k_slab);
       }
       phase.next_tile(ti.n_blocks);
       ti = next;

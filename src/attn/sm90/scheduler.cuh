@@ -20,8 +20,44 @@ struct TileInfo {
   int32_t b, h;      // batch, query head
   int32_t bhk;       // batch · heads_kv + its KV head
   int32_t done;      // past the last tile: the loops end here
+  int32_t empty;     // a packed batch's tile past its sequence's queries (never published)
 };
 
+// The sequence of a tile of batch entry b (KV head bhk): the call's own for a dense call (the
+// params' constants, no registers held), a packed batch's sequence b read from cu_seqlens where a
+// role needs it (kept out of TileInfo: the producer warpgroup holds two tiles in 40 registers).
+// Its lengths and causal offset, its first query token in the caller's tensors, its K/Vᵀ maps'
+// slab and first row there (quant/layout.h, SeqRows), and the LSE-shift row of query head h's
+// row 0.
+// kPacked is a template flag (the kernel's instantiations for packed batches): a runtime test
+// put the packed path's 64-bit arithmetic beside the dense one in the producer warpgroup's 40
+// registers, and ptxas spilled over 100 bytes more in every dense instantiation.
+struct TileSeq {
+  int64_t seq_q, seq_kv, causal_offset, tok0_q, k_row;
+  int32_t k_slab;
+};
+template <bool kPacked>
+__device__ __forceinline__ TileSeq tile_seq(const Params& p, int32_t b, int32_t bhk) {
+  if constexpr (!kPacked) {
+    return {p.seq_q, p.seq_kv, p.causal_offset, 0, 0, bhk};
+  } else {
+    const quant::SeqSpan sq = p.q_rows.span(b), sk = p.kv_rows.span(b);
+    return {sq.len, sk.len, p.bottom_right ? sk.len - sq.len : 0, sq.tok0, sk.ws0,
+            bhk - b * int32_t(p.heads_kv)};
+  }
+}
+template <bool kPacked>
+__device__ __forceinline__ int64_t shift_row0(const Params& p, int64_t tok0_q, int64_t b,
+                                              int64_t h, int64_t bh) {
+  if constexpr (kPacked)
+    return h * p.shift_rows.pitch + quant::packed_start(tok0_q, b);
+  else
+    return bh * p.seq_q;
+}
+
+// A packed batch numbers the tiles of batch × ⌈max_seqlen_q / kBlockQ⌉ × Hq as a dense one;
+// those past their sequence's queries are empty and skipped (next()), every CTA drawing from the
+// counter as causal does, so no tile count depends on cu_seqlens' contents.
 // Tiles are numbered head-major, so a head's K and V stay in L2 while the grid works on it
 // (numbered across heads, the causal tiles put ~130 heads' K and V in flight: 16k causal fell
 // from 795 to 650 TOPS); causal: each head's heaviest query blocks (most keys) first.
@@ -30,7 +66,7 @@ struct TileInfo {
 // then the next untaken tile from a global counter whenever the CTA starts a round, the order in
 // which the hardware dispatched one CTA per tile (a static snake balanced the work to 1.03x but
 // lost to that dispatch: 16k 742 vs 795 TOPS).
-template <bool kCausal, int kBlockQ>
+template <bool kCausal, int kBlockQ, bool kPacked>
 struct TileScheduler {
   const Params& p;
   int64_t q_tiles_n, tiles;
@@ -41,8 +77,10 @@ struct TileScheduler {
         tiles(q_tiles_n * params.batch * params.heads_q) {}
 
   // The tile of this CTA's round (the producer thread only: the causal counter is drawn here).
+  static constexpr bool kDynamic = kCausal || kPacked;
+
   __device__ __forceinline__ int64_t tile_of(int round) const {
-    if (kCausal)
+    if (kDynamic)
       return round == 0 ? int64_t(blockIdx.x) : int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1u);
     return int64_t(round) * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
   }
@@ -54,19 +92,31 @@ struct TileScheduler {
     ti.bh = tile / q_tiles_n;
     const int64_t qb = kCausal ? q_tiles_n - 1 - tile % q_tiles_n : tile % q_tiles_n;
     ti.qb = int32_t(qb);
-    const int64_t last_row = min(p.seq_q, (qb + 1) * kBlockQ) - 1;
-    const int64_t kv_end = kCausal ? min(p.seq_kv, last_row + p.causal_offset + 1) : p.seq_kv;
-    ti.n_blocks = kv_end > 0 ? int32_t((kv_end + kBlockK - 1) / kBlockK) : 0;
     ti.b = int32_t(ti.bh / p.heads_q);
     ti.h = int32_t(ti.bh % p.heads_q);
     ti.bhk = int32_t(p.kv_head(ti.b, ti.h));
+    const TileSeq s = tile_seq<kPacked>(p, ti.b, ti.bhk);
+    if constexpr (kPacked) ti.empty = qb * kBlockQ >= s.seq_q;
+    const int64_t last_row = min(s.seq_q, (qb + 1) * kBlockQ) - 1;
+    const int64_t kv_end = kCausal ? min(s.seq_kv, last_row + s.causal_offset + 1) : s.seq_kv;
+    ti.n_blocks = kv_end > 0 ? int32_t((kv_end + kBlockK - 1) / kBlockK) : 0;
     return ti;
   }
 
-  // Causal: once every CTA has drawn past the last tile, the last one out zeroes the counters
-  // for the next launch (a kernel-only relaunch on the same workspace).
+  // The tile of this CTA's round: tile_of's, or (a packed batch) the next non-empty one drawn
+  // from the counter.
+  __device__ __forceinline__ TileInfo next(int round) const {
+    TileInfo ti = decode(tile_of(round));
+    if constexpr (kPacked)
+      while (!ti.done && ti.empty)
+        ti = decode(int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1u));
+    return ti;
+  }
+
+  // Causal (or packed): once every CTA has drawn past the last tile, the last one out zeroes the
+  // counters for the next launch (a kernel-only relaunch on the same workspace).
   __device__ __forceinline__ void finish() const {
-    if (kCausal && atomicAdd(p.tile_counter + 1, 1u) == gridDim.x - 1) {
+    if (kDynamic && atomicAdd(p.tile_counter + 1, 1u) == gridDim.x - 1) {
       p.tile_counter[0] = 0u;
       p.tile_counter[1] = 0u;
     }
