@@ -610,13 +610,16 @@ TEST(GpuAttention, ArgumentErrorsAreClear) {
   b.quant.v_scale = SAGE_V_SCALE_PER_BLOCK;
   EXPECT_EQ(sage_attention(&b), SAGE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(sage_last_error()).find("v_scale"), std::string::npos);
-  // Packed batches have no GPU kernel yet: the call and both queries refuse them (cu_seqlens
-  // stay unread on the host: no synchronization).
+  // A packed batch on the wgmma kernel needs Q quantized in the kernel: forcing SM90 with the
+  // pre-pass's Q is refused, naming cu_seqlens_q, by the call and both queries (cu_seqlens stay
+  // unread on the host: no synchronization).
   DeviceBuffer cu(2 * sizeof(int32_t));
   b = a;
   b.layout = SAGE_LAYOUT_NHD;
   b.cu_seqlens_q = b.cu_seqlens_k = static_cast<const int32_t*>(cu.ptr);
   b.total_q = b.total_k = 64;
+  b.kernel = SAGE_KERNEL_SM90;
+  b.options = SAGE_OPTION_PREPASS_Q;
   EXPECT_EQ(sage_attention(&b), SAGE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(sage_last_error()).find("cu_seqlens_q"), std::string::npos)
       << sage_last_error();
