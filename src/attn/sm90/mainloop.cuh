@@ -64,6 +64,15 @@ struct Consumer {
   int64_t b, h, bh, bhk, row_a;
   int32_t seq_q, tok0_q;
   int32_t seq_kv, causal_offset;
+  // The sequence's figures the loop and epilogue read: a packed batch's from the members above, a
+  // dense call's from the params (constants, no registers held across the loop: holding them cost
+  // the dense kernel 2-4 % at D = 128 non-causal on an H200).
+  __device__ __forceinline__ int k_blocks_of() const {
+    return kPacked ? k_blocks : int(p.k_blocks);
+  }
+  __device__ __forceinline__ KeySight sight() const {
+    return kPacked ? KeySight{seq_kv, causal_offset} : KeySight{p.seq_kv, p.causal_offset};
+  }
   float q_scale_log2;
   const float* k_scale;
   uint64_t q_desc, k_desc, v_desc;
@@ -113,8 +122,9 @@ struct Consumer {
     q_scale_log2 = fused_q ? 0.0f
                            : p.q_scale[(bh * p.q_blocks + ti.qb) * quant::kQGroups + warp * 8 + g];
     // (Dense: bhk · k_blocks groups in; packed: the sequence's rows of its KV head's slab.)
-    k_scale = p.k_scale + (s.k_slab * p.kv_rows.pitch + s.k_row) / quant::kBlockK *
-                              quant::kKGroups;
+    k_scale = kPacked ? p.k_scale + (s.k_slab * p.kv_rows.pitch + s.k_row) / quant::kBlockK *
+                                        quant::kKGroups
+                      : p.k_scale + bhk * p.k_blocks * quant::kKGroups;
     load_v_stats<D>(p, sh.v_stat[qbuf][consumer], bhk);
     m[0] = m[1] = -INFINITY;
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
@@ -141,7 +151,7 @@ struct Consumer {
   // The scale products f of keys 0-63 and 64-127 of block kb (their K scale groups).
   __device__ __forceinline__ void scales(int kb, float (&f)[2]) const {
     f[0] = q_scale_log2 * k_scale[(2 * kb) * quant::kKGroups + t];
-    f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, k_blocks - 1) * quant::kKGroups + t];
+    f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, k_blocks_of() - 1) * quant::kKGroups + t];
   }
 
   // Q·Kᵀ of block kb (in stage st) into sacc, seeded with kMagic (softmax.cuh); its scales into f
@@ -177,8 +187,7 @@ struct Consumer {
     softmax_block<Tr::kPolyEvery>(
         sacc, kb < first_masked_block, f, m, l, alpha, t,
         [&](int (&vis)[2]) {
-          const KeySight sight{seq_kv, causal_offset};
-          attn::visible_keys<kCausal, kBlockK>(sight, row_a, int64_t(kb) * kBlockK, vis);
+          attn::visible_keys<kCausal, kBlockK>(sight(), row_a, int64_t(kb) * kBlockK, vis);
         },
         [] {
           if constexpr (kTurnAfterMax) pass_turn();
@@ -271,7 +280,8 @@ struct Consumer {
 
   __device__ __forceinline__ void end_tile() {
     store_tile<D, OutT>(p, o, m, l, sh.v_stat[qbuf][consumer], Tr::kBarEpilogue + consumer, b, h,
-                        row_a, t, seq_q, tok0_q, shift_row0<kPacked>(p, tok0_q, b, h, bh));
+                        row_a, t, kPacked ? seq_q : p.seq_q, kPacked ? tok0_q : 0,
+                        shift_row0<kPacked>(p, kPacked ? tok0_q : 0, b, h, bh));
     tile_event(trace, it, 6);
     phase.next_tile(n_blocks);
   }

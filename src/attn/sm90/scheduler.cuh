@@ -20,7 +20,6 @@ struct TileInfo {
   int32_t b, h;      // batch, query head
   int32_t bhk;       // batch · heads_kv + its KV head
   int32_t done;      // past the last tile: the loops end here
-  int32_t empty;     // a packed batch's tile past its sequence's queries (never published)
 };
 
 // The sequence of a tile of batch entry b (KV head bhk): the call's own for a dense call (the
@@ -96,7 +95,6 @@ struct TileScheduler {
     ti.h = int32_t(ti.bh % p.heads_q);
     ti.bhk = int32_t(p.kv_head(ti.b, ti.h));
     const TileSeq s = tile_seq<kPacked>(p, ti.b, ti.bhk);
-    if constexpr (kPacked) ti.empty = qb * kBlockQ >= s.seq_q;
     const int64_t last_row = min(s.seq_q, (qb + 1) * kBlockQ) - 1;
     const int64_t kv_end = kCausal ? min(s.seq_kv, last_row + s.causal_offset + 1) : s.seq_kv;
     ti.n_blocks = kv_end > 0 ? int32_t((kv_end + kBlockK - 1) / kBlockK) : 0;
@@ -108,7 +106,7 @@ struct TileScheduler {
   __device__ __forceinline__ TileInfo next(int round) const {
     TileInfo ti = decode(tile_of(round));
     if constexpr (kPacked)
-      while (!ti.done && ti.empty)
+      while (!ti.done && int64_t(ti.qb) * kBlockQ >= tile_seq<kPacked>(p, ti.b, ti.bhk).seq_q)
         ti = decode(int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1u));
     return ti;
   }
