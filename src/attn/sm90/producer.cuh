@@ -21,9 +21,9 @@ namespace sage::sm90 {
 
 // The TMA descriptors of the pre-pass's Q, K and Vᵀ and of the caller's Q.
 struct TmaMaps {
-  CUtensorMap q;     // 3-D: {D bytes, nq_pad rows, B*Hq}, box {D, 128, 1}
-  CUtensorMap k;     // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
-  CUtensorMap v;     // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
+  CUtensorMap q;     // 3-D: {D bytes, nq_pad rows, B*Hq}, box {kRowBytes, 128, 1} (a panel)
+  CUtensorMap k;     // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {kRowBytes, kBlockK, 1}
+  CUtensorMap v;     // 3-D: {nk_pad keys, D channels, B*Hkv}, box {kBlockK, D, 1}
   CUtensorMap q_in;  // fused Q: the caller's Q, 4-D {head_dim, Nq, Hq, B} 16-bit, box
                      // {D, kBlockQ, 1, 1} (channels past a padded head_dim read as zeros)
 #ifdef SAGE_SM90_TRACE
@@ -35,7 +35,8 @@ struct TmaMaps {
 // channels past a padded head_dim zero: TMA's out-of-bounds fill) as the pre-pass's quant_q
 // does: INT8 per thread group (rows g, g+8 of each 16-row slab: the rows one consumer thread's
 // accumulator holds), scale max|q| / 127, into the INT8 tile in the layout the Q·Kᵀ wgmma reads
-// (TMA's 128-byte swizzle for 128-byte rows, 64-byte for 64-byte rows), and the group scales into
+// (TMA's 128-byte swizzle for 128-byte rows, 64-byte for 64-byte rows; at D = 256 two panels of
+// 128-byte columns, Traits::kRowBytes), and the group scales into
 // q_sc. With km (this KV head's K mean; LSE asked for) also each row's LSE shift
 // scale · q·k_mean (exact products summed in double, as quant_q).
 // Inf/NaN elements count as zeros; a row that is poisoned (sight, kv_first_bad: quant::RowSight)
@@ -61,7 +62,10 @@ __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile
                                                 unsigned long long kv_first_bad) {
   constexpr int kLanesPerGroup = 8, kGroupsPerPass = 32 / kLanesPerGroup;
   constexpr int kChunks = D / 32;                    // 16-byte chunks per lane: c·4 + part
-  constexpr uint32_t kSwizzle = D == 128 ? 7u : 3u;  // 16-byte chunk ^= (byte offset >> 7) & this
+  constexpr int kRowBytes = D > 128 ? 128 : D;       // a row's bytes in one panel
+  constexpr uint32_t kPanel = uint32_t(2 * kQGroups * kRowBytes);
+  // 16-byte chunk ^= (byte offset >> 7) & kSwizzle (the panel's swizzle)
+  constexpr uint32_t kSwizzle = kRowBytes == 128 ? 7u : 3u;
   const int lane = qt % 32, li = lane % kLanesPerGroup;
   const int hi = li / 4, part = li % 4;
 #pragma unroll 1
@@ -96,7 +100,9 @@ __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile
     quant::quantize_store_row_part<T, D, 8>(
         q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast, 0xFFFFFFFFu,
         [r](int d0) {
-          const uint32_t off = uint32_t(r * D + d0);
+          uint32_t off = uint32_t(r * D + d0);
+          if constexpr (D > kRowBytes)  // panel d0 / kRowBytes, row r of it
+            off = uint32_t(d0 / kRowBytes) * kPanel + uint32_t(r * kRowBytes + d0 % kRowBytes);
           return int(off ^ (((off >> 7) & kSwizzle) << 4));
         });
     if (li == 0) q_sc[grp] = sc.scale;
@@ -174,10 +180,18 @@ struct Producer {
     }
   }
 
+  // A tile of INT8 rows (Q or K) into dst: one TMA box per panel of kRowBytes columns.
+  __device__ __forceinline__ static void load_rows(uint8_t* dst, int panel_bytes,
+                                                   const CUtensorMap* map, uint64_t* bar, int row,
+                                                   int head) {
+    for (int c = 0; c < Tr::kPanels; ++c)
+      ptx::tma_load_3d(dst + c * panel_bytes, map, bar, c * Tr::kRowBytes, row, head);
+  }
+
   // Thread 0: draws each round's tile one round ahead, publishes it, and issues its loads: Q
   // (pre-pass Q) and the K/Vᵀ blocks into the ring as stages free up.
   __device__ __forceinline__ void load_tiles(bool fused_q) const {
-    const TileScheduler<kCausal, Tr::kBlockQ> sched(p);
+    const TileScheduler<kCausal, Tr::kBlockQ, Tr::kBlockK> sched(p);
     RingPhase phase;
     TileInfo ti = sched.decode(sched.tile_of(0));
     // The first tile's Q before any K/V load: every CTA starts at once, and the ~12 MB of first Q
@@ -192,19 +206,19 @@ struct Producer {
       if (!fused_q) {
         ptx::mbar_wait(&sh.bar.empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first lap at once
         ptx::mbar_arrive_expect_tx(&sh.bar.full_q[qbuf], Tr::kQTile);
-        ptx::tma_load_3d(tiles.q + qbuf * Tr::kQTile, &maps.q, &sh.bar.full_q[qbuf], 0,
-                         ti.qb * Tr::kBlockQ, int(ti.bh));
+        load_rows(tiles.q + qbuf * Tr::kQTile, Tr::kQPanel, &maps.q, &sh.bar.full_q[qbuf],
+                  ti.qb * Tr::kBlockQ, int(ti.bh));
       }
       for (int kb = 0; kb < ti.n_blocks; ++kb) {
         const int s = kb % kStages;
         const uint32_t parity = phase.empty(kb, s);
         ptx::mbar_wait(&sh.bar.empty_k[s], parity);
         ptx::mbar_arrive_expect_tx(&sh.bar.full_k[s], Tr::kKTile);
-        ptx::tma_load_3d(tiles.k + s * Tr::kKTile, &maps.k, &sh.bar.full_k[s], 0, kb * kBlockK,
-                         ti.bhk);
+        load_rows(tiles.k + s * Tr::kKTile, Tr::kKPanel, &maps.k, &sh.bar.full_k[s],
+                  kb * Tr::kBlockK, ti.bhk);
         ptx::mbar_wait(&sh.bar.empty_v[s], parity);
         ptx::mbar_arrive_expect_tx(&sh.bar.full_v[s], Tr::kVTile);
-        ptx::tma_load_3d(tiles.v + s * Tr::kVTile, &maps.v, &sh.bar.full_v[s], kb * kBlockK, 0,
+        ptx::tma_load_3d(tiles.v + s * Tr::kVTile, &maps.v, &sh.bar.full_v[s], kb * Tr::kBlockK, 0,
                          ti.bhk);
       }
       phase.next_tile(ti.n_blocks);
