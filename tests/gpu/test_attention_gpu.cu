@@ -377,6 +377,8 @@ TEST(GpuAttention, Sm90AccumulatorModelTable) {
         cfg.pv_accum = SAGE_PV_ACCUM_ALIGNED;
         cfg.accum_mantissa_bits = 12 + model;
       } else {
+        // (At D = 256 this also leaves the sm90 softmax form, which the wgmma groups select only
+        // with the aligned accumulator: ref::sm90_softmax_form. Printed, not asserted.)
         cfg.pv_accum = SAGE_PV_ACCUM_FP32;
       }
       const std::vector<double> want = rounded(c, cpu.emulate(cfg).o);
