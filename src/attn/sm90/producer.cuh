@@ -72,39 +72,80 @@ __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile
   for (int g0 = (qt / 32) * kGroupsPerPass; g0 < kQGroups; g0 += n_warps * kGroupsPerPass) {
     const int grp = g0 + lane / kLanesPerGroup;
     const int r = 16 * (grp / 8) + grp % 8 + 8 * hi;
-    uint4 w[kChunks];
-    for (int c = 0; c < kChunks; ++c)
-      w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
-    // Inf/NaN are rare: a test of the lane's words, and the zeroing only where one is.
-    const bool part_bad = quant::special_any<T>(w) != 0u;
-    if (part_bad) {  // rare: the Inf/NaN zeroed in the staged row itself (the shift reads it again)
-      zero_staged_part<T, D>(staged + r * D * 2, part);
+    bool part_bad, row_bad = false;
+    QuantScale sc;
+    float amax = 0.0f;
+    if constexpr (D <= 128) {
+      uint4 w[kChunks];
       for (int c = 0; c < kChunks; ++c)
         w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
+      // Inf/NaN are rare: a test of the lane's words, and the zeroing only where one is.
+      part_bad = quant::special_any<T>(w) != 0u;
+      if (part_bad) {  // rare: the Inf/NaN zeroed in the staged row itself (the shift reads it)
+        zero_staged_part<T, D>(staged + r * D * 2, part);
+        for (int c = 0; c < kChunks; ++c)
+          w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
+      }
+      if (__any_sync(0xffffffffu, part_bad)) {
+        int x = part_bad;
+        for (int m = 1; m < 4; m *= 2) x |= __shfl_xor_sync(0xffffffffu, x, m);
+        row_bad = x != 0;
+      }
+      for (int c = 0; c < kChunks; ++c)
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(quant::elem_float<T>(w[c], e)));
+      for (int m = 1; m < kLanesPerGroup; m *= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+      sc = make_quant_scale(amax, float(kInt8Max));
+      // As quant_q: with finite elements and a finite scale, no product can leave [-127, 127]
+      // and none is NaN, so the clamp and the NaN test are skipped.
+      const bool fast = quant::finite_scale(amax, sc.inv);
+      quant::quantize_store_row_part<T, D, 8>(
+          q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast,
+          0xFFFFFFFFu, [r](int d0) {
+            const uint32_t off = uint32_t(r * D + d0);
+            return int(off ^ (((off >> 7) & kSwizzle) << 4));
+          });
+    } else {
+      // D = 256: the lane's 8 chunks (32 registers) held from the loads to the stores spilled
+      // the quantizing warps' 40 registers, so each pass reads them from the staged row again,
+      // the stores a half (128 channels, one Q panel) at a time. Same operations as above.
+      constexpr int kHalf = kChunks / 2;
+      const uint8_t* const srow = staged + r * D * 2;
+      auto chunk = [&](int c) {  // the lane's c-th 16-byte chunk of the row (channels (c·4+part)·8)
+        return *reinterpret_cast<const uint4*>(srow + (c * 4 + part) * 16);
+      };
+      uint32_t bad = 0u;
+      for (int c = 0; c < kChunks; ++c) {
+        const uint4 x[1] = {chunk(c)};
+        bad |= quant::special_any<T>(x);
+      }
+      part_bad = bad != 0u;
+      if (part_bad) zero_staged_part<T, D>(staged + r * D * 2, part);
+      if (__any_sync(0xffffffffu, part_bad)) {
+        int x = part_bad;
+        for (int m = 1; m < 4; m *= 2) x |= __shfl_xor_sync(0xffffffffu, x, m);
+        row_bad = x != 0;
+      }
+      for (int c = 0; c < kChunks; ++c) {
+        const uint4 x = chunk(c);
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(quant::elem_float<T>(x, e)));
+      }
+      for (int m = 1; m < kLanesPerGroup; m *= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+      sc = make_quant_scale(amax, float(kInt8Max));
+      const bool fast = quant::finite_scale(amax, sc.inv);
+      for (int h = 0; h < 2; ++h) {
+        uint4 w[kHalf];
+        for (int c = 0; c < kHalf; ++c) w[c] = chunk(h * kHalf + c);
+        // Chunk c of half h is channel 128·h + (c·4 + part)·8: the half's panel.
+        quant::quantize_store_row_part<T, 128, 8>(
+            q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast,
+            0xFFFFFFFFu, [r, h](int d0) {
+              const uint32_t off = uint32_t(h) * kPanel + uint32_t(r * kRowBytes + d0);
+              return int(off ^ (((off >> 7) & kSwizzle) << 4));
+            });
+      }
     }
-    bool row_bad = false;
-    if (__any_sync(0xffffffffu, part_bad)) {
-      int x = part_bad;
-      for (int m = 1; m < 4; m *= 2) x |= __shfl_xor_sync(0xffffffffu, x, m);
-      row_bad = x != 0;
-    }
-    float amax = 0.0f;
-    for (int c = 0; c < kChunks; ++c)
-      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(quant::elem_float<T>(w[c], e)));
-    for (int m = 1; m < kLanesPerGroup; m *= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-    const QuantScale sc = make_quant_scale(amax, float(kInt8Max));
-    // As quant_q: with finite elements and a finite scale, no product can leave [-127, 127] and
-    // none is NaN, so the clamp and the NaN test are skipped.
-    const bool fast = quant::finite_scale(amax, sc.inv);
-    quant::quantize_store_row_part<T, D, 8>(
-        q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast, 0xFFFFFFFFu,
-        [r](int d0) {
-          uint32_t off = uint32_t(r * D + d0);
-          if constexpr (D > kRowBytes)  // panel d0 / kRowBytes, row r of it
-            off = uint32_t(d0 / kRowBytes) * kPanel + uint32_t(r * kRowBytes + d0 % kRowBytes);
-          return int(off ^ (((off >> 7) & kSwizzle) << 4));
-        });
     if (li == 0) q_sc[grp] = sc.scale;
     const int64_t row = row0 + r;
     const bool poisoned = sight.poisoned(row, row_bad, kv_first_bad);

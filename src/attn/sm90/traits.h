@@ -44,7 +44,8 @@ struct Traits {
   // setmaxnreg.inc waits until the pool holds what it asks for, so a split over the pool hangs
   // every consumer. A consumer thread holds S (64 int32), O (D/2 fp32) and P^ (16): at 232 its
   // loop has no spills; 40 lets the quantizing warps run without spilling in theirs. Three
-  // consumers (D = 64: O is 32 registers): 32 / 160.
+  // consumers (D = 64: O is 32 registers): 32 / 160. D = 256 keeps 40 / 232: S 32 + O 128 +
+  // P^ 8 registers, and its quantizing warps re-read the staged row instead of holding it.
   static constexpr int kAlloc = kCons == 2 ? 168 : 128;
   static constexpr int kProducerRegs = kCons == 2 ? 40 : 32;
   static constexpr int kConsumerRegs = kCons == 2 ? 232 : 160;
