@@ -1,8 +1,8 @@
 // The Hopper kernel's consumers (sm_90a): consumer warpgroup c owns rows 64c .. 64c+63 of each
 // tile; a warp 16 of them, a thread rows g and g+8. Per tile: Q·Kᵀ (wgmma s8, A and B from
 // shared memory) and the online softmax of each key block (128 keys; 64 at D = 256), P̃·V (wgmma
-// E4M3, A = P^ from
-// registers, B = the Vᵀ tile) one block late so that it runs under the next block's softmax.
+// E4M3, A = P^ from registers, B = the Vᵀ tile) one block late so that it runs under the next
+// block's softmax.
 #pragma once
 
 #include <cstdint>
