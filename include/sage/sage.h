@@ -88,7 +88,9 @@ typedef enum sage_qk_format {
 /* Which tokens share one quantization scale (SPEC.md §3, §4). */
 typedef enum sage_granularity {
   SAGE_GRANULARITY_PER_THREAD_MMA = 0,   /* mma.sync m16n8k*: 4 warps x 32 rows, 64-key blocks */
-  SAGE_GRANULARITY_PER_THREAD_WGMMA = 1, /* wgmma m64nNk32: 16 rows a warp, block_k keys */
+  SAGE_GRANULARITY_PER_THREAD_WGMMA = 1, /* wgmma m64nNk32: 16 rows a warp, block_k keys; with
+                                            pv_accum ALIGNED also the sm90 kernel's softmax form
+                                            (the plan of its D = 256: 64-key softmax blocks) */
   SAGE_GRANULARITY_PER_TOKEN = 2,
   SAGE_GRANULARITY_PER_WARP = 3,  /* Q: rows of one warp (block_q / warps); K: per block */
   SAGE_GRANULARITY_PER_BLOCK = 4, /* one scale per Q block and per K block */
@@ -203,8 +205,8 @@ typedef struct sage_attention_args {
   int64_t seq_kv;
   int64_t head_dim; /* 1..256 (the CPU reference); the GPU kernels take multiples of 16 from 32
                        to 256 (64, 128 and 256 natively, the others zero-padded up to them:
-                       sage_plan_info.kernel_head_dim; 144..256 on the mma.sync kernel only),
-                       the GPU backward and the FP4 kernel 64 and 128 */
+                       sage_plan_info.kernel_head_dim), the GPU backward and the FP4 kernel
+                       64 and 128 */
 
   sage_layout layout;
   sage_strides q_strides, k_strides, v_strides, o_strides, lse_strides;

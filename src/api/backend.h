@@ -15,20 +15,21 @@ namespace sage::api {
 // the odd sizes tests use), but nothing larger than any GPU kernel will take. The GPU runs the
 // head dims it has a kernel for and refuses the others (UNSUPPORTED), naming these lists.
 constexpr int64_t kMaxHeadDim = 256;
-// The forward kernels are compiled for the native head dims 64, 128 and 256 (256: the mma.sync
-// kernel only); a head dim that is a multiple of 16 from 32 to 256 runs at the smallest of them
-// that holds it, the channels past it zero (the pre-pass writes them so; plan.h says why that
-// computes the call exactly). 0: no forward kernel. Multiples of 16: the grid models use and the
-// GPU tests cover (every load the pre-pass makes of a caller's row, 8 elements, divides them, so
-// a load is wholly inside the real channels or wholly past them).
+// The forward kernels are compiled for the native head dims 64, 128 and 256; a head dim that is a
+// multiple of 16 from 32 to 256 runs at the smallest of them that holds it, the channels past it
+// zero (the pre-pass writes them so; plan.h says why that computes the call exactly). 0: no forward
+// kernel. Multiples of 16: the grid models use and the GPU tests cover (every load the pre-pass
+// makes of a caller's row, 8 elements, divides them, so a load is wholly inside the real channels
+// or wholly past them).
 constexpr int64_t gpu_kernel_head_dim(int64_t d) {
   return d < 32 || d > 256 || d % 16 != 0 ? 0 : (d <= 64 ? 64 : d <= 128 ? 128 : 256);
 }
 constexpr bool gpu_has_head_dim(int64_t d) { return gpu_kernel_head_dim(d) != 0; }
 constexpr char kGpuHeadDims[] = "multiples of 16 from 32 to 256";
-// The sm90 (wgmma) kernel's native head dims: 64 and 128 (and the dims padded to them). Kernel
-// head dim 256 runs the mma.sync kernel on sm_90 too (docs/sm90-kernel.md says why).
-constexpr bool sm90_has_kernel_head_dim(int64_t dk) { return dk == 64 || dk == 128; }
+// The sm90 (wgmma) kernel's native head dims: 64, 128 and 256 (and the dims padded to them).
+constexpr bool sm90_has_kernel_head_dim(int64_t dk) {
+  return dk == 64 || dk == 128 || dk == 256;
+}
 // The backward kernels take their native head dims only (no zero padding there yet).
 constexpr bool gpu_backward_has_head_dim(int64_t d) { return d == 64 || d == 128; }
 constexpr char kGpuBackwardHeadDims[] = "64, 128";

@@ -262,8 +262,9 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
   if (plan.family == api::Family::kSm90) {
     const sm90::Params sp = sm90_params(r, a, plan, ws);
     const sm90::LaunchConfig cfg{plan.consumers, bf16, causal, dev.index, dev.sms};
-    e = plan.prepass.head_dim == 64 ? sm90::launch_attention<64>(sp, cfg, stream)
-                                    : sm90::launch_attention<128>(sp, cfg, stream);
+    e = plan.prepass.head_dim == 64    ? sm90::launch_attention<64>(sp, cfg, stream)
+        : plan.prepass.head_dim == 128 ? sm90::launch_attention<128>(sp, cfg, stream)
+                                       : sm90::launch_attention<256>(sp, cfg, stream);
   } else {
     const mma::AttnParams mp = mma_params(r, a, plan, ws);
     mma::LaunchConfig cfg{plan.prepass.bits, bf16, causal, plan.two_level,

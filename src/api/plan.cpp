@@ -20,9 +20,15 @@ int sm90_consumers(int64_t head_dim, bool causal, int64_t seq_q, bool fused_q) {
 }
 
 int sm90_poly_every(int64_t head_dim, int consumers) {
-  return head_dim == 128 ? sm90::Traits<128, 2>::kPolyEvery
-                         : (consumers == 3 ? sm90::Traits<64, 3>::kPolyEvery
-                                           : sm90::Traits<64, 2>::kPolyEvery);
+  return head_dim == 256 ? sm90::Traits<256, 2>::kPolyEvery
+         : head_dim == 128
+             ? sm90::Traits<128, 2>::kPolyEvery
+             : (consumers == 3 ? sm90::Traits<64, 3>::kPolyEvery : sm90::Traits<64, 2>::kPolyEvery);
+}
+
+// The sm90 kernel's key block (the softmax block): 128 keys, 64 at D = 256.
+int sm90_block_k(int64_t head_dim) {
+  return head_dim == 256 ? sm90::Traits<256, 2>::kBlockK : sm90::Traits<128, 2>::kBlockK;
 }
 
 // The one FP4 combination the GPU computes (src/fp4), variant SAGE3_FP4's with any Q/K
@@ -68,8 +74,9 @@ bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_
     bool causal;
     int64_t min_seq;
   };
-  // D = 256 runs the mma.sync kernel on sm_90, which never reached SDPA there (H200, 2026-11-26,
-  // B=4 H=32, graph: 4k 242 vs 619, 16k 271 vs 610; causal 203 vs 555, 249 vs 619): no length.
+  // D = 256: measured with the mma.sync kernel on sm_90, which never reached SDPA there (H200,
+  // 2026-11-26, B=4 H=32, graph: 4k 242 vs 619, 16k 271 vs 610; causal 203 vs 555, 249 vs 619):
+  // no length. (The sm90 kernel's D = 256 instantiation has not been measured against it yet.)
   constexpr int64_t kNever = INT64_MAX;
   static constexpr Crossover kTable[] = {
       {90, 128, false, 4096}, {90, 128, true, 8192}, {90, 64, false, 4096}, {90, 64, true, 8192},
@@ -194,8 +201,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   if (a.kernel == SAGE_KERNEL_SM90 && !sm90_ok)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "kernel = SM90: the wgmma kernel needs an sm_90 GPU (this is sm_%d%d), "
-                     "qk_format INT8, no Q smoothing and head_dim <= 128 (head_dim = %lld; "
-                     "144..256 run the mma.sync kernel)",
+                     "qk_format INT8, no Q smoothing and a head_dim it takes (head_dim = %lld)",
                      dev.cc / 10, dev.cc % 10, static_cast<long long>(D));
   Plan plan;
   plan.family = sm90_ok && a.kernel != SAGE_KERNEL_MMA ? Family::kSm90 : Family::kMma;
@@ -246,15 +252,19 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
     // the same either way: the polynomial share depends on the head dim only).
     plan.consumers = r.packed() ? 2 : sm90_consumers(Dk, causal, p.seq_q, plan.fused_q);
     plan.block_q = 64 * plan.consumers;
-    plan.block_k = sm90::kBlockK;
+    plan.block_k = sm90_block_k(Dk);
     // The wgmma E4M3 accumulator: each k32 step's products aligned to its largest addend and cut
     // to 13 bits after its leading one (docs/fp8-accumulator.md), over the whole sequence.
     e.pv_accum = SAGE_PV_ACCUM_ALIGNED;
     e.accum_mantissa_bits = 13;
     e.block_q = plan.block_q;
     e.warps = plan.block_q / 16;
-    e.softmax_block_k = sm90::kBlockK;
+    e.softmax_block_k = plan.block_k;
     e.exp2_poly_every = sm90_poly_every(Dk, plan.consumers);
+    // At D = 256 the softmax block is the 64-key K block: the wgmma groups with the aligned
+    // accumulator select the kernel's softmax form there (ref::sm90_softmax_form; the groups are
+    // the mma ones at 16 rows a warp, so D = 64 and 128 keep PER_THREAD_MMA).
+    if (Dk == 256) e.granularity = SAGE_GRANULARITY_PER_THREAD_WGMMA;
   } else {
     plan.block_q = mma::kBlockQ;
     plan.block_k = mma::kBlockK;

@@ -2,8 +2,9 @@
 // Q/K quantization, base-2 online softmax over key blocks, P~ and V quantization, and the P·V
 // accumulator as the hardware keeps it (exact sums inside one MMA, truncation to a few mantissa
 // bits on each add, flushed into fp32 every few key blocks). Host code; mirrors the GPU kernels.
-// softmax_block_k > block_k or exp2_poly_every > 0 selects the sm90 (wgmma) kernel's softmax
-// form: softmax blocks over several K scale blocks, P~·448 computed as one 2^x (in fp32 with the
+// softmax_block_k > block_k, exp2_poly_every > 0, or granularity PER_THREAD_WGMMA with pv_accum
+// ALIGNED (sm90_softmax_form) selects the sm90 (wgmma) kernel's softmax form: softmax blocks of
+// one or several K scale blocks, P~·448 computed as one 2^x (in fp32 with the
 // kernel's seeded-accumulator FFMA), the polynomial 2^x on its share of the scores, row sums in
 // the kernel's per-thread partial sums, and its finalize (see run()).
 //
@@ -364,7 +365,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
   // f = (q_scale · scale·log2 e) · k_scale, the max over Q^K^·f, and in a block every row sees all
   // of, the exponent of P~·448 as one FFMA on the seeded accumulator 1.5·2^23 + Q^K^
   // (attn/sm90/softmax.cuh). The double emulation keeps ideal arithmetic.
-  const bool sm90 = sbk > bk || cfg.exp2_poly_every > 0;
+  const bool sm90 = sm90_softmax_form(cfg);
   const bool sm90_scores = sm90 && std::is_same_v<Real, float> && exact_qk_in_float && !smooth_q;
   // In the sm90 form 2^x gives P~·p_scale directly: x = s - m + log2 p_scale.
   const Real log2_p_scale = Real(std::log2(double(pv.p_scale)));

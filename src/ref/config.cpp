@@ -59,6 +59,12 @@ sage_quant_config quant_preset(sage_variant variant) {
   return c;
 }
 
+bool sm90_softmax_form(const sage_quant_config& c) {
+  return c.softmax_block_k > c.block_k || c.exp2_poly_every > 0 ||
+         (c.granularity == SAGE_GRANULARITY_PER_THREAD_WGMMA &&
+          c.pv_accum == SAGE_PV_ACCUM_ALIGNED);
+}
+
 std::string quant_config_error(const sage_quant_config& c) {
   auto bad = [](const char* what, long long value) {
     return std::string("quant.") + what + " = " + std::to_string(value) + " is invalid";
@@ -111,11 +117,10 @@ std::string quant_config_error(const sage_quant_config& c) {
   if (c.exp2_poly_every != 0 && c.exp2_poly_every != 2 && c.exp2_poly_every != 4 &&
       c.exp2_poly_every != 8 && c.exp2_poly_every != 16)
     return bad("exp2_poly_every (0, 2, 4, 8 or 16)", c.exp2_poly_every);
-  // The sm90 kernel's softmax form (softmax blocks over several K blocks, or the polynomial 2^x)
-  // is modelled with per-channel V scales only: a per-key-block V scale would have to act inside
-  // a softmax block (the kernel has none of these).
-  if ((c.softmax_block_k > c.block_k || c.exp2_poly_every != 0) &&
-      c.v_scale != SAGE_V_SCALE_PER_CHANNEL)
+  // The sm90 kernel's softmax form (sm90_softmax_form) is modelled with per-channel V scales
+  // only: a per-key-block V scale would have to act inside a softmax block (the kernel has none
+  // of these).
+  if (sm90_softmax_form(c) && c.v_scale != SAGE_V_SCALE_PER_CHANNEL)
     return "quant.v_scale = " + std::to_string(c.v_scale) +
            " needs to be per channel with softmax_block_k = " + std::to_string(c.softmax_block_k) +
            " (block_k = " + std::to_string(c.block_k) +
@@ -132,10 +137,12 @@ std::string quant_config_error(const sage_quant_config& c) {
     if (c.block_k % fp4->block != 0)
       return what + "needs block_k to be a multiple of " + std::to_string(fp4->block) +
              " (block_k = " + std::to_string(c.block_k) + ")";
-    if ((c.softmax_block_k != 0 && c.softmax_block_k != c.block_k) || c.exp2_poly_every != 0)
+    if ((c.softmax_block_k != 0 && c.softmax_block_k != c.block_k) || c.exp2_poly_every != 0 ||
+        sm90_softmax_form(c))
       return what +
-             "is modelled with the mma softmax form only: softmax_block_k 0 and "
-             "exp2_poly_every 0 (softmax_block_k = " +
+             "is modelled with the mma softmax form only: softmax_block_k 0, "
+             "exp2_poly_every 0, and not granularity PER_THREAD_WGMMA with pv_accum ALIGNED "
+             "(softmax_block_k = " +
              std::to_string(c.softmax_block_k) +
              ", exp2_poly_every = " + std::to_string(c.exp2_poly_every) + ")";
     if (c.v_scale != SAGE_V_SCALE_PER_CHANNEL)

@@ -65,6 +65,11 @@ void attention_quant(const Problem& p, const sage_quant_config& cfg, const Tenso
 sage_quant_config quant_preset(sage_variant variant);
 // Empty when `cfg` is usable, else a message naming the bad field and its value.
 std::string quant_config_error(const sage_quant_config& cfg);
+// Whether `cfg` asks for the sm90 (wgmma) kernel's softmax form (attention_quant.cpp): softmax
+// blocks over several K blocks, the polynomial 2^x, or the wgmma kernel's own groups with its
+// accumulator (granularity PER_THREAD_WGMMA with pv_accum ALIGNED: the kernel at D = 256, whose
+// softmax block is its 64-key K block).
+bool sm90_softmax_form(const sage_quant_config& cfg);
 // The stride s of the tokens 0, s, 2s, ... < tokens that K's smoothing mean averages
 // (sage_quant_config.k_mean_tokens; 1 = every token).
 int64_t mean_token_stride(int64_t tokens, int32_t k_mean_tokens);

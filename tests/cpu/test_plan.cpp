@@ -129,6 +129,28 @@ TEST(Planner, KvPrepassOneLaunchWhereAClusterHoldsTheHead) {
 }
 
 TEST(Planner, EmulationConfigIsWhatRuns) {
+  // D = 256: 64-key blocks, each its own softmax block, the wgmma groups with the aligned
+  // accumulator selecting the kernel's softmax form; no polynomial.
+  for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
+    const Plan p = must_plan(Call(2500, 2000, 256, mask), kH100);
+    EXPECT_EQ(p.family, Family::kSm90);
+    EXPECT_EQ(p.consumers, 2);
+    EXPECT_EQ(p.block_q, 128);
+    EXPECT_EQ(p.block_k, 64);
+    const sage_quant_config& e = p.emulation;
+    EXPECT_EQ(sage::ref::quant_config_error(e), "");
+    EXPECT_TRUE(sage::ref::sm90_softmax_form(e));
+    EXPECT_EQ(e.granularity, SAGE_GRANULARITY_PER_THREAD_WGMMA);
+    EXPECT_EQ(e.pv_accum, SAGE_PV_ACCUM_ALIGNED);
+    EXPECT_EQ(e.accum_mantissa_bits, 13);
+    EXPECT_EQ(e.accum_chunk, 32);
+    EXPECT_EQ(e.block_q, 128);
+    EXPECT_EQ(e.warps, 8);
+    EXPECT_EQ(e.block_k, 64);
+    EXPECT_EQ(e.softmax_block_k, 64);
+    EXPECT_EQ(e.exp2_poly_every, 0);
+    EXPECT_EQ(e.qk_format, SAGE_QK_INT8);
+  }
   for (const int64_t d : {64, 128}) {
     for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
       const Plan p = must_plan(Call(2500, 2000, d, mask), kH100);
@@ -142,6 +164,7 @@ TEST(Planner, EmulationConfigIsWhatRuns) {
       EXPECT_EQ(e.block_k, 64);
       EXPECT_EQ(e.softmax_block_k, 128);
       EXPECT_EQ(e.exp2_poly_every, d == 128 ? 8 : 0);
+      EXPECT_EQ(e.granularity, SAGE_GRANULARITY_PER_THREAD_MMA);
       EXPECT_EQ(e.qk_format, SAGE_QK_INT8);
       EXPECT_EQ(e.smooth, unsigned(SAGE_SMOOTH_K | SAGE_SMOOTH_V));
     }
@@ -161,13 +184,13 @@ TEST(Planner, EmulationConfigIsWhatRuns) {
 // Head dims that are multiples of 16 from 32 to 256 run at the native 64, 128 or 256 (zero
 // channels past head_dim): the kernel head dim, the family, the tile and the emulation config are
 // the native head dim's, the workspace too (its layout is the kernel's); the pre-pass reads the
-// caller's channels. Kernel head dim 256 runs the mma.sync kernel on every GPU (the sm90 kernel
-// has no D = 256 instantiation). Every other head dim is refused naming it and the supported set.
+// caller's channels. Kernel head dim 256 runs the sm90 kernel on sm_90 (64-key blocks), the
+// mma.sync kernel elsewhere. Every other head dim is refused naming it and the supported set.
 TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
   for (const int64_t d : {32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 240, 256}) {
     SCOPED_TRACE("D = " + std::to_string(d));
     const int64_t dk = d <= 64 ? 64 : d <= 128 ? 128 : 256;
-    const bool sm90_dk = dk <= 128;
+    const bool sm90_dk = true;  // every kernel head dim has an sm90 instantiation
     EXPECT_EQ(sage::api::gpu_kernel_head_dim(d), dk);
     for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
       for (const Device& dev : {kH100, kAda, kBlackwell}) {
@@ -201,16 +224,20 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
         EXPECT_EQ(info.has_backward, d == dk && dk <= 128 ? 1 : 0);
       }
     }
-    // Forcing the sm90 kernel at kernel head dim 256 is refused, naming head_dim.
-    if (!sm90_dk) {
+    // Either family may be forced at every kernel head dim (tests and benchmarks compare them).
+    {
       Call forced(1000, 1000, d);
       forced.a.kernel = SAGE_KERNEL_SM90;
-      Plan p;
-      EXPECT_EQ(forced.plan(kH100, &p), SAGE_ERROR_UNSUPPORTED);
-      const std::string msg = sage_last_error();
-      EXPECT_NE(msg.find("head_dim = " + std::to_string(d)), std::string::npos) << msg;
+      EXPECT_EQ(must_plan(forced, kH100).family, Family::kSm90);
       forced.a.kernel = SAGE_KERNEL_MMA;
       EXPECT_EQ(must_plan(forced, kH100).family, Family::kMma);
+      // Q smoothing has no sm90 form: forcing it is refused, naming what it needs.
+      Call smooth(1000, 1000, d, SAGE_MASK_NONE, SAGE_VARIANT_SAGE2_4B);
+      smooth.a.kernel = SAGE_KERNEL_SM90;
+      Plan p;
+      EXPECT_EQ(smooth.plan(kH100, &p), SAGE_ERROR_UNSUPPORTED);
+      const std::string msg = sage_last_error();
+      EXPECT_NE(msg.find("head_dim = " + std::to_string(d)), std::string::npos) << msg;
     }
     // 4-bit (mma.sync on the H100 too) and Q smoothing pad the same way.
     const Plan p4 = must_plan(Call(1000, 1000, d, SAGE_MASK_NONE, SAGE_VARIANT_SAGE2_4B), kH100);
@@ -228,8 +255,8 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
   EXPECT_TRUE(must_plan(Call(2048, 2048, 80), kH100).prefer_sdpa);
   EXPECT_FALSE(must_plan(Call(4096, 4096, 96), kH100).prefer_sdpa);
   EXPECT_TRUE(must_plan(Call(4096, 4096, 48, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  // D = 256 (and 144..240, padded to it) on sm_90 runs the mma.sync kernel, which SDPA beat at
-  // every measured length: the drop-in hands all of them to torch.
+  // D = 256 (and 144..240, padded to it) on sm_90: SDPA beat the mma.sync kernel at every
+  // measured length, and the table keeps that row until the sm90 kernel is measured there.
   for (const int64_t n : {2048, 4096, 65536}) {
     EXPECT_TRUE(must_plan(Call(n, n, 256), kH100).prefer_sdpa);
     EXPECT_TRUE(must_plan(Call(n, n, 192), kH100).prefer_sdpa);

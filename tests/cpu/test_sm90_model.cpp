@@ -1,15 +1,19 @@
 // The emulation's model of the sm90 (wgmma) kernel: softmax blocks over several K scale blocks
 // (softmax_block_k) and the polynomial 2^x on a share of the scores (exp2_poly_every), against
 // computations written here from the definitions (sage.h), their validation, the polynomial's
-// accuracy and position rule, and the sm90 configuration's error against float64.
+// accuracy and position rule, and the sm90 configuration's error against float64. At D = 256 the
+// kernel's softmax block is its 64-key K block, selected by the wgmma groups with the aligned
+// accumulator.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "common/exp2_poly.h"  // kMagicF
 #include "common/test_util.h"
 
 namespace sage::ref {
@@ -294,19 +298,71 @@ TEST(Sm90Form, InvalidKnobsAreRejectedByName) {
 }
 
 // The sm90 kernel's configuration as the planner describes it (sage.h, sage_plan_info): tiles of
-// 128 rows (192 at D = 64 with three consumers), 64-key K groups in 128-key softmax blocks, the
-// aligned 13-bit wgmma accumulator, the polynomial on one score in eight at D = 128.
+// 128 rows (192 at D = 64 with three consumers), 64-key K groups in 128-key softmax blocks (64-key
+// ones at D = 256, the wgmma groups selecting the form), the aligned 13-bit wgmma accumulator,
+// the polynomial on one score in eight at D = 128.
 sage_quant_config sm90_config(int64_t D, int32_t block_q) {
   sage_quant_config c = quant_preset(SAGE_VARIANT_SAGE2_8B);
   c.block_q = block_q;
   c.warps = block_q / 16;
   c.block_k = 64;
-  c.softmax_block_k = 128;
+  c.softmax_block_k = D == 256 ? 64 : 128;
+  if (D == 256) c.granularity = SAGE_GRANULARITY_PER_THREAD_WGMMA;
   c.pv_accum = SAGE_PV_ACCUM_ALIGNED;
   c.accum_mantissa_bits = 13;
   c.accum_chunk = 32;
   c.exp2_poly_every = D == 128 ? 8 : 0;
   return c;
+}
+
+// The seeded accumulator (attn/sm90/softmax.cuh): an int32 wgmma sum started at the bits of
+// 1.5·2^23 holds the bits of the float 1.5·2^23 + x for every score x the INT8 values ([-127,
+// 127]) can give up to D = 256 (|x| <= 256·127² < 2^22), and that float is exact.
+TEST(Sm90Form, SeededScoreIsExactUpToD256) {
+  int32_t magic_bits;
+  std::memcpy(&magic_bits, &kMagicF, 4);
+  const int32_t x_max = 256 * 127 * 127;
+  EXPECT_LT(x_max, 1 << 22);
+  for (const int32_t x : {x_max, -x_max, x_max - 1, -x_max + 1, 1 << 22, -(1 << 22), 0, 1, -1}) {
+    const float want = kMagicF + float(x);
+    EXPECT_EQ(double(want), double(kMagicF) + double(x)) << x;  // exact
+    const int32_t bits = magic_bits + x;
+    float got;
+    std::memcpy(&got, &bits, 4);
+    EXPECT_EQ(got, want) << x;
+  }
+}
+
+// Granularity PER_THREAD_WGMMA with the aligned accumulator selects the sm90 form (D = 256's
+// plan: softmax_block_k = block_k); the same groups as PER_THREAD_MMA at 16 rows a warp, so the
+// form alone moves the result, by little. The validation follows the form.
+TEST(Sm90Form, WgmmaGroupsWithTheAlignedAccumulatorSelectTheForm) {
+  sage_quant_config c = sm90_config(256, 128);
+  EXPECT_TRUE(sm90_softmax_form(c));
+  EXPECT_EQ(quant_config_error(c), "");
+  sage_quant_config mma_groups = c;
+  mma_groups.granularity = SAGE_GRANULARITY_PER_THREAD_MMA;
+  EXPECT_FALSE(sm90_softmax_form(mma_groups));
+  sage_quant_config fp32 = c;
+  fp32.pv_accum = SAGE_PV_ACCUM_FP32;
+  EXPECT_FALSE(sm90_softmax_form(fp32));
+  sage_quant_config block_v = c;
+  block_v.v_scale = SAGE_V_SCALE_PER_BLOCK;
+  EXPECT_NE(quant_config_error(block_v).find("v_scale"), std::string::npos);
+
+  std::mt19937_64 rng(test::fresh_seed());
+  const int64_t N = 333, D = 256;
+  const Fp16Tensor q = test::random_tensor(rng, 1, 2, N, D, 1.0f);
+  const Fp16Tensor k = test::random_tensor(rng, 1, 1, N, D, 2.0f);
+  const Fp16Tensor v = test::random_tensor(rng, 1, 1, N, D, 2.0f);
+  const Problem p{1, 2, 1, N, N, D, 1.0 / 16.0, SAGE_MASK_CAUSAL_BOTTOM_RIGHT};
+  std::vector<float> a(size_t(p.out_elems())), b(a.size());
+  attention_quant(p, c, q.view(), k.view(), v.view(), a.data(), nullptr);
+  attention_quant(p, mma_groups, q.view(), k.view(), v.view(), b.data(), nullptr);
+  const std::vector<double> ad(a.begin(), a.end());
+  const Metrics m = compare(ad.data(), b.data(), p.out_elems());
+  EXPECT_GT(m.rel_l1, 0.0);
+  EXPECT_LT(m.rel_l1, 2e-3);
 }
 
 // Against float64 the sm90 configuration sits in the 8-bit band, next to the mma kernel's
@@ -329,7 +385,9 @@ TEST(Sm90Form, Sm90ConfigurationErrorIsInTheEightBitBand) {
   };
   for (const Shape s : {Shape{1000, 128, 128, 0.0f, SAGE_MASK_NONE},
                         Shape{777, 64, 192, 4.0f, SAGE_MASK_CAUSAL_BOTTOM_RIGHT},
-                        Shape{600, 128, 128, 4.0f, SAGE_MASK_CAUSAL_TOP_LEFT}}) {
+                        Shape{600, 128, 128, 4.0f, SAGE_MASK_CAUSAL_TOP_LEFT},
+                        Shape{1000, 256, 128, 0.0f, SAGE_MASK_NONE},
+                        Shape{555, 256, 128, 4.0f, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}}) {
     SCOPED_TRACE("N " + std::to_string(s.N) + " D " + std::to_string(s.D));
     const Fp16Tensor q = test::random_tensor(rng, 1, 2, s.N, s.D, 0.5f * s.bias);
     const Fp16Tensor k = test::random_tensor(rng, 1, 2, s.N, s.D, s.bias);

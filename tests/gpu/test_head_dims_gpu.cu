@@ -1,5 +1,5 @@
 // Zero-padded head dims on the GPU: a head dim that is a multiple of 16 from 32 to 256 runs the
-// native 64, 128 or 256 kernel with the channels past it zero (256: the mma.sync kernel only).
+// native 64, 128 or 256 kernel with the channels past it zero.
 // Here, for every kernel family this GPU has: the caller's memory past head_dim is never read
 // (the channels past D of strided Q, K and V hold NaN) nor written (an output with a longer token
 // stride keeps its poison there), the result is bit for bit the contiguous call's, and the plan
@@ -115,6 +115,8 @@ TEST(GpuHeadDims, MemoryPastHeadDimIsNeitherReadNorWritten) {
                         Case{1, 4, 2, 200, 333, 144, kBR, kHND, kF16, k8, 4},
                         Case{2, 2, 1, 129, 250, 192, kTL, kNHD, kBF16, k4, 4},
                         Case{1, 2, 2, 300, 300, 240, kNone, kNHD, kBF16, k8, 4},
+                        Case{1, 4, 2, 257, 190, 192, kBR, kHND, kF16, k8, 4},
+                        Case{2, 2, 2, 200, 333, 256, kTL, kNHD, kBF16, k8, 4},
                         Case{1, 4, 2, 190, 270, 208, kNone, kHND, kF16, k8, 4, kSmoothQKV},
                         Case{1, 2, 2, 150, 150, 256, kBR, kHND, kF16, k8, 4}}) {
     SCOPED_TRACE(name(c));
@@ -127,8 +129,8 @@ TEST(GpuHeadDims, MemoryPastHeadDimIsNeitherReadNorWritten) {
         const int64_t out_pitch = c.D + 24;
         const StridedRun s = run_strided(c, in, kc, c.D + in_pad, out_pitch);
         if (s.status == SAGE_ERROR_UNSUPPORTED && kc.kernel == SAGE_KERNEL_SM90 &&
-            (c.variant == k4 || c.smooth != 0u || c.D > 128)) {
-          continue;  // no 4-bit, Q-smoothing or D > 128 wgmma kernel (the sweep says so too)
+            (c.variant == k4 || c.smooth != 0u)) {
+          continue;  // no 4-bit or Q-smoothing wgmma kernel (the sweep says so too)
         }
         ASSERT_EQ(s.status, SAGE_OK) << s.error;
         EXPECT_EQ(s.plan.kernel_head_dim, dk);

@@ -132,7 +132,11 @@ INSTANTIATE_TEST_SUITE_P(
                       // Zero-padded head dims (the bad element is among the caller's channels).
                       Case{2, 4, 2, 300, 500, 80, kNone, kNHD, kBF16, k8, 4},
                       Case{1, 4, 2, 500, 300, 48, kTL, kHND, kF16, k8, 4},
-                      Case{1, 4, 2, 700, 700, 112, kBR, kHND, kF16, k4, 4}),
+                      Case{1, 4, 2, 700, 700, 112, kBR, kHND, kF16, k4, 4},
+                      // D = 256 (the wgmma kernel's 64-key blocks on sm_90) and 192 padded to it.
+                      Case{2, 4, 2, 300, 500, 256, kNone, kHND, kF16, k8, 4},
+                      Case{1, 4, 2, 500, 300, 256, kBR, kNHD, kBF16, k8, 4},
+                      Case{1, 4, 1, 700, 700, 192, kTL, kHND, kBF16, k8, 4}),
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
 }  // namespace

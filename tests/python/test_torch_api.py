@@ -276,10 +276,12 @@ def test_gpu_padded_head_dims(gen, d, causal, dropin_always_sage):
 @pytest.mark.parametrize("qk_bits", [8, 4])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_head_dim_256(gen, dtype, qk_bits, causal, dropin_always_sage):
-    """D = 256 runs natively on the GPU (the mma.sync kernel, on sm_90 too): NHD and HND, GQA,
-    N off the blocks, as accurate against float64 as D = 128 (8-bit cos > 0.999; 4-bit on these
-    channel-biased inputs too), the emulation's config reproduced; the plan says kernel_head_dim
-    256; forcing the sm90 kernel is a ValueError naming head_dim; the drop-in runs it."""
+    """D = 256 runs natively on the GPU (on sm_90 the 8-bit calls run the wgmma kernel, 4-bit the
+    mma.sync one): NHD and HND, GQA, N off the blocks, as accurate against float64 as D = 128
+    (8-bit cos > 0.999; 4-bit on these channel-biased inputs too), the emulation's config
+    reproduced; the plan says kernel_head_dim 256; on sm_90 the mma.sync kernel forced at 8-bit
+    matches its own emulation, and forcing the sm90 kernel at 4-bit is a ValueError; the drop-in
+    runs it."""
     q = randn(gen, (2, 4, 333, 256), dtype, bias=0.5)
     k, v = randn(gen, (2, 2, 1000, 256), dtype, bias=2.0), randn(gen, (2, 2, 1000, 256), dtype)
     o = sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=qk_bits)
@@ -300,9 +302,14 @@ def test_gpu_head_dim_256(gen, dtype, qk_bits, causal, dropin_always_sage):
     o_nhd = sage_attn.sageattn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                tensor_layout="NHD", is_causal=causal, qk_bits=qk_bits)
     assert torch.equal(o_nhd.transpose(1, 2), o)
-    if IS_SM90:
+    if IS_SM90 and qk_bits == 4:
         with pytest.raises(ValueError, match="head_dim"):
-            sage_attn.sageattn(q, k, v, is_causal=causal, kernel="sm90")
+            sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=4, kernel="sm90")
+    elif IS_SM90:
+        o_mma = sage_attn.sageattn(q, k, v, is_causal=causal, qk_bits=qk_bits, kernel="mma")
+        emu_mma = call_emulation(q, k, v, align, qk_bits=qk_bits, kernel="mma")
+        m = metrics(o_mma, emu_mma.double())
+        assert m["rel_l1"] < (2e-3 if dtype == torch.float16 else 4e-3), m
     if qk_bits == 8:
         kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
         assert sage_attn.dropin_backend(q, kr, vr, is_causal=causal) == "sage"

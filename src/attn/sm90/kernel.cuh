@@ -6,9 +6,10 @@
 //
 // It reads the same pre-pass products as the mma.sync kernel and does the same quantization: a
 // warp owns 16 query rows (one Q scale for rows g, g+8), K scales per 64-key group (a 128-key
-// block holds two), Vᵀ keys permuted inside each 32 so the S accumulator converts to the P^
-// A-operand in place. What differs — 128-key softmax blocks, the polynomial 2^x share, the
-// wgmma's E4M3 accumulator — is in its CPU emulation (sage_attention_plan's emulation config).
+// block holds two; D = 256's 64-key block one), Vᵀ keys permuted inside each 32 so the S
+// accumulator converts to the P^ A-operand in place. What differs — 128-key softmax blocks (64 at
+// D = 256), the polynomial 2^x share, the wgmma's E4M3 accumulator — is in its CPU emulation
+// (sage_attention_plan's emulation config).
 #pragma once
 
 #include <cuda.h>

@@ -125,13 +125,14 @@ cudaError_t launch_one(const Params& p, const TmaMaps& maps, const LaunchConfig&
   const cudaError_t le = launch_pdl(kernel, shape, stream, p, maps);
   if (le != cudaSuccess) return le;
 #ifdef SAGE_SM90_TRACE
-  print_trace(maps.trace, D, kCausal, p.seq_kv, kBlockK);
+  print_trace(maps.trace, D, kCausal, p.seq_kv, Tr::kBlockK);
 #endif
   return cudaGetLastError();
 }
 
 template <int D, int kCons>
 cudaError_t launch_with(const Params& p, const LaunchConfig& cfg, cudaStream_t stream) {
+  using Tr = Traits<D, kCons>;
   TmaMaps maps;
 #ifdef SAGE_SM90_TRACE
   maps.trace = trace_buffer();
@@ -142,10 +143,13 @@ cudaError_t launch_with(const Params& p, const LaunchConfig& cfg, cudaStream_t s
   const uint64_t bk = uint64_t(packed ? p.heads_kv : p.batch * p.heads_kv);
   const uint64_t nk = uint64_t(packed ? p.kv_rows.pitch : p.nk_pad);
   const uint64_t bq = uint64_t(p.batch * p.heads_q), nq = uint64_t(p.nq_pad);
-  cudaError_t e = p.fused_q ? make_q_in_map(&maps.q_in, p, D, Traits<D, kCons>::kBlockQ)
-                            : make_map(&maps.q, p.q, D, nq, bq, D, nq * D, D, quant::kBlockQ);
-  if (e == cudaSuccess) e = make_map(&maps.k, p.k, D, nk, bk, D, nk * D, D, kBlockK);
-  if (e == cudaSuccess) e = make_map(&maps.v, p.v, nk, D, bk, nk, nk * D, kBlockK, D);
+  // Q and K rows as boxes of kRowBytes columns (D = 256: two panels, producer.cuh load_rows).
+  cudaError_t e = p.fused_q
+                      ? make_q_in_map(&maps.q_in, p, D, Tr::kBlockQ)
+                      : make_map(&maps.q, p.q, D, nq, bq, D, nq * D, Tr::kRowBytes, quant::kBlockQ);
+  if (e == cudaSuccess)
+    e = make_map(&maps.k, p.k, D, nk, bk, D, nk * D, Tr::kRowBytes, Tr::kBlockK);
+  if (e == cudaSuccess) e = make_map(&maps.v, p.v, nk, D, bk, nk, nk * D, Tr::kBlockK, D);
   if (e != cudaSuccess) return e;
   auto run = [&](auto packed_flag) {
     constexpr bool kPacked = decltype(packed_flag)::value;

@@ -1,4 +1,4 @@
-// Host entry of the Hopper (sm_90a) SageAttn2-8b kernel: one launcher per head dim
+// Host entry of the Hopper (sm_90a) SageAttn2-8b kernel: one launcher per head dim (64, 128, 256)
 // (attention_d*.cu). The plan (src/api) has chosen everything; the launcher builds the TMA
 // descriptors and launches the instantiation it names.
 #pragma once
@@ -21,5 +21,6 @@ template <int D>
 cudaError_t launch_attention(const Params& p, const LaunchConfig& cfg, cudaStream_t stream);
 extern template cudaError_t launch_attention<64>(const Params&, const LaunchConfig&, cudaStream_t);
 extern template cudaError_t launch_attention<128>(const Params&, const LaunchConfig&, cudaStream_t);
+extern template cudaError_t launch_attention<256>(const Params&, const LaunchConfig&, cudaStream_t);
 
 }  // namespace sage::sm90

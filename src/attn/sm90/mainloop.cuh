@@ -1,7 +1,8 @@
 // The Hopper kernel's consumers (sm_90a): consumer warpgroup c owns rows 64c .. 64c+63 of each
 // tile; a warp 16 of them, a thread rows g and g+8. Per tile: Q·Kᵀ (wgmma s8, A and B from
-// shared memory) and the online softmax of each 128-key block, P̃·V (wgmma E4M3, A = P^ from
-// registers, B = the Vᵀ tile) one block late so that it runs under the next block's softmax.
+// shared memory) and the online softmax of each key block (128 keys; 64 at D = 256), P̃·V (wgmma
+// E4M3, A = P^ from registers, B = the Vᵀ tile) one block late so that it runs under the next
+// block's softmax.
 #pragma once
 
 #include <cstdint>
@@ -27,10 +28,21 @@ using Stage1 = std::integral_constant<int, 1>;
 
 template <int D>
 __device__ __forceinline__ void pv_wgmma(float (&o)[D / 2], const uint32_t (&p)[4], uint64_t desc) {
-  if constexpr (D == 128)
+  if constexpr (D == 256)
+    ptx::wgmma_m64n256k32_e4m3(o, p, desc, /*accumulate=*/true);
+  else if constexpr (D == 128)
     ptx::wgmma_m64n128k32_e4m3(o, p, desc, /*accumulate=*/true);
   else
     ptx::wgmma_m64n64k32_e4m3(o, p, desc, /*accumulate=*/true);
+}
+
+// One k32 step of Q·Kᵀ over a block of kN keys.
+template <int kN>
+__device__ __forceinline__ void qk_wgmma(int (&s)[kN / 2], uint64_t q_desc, uint64_t k_desc) {
+  if constexpr (kN == 128)
+    ptx::wgmma_m64n128k32_s8_ss(s, q_desc, k_desc, /*accumulate=*/true);
+  else
+    ptx::wgmma_m64n64k32_s8_ss(s, q_desc, k_desc, /*accumulate=*/true);
 }
 
 // Every wgmma of the loop is issued unconditionally: a conditional GEMM in the loop, or a wgmma
@@ -47,6 +59,7 @@ template <int D, typename OutT, bool kCausal, int kCons, bool kPacked>
 struct Consumer {
   using Tr = Traits<D, kCons>;
   static constexpr bool kTurnAfterMax = Tr::turn_after_max(kCausal);
+  static constexpr int kBlockK = Tr::kBlockK, kScores = Tr::kScores;
   static_assert(kStages == 2, "the loop is unrolled over a two-stage ring");
 
   const Params& p;
@@ -78,7 +91,8 @@ struct Consumer {
   uint64_t q_desc, k_desc, v_desc;
   float m[2], l[2];  // the rows' running max (base 2) and sum
   float o[D / 2];    // the P̃·V accumulator
-  uint32_t pf[4][4];  // P^ of the previous block: the A operand of its P̃·V (issued one block late)
+  uint32_t pf[Tr::kPvSteps][4];  // P^ of the previous block: the A operand of its P̃·V (issued
+                                 // one block late)
 
   // Turns (a soft ping-pong): a consumer waits for its turn before issuing Q·Kᵀ(kb) (and
   // P̃·V(kb-1) behind it) and passes it once its Q·Kᵀ has landed (or its row maxima are taken,
@@ -117,7 +131,7 @@ struct Consumer {
     // This warpgroup's 64 Q rows are the A operand of Q·Kᵀ straight from shared memory (A from
     // registers held across the loop was miscompiled at D = 128: ptxas gave the P^ fragments the
     // Q fragments' registers).
-    const uint8_t* q_wg = tiles.q + qbuf * Tr::kQTile + consumer * 64 * D;
+    const uint8_t* q_wg = tiles.q + qbuf * Tr::kQTile + consumer * 64 * Tr::kRowBytes;
     // The Q scale: from the pre-pass (loaded before the wait), or from the quantizing warps.
     q_scale_log2 = fused_q ? 0.0f
                            : p.q_scale[(bh * p.q_blocks + ti.qb) * quant::kQGroups + warp * 8 + g];
@@ -143,31 +157,38 @@ struct Consumer {
     q_scale_log2 *= p.scale_log2;
     tile_event(trace, it, 2);
     // Descriptors computed once: a stage and a k-step add (bytes >> 4) to the start address.
-    q_desc = ptx::wgmma_desc<D>(q_wg);
-    k_desc = ptx::wgmma_desc<D>(tiles.k);
-    v_desc = ptx::wgmma_desc<128>(tiles.v);
+    q_desc = ptx::wgmma_desc<Tr::kRowBytes>(q_wg);
+    k_desc = ptx::wgmma_desc<Tr::kRowBytes>(tiles.k);
+    v_desc = ptx::wgmma_desc<kBlockK>(tiles.v);
   }
 
-  // The scale products f of keys 0-63 and 64-127 of block kb (their K scale groups).
-  __device__ __forceinline__ void scales(int kb, float (&f)[2]) const {
-    f[0] = q_scale_log2 * k_scale[(2 * kb) * quant::kKGroups + t];
-    f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, k_blocks_of() - 1) * quant::kKGroups + t];
+  // The scale products f of each 64 keys of block kb (their K scale groups).
+  __device__ __forceinline__ void scales(int kb, float (&f)[Tr::kKGroupsPerBlock]) const {
+    if constexpr (Tr::kKGroupsPerBlock == 1) {
+      f[0] = q_scale_log2 * k_scale[kb * quant::kKGroups + t];
+    } else {
+      f[0] = q_scale_log2 * k_scale[(2 * kb) * quant::kKGroups + t];
+      f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, k_blocks_of() - 1) * quant::kKGroups + t];
+    }
   }
 
   // Q·Kᵀ of block kb (in stage st) into sacc, seeded with kMagic (softmax.cuh); its scales into f
   // (loaded before the wait: the wgmma asm orders memory, the load hides behind it).
   template <int st>
-  __device__ __forceinline__ void issue_qk(int (&sacc)[64], float (&f)[2], int kb) {
-    for (int i = 0; i < 64; ++i) sacc[i] = kMagic;
+  __device__ __forceinline__ void issue_qk(int (&sacc)[kScores], float (&f)[Tr::kKGroupsPerBlock],
+                                           int kb) {
+    for (int i = 0; i < kScores; ++i) sacc[i] = kMagic;
     scales(kb, f);
     take_turn();
     ptx::mbar_wait(&sh.bar.full_k[st], phase.full(kb, st));
     ptx::wgmma_fence_regs(sacc);
     ptx::wgmma_fence();
-    for (int s = 0; s < Tr::kQkSteps; ++s)
-      ptx::wgmma_m64n128k32_s8_ss(sacc, q_desc + uint64_t(s * 32 >> 4),
-                                  k_desc + uint64_t((st * Tr::kKTile + s * 32) >> 4),
-                                  /*accumulate=*/true);
+    // Step s reads 32 bytes of each row at column s·32: panel s·32 / kRowBytes, then the offset.
+    for (int s = 0; s < Tr::kQkSteps; ++s) {
+      const int panel = s * 32 / Tr::kRowBytes, col = s * 32 % Tr::kRowBytes;
+      qk_wgmma<kBlockK>(sacc, q_desc + uint64_t((panel * Tr::kQPanel + col) >> 4),
+                        k_desc + uint64_t((st * Tr::kKTile + panel * Tr::kKPanel + col) >> 4));
+    }
     ptx::wgmma_commit();
   }
 
@@ -182,7 +203,8 @@ struct Consumer {
     ptx::wgmma_commit();
   }
 
-  __device__ __forceinline__ void softmax(int (&sacc)[64], int kb, const float (&f)[2],
+  __device__ __forceinline__ void softmax(int (&sacc)[kScores], int kb,
+                                          const float (&f)[Tr::kKGroupsPerBlock],
                                           float (&alpha)[2]) {
     softmax_block<Tr::kPolyEvery>(
         sacc, kb < first_masked_block, f, m, l, alpha, t,
@@ -201,14 +223,14 @@ struct Consumer {
       for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
   }
 
-  __device__ __forceinline__ void pack_p(const int (&pe)[64]) {
+  __device__ __forceinline__ void pack_p(const int (&pe)[kScores]) {
     attn::pack_p_e4m3(pf, [&](int n, int e) { return __int_as_float(pe[4 * n + e]); });
   }
 
   // Block 0: Q·Kᵀ, its softmax, P^.
   __device__ __forceinline__ void first_block() {
-    int sacc[64];
-    float f[2], alpha[2];
+    int sacc[kScores];
+    float f[Tr::kKGroupsPerBlock], alpha[2];
     issue_qk<0>(sacc, f, 0);
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(sacc);
@@ -226,8 +248,8 @@ struct Consumer {
   // wgmma or spilled.)
   template <int st>
   __device__ __forceinline__ void step(int kb) {
-    int sacc[64];
-    float f[2];
+    int sacc[kScores];
+    float f[Tr::kKGroupsPerBlock];
     trace_event(trace, kb, 0);
     issue_qk<st>(sacc, f, kb);
     trace_event(trace, kb, 1);

@@ -21,9 +21,9 @@ namespace sage::sm90 {
 
 // The TMA descriptors of the pre-pass's Q, K and Vᵀ and of the caller's Q.
 struct TmaMaps {
-  CUtensorMap q;     // 3-D: {D bytes, nq_pad rows, B*Hq}, box {D, 128, 1}
-  CUtensorMap k;     // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {D, 128, 1}
-  CUtensorMap v;     // 3-D: {nk_pad keys, D channels, B*Hkv}, box {128, D, 1}
+  CUtensorMap q;     // 3-D: {D bytes, nq_pad rows, B*Hq}, box {kRowBytes, 128, 1} (a panel)
+  CUtensorMap k;     // 3-D: {D bytes, nk_pad keys, B*Hkv}, box {kRowBytes, kBlockK, 1}
+  CUtensorMap v;     // 3-D: {nk_pad keys, D channels, B*Hkv}, box {kBlockK, D, 1}
   CUtensorMap q_in;  // fused Q: the caller's Q, 4-D {head_dim, Nq, Hq, B} 16-bit, box
                      // {D, kBlockQ, 1, 1} (channels past a padded head_dim read as zeros)
 #ifdef SAGE_SM90_TRACE
@@ -33,10 +33,11 @@ struct TmaMaps {
 
 // Quantizes the staged Q tile (2·kQGroups rows x D fp16/bf16, row-major; rows past the tensor
 // and channels past a padded head_dim zero: TMA's out-of-bounds fill; rows past seq_q that a
-// packed batch's next sequence filled count as zeros here) as the pre-pass's quant_q does: INT8
-// per thread group (rows g, g+8 of each 16-row slab: the rows one consumer thread's accumulator
-// holds), scale max|q| / 127, into the INT8 tile in the layout the Q·Kᵀ wgmma reads
-// (TMA's 128-byte swizzle for 128-byte rows, 64-byte for 64-byte rows), and the group scales into
+// packed batch's next sequence filled count as zeros here) as the pre-pass's quant_q
+// does: INT8 per thread group (rows g, g+8 of each 16-row slab: the rows one consumer thread's
+// accumulator holds), scale max|q| / 127, into the INT8 tile in the layout the Q·Kᵀ wgmma reads
+// (TMA's 128-byte swizzle for 128-byte rows, 64-byte for 64-byte rows; at D = 256 two panels of
+// 128-byte columns, Traits::kRowBytes), and the group scales into
 // q_sc. With km (this KV head's K mean; LSE asked for) also each row's LSE shift
 // scale · q·k_mean (exact products summed in double, as quant_q).
 // Inf/NaN elements count as zeros; a row that is poisoned (sight, kv_first_bad: quant::RowSight)
@@ -62,48 +63,95 @@ __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile
                                                 unsigned long long kv_first_bad) {
   constexpr int kLanesPerGroup = 8, kGroupsPerPass = 32 / kLanesPerGroup;
   constexpr int kChunks = D / 32;                    // 16-byte chunks per lane: c·4 + part
-  constexpr uint32_t kSwizzle = D == 128 ? 7u : 3u;  // 16-byte chunk ^= (byte offset >> 7) & this
+  constexpr int kRowBytes = D > 128 ? 128 : D;       // a row's bytes in one panel
+  constexpr uint32_t kPanel = uint32_t(2 * kQGroups * kRowBytes);
+  // 16-byte chunk ^= (byte offset >> 7) & kSwizzle (the panel's swizzle)
+  constexpr uint32_t kSwizzle = kRowBytes == 128 ? 7u : 3u;
   const int lane = qt % 32, li = lane % kLanesPerGroup;
   const int hi = li / 4, part = li % 4;
 #pragma unroll 1
   for (int g0 = (qt / 32) * kGroupsPerPass; g0 < kQGroups; g0 += n_warps * kGroupsPerPass) {
     const int grp = g0 + lane / kLanesPerGroup;
     const int r = 16 * (grp / 8) + grp % 8 + 8 * hi;
-    uint4 w[kChunks];
+    bool part_bad, row_bad = false;
     // A row past the sequence stays out of its group's scale (a packed batch's staged tile holds
     // the next sequence's rows there; a dense one's are zero already).
     const bool live = !kPacked || row0 + r < seq_q;
-    for (int c = 0; c < kChunks; ++c)
-      w[c] = live ? *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2)
-                  : make_uint4(0u, 0u, 0u, 0u);
-    // Inf/NaN are rare: a test of the lane's words, and the zeroing only where one is.
-    const bool part_bad = quant::special_any<T>(w) != 0u;
-    if (part_bad) {  // rare: the Inf/NaN zeroed in the staged row itself (the shift reads it again)
-      zero_staged_part<T, D>(staged + r * D * 2, part);
-      for (int c = 0; c < kChunks; ++c)
-        w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
-    }
-    bool row_bad = false;
-    if (__any_sync(0xffffffffu, part_bad)) {
-      int x = part_bad;
-      for (int m = 1; m < 4; m *= 2) x |= __shfl_xor_sync(0xffffffffu, x, m);
-      row_bad = x != 0;
-    }
+    QuantScale sc;
     float amax = 0.0f;
-    for (int c = 0; c < kChunks; ++c)
-      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(quant::elem_float<T>(w[c], e)));
-    for (int m = 1; m < kLanesPerGroup; m *= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-    const QuantScale sc = make_quant_scale(amax, float(kInt8Max));
-    // As quant_q: with finite elements and a finite scale, no product can leave [-127, 127] and
-    // none is NaN, so the clamp and the NaN test are skipped.
-    const bool fast = quant::finite_scale(amax, sc.inv);
-    quant::quantize_store_row_part<T, D, 8>(
-        q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast, 0xFFFFFFFFu,
-        [r](int d0) {
-          const uint32_t off = uint32_t(r * D + d0);
-          return int(off ^ (((off >> 7) & kSwizzle) << 4));
-        });
+    if constexpr (D <= 128) {
+      uint4 w[kChunks];
+      for (int c = 0; c < kChunks; ++c)
+        w[c] = live ? *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2)
+                    : make_uint4(0u, 0u, 0u, 0u);
+      // Inf/NaN are rare: a test of the lane's words, and the zeroing only where one is.
+      part_bad = quant::special_any<T>(w) != 0u;
+      if (part_bad) {  // rare: the Inf/NaN zeroed in the staged row itself (the shift reads it)
+        zero_staged_part<T, D>(staged + r * D * 2, part);
+        for (int c = 0; c < kChunks; ++c)
+          w[c] = *reinterpret_cast<const uint4*>(staged + (r * D + (c * 4 + part) * 8) * 2);
+      }
+      if (__any_sync(0xffffffffu, part_bad)) {
+        int x = part_bad;
+        for (int m = 1; m < 4; m *= 2) x |= __shfl_xor_sync(0xffffffffu, x, m);
+        row_bad = x != 0;
+      }
+      for (int c = 0; c < kChunks; ++c)
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(quant::elem_float<T>(w[c], e)));
+      for (int m = 1; m < kLanesPerGroup; m *= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+      sc = make_quant_scale(amax, float(kInt8Max));
+      // As quant_q: with finite elements and a finite scale, no product can leave [-127, 127]
+      // and none is NaN, so the clamp and the NaN test are skipped.
+      const bool fast = quant::finite_scale(amax, sc.inv);
+      quant::quantize_store_row_part<T, D, 8>(
+          q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast,
+          0xFFFFFFFFu, [r](int d0) {
+            const uint32_t off = uint32_t(r * D + d0);
+            return int(off ^ (((off >> 7) & kSwizzle) << 4));
+          });
+    } else {
+      // D = 256: the lane's 8 chunks (32 registers) held from the loads to the stores spilled
+      // the quantizing warps' 40 registers, so each pass reads them from the staged row again,
+      // the stores a half (128 channels, one Q panel) at a time. Same operations as above.
+      constexpr int kHalf = kChunks / 2;
+      const uint8_t* const srow = staged + r * D * 2;
+      auto chunk = [&](int c) {  // the lane's c-th 16-byte chunk of the row (channels (c·4+part)·8)
+        return live ? *reinterpret_cast<const uint4*>(srow + (c * 4 + part) * 16)
+                    : make_uint4(0u, 0u, 0u, 0u);
+      };
+      uint32_t bad = 0u;
+      for (int c = 0; c < kChunks; ++c) {
+        const uint4 x[1] = {chunk(c)};
+        bad |= quant::special_any<T>(x);
+      }
+      part_bad = bad != 0u;
+      if (part_bad) zero_staged_part<T, D>(staged + r * D * 2, part);
+      if (__any_sync(0xffffffffu, part_bad)) {
+        int x = part_bad;
+        for (int m = 1; m < 4; m *= 2) x |= __shfl_xor_sync(0xffffffffu, x, m);
+        row_bad = x != 0;
+      }
+      for (int c = 0; c < kChunks; ++c) {
+        const uint4 x = chunk(c);
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(quant::elem_float<T>(x, e)));
+      }
+      for (int m = 1; m < kLanesPerGroup; m *= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+      sc = make_quant_scale(amax, float(kInt8Max));
+      const bool fast = quant::finite_scale(amax, sc.inv);
+      for (int h = 0; h < 2; ++h) {
+        uint4 w[kHalf];
+        for (int c = 0; c < kHalf; ++c) w[c] = chunk(h * kHalf + c);
+        // Chunk c of half h is channel 128·h + (c·4 + part)·8: the half's panel.
+        quant::quantize_store_row_part<T, 128, 8>(
+            q_tile, w, [](float x, int) { return x; }, part, sc.inv, float(kInt8Max), fast,
+            0xFFFFFFFFu, [r, h](int d0) {
+              const uint32_t off = uint32_t(h) * kPanel + uint32_t(r * kRowBytes + d0);
+              return int(off ^ (((off >> 7) & kSwizzle) << 4));
+            });
+      }
+    }
     if (li == 0) q_sc[grp] = sc.scale;
     const int64_t row = row0 + r;
     const bool poisoned = sight.poisoned(row, row_bad, kv_first_bad);
@@ -184,10 +232,18 @@ struct Producer {
     }
   }
 
+  // A tile of INT8 rows (Q or K) into dst: one TMA box per panel of kRowBytes columns.
+  __device__ __forceinline__ static void load_rows(uint8_t* dst, int panel_bytes,
+                                                   const CUtensorMap* map, uint64_t* bar, int row,
+                                                   int head) {
+    for (int c = 0; c < Tr::kPanels; ++c)
+      ptx::tma_load_3d(dst + c * panel_bytes, map, bar, c * Tr::kRowBytes, row, head);
+  }
+
   // Thread 0: draws each round's tile one round ahead, publishes it, and issues its loads: Q
   // (pre-pass Q) and the K/Vᵀ blocks into the ring as stages free up.
   __device__ __forceinline__ void load_tiles(bool fused_q) const {
-    const TileScheduler<kCausal, Tr::kBlockQ, kPacked> sched(p);
+    const TileScheduler<kCausal, Tr::kBlockQ, kPacked, Tr::kBlockK> sched(p);
     RingPhase phase;
     TileInfo ti = sched.next(0);
     // The first tile's Q before any K/V load: every CTA starts at once, and the ~12 MB of first Q
@@ -202,8 +258,8 @@ struct Producer {
       if (!fused_q) {
         ptx::mbar_wait(&sh.bar.empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first lap at once
         ptx::mbar_arrive_expect_tx(&sh.bar.full_q[qbuf], Tr::kQTile);
-        ptx::tma_load_3d(tiles.q + qbuf * Tr::kQTile, &maps.q, &sh.bar.full_q[qbuf], 0,
-                         ti.qb * Tr::kBlockQ, int(ti.bh));
+        load_rows(tiles.q + qbuf * Tr::kQTile, Tr::kQPanel, &maps.q, &sh.bar.full_q[qbuf],
+                  ti.qb * Tr::kBlockQ, int(ti.bh));
       }
       const TileSeq seq = tile_seq<kPacked>(p, ti.b, ti.bhk);
       const int k_row = int(seq.k_row);
@@ -212,12 +268,12 @@ struct Producer {
         const uint32_t parity = phase.empty(kb, s);
         ptx::mbar_wait(&sh.bar.empty_k[s], parity);
         ptx::mbar_arrive_expect_tx(&sh.bar.full_k[s], Tr::kKTile);
-        ptx::tma_load_3d(tiles.k + s * Tr::kKTile, &maps.k, &sh.bar.full_k[s], 0,
-                         k_row + kb * kBlockK, seq.k_slab);
+        load_rows(tiles.k + s * Tr::kKTile, Tr::kKPanel, &maps.k, &sh.bar.full_k[s],
+                  k_row + kb * Tr::kBlockK, seq.k_slab);
         ptx::mbar_wait(&sh.bar.empty_v[s], parity);
         ptx::mbar_arrive_expect_tx(&sh.bar.full_v[s], Tr::kVTile);
         ptx::tma_load_3d(tiles.v + s * Tr::kVTile, &maps.v, &sh.bar.full_v[s],
-                         k_row + kb * kBlockK, 0, seq.k_slab);
+                         k_row + kb * Tr::kBlockK, 0, seq.k_slab);
       }
       phase.next_tile(ti.n_blocks);
       ti = next;

@@ -16,7 +16,7 @@ namespace sage::sm90 {
 struct TileInfo {
   int64_t bh;        // batch · heads_q + query head
   int32_t qb;        // query block (kBlockQ rows)
-  int32_t n_blocks;  // key blocks the tile sees (0 only when causal hides every key)
+  int32_t n_blocks;  // key blocks (kBlockKeys) the tile sees (0 only when causal hides every key)
   int32_t b, h;      // batch, query head
   int32_t bhk;       // batch · heads_kv + its KV head
   int32_t done;      // past the last tile: the loops end here
@@ -65,7 +65,7 @@ __device__ __forceinline__ int64_t shift_row0(const Params& p, int64_t tok0_q, i
 // then the next untaken tile from a global counter whenever the CTA starts a round, the order in
 // which the hardware dispatched one CTA per tile (a static snake balanced the work to 1.03x but
 // lost to that dispatch: 16k 742 vs 795 TOPS).
-template <bool kCausal, int kBlockQ, bool kPacked>
+template <bool kCausal, int kBlockQ, bool kPacked, int kBlockKeys = kBlockK>
 struct TileScheduler {
   const Params& p;
   int64_t q_tiles_n, tiles;
@@ -97,7 +97,7 @@ struct TileScheduler {
     const TileSeq s = tile_seq<kPacked>(p, ti.b, ti.bhk);
     const int64_t last_row = min(s.seq_q, (qb + 1) * kBlockQ) - 1;
     const int64_t kv_end = kCausal ? min(s.seq_kv, last_row + s.causal_offset + 1) : s.seq_kv;
-    ti.n_blocks = kv_end > 0 ? int32_t((kv_end + kBlockK - 1) / kBlockK) : 0;
+    ti.n_blocks = kv_end > 0 ? int32_t((kv_end + kBlockKeys - 1) / kBlockKeys) : 0;
     return ti;
   }
 

@@ -1,9 +1,12 @@
-// The Hopper kernel's online softmax of one 128-key block (sm_90a), per consumer thread: rows g and
-// g+8 of its warp's 16, 64 scores (2 rows x 32 keys) straight from the Q·Kᵀ accumulator.
+// The Hopper kernel's online softmax of one key block (sm_90a; 128 keys, 64 at D = 256), per
+// consumer thread: rows g and g+8 of its warp's 16, 64 scores (2 rows x 32 keys; 32 at D = 256)
+// straight from the Q·Kᵀ accumulator.
 //
 // The S accumulator starts at the bits of 1.5·2^23 (kMagic), so the exact int32 score x
-// (|x| < 2^21 for int8 at D <= 128) comes out of the wgmma as the bits of the float
-// 1.5·2^23 + x: the int -> float conversion costs nothing, the max can be taken on the bits, and
+// comes out of the wgmma as the bits of the float 1.5·2^23 + x whenever -2^22 <= x <= 2^22 (the
+// float's exponent stays 2^23, or x = 2^22 carries exactly into 2^24): the int8 values are in
+// [-127, 127], so |x| <= D·127² = 4 129 024 < 2^22 up to D = 256. The int -> float conversion
+// then costs nothing, the max can be taken on the bits, and
 // the softmax of a visible score is one FFMA and one 2^x:
 //   P~ · 448 = 2^(x·f - m + log2 448) = 2^(y·f - bias),  y = 1.5·2^23 + x,
 //   bias = 1.5·2^23·f + m - log2 448,
@@ -29,37 +32,42 @@ __device__ __forceinline__ constexpr bool poly_at(int i) {
   return kPolyEvery > 0 && i % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1;
 }
 
-// The online softmax of one block over the thread's 64 scores sacc (seeded), in place: P~ · 448
-// as float bits. f: the scale products of keys 0-63 and 64-127 (their K scale groups). m, l: the
+// The online softmax of one block over the thread's kN scores sacc (seeded), in place: P~ · 448
+// as float bits. f: the scale products of each 64 keys (their K scale groups). m, l: the
 // rows' running max and sum (l scaled by alpha, returned for O). unmasked: every key of the block
 // is visible to every row of the tile (CTA-uniform), else visible() gives the keys each row sees
 // (the diagonal, the Nk edge). at_max() runs once the rows' maxima are known (where a consumer
 // may pass the GEMM-issue turn).
-template <int kPolyEvery, typename Visible, typename AtMax>
-__device__ __forceinline__ void softmax_block(int (&sacc)[64], bool unmasked, const float (&f)[2],
-                                              float (&m)[2], float (&l)[2], float (&alpha)[2],
-                                              int t, Visible visible, AtMax at_max) {
+template <int kPolyEvery, int kN, typename Visible, typename AtMax>
+__device__ __forceinline__ void softmax_block(int (&sacc)[kN], bool unmasked,
+                                              const float (&f)[kN / 32], float (&m)[2],
+                                              float (&l)[2], float (&alpha)[2], int t,
+                                              Visible visible, AtMax at_max) {
+  static_assert(kN == 64 || kN == 32, "128- or 64-key blocks");
+  constexpr int kHalves = kN / 32;  // 64-key groups (a K scale each)
   float row_max[2], m_use[2];
-  float part[2][4] = {};  // four partial sums per row: short FADD chains
+  float part[2][kN / 16] = {};  // a partial sum per row and 32 keys: short FADD chains
   if (unmasked) {
-    int mx[2][2];
+    int mx[2][kHalves];
     for (int r = 0; r < 2; ++r)
-      for (int h = 0; h < 2; ++h) {  // a tree over the 16 scores of (row r, key half h)
+      for (int h = 0; h < kHalves; ++h) {  // a tree over the 16 scores of (row r, key group h)
         int v[16];
         for (int j = 0; j < 16; ++j) v[j] = sacc[32 * h + 4 * (j / 2) + 2 * r + (j & 1)];
         for (int w = 16; w > 1; w /= 2)
           for (int j = 0; j < w / 2; ++j) v[j] = max(v[j], v[j + w / 2]);
         mx[r][h] = v[0];
       }
-    for (int r = 0; r < 2; ++r)
-      row_max[r] = fmaxf((__int_as_float(mx[r][0]) - kMagicF) * f[0],
-                         (__int_as_float(mx[r][1]) - kMagicF) * f[1]);
+    for (int r = 0; r < 2; ++r) {
+      row_max[r] = (__int_as_float(mx[r][0]) - kMagicF) * f[0];
+      if constexpr (kHalves == 2)
+        row_max[r] = fmaxf(row_max[r], (__int_as_float(mx[r][1]) - kMagicF) * f[1]);
+    }
     attn::online_max(row_max, m, l, alpha, m_use);
     at_max();
-    float bias[2][2];
+    float bias[2][kHalves];
     for (int r = 0; r < 2; ++r)
-      for (int h = 0; h < 2; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
-    for (int i = 0; i < 64; ++i) {
+      for (int h = 0; h < kHalves; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
+    for (int i = 0; i < kN; ++i) {
       const float x = fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
       const float e = poly_at<kPolyEvery>(i) ? exp2_poly(x) : ptx::ex2(x);
       part[(i / 2) & 1][i / 16] += e;
@@ -69,7 +77,7 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[64], bool unmasked, co
     int vis[2];
     visible(vis);
     row_max[0] = row_max[1] = -INFINITY;
-    for (int i = 0; i < 64; ++i) {
+    for (int i = 0; i < kN; ++i) {
       const bool hidden = (i / 4) * 8 + 2 * t + (i & 1) >= vis[(i / 2) & 1];
       const float x = hidden ? -INFINITY : (__int_as_float(sacc[i]) - kMagicF) * f[i / 32];
       row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], x);
@@ -77,13 +85,18 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[64], bool unmasked, co
     }
     attn::online_max(row_max, m, l, alpha, m_use);
     at_max();
-    for (int i = 0; i < 64; ++i) {
+    for (int i = 0; i < kN; ++i) {
       const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[(i / 2) & 1] - kLog2E4m3Max));
       part[(i / 2) & 1][i / 16] += e;
       sacc[i] = __float_as_int(e);
     }
   }
-  for (int r = 0; r < 2; ++r) l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
+  for (int r = 0; r < 2; ++r) {
+    if constexpr (kN == 64)
+      l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
+    else
+      l[r] += part[r][0] + part[r][1];
+  }
 }
 
 }  // namespace sage::sm90

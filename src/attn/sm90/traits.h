@@ -5,7 +5,8 @@
 
 namespace sage::sm90 {
 
-constexpr int kBlockK = 128;     // keys per block = the N of the Q·Kᵀ wgmma
+constexpr int kBlockK = 128;     // keys per block = the N of the Q·Kᵀ wgmma (D <= 128; D = 256:
+                                 // Traits::kBlockK)
 constexpr int kStages = 2;       // K and Vᵀ tiles in flight (the consumer loop is unrolled by 2)
 constexpr int kQuantWarps = 3;   // warps 1-3 of the producer warpgroup quantize Q (fused Q)
 constexpr int kSchedSlots = 4;   // tiles published ahead to the CTA (the scheduler ring)
@@ -13,23 +14,38 @@ constexpr int kSchedSlots = 4;   // tiles published ahead to the CTA (the schedu
 // kCons consumer warpgroups own 64 query rows each: 2, or 3 at D = 64 (a third warp per scheduler
 // hides the softmax's latency there; at D = 128, S + O + P^ do not fit the 160 registers three
 // would get). The planner chooses; the pre-pass's Q layout (128-row blocks) fits two only.
+//
+// D = 256 (two consumers) streams 64-key blocks: with 128 it would need S 64 + O 128 + P^ 16
+// registers a consumer thread and 256 KB of shared memory. A 64-key block is one K scale group,
+// the softmax block of the emulation (block_k 64, softmax_block_k 64), S 32 registers.
 template <int D, int kCons>
 struct Traits {
-  static_assert(D == 64 || D == 128, "head dims 64 and 128");
+  static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
   static_assert(kCons == 2 || kCons == 3, "two or three consumer warpgroups");
+  static_assert(D != 256 || kCons == 2, "D = 256: two consumer warpgroups");
   static constexpr int kBlockQ = 64 * kCons;
+  static constexpr int kBlockK = D == 256 ? 64 : sm90::kBlockK;  // keys per block
   static constexpr int kThreads = 128 * (kCons + 1);
   static constexpr int kConsumerWarps = 4 * kCons;
   static constexpr int kQGroups = kBlockQ / 2;  // Q scale groups: rows {g, g+8} of each 16
   static constexpr int kQkSteps = D / 32;       // k32 wgmma steps along the head dim
   static constexpr int kPvSteps = kBlockK / 32;  // k32 wgmma steps along a block's keys
+  static constexpr int kScores = kBlockK / 2;    // a consumer thread's scores of a block
+  static constexpr int kKGroupsPerBlock = kBlockK / 64;  // K scale groups (64 keys) a block
+
+  // INT8 Q and K rows wider than the 128-byte swizzle span (D = 256) are stored as panels of
+  // 128-byte columns (one TMA box each), a tile's panels one after the other: the k-steps along
+  // D walk a panel, then the next. Vᵀ rows are kBlockK keys (64-byte swizzle at 64).
+  static constexpr int kRowBytes = D > 128 ? 128 : D;  // bytes of a Q/K row in one panel
+  static constexpr int kPanels = D / kRowBytes;
 
   // Registers per thread after setmaxnreg. The CTA's pool is what the launch allocated (ptxas's
   // count under __launch_bounds__(kThreads, 1): 168 for 384 threads, 128 for 512);
   // setmaxnreg.inc waits until the pool holds what it asks for, so a split over the pool hangs
   // every consumer. A consumer thread holds S (64 int32), O (D/2 fp32) and P^ (16): at 232 its
   // loop has no spills; 40 lets the quantizing warps run without spilling in theirs. Three
-  // consumers (D = 64: O is 32 registers): 32 / 160.
+  // consumers (D = 64: O is 32 registers): 32 / 160. D = 256 keeps 40 / 232: S 32 + O 128 +
+  // P^ 8 registers, and its quantizing warps re-read the staged row instead of holding it.
   static constexpr int kAlloc = kCons == 2 ? 168 : 128;
   static constexpr int kProducerRegs = kCons == 2 ? 40 : 32;
   static constexpr int kConsumerRegs = kCons == 2 ? 232 : 160;
@@ -50,9 +66,11 @@ struct Traits {
   // Shared memory (the swizzled tiles, 1024-byte aligned): two Q tiles (the next tile's Q lands
   // while this one's last blocks run), kStages K and Vᵀ tiles, and with fused Q one staged
   // fp16/bf16 Q tile.
-  static constexpr int kQTile = kBlockQ * D;   // [kBlockQ rows][D bytes] INT8 (A of Q·Kᵀ)
-  static constexpr int kKTile = kBlockK * D;   // [128 keys][D bytes] INT8
-  static constexpr int kVTile = D * kBlockK;   // [D channels][128 keys] E4M3
+  static constexpr int kQTile = kBlockQ * D;  // [panel][kBlockQ rows][kRowBytes] INT8 (A of Q·Kᵀ)
+  static constexpr int kKTile = kBlockK * D;  // [panel][kBlockK keys][kRowBytes] INT8
+  static constexpr int kVTile = D * kBlockK;  // [D channels][kBlockK keys] E4M3
+  static constexpr int kQPanel = kBlockQ * kRowBytes;
+  static constexpr int kKPanel = kBlockK * kRowBytes;
   static constexpr int kQStaged = kBlockQ * D * 2;  // [kBlockQ rows][D elements], not swizzled
   static constexpr int kBytes = 2 * kQTile + kStages * (kKTile + kVTile) + 1024;  // + alignment
   static constexpr int kBytesFused = kBytes + kQStaged;
@@ -61,7 +79,9 @@ struct Traits {
   // (16 results per SM per clock), at register positions i % kPolyEvery == kPolyEvery - 1 of the
   // thread's 64 scores (0: none). At D = 128 (two warps a scheduler) the MUFU queue is a limit
   // and one in eight measured best; at D = 64 three warps a scheduler move the limit to issue,
-  // where the polynomial's extra instructions cost more than they relieve.
+  // where the polynomial's extra instructions cost more than they relieve. At D = 256 a score
+  // costs twice D = 128's tensor work for the same MUFU work, so MUFU is not the limit there:
+  // none (not measured).
   static constexpr int kPolyEvery = D == 128 ? 8 : 0;
 
   // Where a consumer passes the GEMM-issue turn: once its Q·Kᵀ has landed, or (D = 128
