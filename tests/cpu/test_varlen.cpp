@@ -360,10 +360,10 @@ TEST(VarlenErrors, EachNamesItsArgument) {
 }
 
 // The planner takes packed batches on the GPU (a described H100: a CUDA call needs device
-// pointers; the GPU suite runs them): AUTO the mma.sync kernel, the wgmma one when forced, a
+// pointers; the GPU suite runs them): AUTO the wgmma kernel (fused Q), mma.sync when forced, a
 // workspace sized by the totals and the batch (each sequence padded to 128 rows, not to
 // max_seqlen), every CTA's sequence found on the device.
-TEST(VarlenPlan, PackedBatchesRunOnTheMmaKernel) {
+TEST(VarlenPlan, PackedBatchesRunOnTheWgmmaKernel) {
   std::mt19937_64 rng(fresh_seed());
   Packed p({64, 128, 0, 5}, {64, 128, 7, 0}, 2, 2, 128, SAGE_DTYPE_FP16, rng);
   sage_attention_args a = p.args(SAGE_VARIANT_SAGE2_8B, SAGE_MASK_NONE);
@@ -373,8 +373,13 @@ TEST(VarlenPlan, PackedBatchesRunOnTheMmaKernel) {
   const sage::api::Device h100{0, 90, 132, 8};
   sage::api::Plan plan;
   ASSERT_EQ(sage::api::make_plan(r, a, h100, &plan), SAGE_OK) << sage_last_error();
-  EXPECT_EQ(plan.family, sage::api::Family::kMma);
+  EXPECT_EQ(plan.family, sage::api::Family::kSm90);
+  EXPECT_TRUE(plan.fused_q);
   EXPECT_FALSE(plan.prefer_sdpa);
+  // The workspace below is mma.sync's (its pre-pass quantizes Q too).
+  a.kernel = SAGE_KERNEL_MMA;
+  ASSERT_EQ(sage::api::make_plan(r, a, h100, &plan), SAGE_OK) << sage_last_error();
+  EXPECT_EQ(plan.family, sage::api::Family::kMma);
   const sage::quant::PrepassPlan& w = plan.prepass;
   EXPECT_TRUE(w.q_rows.packed());
   EXPECT_EQ(w.q_rows.pitch, sage::quant::packed_pitch(p.total_q(), p.batch()));

@@ -329,7 +329,8 @@ TEST(GpuVarlen, PlanAndErrors) {
   sage_plan_info info{};
   info.struct_size = sizeof info;
   ASSERT_EQ(sage_attention_plan(&a, &info), SAGE_OK) << sage_last_error();
-  EXPECT_EQ(info.kernel, SAGE_KERNEL_MMA);  // AUTO: mma.sync for packed batches (for now)
+  // AUTO: the wgmma kernel on sm_90 (fused Q), mma.sync elsewhere.
+  EXPECT_EQ(info.kernel, compute_capability() == 90 ? SAGE_KERNEL_SM90 : SAGE_KERNEL_MMA);
   a.kernel = SAGE_KERNEL_SM90;
   a.options = SAGE_OPTION_PREPASS_Q;  // the wgmma kernel takes packed batches with fused Q only
   EXPECT_EQ(sage_attention_workspace_size(&a, &ws), SAGE_ERROR_UNSUPPORTED);
