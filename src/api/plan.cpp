@@ -74,13 +74,12 @@ bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_
     bool causal;
     int64_t min_seq;
   };
-  // D = 256: measured with the mma.sync kernel on sm_90, which never reached SDPA there (H200,
-  // 2026-11-26, B=4 H=32, graph: 4k 242 vs 619, 16k 271 vs 610; causal 203 vs 555, 249 vs 619):
-  // no length. (The sm90 kernel's D = 256 instantiation has not been measured against it yet.)
-  constexpr int64_t kNever = INT64_MAX;
+  // D = 256 (the wgmma kernel's 64-key form; H200, 2026-11-26, B=4 H=32, graph): 4k 785 vs 622,
+  // 16k 983 vs 633; causal 4k 614 vs 566, 16k 895 vs 610. Its padded dims share the row, and
+  // D = 192 causal 4k lost (484 vs 543; non-causal 612 vs 602): causal from 8k, as D = 128.
   static constexpr Crossover kTable[] = {
       {90, 128, false, 4096}, {90, 128, true, 8192}, {90, 64, false, 4096}, {90, 64, true, 8192},
-      {90, 256, false, kNever}, {90, 256, true, kNever},
+      {90, 256, false, 4096}, {90, 256, true, 8192},
   };
   const bool causal = mask != SAGE_MASK_NONE;
   for (const Crossover& c : kTable)

@@ -226,8 +226,8 @@ struct ChunkStats {
   double sk[2] = {0, 0}, sv[2] = {0, 0};
   T2 mx = T2(T(-INFINITY), T(-INFINITY)), mn = T2(T(INFINITY), T(INFINITY));
 
-  // Sums the staged chunk's rows [0, rows) into this thread's slice: scaled_double sums first;
-  // a slice that held an Inf or NaN redoes its sums converting every value (times 2^-kScaleExp,
+  // Adds the staged rows [0, rows) into this thread's slice: scaled_double sums first; a slice
+  // whose rows held an Inf or NaN redoes their sums converting every value (times 2^-kScaleExp,
   // so the final multiply gives the converting sum's bits).
   __device__ void accumulate(const uint8_t* smem, int rows, int64_t n0, uint32_t k_stride) {
     const int word = threadIdx.x % kWords, slice = threadIdx.x / kWords;
@@ -237,6 +237,10 @@ struct ChunkStats {
     const int64_t first = (int64_t(k_stride) - n0 % k_stride) % k_stride;
     const int64_t k_first = first + int64_t(slice) * k_stride;
     const int64_t k_step = int64_t(kSlices) * k_stride;
+    // The sums so far (D = 256 stages a chunk in two parts, one call each): a part that holds an
+    // Inf or NaN redoes its own rows from them, not the earlier part's.
+    const double sk0[2] = {sk[0], sk[1]}, sv0[2] = {sv[0], sv[1]};
+    const T2 mx0 = mx, mn0 = mn;
     uint32_t bad = 0u;
 #pragma unroll 4
     for (int r = slice; r < rows; r += kSlices) {
@@ -256,8 +260,8 @@ struct ChunkStats {
     if (bad == 0u) return;
     // A slice that held an Inf or NaN redoes its sums and range with those elements as zeros
     // (zero_special2), as the quantizers take them.
-    sv[0] = sv[1] = sk[0] = sk[1] = 0.0;
-    mx = T2(T(-INFINITY), T(-INFINITY)), mn = T2(T(INFINITY), T(INFINITY));
+    sv[0] = sv0[0], sv[1] = sv0[1], sk[0] = sk0[0], sk[1] = sk0[1];
+    mx = mx0, mn = mn0;
     for (int r = slice; r < rows; r += kSlices) {
       const uint32_t w = zero_special2<T>(*reinterpret_cast<const uint32_t*>(vcol + r * Stage<D>::kPitch));
       sv[0] += scaled_double_lo<T>(w);

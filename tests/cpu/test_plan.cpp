@@ -255,13 +255,11 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
   EXPECT_TRUE(must_plan(Call(2048, 2048, 80), kH100).prefer_sdpa);
   EXPECT_FALSE(must_plan(Call(4096, 4096, 96), kH100).prefer_sdpa);
   EXPECT_TRUE(must_plan(Call(4096, 4096, 48, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  // D = 256 (and 144..240, padded to it) on sm_90: SDPA beat the mma.sync kernel at every
-  // measured length, and the table keeps that row until the sm90 kernel is measured there.
-  for (const int64_t n : {2048, 4096, 65536}) {
-    EXPECT_TRUE(must_plan(Call(n, n, 256), kH100).prefer_sdpa);
-    EXPECT_TRUE(must_plan(Call(n, n, 192), kH100).prefer_sdpa);
-    EXPECT_TRUE(must_plan(Call(n, n, 160, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  }
+  // D = 256 (and 144..240, padded to it) on sm_90: its own row, measured on the wgmma kernel.
+  EXPECT_TRUE(must_plan(Call(2048, 2048, 256), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(4096, 4096, 192), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(4096, 4096, 160, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(8192, 8192, 256, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
   // Not a multiple of 16, under 32: refused on every GPU, naming head_dim and the set.
   Plan p;
   // The FP4 kernel has no padded head dims and no D = 256: refused, never run at its template
