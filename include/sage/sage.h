@@ -245,9 +245,9 @@ typedef struct sage_attention_args {
    *     sequence must fit in them (the GPU grids are sized by them).
    *   A sequence with no queries writes nothing; one with queries but no keys gives o = 0 and
    *     lse = -inf for its rows, as a fully masked row of the dense call.
-   * The CUDA backend runs packed batches on the mma.sync kernel (8-bit and 4-bit, not FP4), and
-   * on the wgmma kernel where kernel = SM90 is asked for (sm_90, 8-bit, Q rows 16-byte aligned,
-   * no SAGE_OPTION_PREPASS_Q): each sequence gives the bits the same kernel gives it as a dense
+   * The CUDA backend runs packed batches on the wgmma kernel on sm_90 (AUTO or SM90: 8-bit, no Q
+   * smoothing, Q rows 16-byte aligned, no SAGE_OPTION_PREPASS_Q), else on the mma.sync kernel
+   * (8-bit and 4-bit, not FP4; kernel = MMA forces it): each sequence gives the bits the same kernel gives it as a dense
    * call of batch 1. The workspace holds each sequence's rows padded to a multiple of 128 (no
    * padding to seq_q/seq_kv): README.md, "Device memory". */
   const int32_t* cu_seqlens_q;
