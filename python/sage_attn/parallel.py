@@ -165,6 +165,20 @@ def _check_inputs(q, k, v, tensor_layout, is_causal, return_lse):
         raise ValueError(f"k: {k.shape[hi]} key/value heads must divide q's {q.shape[hi]} heads")
 
 
+def _start(kernel, group, world, q, k, v, tensor_layout, is_causal, sm_scale, check_shapes,
+           return_lse):
+    """What both schemes do once their own checks pass: every rank's shapes compared
+    (check_shapes, a group of more than one), the softmax scale, and a group of one running the
+    local kernel alone. Returns (scale, the call's result for a group of one, else None)."""
+    if check_shapes and world > 1:
+        _check_same_shapes(group, world, q, k)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    if world > 1:
+        return scale, None
+    o, lse = kernel(q, k, v, tensor_layout, is_causal, scale)
+    return scale, ((o, lse) if return_lse else o)
+
+
 def _check_same_shapes(group, world, q, k):
     """Every rank must pass the same shapes (equal shards): one small all_gather, so a mismatch
     is a ValueError on every rank instead of a hang or a wrong result."""
@@ -246,12 +260,10 @@ def ulysses_attention(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=No
         if x.shape[hi] % world:
             raise ValueError(f"{name}: {x.shape[hi]} heads do not divide by the group's world "
                              f"size {world} (Ulysses gives each rank H/W heads)")
-    if check_shapes and world > 1:
-        _check_same_shapes(group, world, q, k)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    if world == 1:
-        o, lse = kernel(q, k, v, tensor_layout, is_causal, scale)
-        return (o, lse) if return_lse else o
+    scale, alone = _start(kernel, group, world, q, k, v, tensor_layout, is_causal, sm_scale,
+                          check_shapes, return_lse)
+    if alone is not None:
+        return alone
     qh, kh, vh = (_seq_to_heads(x, world, group, tensor_layout) for x in (q, k, v))
     o, lse = kernel(qh, kh, vh, tensor_layout, is_causal, scale)
     o = _heads_to_seq(o.contiguous(), world, group, tensor_layout)
@@ -334,12 +346,10 @@ def ring_attention(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None,
         raise ValueError(f"q: {q.shape[ni]} tokens per rank is odd; causal ring attention takes "
                          "the zig-zag layout (two equal chunks a rank), so the sequence length "
                          f"must divide by 2 * world size = {2 * world}")
-    if check_shapes and world > 1:
-        _check_same_shapes(group, world, q, k)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    if world == 1:
-        o, lse = kernel(q, k, v, tensor_layout, is_causal, scale)
-        return (o, lse) if return_lse else o
+    scale, alone = _start(kernel, group, world, q, k, v, tensor_layout, is_causal, sm_scale,
+                          check_shapes, return_lse)
+    if alone is not None:
+        return alone
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     half = q.shape[ni] // 2
     q_late = q.narrow(ni, half, half)  # (causal: my second chunk)
