@@ -1,12 +1,21 @@
 # Probe (CUDA GPU, torch and an installed sage_attn): where a sageattn call's time goes.
 # 1. Per shape (D 64/128, causal or not, B=4 H=32 N=1k, and a tiny B=1 H=1 N=128 whose GPU work
-#    is negligible): the GPU time of back-to-back calls, the host time of a call (enqueue only,
-#    no sync, few enough calls that the launch queue never fills), each kernel's device time
-#    (torch.profiler), and the same two times for SDPA.
+#    is negligible): the GPU time of back-to-back calls, each kernel's device time
+#    (torch.profiler), and the host time of one eager call against SDPA's, measured so that
+#    neither waits for the GPU nor drifts apart: each round enqueues a sleep kernel longer than
+#    the round's host work, then times one sage call and one SDPA call (perf_counter_ns, each
+#    alone, the order alternating by round), then synchronizes. The GPU is busy throughout, so a
+#    call's time is its host time; the pairing cancels the machine's drift (enqueue-only timing
+#    of separate batches scattered by 2x between same-size shapes on the device). Reported: each
+#    side's median and the median of the per-round difference, with its 10-90 % range.
 # 2. The host time of each step of the eager call (Python checks, the cached plan, the two
 #    allocations, the argument struct, the C call, the C call's launches alone) at the tiny shape.
-# Run: python tools/probes/host_overhead.py
+# Run: python tools/probes/host_overhead.py [--rounds N]
+import argparse
 import re
+import statistics
+import time
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -34,6 +43,25 @@ def kernels_us(fn, n=5):
     return ", ".join(f"{k} {v:.1f}" for k, v in sorted(tot.items(), key=lambda x: -x[1]))
 
 
+def paired_host_us(fn_a, fn_b, rounds):
+    """(median a, median b, median a-b, 10th and 90th percentile of a-b), host microseconds of
+    one call each, the GPU held busy by a sleep kernel (see the header)."""
+    fn_a(), fn_b()
+    torch.cuda.synchronize()
+    a, b = [], []
+    for r in range(rounds):
+        torch.cuda._sleep(2_000_000)  # ~1 ms at the H100/H200's clocks: covers the round
+        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+            fn = fn_a if which == 0 else fn_b
+            t0 = time.perf_counter_ns()
+            fn()
+            (a if which == 0 else b).append((time.perf_counter_ns() - t0) / 1e3)
+        torch.cuda.synchronize()
+    d = sorted(x - y for x, y in zip(a, b))
+    return (statistics.median(a), statistics.median(b), statistics.median(d),
+            d[len(d) // 10], d[(9 * len(d)) // 10])
+
+
 def shapes():
     for b, h, n in [(1, 1, 128), (4, 32, 1024)]:
         for d in (64, 128):
@@ -41,15 +69,23 @@ def shapes():
                 yield b, h, n, d, causal
 
 
-print("1. per call, microseconds")
+ap = argparse.ArgumentParser(description=__doc__)
+ap.add_argument("--rounds", type=int, default=400, help="paired rounds a shape (default 400)")
+opts = ap.parse_args()
+
+print("1. per call, microseconds (host: one eager call, paired with SDPA's, GPU held busy)")
 for b, h, n, d, causal in shapes():
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.half) for _ in range(3))
     fn = lambda: sage_attn.sageattn(q, k, v, is_causal=causal)  # noqa: E731
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-    print(f"B={b} H={h} N={n} D={d} causal={int(causal)}: sage gpu {gpu_us(fn):.1f} host "
-          f"{host_us(fn, 0.0):.1f} | sdpa gpu {gpu_us(sdpa):.1f} host {host_us(sdpa, 0.0):.1f} | "
-          f"kernels: "
-          f"{kernels_us(fn)}", flush=True)
+    drop = lambda: sage_attn.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    hs, hd, diff, lo, hi = paired_host_us(fn, sdpa, opts.rounds)
+    dd = paired_host_us(drop, sdpa, opts.rounds)
+    print(f"B={b} H={h} N={n} D={d} causal={int(causal)}: gpu sage {gpu_us(fn):.1f} sdpa "
+          f"{gpu_us(sdpa):.1f} | host sageattn {hs:.1f} sdpa {hd:.1f} diff {diff:+.1f} "
+          f"[{lo:+.1f}, {hi:+.1f}] | drop-in ({sage_attn.dropin_backend(q, k, v, is_causal=causal)}) "
+          f"{dd[0]:.1f} diff {dd[2]:+.1f} [{dd[3]:+.1f}, {dd[4]:+.1f}] | kernels: {kernels_us(fn)}",
+          flush=True)
 
 print("2. the steps of one eager call (B=1 H=1 N=128 D=128 causal), host microseconds")
 q, k, v = (torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.half) for _ in range(3))
