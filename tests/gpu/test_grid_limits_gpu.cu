@@ -6,8 +6,8 @@
 // grid's seams (pairs 0, 65534, 65535, 65536, each row of the (y, z) grid, the last) and a random
 // sample are held to the CPU emulation of the same configuration run on those entries alone (an
 // entry is a batch-of-one problem), with the sweep's bound (attention_run.h). GPU memory: up to
-// ~2.5 GB a forward case; ~5 GB the backward, whose workspace alone is ~54 KB a pair (it skips
-// where the GPU has less free). Host code; skips itself without a GPU.
+// ~2.5 GB a forward case (FP4: ~2.8 GB); ~4.7 GB the backward, whose workspace alone is ~54 KB a
+// pair (those two skip where the GPU has less free). Host code; skips itself without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -115,8 +115,11 @@ std::string describe(const Big& c, sage_kernel kernel) {
   char buf[160];
   std::snprintf(buf, sizeof(buf), "B%lld Hq%lld Hkv%lld N%lld D%lld mask%d %s kernel%d options%u",
                 (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.N, (long long)kD,
-                int(c.mask), c.variant == SAGE_VARIANT_SAGE2_4B ? "4b" : "8b", int(kernel),
-                unsigned(c.options));
+                int(c.mask),
+                c.variant == SAGE_VARIANT_SAGE2_4B    ? "4b"
+                : c.variant == SAGE_VARIANT_SAGE3_FP4 ? "fp4"
+                                                      : "8b",
+                int(kernel), unsigned(c.options));
   return buf;
 }
 
@@ -152,7 +155,9 @@ void forward_case(const Big& c, sage_kernel kernel) {
     run_args(&a, &g, size_t(qe), size_t(le));
   }
   ASSERT_EQ(g.status, SAGE_OK) << g.error;
+  const bool fp4 = c.variant == SAGE_VARIANT_SAGE3_FP4;
   if (kernel != SAGE_KERNEL_AUTO) ASSERT_EQ(g.plan.kernel, kernel);
+  if (fp4) ASSERT_EQ(g.plan.kernel, SAGE_KERNEL_FP4);
 
   // Every pair's rows were written (the poison is NaN; every row sees a key here).
   int64_t unwritten = 0, first = -1;
@@ -195,12 +200,15 @@ void forward_case(const Big& c, sage_kernel kernel) {
       }
     }
   }
-  const Case cs{c.B, c.Hq, c.Hkv, c.N, c.N, kD, c.mask, SAGE_LAYOUT_HND, SAGE_DTYPE_FP16, c.variant,
-                /*bias=*/0.0f};
+  Case cs{};  // what emulation_bound reads: dtype, variant, smoothing
+  cs.B = c.B, cs.Hq = c.Hq, cs.Hkv = c.Hkv, cs.Nq = cs.Nk = c.N, cs.D = kD, cs.mask = c.mask;
+  cs.layout = SAGE_LAYOUT_HND, cs.dtype = SAGE_DTYPE_FP16, cs.variant = c.variant;
   const std::vector<double> want = rounded(cs, emu);
   double out_max = 0;
   for (const double x : want) out_max = std::max(out_max, std::fabs(x));
-  const Bound bound = emulation_bound(cs, v_spread, out_max);
+  // The sweep's bound; FP4's is test_fp4_gpu.cu's (the kernel takes the emulation's own steps).
+  const Bound bound =
+      fp4 ? Bound{3e-4, 0.1 * out_max + 1e-3} : emulation_bound(cs, v_spread, out_max);
   const sage::ref::Metrics m = sage::ref::compare(want.data(), got.data(), int64_t(got.size()));
   EXPECT_LE(m.rel_l1, bound.rel_l1);
   EXPECT_LE(m.max_abs, bound.max_abs);
@@ -224,7 +232,8 @@ void forward_case(const Big& c, sage_kernel kernel) {
 
 constexpr sage_mask kNone = SAGE_MASK_NONE, kBR = SAGE_MASK_CAUSAL_BOTTOM_RIGHT,
                     kTL = SAGE_MASK_CAUSAL_TOP_LEFT;
-constexpr sage_variant k8 = SAGE_VARIANT_SAGE2_8B, k4 = SAGE_VARIANT_SAGE2_4B;
+constexpr sage_variant k8 = SAGE_VARIANT_SAGE2_8B, k4 = SAGE_VARIANT_SAGE2_4B,
+                       kFp4 = SAGE_VARIANT_SAGE3_FP4;
 
 // AUTO: on sm_90 the wgmma kernel (persistent; causal draws tiles from its counter), elsewhere
 // mma.sync. B·Hq = 66000 or 132000, B·Hkv = 66000; the K/V pre-pass in one cluster launch (sm_90)
@@ -249,6 +258,16 @@ TEST(GpuGridLimits, ForwardMma4Bit) {
   SAGE_REQUIRE_SM89();
   forward_case({66000, 1, 1, 33, kNone, k4}, SAGE_KERNEL_MMA);
   forward_case({33000, 4, 2, 17, kBR, k4}, SAGE_KERNEL_MMA);
+}
+
+// SageAttention3's FP4 path (src/fp4, sm_89+): its pre-pass and kernel grids. Its workspace holds
+// Q̂, K̂ and V̂ᵀ in fp16, Q̂ padded to 128 rows: 32 KB a pair at N <= 64, ~2.8 GB in all here (no
+// count past 65535 fits in 2 GB); it skips where less than 4 GB is free.
+TEST(GpuGridLimits, ForwardFp4) {
+  SAGE_REQUIRE_SM89();
+  std::string why;
+  if (!enough_free_memory(size_t(4) << 30, &why)) GTEST_SKIP() << why;
+  forward_case({66000, 1, 1, 17, kNone, kFp4}, SAGE_KERNEL_AUTO);
 }
 
 // ---- Backward --------------------------------------------------------------------------------
