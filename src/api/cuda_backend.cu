@@ -12,6 +12,7 @@
 #include "attn/sm90/launch.h"
 #include "bwd/launch.h"
 #include "common/error.h"
+#include "common/grid.h"
 #include "fp4/fp4.h"
 #include "quant/prepass.h"
 
@@ -107,8 +108,22 @@ sage_status current_device(api::Device* out) {
   return SAGE_OK;
 }
 
+// The kernels take batch·heads (batch entries or sequences, times heads) over their grids' y and z
+// (common/grid.h: up to 65535²), a few of them along x (up to 2^31 - 1), and the sm90 kernel's
+// tiles hold b, h and the KV head's index in 32 bits: a call of more pairs is refused, naming
+// them, rather than failing to launch. (Its workspace alone would exceed any GPU's memory.)
+sage_status check_batch_heads(const char* what, int64_t batch, int64_t heads_q) {
+  if (batch * heads_q <= kGridXMax) return SAGE_OK;
+  return set_error(SAGE_ERROR_UNSUPPORTED,
+                   "batch = %lld, heads_q = %lld: %s on the GPU takes at most 2^31 - 1 "
+                   "(batch, head) pairs, this call has %lld",
+                   static_cast<long long>(batch), static_cast<long long>(heads_q), what,
+                   static_cast<long long>(batch * heads_q));
+}
+
 sage_status plan_call(const api::Resolved& r, const sage_attention_args& a, api::Device* dev,
                       api::Plan* plan) {
+  SAGE_RETURN_IF_ERROR(check_batch_heads("attention", r.problem.batch, r.problem.heads_q));
   SAGE_RETURN_IF_ERROR(current_device(dev));
   return api::make_plan(r, a, *dev, plan);
 }
@@ -288,6 +303,7 @@ namespace {
 sage_status check_backward(const api::ResolvedBackward& r, const sage_backward_args& a,
                            const api::Device& dev) {
   const ref::Problem& p = r.problem;
+  SAGE_RETURN_IF_ERROR(check_batch_heads("the backward", p.batch, p.heads_q));
   // The kernels themselves need sm_80, but the library builds for sm_89 and newer only (its
   // forward pre-pass needs FP8 conversions): below that there is no kernel image to launch.
   if (dev.cc < 89)

@@ -17,12 +17,13 @@ struct CtaSync {
 // sees never decreases with the key block, causal or not, either alignment), so key block kb's
 // turn is kb and it passes kb + 1.
 //
-// Forward progress: a CTA waits only on CTAs of its own blockIdx.y with a lower blockIdx.x (kb on
-// kb - 1, on kb - 2, ... on 0, which never waits). The block scheduler hands out a grid's CTAs in
-// increasing linear index (x fastest), so every CTA a waiter depends on was placed on an SM before
-// it, keeps that SM until it ends, and waits on no CTA after it: no cycle, however few CTAs fit at
-// once. The CUDA programming model does not promise that order; the hardware keeps it, and
-// ordered mode would hang, not err, without it.
+// Forward progress: a CTA waits only on CTAs of its own outer index (blockIdx.y and .z:
+// common/grid.h) with a lower blockIdx.x (kb on kb - 1, on kb - 2, ... on 0, which never waits).
+// The block scheduler hands out a grid's CTAs in increasing linear index (x fastest, then y, then
+// z), so every CTA a waiter depends on was placed on an SM before it, keeps that SM until it ends,
+// and waits on no CTA after it: no cycle, however few CTAs fit at once. The CUDA programming
+// model does not promise that order; the hardware keeps it, and ordered mode would hang, not
+// err, without it.
 //
 // The adding threads are `sync`'s (the CTA for CtaSync; a warp-specialized kernel passes the
 // named barrier of its dQ warps); `leader` is one of them.

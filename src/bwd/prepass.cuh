@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 
 #include "bwd/params.h"
+#include "common/grid.h"
 #include "ptx/math.cuh"
 #include "quant/elements.cuh"
 
@@ -49,10 +50,12 @@ __device__ __forceinline__ float block_max_nan(float x, float* scratch) {
   return m;
 }
 
-// K's channel sums over keys [256·chunk, 256·chunk + 256): grid (k_chunks, B·Hkv), D threads.
+// K's channel sums over keys [256·chunk, 256·chunk + 256): grid (k_chunks, B·Hkv over y and z:
+// common/grid.h), D threads.
 template <typename T, int D>
 __global__ void k_sum_kernel(const Params p) {
-  const int64_t bkv = blockIdx.y, chunk = blockIdx.x;
+  const int64_t bkv = cta_outer_index(), chunk = blockIdx.x;
+  if (bkv >= p.batch * p.heads_kv) return;
   const int d = threadIdx.x;
   const int64_t base = (bkv / p.heads_kv) * p.k_st.batch + (bkv % p.heads_kv) * p.k_st.head + d;
   const int64_t j1 = min(p.seq_kv, (chunk + 1) * 256);
@@ -77,7 +80,8 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) k_prep_kernel(const Params p) {
   extern __shared__ float xs[];  // [64][D + 1]
   __shared__ float scratch[kWarps];
-  const int64_t kb = blockIdx.x, bkv = blockIdx.y, j0 = kb * kBlockK;
+  const int64_t kb = blockIdx.x, bkv = cta_outer_index(), j0 = kb * kBlockK;
+  if (bkv >= p.batch * p.heads_kv) return;
   const int64_t b = bkv / p.heads_kv, h = bkv % p.heads_kv;
   const int64_t kbase = b * p.k_st.batch + h * p.k_st.head;
   const int64_t vbase = b * p.v_st.batch + h * p.v_st.head;
@@ -116,7 +120,8 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
   extern __shared__ float qs[];  // [64][D + 1] Q, then [64][D + 1] dO
   float* dos = qs + kBlockQ * (D + 1);
   __shared__ float scratch[kWarps];
-  const int64_t qb = blockIdx.x, bh = blockIdx.y, i0 = qb * kBlockQ;
+  const int64_t qb = blockIdx.x, bh = cta_outer_index(), i0 = qb * kBlockQ;
+  if (bh >= p.batch * p.heads_q) return;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   const int64_t bkv = b * p.heads_kv + h / p.group();
   const int64_t qbase = b * p.q_st.batch + h * p.q_st.head;
@@ -188,7 +193,8 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
 // dQ = scale · dq_acc in the caller's dtype and strides: grid (q_blocks, B·Hq), kThreads.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) dq_store_kernel(const Params p) {
-  const int64_t qb = blockIdx.x, bh = blockIdx.y, i0 = qb * kBlockQ;
+  const int64_t qb = blockIdx.x, bh = cta_outer_index(), i0 = qb * kBlockQ;
+  if (bh >= p.batch * p.heads_q) return;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   T* dq = static_cast<T*>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head;
   const int64_t bkv = b * p.heads_kv + h / p.group();

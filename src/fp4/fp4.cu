@@ -21,6 +21,7 @@
 
 #include "attn/epilogue.cuh"
 #include "common/formats.h"
+#include "common/grid.h"
 #include "fp4/fp4.h"
 #include "ptx/mma.cuh"
 #include "quant/layout.h"
@@ -94,7 +95,8 @@ __global__ void prep_k_kernel(Params p) {
 template <typename T>
 __global__ void quant_k_kernel(Params p) {
   const Layout& L = p.layout;
-  const int64_t bhk = blockIdx.y, b = bhk / p.heads_kv, h = bhk % p.heads_kv;
+  const int64_t bhk = cta_outer_index(), b = bhk / p.heads_kv, h = bhk % p.heads_kv;
+  if (bhk >= p.batch * p.heads_kv) return;
   const int runs = int(p.head_dim / 16);
   const int64_t key = blockIdx.x * (blockDim.x / runs) + threadIdx.x / runs;
   const int run = threadIdx.x % runs;
@@ -121,7 +123,8 @@ __global__ void quant_k_kernel(Params p) {
 template <typename T>
 __global__ void quant_v_kernel(Params p) {
   const Layout& L = p.layout;
-  const int64_t bhk = blockIdx.y, b = bhk / p.heads_kv, h = bhk % p.heads_kv;
+  const int64_t bhk = cta_outer_index(), b = bhk / p.heads_kv, h = bhk % p.heads_kv;
+  if (bhk >= p.batch * p.heads_kv) return;
   const int64_t c = threadIdx.x, key0 = int64_t(blockIdx.x) * 16;
   if (c >= p.head_dim) return;
   float x[16];
@@ -147,7 +150,8 @@ __global__ void quant_v_kernel(Params p) {
 template <typename T>
 __global__ void prep_q_kernel(Params p) {
   const Layout& L = p.layout;
-  const int64_t bh = blockIdx.y, b = bh / p.heads_q, h = bh % p.heads_q;
+  const int64_t bh = cta_outer_index(), b = bh / p.heads_q, h = bh % p.heads_q;
+  if (bh >= p.batch * p.heads_q) return;
   const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
   const int64_t r0 = int64_t(blockIdx.x) * kBlockQ, r1 = min(p.seq_q, r0 + kBlockQ);
   const int64_t D = p.head_dim;
@@ -199,7 +203,8 @@ __device__ __forceinline__ float exp2_rounded(float x) {  // the host's exp2f, w
 template <typename T, int D>
 __global__ void __launch_bounds__(128) attention_kernel(Params p) {
   const Layout& L = p.layout;
-  const int64_t bh = int64_t(blockIdx.z) * p.heads_q + blockIdx.y, b = blockIdx.z, h = blockIdx.y;
+  const int64_t bh = cta_outer_index(), b = bh / p.heads_q, h = bh % p.heads_q;
+  if (bh >= p.batch * p.heads_q) return;
   const int64_t bhk = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t first = int64_t(blockIdx.x) * 64, row_a = first + warp * 16 + g;
@@ -356,13 +361,15 @@ __global__ void __launch_bounds__(128) attention_kernel(Params p) {
 template <typename T>
 cudaError_t run_typed(const Params& p, cudaStream_t st) {
   const Layout& L = p.layout;
-  const unsigned bk = unsigned(p.batch * p.heads_kv), bq = unsigned(p.batch * p.heads_q);
+  // batch·heads over the grids' y and z (common/grid.h); prep_k's along x (the backend refuses
+  // more than 2^31 - 1).
+  const int64_t bk = p.batch * p.heads_kv, bq = p.batch * p.heads_q;
   const int runs = int(p.head_dim / 16);
-  prep_k_kernel<T><<<bk, 128, 0, st>>>(p);
-  quant_k_kernel<T><<<dim3(unsigned(L.nk_pad * runs / 256 + 1), bk), 256, 0, st>>>(p);
-  quant_v_kernel<T><<<dim3(unsigned(L.nk_pad / 16), bk), 128, 0, st>>>(p);
-  prep_q_kernel<T><<<dim3(unsigned(L.q_blocks), bq), 128, 0, st>>>(p);
-  const dim3 grid(unsigned((p.seq_q + 63) / 64), unsigned(p.heads_q), unsigned(p.batch));
+  prep_k_kernel<T><<<unsigned(bk), 128, 0, st>>>(p);
+  quant_k_kernel<T><<<outer_dims(L.nk_pad * runs / 256 + 1, bk), 256, 0, st>>>(p);
+  quant_v_kernel<T><<<outer_dims(L.nk_pad / 16, bk), 128, 0, st>>>(p);
+  prep_q_kernel<T><<<outer_dims(L.q_blocks, bq), 128, 0, st>>>(p);
+  const dim3 grid = outer_dims((p.seq_q + 63) / 64, bq);
   if (p.head_dim == 64)
     attention_kernel<T, 64><<<grid, 128, 0, st>>>(p);
   else

@@ -35,7 +35,8 @@
 //   branches (rows past the sequence are zeroed by a mask on the packed word).
 // - Max/min that need no float rounding run on the packed 16-bit inputs (kv_stats' V range,
 //   quant_q's max |q| without smoothing).
-// - Grids are (blocks, heads, batch): no integer division for the batch and head.
+// - Grids are (blocks, batch·heads spread over y and z: common/grid.h), so any count of heads
+//   launches; a CTA decodes its (b, h) once in its prologue (one division), none in a loop.
 // - Every kernel is PDL-launched (launch_pdl) and waits in its prologue (pdl_enter).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -43,6 +44,7 @@
 #include <type_traits>
 
 #include "common/formats.h"
+#include "common/grid.h"
 #include "common/launch.h"
 #include "ptx/async.cuh"
 #include "ptx/barrier.cuh"
@@ -531,18 +533,18 @@ __device__ __forceinline__ void zero_v_tail(const SeqRows& rows, int64_t kb, int
 
 // ---- The kernels -----------------------------------------------------------------------------
 // K/V in one launch (PrepassPlan::kv_cluster): one CTA per chunk of kStatTokens tokens, one
-// cluster per KV head (grid (chunks, heads, batch), cluster (chunks, 1, 1)). Each CTA stages its
-// chunk's K and V rows (every byte read from memory once), writes the chunk's statistics, meets
-// the rest of its cluster at the cluster barrier, reduces the head's statistics itself (the
-// kv_finalize step: k_mean, v_mean, V's scale; the cluster's first CTA also stores them for the
-// attention kernel and quant_q), and quantizes its staged rows.
+// cluster per KV head (grid (chunks, batch·heads over y and z), cluster (chunks, 1, 1)). Each CTA
+// stages its chunk's K and V rows (every byte read from memory once), writes the chunk's
+// statistics, meets the rest of its cluster at the cluster barrier, reduces the head's statistics
+// itself (the kv_finalize step: k_mean, v_mean, V's scale; the cluster's first CTA also stores
+// them for the attention kernel and quant_q), and quantizes its staged rows.
 template <typename T, int D, int kBits, bool kVec>
 __global__ void __launch_bounds__(256, 2)
     kv_prepass_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
-                      SeqRows kv_rows, int32_t k_mean_tokens, bool smooth_k, bool smooth_v,
-                      KvStat* stats, float* k_mean, float* v_mean, float* v_scale, float* v_inv,
-                      unsigned* tile_counter, unsigned long long* kv_bad, uint8_t* kq,
-                      float* k_scale, uint8_t* vq) {
+                      int64_t heads_kv, int64_t bk, SeqRows kv_rows, int32_t k_mean_tokens,
+                      bool smooth_k, bool smooth_v, KvStat* stats, float* k_mean, float* v_mean,
+                      float* v_scale, float* v_inv, unsigned* tile_counter,
+                      unsigned long long* kv_bad, uint8_t* kq, float* k_scale, uint8_t* vq) {
   static_assert(Stage<D>::kRows == kStatTokens, "a whole chunk staged (D <= 128)");
   pdl_enter();
   extern __shared__ __align__(16) uint8_t stage[];
@@ -551,7 +553,11 @@ __global__ void __launch_bounds__(256, 2)
   __shared__ __align__(16) float km[D];
   __shared__ __align__(16) float vm[D];
   __shared__ __align__(16) float vi[D];
-  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
+  // (A cluster shares its outer index: one past bk returns whole, before either barrier.)
+  const int64_t bh = cta_outer_index();
+  if (bh >= bk) return;
+  const BatchHead bhd = batch_head(bh, heads_kv);
+  const int b = int(bhd.b), h = int(bhd.h);
   // The sequence's keys (a packed batch's sequence b; the grid covers the longest, and a CTA past
   // this one's end has no rows but still meets its cluster at both barriers).
   const SeqSpan sp = kv_rows.span(b);
@@ -604,11 +610,15 @@ __global__ void __launch_bounds__(256, 2)
 template <typename T, int D, bool kVec>
 __global__ void __launch_bounds__(256, 2)
     kv_stats_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
-                    SeqRows kv_rows, int32_t k_mean_tokens, KvStat* stats) {
+                    int64_t heads_kv, int64_t bk, SeqRows kv_rows, int32_t k_mean_tokens,
+                    KvStat* stats) {
   pdl_enter();
   extern __shared__ __align__(16) uint8_t stage[];
   __shared__ double red[kStatRed];
-  const int b = blockIdx.z, h = blockIdx.y;
+  const int64_t bh = cta_outer_index();
+  if (bh >= bk) return;
+  const BatchHead bhd = batch_head(bh, heads_kv);
+  const int b = int(bhd.b), h = int(bhd.h);
   const SeqSpan sp = kv_rows.span(b);
   const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
   if (n0 >= sp.len) return;  // past this sequence's keys (a packed batch)
@@ -672,15 +682,18 @@ __global__ void __launch_bounds__(128)
 template <typename T, int D, int kBits, bool kVec>
 __global__ void __launch_bounds__(256, D <= 128 ? 3 : 2)
     quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
-                    SeqRows kv_rows, const float* k_mean, const float* v_mean,
-                    const float* v_inv, unsigned long long* kv_bad, uint8_t* kq, float* k_scale,
-                    uint8_t* vq) {
+                    int64_t heads_kv, int64_t bk, SeqRows kv_rows, const float* k_mean,
+                    const float* v_mean, const float* v_inv, unsigned long long* kv_bad,
+                    uint8_t* kq, float* k_scale, uint8_t* vq) {
   pdl_enter();
   __shared__ float group_max[8][4];
   __shared__ __align__(16) float km[D];
   __shared__ __align__(16) float vm[D];
   __shared__ __align__(16) float vi[D];
-  const int b = blockIdx.z, h = blockIdx.y, bh = b * gridDim.y + h;
+  const int64_t bh = cta_outer_index();
+  if (bh >= bk) return;
+  const BatchHead bhd = batch_head(bh, heads_kv);
+  const int b = int(bhd.b), h = int(bhd.h);
   const SeqSpan sp = kv_rows.span(b);
   const int64_t kb = blockIdx.x, seq_kv = sp.len;
   if (kb * kBlockK >= seq_kv) return;  // past this sequence's keys (a packed batch)
@@ -713,7 +726,7 @@ __global__ void __launch_bounds__(256, D <= 128 ? 3 : 2)
 // (At D = 256, one CTA an SM: 128 registers for the row's 32 words.)
 template <typename T, int D, int kBits, bool kVec, bool kSmooth>
 __global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
-    quant_q_kernel(const T* q, sage_strides qs, int dim, int heads_kv, int group_ratio,
+    quant_q_kernel(const T* q, sage_strides qs, int dim, int heads_kv, int group_ratio, int64_t bq,
                    SeqRows q_rows, SeqRows kv_rows, SeqRows shift_rows, float scale,
                    const float* k_mean, const unsigned long long* kv_bad, RowSight sight,
                    bool bottom_right, uint8_t* qq, float* q_scale, float* q_mean,
@@ -724,7 +737,10 @@ __global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
   __shared__ float mean[kSmooth ? D : 1];
   __shared__ __align__(16) double km_d[D];
   __shared__ float row_max[kBlockQ];
-  const int b = blockIdx.z, h = blockIdx.y;
+  const int64_t bh = cta_outer_index();
+  if (bh >= bq) return;
+  const BatchHead bhd = batch_head(bh, int64_t(heads_kv) * group_ratio);
+  const int b = int(bhd.b), h = int(bhd.h);
   const int64_t qb = blockIdx.x;
   const int64_t r0 = qb * kBlockQ;
   // This sequence's query rows (a packed batch's sequence b: the grid covers the longest) and,
@@ -831,15 +847,13 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
   const T* q = static_cast<const T*>(in.q);
   const T* k = static_cast<const T*>(in.k);
   const T* v = static_cast<const T*>(in.v);
-  const unsigned bk = unsigned(p.batch * p.heads_kv);
+  const int64_t bk = p.batch * p.heads_kv, bq = p.batch * p.heads_q;
   const int heads_q = int(p.heads_q), heads_kv = int(p.heads_kv);
   // The caller's channels (<= D, a multiple of 16): the kernels read these and write the rest of
   // D as zero channels (layout.h, PrepassPlan::channels).
   const int dim = int(p.channels);
-  // (blocks, heads, batch): no division for the batch and head in the kernels.
-  auto kv_grid = [&](int64_t blocks) {
-    return dim3(unsigned(blocks), unsigned(p.heads_kv), unsigned(p.batch));
-  };
+  // (blocks, batch·heads_kv over y and z: common/grid.h).
+  auto kv_grid = [&](int64_t blocks) { return outer_dims(blocks, bk); };
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
   KvStat* stats = reinterpret_cast<KvStat*>(ws + p.kv_stats);
   unsigned* tile_counter = reinterpret_cast<unsigned*>(ws + p.tile_counter);
@@ -861,8 +875,8 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
         check(set_max_dynamic_smem_once<kernel>(device, Stage<D>::kBytes));
         LaunchShape shape{kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)};
         shape.cluster = unsigned(p.kv_cluster);
-        check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, dim, p.kv_rows,
-                         p.k_mean_tokens, p.smooth_k, p.smooth_v, stats, f32(p.k_mean),
+        check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, dim, p.heads_kv, bk,
+                         p.kv_rows, p.k_mean_tokens, p.smooth_k, p.smooth_v, stats, f32(p.k_mean),
                          f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter, kv_bad,
                          ws + p.k, f32(p.k_scale), ws + p.v));
         return;
@@ -870,19 +884,20 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     }
     constexpr auto stats_kernel = kv_stats_kernel<T, D, kVec>;
     check(set_max_dynamic_smem_once<stats_kernel>(device, Stage<D>::kBytes));
-    check(launch_pdl(stats_kernel,
-                     {kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)}, st, k, v,
-                     in.k_strides, in.v_strides, dim, p.kv_rows, p.k_mean_tokens, stats));
+    check(launch_pdl(stats_kernel, {kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)},
+                     st, k, v, in.k_strides, in.v_strides, dim, p.heads_kv, bk, p.kv_rows,
+                     p.k_mean_tokens, stats));
     if (err != cudaSuccess) return;
-    // A thread per channel, at most 128 (the kernel's bound; D = 256 loops twice).
-    check(launch_pdl(kv_finalize_kernel<D>, {dim3(bk), dim3(D < 128 ? D : 128)}, st, stats,
-                     p.kv_rows, p.heads_kv, p.k_mean_tokens, p.smooth_k, p.smooth_v,
+    // A thread per channel, at most 128 (the kernel's bound; D = 256 loops twice). One CTA per
+    // (sequence, KV head) along x (up to 2^31 - 1: the backend refuses more).
+    check(launch_pdl(kv_finalize_kernel<D>, {dim3(unsigned(bk)), dim3(D < 128 ? D : 128)}, st,
+                     stats, p.kv_rows, p.heads_kv, p.k_mean_tokens, p.smooth_k, p.smooth_v,
                      f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter,
                      kv_bad));
     if (err != cudaSuccess) return;
-    check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(256)}, st, k,
-                     v, in.k_strides, in.v_strides, dim, p.kv_rows, f32(p.k_mean), f32(p.v_mean),
-                     f32(p.v_inv), kv_bad, ws + p.k, f32(p.k_scale), ws + p.v));
+    check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(256)}, st, k, v,
+                     in.k_strides, in.v_strides, dim, p.heads_kv, bk, p.kv_rows, f32(p.k_mean),
+                     f32(p.v_mean), f32(p.v_inv), kv_bad, ws + p.k, f32(p.k_scale), ws + p.v));
   };
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
@@ -890,10 +905,9 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     if (err != cudaSuccess || !p.quantize_q) return;  // the sm90 kernel quantizes Q itself
     auto qk = p.smooth_q ? quant_q_kernel<T, D, kBits, decltype(vq)::value, true>
                          : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
-    check(launch_pdl(qk, {dim3(unsigned(p.q_blocks), unsigned(p.heads_q), unsigned(p.batch)),
-                     dim3(512)}, st, q, in.q_strides, dim, heads_kv, heads_q / heads_kv,
-                     p.q_rows, p.kv_rows, p.shift_rows, in.scale, f32(p.k_mean), kv_bad,
-                     in.sight, in.bottom_right, ws + p.q, f32(p.q_scale),
+    check(launch_pdl(qk, {outer_dims(p.q_blocks, bq), dim3(512)}, st, q, in.q_strides, dim,
+                     heads_kv, heads_q / heads_kv, bq, p.q_rows, p.kv_rows, p.shift_rows, in.scale,
+                     f32(p.k_mean), kv_bad, in.sight, in.bottom_right, ws + p.q, f32(p.q_scale),
                      p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
   };
   auto with_vec = [&](auto bits) {

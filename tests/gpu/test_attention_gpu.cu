@@ -77,35 +77,6 @@ std::string describe(const sage_quant_config& e) {
   return buf;
 }
 
-// The bound of a GPU output against its own emulation (both rounded to the output dtype).
-// Both quantize identically (the pre-pass and the emulation share every formula: means summed in
-// double, make_quant_scale, E4M3 rounding), and the sm90 emulation has the kernel's fp32 score,
-// row-sum and finalize forms. What remains:
-//  - ex2.approx (relative error ~2^-22) for the CPU's exp2, and the mma kernel's score formula
-//    (not modelled: x = Q^K^·f (+ ΔS·scale·log2 e by FMA) with f = q_scale·scale·log2 e·k_scale,
-//    against (Q^K^·q_scale·k_scale + ΔS)·scale·log2 e): P~ differs by ~1e-7..1e-6 relative, which
-//    flips an E4M3 rounding tie of P^ with probability ~1e-5 (4-bit with ΔS: ~1e-4). A flip moves
-//    one P^ by one E4M3 step (at most 1/8 of it); the key's weight is at most 1/2 of the row (the
-//    row's max key is exactly 448 in both), so one flip moves O by at most max|V - v_mean| / 16.
-//    On the flat inputs here a row sees ~1e-2 flips of ~1/16 of a 1/N weight: rel-L1 ~1e-5,
-//    up to ~1e-4 where |O| is small (flat, unbiased V), so the bound is 5e-4 (1e-3 for 4-bit).
-//  - summation order of fp32 sums (the mma kernel's P·V into O, its row sums): ~1e-7 relative.
-//  - the output rounding: the emulation is rounded to the dtype like the kernel's result, so a
-//    difference is 0 or one output ulp wherever the fp32 results differ by less than that.
-//  - LSE: the same row maxima (same floats) and row sums within ~2^-22: |ΔLSE| ~1e-6 plus one
-//    fp32 ulp of the LSE; bound 1e-5·(1 + |LSE|).
-// A wrong accumulator model (13 vs 12 or 14 bits, or fp32) shows at 1e-3..1e-2 on flat rows (the
-// diagnostic test below prints them), a wrong scale, group, key order, tile or mask at 1e-2 and up.
-struct Bound {
-  double rel_l1, max_abs;
-};
-Bound emulation_bound(const Case& c, double v_spread, double out_max) {
-  const int mantissa = c.dtype == SAGE_DTYPE_BF16 ? 7 : 10;
-  const double ulp = out_max > 0 ? std::ldexp(1.0, std::ilogb(out_max) - mantissa) : 0.0;
-  const bool delta_s = c.variant == SAGE_VARIANT_SAGE2_4B || (c.smooth & SAGE_SMOOTH_Q);
-  return {delta_s ? 1e-3 : 5e-4, v_spread / 16 + 2 * ulp};
-}
-
 // The GPU output of a case as floats [B, Hq, Nq, D]; false (with a failure) on an unwritten or
 // non-finite element.
 bool output_floats(const Case& c, const GpuRun& g, std::vector<float>* got) {
@@ -126,14 +97,6 @@ bool output_floats(const Case& c, const GpuRun& g, std::vector<float>* got) {
           }
         }
   return true;
-}
-
-// The emulation rounded to the output dtype (as the kernel rounds its fp32 result), as doubles.
-std::vector<double> rounded(const Case& c, const std::vector<float>& emu) {
-  std::vector<double> out(emu.size());
-  for (size_t i = 0; i < emu.size(); ++i)
-    out[i] = c.dtype == SAGE_DTYPE_BF16 ? sage::round_bf16(emu[i]) : sage::round_fp16(emu[i]);
-  return out;
 }
 
 // Where the largest difference sits, for the failure message and the printed line.

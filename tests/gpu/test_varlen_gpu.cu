@@ -39,10 +39,10 @@ struct Packed {
   std::vector<uint16_t> q, k, v;  // [total, H, D] in the call's dtype
 };
 
-Packed make_packed(std::mt19937_64& rng, const std::vector<Seq>& seqs, int64_t D,
-                   sage_dtype dtype) {
+Packed make_packed(std::mt19937_64& rng, const std::vector<Seq>& seqs, int64_t D, sage_dtype dtype,
+                   int64_t Hq = 4, int64_t Hkv = 2) {
   Packed p;
-  p.D = D;
+  p.D = D, p.Hq = Hq, p.Hkv = Hkv;
   p.seqs = seqs;
   p.cu_q = {0};
   p.cu_k = {0};
@@ -145,13 +145,20 @@ std::string describe(const Options& o, int64_t D) {
 
 // Every row of sequence b in the packed result equals the bits of the dense call on the family
 // the packed call ran (AUTO may choose differently for a dense call) (o and lse); a sequence
-// without keys gives o = 0 and lse = -inf (q, k, v: the packed call's inputs).
+// without keys gives o = 0 and lse = -inf (q, k, v: the packed call's inputs). Every sequence, or
+// those in `only`.
 void expect_per_sequence(const Packed& p, const Options& opt, const Result& packed,
                          const std::vector<uint16_t>& q, const std::vector<uint16_t>& k,
-                         const std::vector<uint16_t>& v) {
+                         const std::vector<uint16_t>& v,
+                         const std::vector<size_t>* only = nullptr) {
   ASSERT_EQ(packed.status, SAGE_OK) << packed.error;
   const int64_t H = p.Hq, D = p.D;
-  for (size_t b = 0; b < p.seqs.size(); ++b) {
+  std::vector<size_t> all;
+  if (!only) {
+    for (size_t b = 0; b < p.seqs.size(); ++b) all.push_back(b);
+    only = &all;
+  }
+  for (const size_t b : *only) {
     const Seq s = p.seqs[b];
     if (s.nq == 0) continue;
     SCOPED_TRACE("sequence " + std::to_string(b) + " (Nq " + std::to_string(s.nq) + ", Nk " +
@@ -268,6 +275,34 @@ void non_finite_input_stays_in_its_sequence(sage_kernel kernel, bool four_bit) {
   }
 }
 
+// More sequences than a grid row holds (70000 × 1 head > 65535: the kernels' y and z carry
+// sequences × heads, common/grid.h), each of 1-3 queries and 1-3 keys (the workspace gives each
+// sequence's rows a 128-row start: ~1.8 GB on mma.sync): every output row written (o and lse
+// poisoned first; a row that sees no key is o = 0, lse = -inf), and the sequences around the
+// grid's seams (0, 65534..65536, the last) and a random sample equal, bit for bit, their dense
+// calls on the family the packed call ran.
+void seventy_thousand_sequences(sage_kernel kernel) {
+  const uint64_t seed = sage::test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<Seq> seqs(70000);
+  for (Seq& s : seqs) s = {int64_t(1 + rng() % 3), int64_t(1 + rng() % 3)};
+  const Packed p = make_packed(rng, seqs, 64, SAGE_DTYPE_FP16, /*Hq=*/1, /*Hkv=*/1);
+  std::vector<size_t> picks = {0, 1, 65534, 65535, 65536, seqs.size() - 1};
+  for (int i = 0; i < 20; ++i) picks.push_back(size_t(rng() % seqs.size()));
+  for (sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
+    const Options opt{SAGE_DTYPE_FP16, SAGE_VARIANT_SAGE2_8B, mask, kernel, 0u};
+    SCOPED_TRACE(describe(opt, 64));
+    const Result r = run_packed(p, opt);
+    ASSERT_EQ(r.status, SAGE_OK) << r.error;
+    for (size_t i = 0; i < r.o.size(); ++i)
+      ASSERT_NE(r.o[i] & 0x7C00, 0x7C00) << "o element " << i << " not written";
+    for (size_t i = 0; i < r.lse.size(); ++i)
+      ASSERT_FALSE(std::isnan(r.lse[i])) << "lse row " << i << " not written";
+    expect_per_sequence(p, opt, r, p.q, p.k, p.v, &picks);
+  }
+}
+
 #define SAGE_REQUIRE_SM89()                                                              \
   do {                                                                                   \
     SAGE_REQUIRE_GPU();                                                                  \
@@ -307,6 +342,13 @@ TEST(GpuVarlenSm90, LongAndShortSequencesTogether) {
 TEST(GpuVarlenSm90, NonFiniteInputStaysInItsSequence) {
   SAGE_REQUIRE_SM90();
   non_finite_input_stays_in_its_sequence(SAGE_KERNEL_SM90, false);
+}
+
+// 70000 sequences (common/grid.h), mma.sync and AUTO (the wgmma kernel on sm_90).
+TEST(GpuGridLimitsVarlen, SeventyThousandSequences) {
+  SAGE_REQUIRE_SM89();
+  seventy_thousand_sequences(SAGE_KERNEL_MMA);
+  seventy_thousand_sequences(SAGE_KERNEL_AUTO);
 }
 
 // The plan of a packed call: its workspace grows with the total token counts, not with

@@ -21,6 +21,7 @@
 #include "attn/epilogue.cuh"
 #include "attn/mma/launch.h"
 #include "attn/mma/params.h"
+#include "common/grid.h"
 #include "common/launch.h"
 #include "ptx/async.cuh"
 #include "ptx/cvt.cuh"
@@ -178,7 +179,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1)
   __shared__ __align__(16) float q_mean_s[kMeans], k_mean_s[kMeans];
   __shared__ float delta_s[2][kDs];
 
-  const int64_t qb = blockIdx.x, bh = blockIdx.y;
+  // (batch·heads_q over the grid's y and z: common/grid.h; a CTA past it returns at once.)
+  const int64_t qb = blockIdx.x, bh = cta_outer_index();
+  if (bh >= params.batch * params.heads_q) return;
   const int64_t b = bh / params.heads_q, h = bh % params.heads_q;
   const int64_t bhk = params.kv_head(b, h), hk = bhk - b * params.heads_kv;
   // This CTA's problem: sequence b's rows (a packed batch: a sequence of its own lengths and
@@ -366,7 +369,7 @@ cudaError_t launch_one(const AttnParams& p, int device, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
   }
   // A packed batch: q_blocks of its longest sequence (blocks past a sequence's end exit).
-  const dim3 grid(unsigned(p.q_blocks), unsigned(p.batch * p.heads_q));
+  const dim3 grid = outer_dims(p.q_blocks, p.batch * p.heads_q);
   kernel<<<grid, kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
