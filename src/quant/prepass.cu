@@ -388,8 +388,8 @@ struct KvBlock {
 // Loads block kb (keys from the sequence's start, token tok0 of the caller's tensors) from global
 // memory (quant_kv_kernel): every load of the thread is issued first. Channels from `dim` (the
 // caller's head dim, a multiple of 8) to D are zeros: a K chunk (8 channels) and a V slice of
-// D/16 = 4 or 8 channels lie wholly inside dim or wholly past it; D = 256's slice of 16 may end
-// half-way past dim (dim = 136, 200, ...), so it is read as two pieces of 8, each only inside.
+// D/16 = 4 or 8 channels lie wholly inside dim or wholly past it; D = 256's slice of 16 straddles
+// dim where dim % 16 == 8 (136, 200, ...), so it is read as two pieces of 8, each only if inside.
 template <typename T, int D, bool kVec>
 __device__ __forceinline__ KvBlock<D> load_block_global(const T* k, const T* v,
                                                         const sage_strides& ks,
