@@ -203,7 +203,7 @@ typedef struct sage_attention_args {
   int64_t heads_kv; /* heads_q % heads_kv == 0 (GQA/MQA) */
   int64_t seq_q;
   int64_t seq_kv;
-  int64_t head_dim; /* 1..256 (the CPU reference); the GPU kernels take multiples of 16 from 32
+  int64_t head_dim; /* 1..256 (the CPU reference); the GPU kernels take multiples of 8 from 8
                        to 256 (64, 128 and 256 natively, the others zero-padded up to them:
                        sage_plan_info.kernel_head_dim), the GPU backward and the FP4 kernel
                        64 and 128 */

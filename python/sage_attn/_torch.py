@@ -415,7 +415,7 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
              causal_align="bottom_right", kernel=None):
     """SageAttention2: INT8 (qk_bits=8, default) or INT4 (qk_bits=4) Q·Kᵀ with per-thread scales,
     FP8 P̃·V. q [B,Hq,Nq,D], k/v [B,Hkv,Nk,D] in HND (or [B,N,H,D] with tensor_layout="NHD");
-    Hq a multiple of Hkv (GQA/MQA); D a multiple of 16 from 32 to 256 on the GPU; fp16 or bf16 (fp32
+    Hq a multiple of Hkv (GQA/MQA); D a multiple of 8 from 8 to 256 on the GPU; fp16 or bf16 (fp32
     too on the CPU, where the exact CPU emulation runs). is_causal masks with the alignment
     causal_align ("bottom_right" as FlashAttention, "top_left" as torch SDPA). smooth_q None = on
     for 4-bit only; smooth_v None = on (free in this library's kernel). Returns o, or (o, lse) with

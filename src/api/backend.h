@@ -16,16 +16,20 @@ namespace sage::api {
 // head dims it has a kernel for and refuses the others (UNSUPPORTED), naming these lists.
 constexpr int64_t kMaxHeadDim = 256;
 // The forward kernels are compiled for the native head dims 64, 128 and 256; a head dim that is a
-// multiple of 16 from 32 to 256 runs at the smallest of them that holds it, the channels past it
+// multiple of 8 from 8 to 256 runs at the smallest of them that holds it, the channels past it
 // zero (the pre-pass writes them so; plan.h says why that computes the call exactly). 0: no forward
-// kernel. Multiples of 16: the grid models use and the GPU tests cover (every load the pre-pass
-// makes of a caller's row, 8 elements, divides them, so a load is wholly inside the real channels
-// or wholly past them).
+// kernel. Multiples of 8 (SD 1.x's 40, 80, 160; DiT's and PixArt's 72): every read the kernels
+// make of a caller's row is a piece of 4 or 8 elements starting at a multiple of its size (the
+// pre-pass's loads and staging, a D = 256 V slice of 16 read as two pieces of 8, the mma kernel's
+// ΔS), so a piece is wholly inside the real channels or wholly past them, and fused Q's TMA map
+// has head_dim as its inner extent (zeros past it); head_dim·2 bytes, a multiple of 16, keeps a
+// contiguous tensor's rows 16-byte aligned (vector loads, the TMA map's strides); the epilogues
+// store channel pairs below head_dim. Nothing fails below 32: 8..24 run the D = 64 kernel.
 constexpr int64_t gpu_kernel_head_dim(int64_t d) {
-  return d < 32 || d > 256 || d % 16 != 0 ? 0 : (d <= 64 ? 64 : d <= 128 ? 128 : 256);
+  return d < 8 || d > 256 || d % 8 != 0 ? 0 : (d <= 64 ? 64 : d <= 128 ? 128 : 256);
 }
 constexpr bool gpu_has_head_dim(int64_t d) { return gpu_kernel_head_dim(d) != 0; }
-constexpr char kGpuHeadDims[] = "multiples of 16 from 32 to 256";
+constexpr char kGpuHeadDims[] = "multiples of 8 from 8 to 256";
 // The sm90 (wgmma) kernel's native head dims: 64, 128 and 256 (and the dims padded to them).
 constexpr bool sm90_has_kernel_head_dim(int64_t dk) {
   return dk == 64 || dk == 128 || dk == 256;

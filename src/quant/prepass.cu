@@ -126,16 +126,13 @@ __device__ __forceinline__ uint4 load_raw8(const T* p) {
   return w;
 }
 
-// Elements p[0..N-1] (N = 4, 8 or 16) as raw bits, two a word: load_raw8 (twice for 16), or one
-// 8-byte load.
+// Elements p[0..N-1] (N = 4 or 8) as raw bits, two a word: load_raw8, or one 8-byte load. (No
+// 16: a head dim that is a multiple of 8 may end half-way through 16 elements, so wider reads
+// are pieces of 8, each tested against it: load_block_global.)
 template <bool kVec, int N, typename T>
 __device__ __forceinline__ void load_raw(const T* p, uint32_t (&w)[N / 2]) {
-  static_assert(N == 4 || N == 8 || N == 16, "4, 8 or 16 elements");
-  if constexpr (N == 16) {
-    const uint4 x = load_raw8<kVec>(p), y = load_raw8<kVec>(p + 8);
-    w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
-    w[4] = y.x, w[5] = y.y, w[6] = y.z, w[7] = y.w;
-  } else if constexpr (N == 8) {
+  static_assert(N == 4 || N == 8, "4 or 8 elements");
+  if constexpr (N == 8) {
     const uint4 x = load_raw8<kVec>(p);
     w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
   } else if constexpr (kVec) {
@@ -392,8 +389,9 @@ struct KvBlock {
 
 // Loads block kb (keys from the sequence's start, token tok0 of the caller's tensors) from global
 // memory (quant_kv_kernel): every load of the thread is issued first. Channels from `dim` (the
-// caller's head dim) to D are zeros: a K chunk (8 channels) and a V slice (D/16 = 4 or 8
-// channels) lie wholly inside dim (a multiple of 16) or wholly past it.
+// caller's head dim, a multiple of 8) to D are zeros: a K chunk (8 channels) and a V slice of
+// D/16 = 4 or 8 channels lie wholly inside dim or wholly past it; D = 256's slice of 16 straddles
+// dim where dim % 16 == 8 (136, 200, ...), so it is read as two pieces of 8, each only if inside.
 template <typename T, int D, bool kVec>
 __device__ __forceinline__ KvBlock<D> load_block_global(const T* k, const T* v,
                                                         const sage_strides& ks,
@@ -409,13 +407,22 @@ __device__ __forceinline__ KvBlock<D> load_block_global(const T* k, const T* v,
     if (key < seq_kv && d0 < dim)
       x.kr[ci] = load_raw8<kVec>(row_ptr(k, ks, b, h, tok0 + key) + d0);
   }
-  const bool v_real = B::slice() * B::kW < dim;
+  const int v0 = B::slice() * B::kW;  // the slice's first channel
   for (int u = 0; u < 4; ++u) {
     const int64_t n = kb * kBlockK + B::vkey(u);
     for (int i = 0; i < B::kW / 2; ++i) x.vr[u][i] = 0u;
     if (n < seq_kv) {
-      if (v_real)
-        load_raw<kVec, B::kW>(row_ptr(v, vs, b, h, tok0 + n) + B::slice() * B::kW, x.vr[u]);
+      const T* vrow = row_ptr(v, vs, b, h, tok0 + n) + v0;
+      if constexpr (B::kW <= 8) {
+        if (v0 < dim) load_raw<kVec, B::kW>(vrow, x.vr[u]);
+      } else {
+        for (int i = 0; i < B::kW / 8; ++i)
+          if (v0 + 8 * i < dim) {
+            const uint4 w = load_raw8<kVec>(vrow + 8 * i);
+            x.vr[u][4 * i] = w.x, x.vr[u][4 * i + 1] = w.y;
+            x.vr[u][4 * i + 2] = w.z, x.vr[u][4 * i + 3] = w.w;
+          }
+      }
       x.vkeep |= 0xFFu << (8 * u);
     }
   }
@@ -849,7 +856,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
   const T* v = static_cast<const T*>(in.v);
   const int64_t bk = p.batch * p.heads_kv, bq = p.batch * p.heads_q;
   const int heads_q = int(p.heads_q), heads_kv = int(p.heads_kv);
-  // The caller's channels (<= D, a multiple of 16): the kernels read these and write the rest of
+  // The caller's channels (<= D, a multiple of 8): the kernels read these and write the rest of
   // D as zero channels (layout.h, PrepassPlan::channels).
   const int dim = int(p.channels);
   // (blocks, batch·heads_kv over y and z: common/grid.h).

@@ -765,7 +765,7 @@ TEST_F(ApiErrors, Sizes) {
                       std::numeric_limits<int64_t>::max()})
     expect_rejected("head_dim = " + std::to_string(bad),
                     [&](sage_attention_args& a) { a.head_dim = bad; },
-                    {"head_dim", "1..256", "multiples of 16 from 32 to 256", "64, 128"});
+                    {"head_dim", "1..256", "multiples of 8 from 8 to 256", "64, 128"});
   // GQA needs heads_q % heads_kv == 0.
   expect_rejected("heads_q 2, heads_kv 4", [](sage_attention_args& a) { a.heads_kv = 4; },
                   {"heads_q", "heads_kv"});

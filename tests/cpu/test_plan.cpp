@@ -181,13 +181,14 @@ TEST(Planner, EmulationConfigIsWhatRuns) {
   EXPECT_EQ(sage::ref::quant_config_error(mma89.emulation), "");
 }
 
-// Head dims that are multiples of 16 from 32 to 256 run at the native 64, 128 or 256 (zero
+// Head dims that are multiples of 8 from 8 to 256 run at the native 64, 128 or 256 (zero
 // channels past head_dim): the kernel head dim, the family, the tile and the emulation config are
 // the native head dim's, the workspace too (its layout is the kernel's); the pre-pass reads the
 // caller's channels. Kernel head dim 256 runs the sm90 kernel on sm_90 (64-key blocks), the
 // mma.sync kernel elsewhere. Every other head dim is refused naming it and the supported set.
 TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
-  for (const int64_t d : {32, 48, 64, 80, 96, 112, 128, 144, 160, 192, 224, 240, 256}) {
+  for (const int64_t d : {8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 112, 120, 128, 136, 144,
+                          152, 160, 192, 200, 224, 240, 248, 256}) {
     SCOPED_TRACE("D = " + std::to_string(d));
     const int64_t dk = d <= 64 ? 64 : d <= 128 ? 128 : 256;
     const bool sm90_dk = true;  // every kernel head dim has an sm90 instantiation
@@ -260,11 +261,19 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
   EXPECT_FALSE(must_plan(Call(4096, 4096, 192), kH100).prefer_sdpa);
   EXPECT_TRUE(must_plan(Call(4096, 4096, 160, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
   EXPECT_FALSE(must_plan(Call(8192, 8192, 256, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  // Not a multiple of 16, under 32: refused on every GPU, naming head_dim and the set.
+  // Multiples of 8 that are not of 16 take their kernel head dim's row too (SD 1.x's 40 and 160,
+  // DiT's 72).
+  EXPECT_TRUE(must_plan(Call(2048, 2048, 40), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(4096, 4096, 40), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(4096, 4096, 72, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(8192, 8192, 72, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(4096, 4096, 200), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(2048, 2048, 8), kH100).prefer_sdpa);
+  // Not a multiple of 8: refused on every GPU, naming head_dim and the set.
   Plan p;
   // The FP4 kernel has no padded head dims and no D = 256: refused, never run at its template
   // head dim.
-  for (const int64_t d : {32, 48, 80, 96, 112, 144, 192, 256}) {
+  for (const int64_t d : {8, 32, 40, 48, 72, 80, 96, 112, 136, 144, 192, 200, 256}) {
     for (const Device& dev : {kH100, kBlackwell}) {
       EXPECT_EQ(Call(100, 100, d, SAGE_MASK_NONE, SAGE_VARIANT_SAGE3_FP4).plan(dev, &p),
                 SAGE_ERROR_UNSUPPORTED)
@@ -275,19 +284,19 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
           << msg;
     }
     if (d > 128) continue;
-    EXPECT_EQ(must_plan(Call(100, 100, d == 48 || d == 32 ? 64 : 128, SAGE_MASK_NONE,
+    EXPECT_EQ(must_plan(Call(100, 100, d <= 64 ? 64 : 128, SAGE_MASK_NONE,
                              SAGE_VARIANT_SAGE3_FP4),
                         kBlackwell)
                   .family,
               Family::kFp4);
   }
-  for (const int64_t d : {1, 8, 16, 24, 40, 72, 88, 100, 120, 136, 152, 200, 250, 255}) {
+  for (const int64_t d : {1, 2, 4, 7, 12, 20, 36, 44, 76, 100, 132, 196, 250, 252, 255}) {
     EXPECT_EQ(sage::api::gpu_kernel_head_dim(d), 0) << d;
     for (const Device& dev : {kH100, kAda, kBlackwell}) {
       EXPECT_EQ(Call(100, 100, d).plan(dev, &p), SAGE_ERROR_UNSUPPORTED) << d;
       const std::string msg = sage_last_error();
       EXPECT_NE(msg.find("head_dim = " + std::to_string(d)), std::string::npos) << msg;
-      EXPECT_NE(msg.find("multiples of 16 from 32 to 256"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("multiples of 8 from 8 to 256"), std::string::npos) << msg;
       EXPECT_NE(msg.find("CPU reference"), std::string::npos) << msg;
     }
   }
@@ -302,7 +311,7 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
 TEST(Planner, PaddedEmulationIsTheNativeOneOnZeroChannels) {
   std::mt19937_64 rng(sage::test::fresh_seed());
   const int64_t B = 1, Hq = 4, Hkv = 2, Nq = 300, Nk = 333;
-  for (const int64_t d : {32, 48, 80, 112, 144, 240}) {
+  for (const int64_t d : {8, 32, 40, 48, 72, 80, 112, 136, 144, 200, 240, 248}) {
     const int64_t dk = d <= 64 ? 64 : d <= 128 ? 128 : 256;
     const sage::test::Fp16Tensor q = sage::test::random_tensor(rng, B, Hq, Nq, d, 2.0f);
     const sage::test::Fp16Tensor k = sage::test::random_tensor(rng, B, Hkv, Nk, d, 4.0f);
@@ -501,8 +510,8 @@ TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {
     EXPECT_EQ(c.plan(dev, &p), SAGE_ERROR_UNSUPPORTED) << word;
     EXPECT_NE(std::string(sage_last_error()).find(word), std::string::npos) << sage_last_error();
   };
-  refused(Call(100, 100, 72), kH100, "head_dim = 72");
-  refused(Call(100, 100, 136), kH100, "GPU kernels: multiples of 16 from 32 to 256");  // the set
+  refused(Call(100, 100, 76), kH100, "head_dim = 76");
+  refused(Call(100, 100, 132), kH100, "GPU kernels: multiples of 8 from 8 to 256");  // the set
   refused(Call(100, 100, 128, SAGE_MASK_NONE, SAGE_VARIANT_EXACT), kH100, "EXACT");
   refused(Call(100, 100, 128), kAmpere, "sm_86");
   Call custom(100, 100, 128);

@@ -294,6 +294,42 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1, 2, 2, 300, 1000, 208, kTL, kHND, kBF16, k8, 8, kSmoothQKV}),
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
+// Head dims that are multiples of 8 but not of 16 (Stable Diffusion 1.x's 40, DiT's and PixArt's
+// 72; 8 .. 56 -> 64, 72 .. 120 -> 128, 136 .. 248 -> 256), held to the same emulation bound and
+// accuracy bands: a pre-pass read of 8 channels (a K chunk, a staged piece, a D = 128 V slice;
+// D = 64's V slice is 4) is wholly inside or past D, while D = 256's 16-channel V slice is half
+// inside at 136, 200 and 248 (read as two pieces of 8). 8- and 4-bit, fp16/bf16, both layouts,
+// every mask, N = 1, 17, 300 and lengths off the blocks, Nq > Nk, decode-like Nq = 1, GQA/MQA,
+// the two- and three-consumer sm90 tiles at Dk = 64, a flat case, Q smoothing, and K/V rows only
+// 2-byte aligned (kv_shift 1: the pre-pass's element loads, ΔS's too). Q rows 2-byte aligned,
+// and memory past head_dim: GpuHeadDims (test_head_dims_gpu.cu).
+INSTANTIATE_TEST_SUITE_P(
+    HeadDims8, GpuVsEmulation,
+    ::testing::Values(
+        Case{1, 2, 2, 1, 1, 8, kNone, kHND, kF16, k8, 0},           // N = 1, the smallest D
+        Case{1, 4, 2, 17, 17, 8, kBR, kNHD, kBF16, k4, 4},          // GQA, 4-bit
+        Case{1, 4, 1, 300, 300, 24, kTL, kHND, kF16, k8, 4},        // MQA
+        Case{2, 2, 2, 300, 17, 24, kBR, kNHD, kBF16, k4, 8},        // Nq > Nk: empty rows
+        Case{1, 8, 2, 1000, 1000, 40, kNone, kNHD, kF16, k8, 4},    // SD 1.x; GQA 4:1
+        Case{1, 2, 2, 1, 300, 40, kBR, kHND, kBF16, k8, 4},         // decode-like Nq = 1
+        Case{2, 4, 2, 300, 1000, 40, kTL, kHND, kF16, k4, 8, 0, 1},  // K/V 2-byte aligned
+        Case{1, 4, 2, 2100, 2100, 40, kBR, kNHD, kBF16, k8, 4},     // causal, three consumers
+        Case{1, 2, 2, 17, 300, 72, kNone, kHND, kF16, k8, 4},       // DiT-XL/2, PixArt
+        Case{1, 8, 2, 1000, 1000, 72, kTL, kNHD, kBF16, k8, 8},     // GQA 4:1
+        Case{1, 4, 4, 300, 300, 72, kNone, kNHD, kF16, k4, 4, 0, 1},  // K/V 2-byte aligned
+        Case{1, 2, 2, 700, 3000, 72, kNone, kHND, kBF16, k8, 0},    // flat
+        Case{1, 4, 2, 300, 300, 88, kBR, kHND, kF16, k8, 4, kSmoothQKV, 1},  // Q smoothing
+        Case{1, 2, 1, 1000, 777, 120, kTL, kNHD, kBF16, k4, 8},
+        Case{1, 2, 2, 17, 17, 120, kNone, kHND, kF16, k8, 4},
+        Case{1, 4, 2, 1000, 1000, 136, kBR, kNHD, kF16, k8, 4},     // a V slice half inside D
+        Case{1, 2, 2, 300, 300, 136, kNone, kHND, kBF16, k4, 8, 0, 1},
+        Case{1, 2, 2, 300, 300, 136, kTL, kNHD, kF16, k8, 4, 0, 1},
+        Case{1, 4, 1, 300, 1000, 200, kTL, kHND, kF16, k8, 4},      // MQA
+        Case{1, 2, 2, 1, 17, 200, kNone, kNHD, kBF16, k8, 4, kSmoothQKV, 1},
+        Case{1, 4, 2, 1000, 1000, 248, kNone, kNHD, kF16, k8, 8, 0, 1},
+        Case{2, 2, 2, 300, 300, 248, kBR, kHND, kBF16, k4, 4}),
+    [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
+
 // The wgmma E4M3 accumulator model, checked against the kernel's outputs: for flat and peaked
 // attention at each head dim, the sm90 kernel's distance to emulations that differ only in the
 // P·V accumulator (aligned with 12, 13 or 14 kept bits, and a true fp32). One GPU run shows
@@ -560,12 +596,12 @@ TEST(GpuAttention, ArgumentErrorsAreClear) {
   EXPECT_EQ(sage_attention(&a), SAGE_OK) << sage_last_error();
   // Unsupported combinations are refused, never half-done.
   sage_attention_args b = a;
-  b.head_dim = 72;  // not a multiple of 16
+  b.head_dim = 76;  // not a multiple of 8
   EXPECT_EQ(sage_attention(&b), SAGE_ERROR_UNSUPPORTED);
-  EXPECT_NE(std::string(sage_last_error()).find("head_dim = 72"), std::string::npos);
-  b.head_dim = 136, b.seq_q = b.seq_kv = 16;  // (within the buffers)
+  EXPECT_NE(std::string(sage_last_error()).find("head_dim = 76"), std::string::npos);
+  b.head_dim = 132, b.seq_q = b.seq_kv = 16;  // (within the buffers)
   EXPECT_EQ(sage_attention(&b), SAGE_ERROR_UNSUPPORTED);
-  EXPECT_NE(std::string(sage_last_error()).find("multiples of 16 from 32 to 256"),
+  EXPECT_NE(std::string(sage_last_error()).find("multiples of 8 from 8 to 256"),
             std::string::npos)
       << sage_last_error();
   b = a;

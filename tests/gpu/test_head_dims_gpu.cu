@@ -1,10 +1,10 @@
-// Zero-padded head dims on the GPU: a head dim that is a multiple of 16 from 32 to 256 runs the
+// Zero-padded head dims on the GPU: a head dim that is a multiple of 8 from 8 to 256 runs the
 // native 64, 128 or 256 kernel with the channels past it zero.
 // Here, for every kernel family this GPU has: the caller's memory past head_dim is never read
 // (the channels past D of strided Q, K and V hold NaN) nor written (an output with a longer token
 // stride keeps its poison there), the result is bit for bit the contiguous call's, and the plan
 // reports the kernel's head dim. Accuracy of these head dims against their emulation and float64:
-// GpuVsEmulation's HeadDims and WideHeadDims sweeps (test_attention_gpu.cu).
+// GpuVsEmulation's HeadDims, WideHeadDims and HeadDims8 sweeps (test_attention_gpu.cu).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -97,8 +97,9 @@ constexpr unsigned kSmoothQKV = SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V;
 // (2-byte aligned: element loads, and the pre-pass's Q); output rows of D + 24 elements. The
 // call's O and LSE must be the contiguous call's bits (the same plan: pre-pass Q where the
 // strided Q cannot take fused Q), the output's elements past D untouched. Native 64, 128 and
-// 256 are the control; 208 with Q smoothing checks that ΔS (formed from the caller's K) reads
-// only D channels.
+// 256 are the control; 208 and 136 with Q smoothing check that ΔS (formed from the caller's K)
+// reads only D channels. The multiples of 8 that are not of 16 (8 .. 248) end half-way through
+// a 16-element piece: D = 256's V slices (136, 200, 248) are read as two pieces of 8.
 TEST(GpuHeadDims, MemoryPastHeadDimIsNeitherReadNorWritten) {
   SAGE_REQUIRE_GPU();
   const std::vector<KernelChoice> kernels = kernels_of_this_gpu();
@@ -118,7 +119,20 @@ TEST(GpuHeadDims, MemoryPastHeadDimIsNeitherReadNorWritten) {
                         Case{1, 4, 2, 257, 190, 192, kBR, kHND, kF16, k8, 4},
                         Case{2, 2, 2, 200, 333, 256, kTL, kNHD, kBF16, k8, 4},
                         Case{1, 4, 2, 190, 270, 208, kNone, kHND, kF16, k8, 4, kSmoothQKV},
-                        Case{1, 2, 2, 150, 150, 256, kBR, kHND, kF16, k8, 4}}) {
+                        Case{1, 2, 2, 150, 150, 256, kBR, kHND, kF16, k8, 4},
+                        Case{1, 2, 2, 17, 17, 8, kNone, kHND, kF16, k8, 4},
+                        Case{1, 4, 2, 200, 333, 24, kBR, kNHD, kBF16, k4, 4},
+                        Case{1, 4, 2, 300, 300, 40, kNone, kHND, kF16, k8, 4},
+                        Case{2, 4, 1, 333, 200, 40, kTL, kNHD, kBF16, k8, 4},
+                        Case{1, 6, 2, 300, 300, 72, kBR, kHND, kBF16, k8, 4},
+                        Case{1, 2, 2, 190, 270, 72, kNone, kNHD, kF16, k4, 4},
+                        Case{1, 2, 2, 129, 500, 88, kNone, kHND, kF16, k8, 4, kSmoothQKV},
+                        Case{2, 2, 1, 250, 250, 120, kBR, kNHD, kF16, k8, 4},
+                        Case{1, 4, 2, 200, 333, 136, kNone, kHND, kF16, k8, 4},
+                        Case{1, 4, 2, 190, 270, 136, kBR, kNHD, kBF16, k8, 4, kSmoothQKV},
+                        Case{2, 2, 1, 129, 250, 200, kTL, kHND, kBF16, k4, 4},
+                        Case{1, 2, 2, 300, 300, 248, kNone, kNHD, kBF16, k8, 4},
+                        Case{1, 4, 2, 257, 190, 248, kBR, kHND, kF16, k8, 4}}) {
     SCOPED_TRACE(name(c));
     const Inputs in = draw_inputs(rng, c);
     const int64_t dk = c.D <= 64 ? 64 : c.D <= 128 ? 128 : 256;

@@ -245,10 +245,10 @@ def test_gpu_matches_emulation_and_float64(gen, d, shape, causal):
 
 
 @gpu
-@pytest.mark.parametrize("d", [32, 48, 80, 96, 112, 144, 192, 240])
+@pytest.mark.parametrize("d", [8, 24, 32, 40, 48, 72, 80, 96, 112, 136, 144, 192, 200, 240, 248])
 @pytest.mark.parametrize("causal", [None, "top_left"])
 def test_gpu_padded_head_dims(gen, d, causal, dropin_always_sage):
-    """Head dims that are multiples of 16 run at the native 64, 128 or 256 with zero channels
+    """Head dims that are multiples of 8 run at the native 64, 128 or 256 with zero channels
     (the plan's kernel_head_dim): against the emulation at the caller's head dim as tight as the
     native ones, against float64 as accurate; and the SDPA drop-in runs them (which head dims
     have a kernel is the library's answer, not a list here)."""
@@ -269,6 +269,43 @@ def test_gpu_padded_head_dims(gen, d, causal, dropin_always_sage):
     want = TORCH_SDPA(qs, ks, vs, is_causal=causal is not None)
     m = metrics(got, want.double())
     assert m["cos"] > 0.999 and m["rel_l1"] < 0.06, m
+
+
+@gpu
+@pytest.mark.parametrize("d", [40, 72])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("qk_bits", [8, 4])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_gpu_sd_and_dit_head_dims(gen, d, dtype, qk_bits, layout, causal):
+    """D = 40 (Stable Diffusion 1.x's UNet) and 72 (DiT-XL/2, PixArt-α/Σ: hidden 1152 over 16
+    heads), multiples of 8 but not of 16, run on the GPU (the D = 64 and 128 kernels, zero
+    channels past D): as tight against the emulation of the plan's config as the native head
+    dims, as accurate against float64 (8-bit cos > 0.999; 4-bit on N(0,1) queries ~0.98, as at
+    D = 64/128), the LSE too; both layouts, GQA, lengths off the blocks, 8- and 4-bit, fp16 and
+    bf16, causal or not; the plan says which kernel head dim runs them."""
+    b, hq, hkv, nq, nk = 2, 4, 2, 333, 1000
+    shape = (lambda h, n: (b, h, n, d)) if layout == "HND" else (lambda h, n: (b, n, h, d))
+    q = randn(gen, shape(hq, nq), dtype, bias=0.5)
+    k, v = randn(gen, shape(hkv, nk), dtype, bias=2.0), randn(gen, shape(hkv, nk), dtype)
+    o, lse = sage_attn.sageattn(q, k, v, tensor_layout=layout, is_causal=causal is not None,
+                                return_lse=True, qk_bits=qk_bits)
+    assert o.shape == q.shape and o.dtype == dtype and lse.shape == (b, hq, nq)
+    assert torch.isfinite(o).all()
+    hnd = [x if layout == "HND" else x.transpose(1, 2) for x in (q, k, v, o)]
+    assert sage_attn_plan_head_dim(*hnd[:3], causal, qk_bits) == (64 if d == 40 else 128)
+    emu = call_emulation(*hnd[:3], causal, qk_bits=qk_bits)
+    m = metrics(hnd[3], emu.double())
+    assert m["rel_l1"] < (2e-3 if dtype == torch.float16 else 4e-3) and m["cos"] > 0.99999, m
+    ref, ref_lse = ref64(q, k, v, causal, None, layout)
+    m = metrics(o, ref)
+    if qk_bits == 8:
+        assert m["cos"] > 0.999 and m["rel_l1"] < 0.06, m
+    else:
+        assert m["cos"] > 0.97, m
+    live = torch.isfinite(ref_lse)
+    err = (lse.cpu().double()[live] - ref_lse[live]).abs()
+    assert err.max() < (0.1 if qk_bits == 8 else 0.3), err.max()
 
 
 @gpu
@@ -532,7 +569,7 @@ def test_gpu_sdpa_fallbacks_warn_once_and_match_torch(gen, case):
     if case == "mask":
         kw["attn_mask"] = torch.randn(64, 64, device="cuda", dtype=torch.float16)
     elif case == "head_dim":
-        q, k, v = (x[..., :40].contiguous() for x in (q, k, v))  # not a multiple of 16
+        q, k, v = (x[..., :36].contiguous() for x in (q, k, v))  # not a multiple of 8
     elif case == "fp32":
         q, k, v = (x.float() for x in (q, k, v))
     elif case == "3d":
@@ -556,7 +593,7 @@ def test_gpu_sdpa_fallbacks_warn_once_and_match_torch(gen, case):
 @gpu
 @pytest.mark.parametrize("make,exc,words", [
     (lambda q: (q.float(), q.float(), q.float()), TypeError, "dtype"),
-    (lambda q: (q[..., :72].contiguous(),) * 3, ValueError, "head_dim"),
+    (lambda q: (q[..., :76].contiguous(),) * 3, ValueError, "head_dim"),
     (lambda q: (q, q[:, :3], q[:, :3]), ValueError, "heads_kv"),
     (lambda q: (q, q.cpu(), q.cpu()), ValueError, "device"),
     (lambda q: (q.transpose(-1, -2), q, q), ValueError, "contiguous"),

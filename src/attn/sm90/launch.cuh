@@ -86,8 +86,10 @@ inline cudaError_t make_map(CUtensorMap* map, const void* base, uint64_t d0, uin
 }
 
 // fused_q: the caller's 16-bit Q as a 4-D map {head_dim, Nq, Hq, B} (strides in elements, all
-// positive and 16-byte multiples: the planner checks) with box {d, rows, 1, 1} (d: the kernel's
-// head dim; a tile: 64 rows per consumer warpgroup), no swizzle. Elements past the tensor read as
+// positive and 16-byte multiples, as TMA requires: the planner checks; the inner extent head_dim
+// has no rule of its own, and a multiple of 8 keeps a contiguous Q's strides 16-byte multiples in
+// either layout, NHD's head stride being head_dim) with box {d, rows, 1, 1} (d: the kernel's head
+// dim; a tile: 64 rows per consumer warpgroup), no swizzle. Elements past the tensor read as
 // zeros (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) and count in the box's bytes like the others: rows
 // past Nq, and channels past a padded head_dim (< d), which the quantization then takes as the
 // zero channels the pre-pass writes for K and V.
