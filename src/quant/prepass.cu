@@ -546,7 +546,7 @@ __device__ __forceinline__ void zero_v_tail(const SeqRows& rows, int64_t kb, int
 // itself (the kv_finalize step: k_mean, v_mean, V's scale; the cluster's first CTA also stores
 // them for the attention kernel and quant_q), and quantizes its staged rows.
 template <typename T, int D, int kBits, bool kVec>
-__global__ void __launch_bounds__(256, 2)
+__global__ void __launch_bounds__(256, D <= 64 ? 3 : 2)
     kv_prepass_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
                       int64_t heads_kv, int64_t bk, SeqRows kv_rows, int32_t k_mean_tokens,
                       bool smooth_k, bool smooth_v, KvStat* stats, float* k_mean, float* v_mean,

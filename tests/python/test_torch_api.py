@@ -166,12 +166,14 @@ def call_emulation(q, k, v, causal_align=None, scale=None, kernel=None, return_l
     dtype = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16}[q.dtype]
     o = torch.empty_like(q)
 
-    def fill(a, tensors, out):
-        a.q, a.k, a.v, a.o = tensors
+    def fill(a, tensors):
+        # Pointers and strides of the tensors given (the GPU call's, or the host copies', which
+        # are contiguous where a view such as an NHD tensor's transpose is not).
+        a.q, a.k, a.v, a.o = (t.data_ptr() for t in tensors)
         a.batch, a.heads_q, a.heads_kv = q.shape[0], q.shape[1], k.shape[1]
         a.seq_q, a.seq_kv, a.head_dim = q.shape[2], k.shape[2], q.shape[3]
         a.layout = _lib.LAYOUT_HND
-        for field, x in (("q_strides", q), ("k_strides", k), ("v_strides", v), ("o_strides", out)):
+        for field, x in zip(("q_strides", "k_strides", "v_strides", "o_strides"), tensors):
             _lib.set_strides(getattr(a, field), _lib.LAYOUT_HND, list(x.stride()))
         a.dtype = dtype
         a.scale = 0.0 if scale is None else float(scale)
@@ -180,7 +182,7 @@ def call_emulation(q, k, v, causal_align=None, scale=None, kernel=None, return_l
     # The GPU call's plan: sageattn's defaults (8-bit unless qk_bits, smooth K, the preset's
     # smooth Q and V).
     a = _lib.new_args()
-    fill(a, (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()), o)
+    fill(a, (q, k, v, o))
     a.variant, a.quant = _lib.quant_settings(qk_bits, None, True, None)
     a.kernel = kernels[kernel]
     info = _lib.plan(a)
@@ -189,7 +191,7 @@ def call_emulation(q, k, v, causal_align=None, scale=None, kernel=None, return_l
     out = torch.empty_like(host[0])
     lse = torch.empty(q.shape[:3], dtype=torch.float32)
     c = _lib.new_args()
-    fill(c, tuple(t.data_ptr() for t in host) + (out.data_ptr(),), out)
+    fill(c, (*host, out))
     c.lse = lse.data_ptr()
     c.variant, c.quant = _lib.VARIANT_CUSTOM, info.emulation
     c.backend = _lib.BACKEND_CPU
