@@ -687,7 +687,7 @@ __global__ void __launch_bounds__(128)
 // At D = 256 a thread holds twice the K and V words: two CTAs an SM (128 registers; at three,
 // ptxas spilled ~0.5 KB a thread).
 template <typename T, int D, int kBits, bool kVec>
-__global__ void __launch_bounds__(256, D <= 128 ? 3 : 2)
+__global__ void __launch_bounds__(256, D <= 64 ? 4 : D <= 128 ? 3 : 2)
     quant_kv_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
                     int64_t heads_kv, int64_t bk, SeqRows kv_rows, const float* k_mean,
                     const float* v_mean, const float* v_inv, unsigned long long* kv_bad,

@@ -287,9 +287,12 @@ def test_gpu_sd_and_dit_head_dims(gen, d, dtype, qk_bits, layout, causal):
     D = 64/128), the LSE too; both layouts, GQA, lengths off the blocks, 8- and 4-bit, fp16 and
     bf16, causal or not; the plan says which kernel head dim runs them."""
     b, hq, hkv, nq, nk = 2, 4, 2, 333, 1000
-    shape = (lambda h, n: (b, h, n, d)) if layout == "HND" else (lambda h, n: (b, n, h, d))
-    q = randn(gen, shape(hq, nq), dtype, bias=0.5)
-    k, v = randn(gen, shape(hkv, nk), dtype, bias=2.0), randn(gen, shape(hkv, nk), dtype)
+    # The same inputs in either layout (randn's bias is per head and channel in HND), NHD as a
+    # contiguous [B, N, H, D] tensor.
+    lay = (lambda x: x) if layout == "HND" else (lambda x: x.transpose(1, 2).contiguous())
+    q = lay(randn(gen, (b, hq, nq, d), dtype, bias=0.5))
+    k, v = (lay(randn(gen, (b, hkv, nk, d), dtype, bias=2.0)),
+            lay(randn(gen, (b, hkv, nk, d), dtype)))
     o, lse = sage_attn.sageattn(q, k, v, tensor_layout=layout, is_causal=causal is not None,
                                 return_lse=True, qk_bits=qk_bits)
     assert o.shape == q.shape and o.dtype == dtype and lse.shape == (b, hq, nq)
