@@ -185,18 +185,16 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   // it too where fused Q can read its Q (the packed path quantizes Q in the kernel only): 64
   // sequences of 128..8k tokens ran 661 / 549 TOPS there against 243 / 216 on mma.sync
   // (non-causal / causal, D = 128, H200), and 1.12x / 1.27x the same work as dense calls.
-  constexpr bool kPackedAutoSm90 = true;
   const bool q_map = quant::rows_aligned16(a.q, r.q) && (r.packed() || r.q.batch > 0) &&
                      r.q.head > 0 && r.q.token > 0;  // a TMA map can describe Q (fused Q)
-  if (a.kernel == SAGE_KERNEL_SM90 && r.packed() &&
-      (!q_map || (a.options & SAGE_OPTION_PREPASS_Q)))
+  const bool packed_sm90 = q_map && !(a.options & SAGE_OPTION_PREPASS_Q);
+  if (a.kernel == SAGE_KERNEL_SM90 && r.packed() && !packed_sm90)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "kernel = SM90: a packed batch (cu_seqlens_q) runs on the wgmma kernel only "
                      "with Q quantized in the kernel: q's rows 16-byte aligned, positive strides, "
                      "no SAGE_OPTION_PREPASS_Q; pass AUTO or MMA");
-  const bool packed_sm90 = kPackedAutoSm90 && q_map && !(a.options & SAGE_OPTION_PREPASS_Q);
   const bool sm90_ok = dev.cc == 90 && bits8 && !smooth_q && sm90_has_kernel_head_dim(Dk) &&
-                       (!r.packed() || a.kernel == SAGE_KERNEL_SM90 || packed_sm90);
+                       (!r.packed() || packed_sm90);
   if (a.kernel == SAGE_KERNEL_SM90 && !sm90_ok)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "kernel = SM90: the wgmma kernel needs an sm_90 GPU (this is sm_%d%d), "

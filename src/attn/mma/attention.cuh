@@ -136,10 +136,6 @@ struct DeltaS {
   }
 };
 
-// The params as the epilogue of (sequence b, query head h) sees them: its length, its o, lse and
-// LSE-shift rows from row 0 (finalize then takes bh = 0). cu_seqlens are read again here rather
-// than kept from the kernel's start: the three pointers and the length would otherwise stay live
-// through the key loop, beside its accumulators.
 // Sequence b's span: a packed batch's from cu_seqlens; a dense call's from the params alone (a
 // template flag, kPacked: with a runtime test the dense kernels held the lengths in registers
 // through the key loop instead of reading them as constants, and ptxas spilled more at D = 64).
@@ -151,6 +147,10 @@ __device__ __forceinline__ quant::SeqSpan seq_span(const quant::SeqRows& rows, i
     return {0, rows.len, 0};
 }
 
+// The params as the epilogue of (sequence b, query head h) sees them: its length, its o, lse and
+// LSE-shift rows from row 0 (finalize then takes bh = 0). cu_seqlens are read again here rather
+// than kept from the kernel's start: the three pointers and the length would otherwise stay live
+// through the key loop, beside its accumulators.
 template <typename OutT, bool kPacked>
 __device__ __forceinline__ AttnParams out_view(const AttnParams& params, int64_t b, int64_t h) {
   const quant::SeqSpan sq = seq_span<kPacked>(params.q_rows, b);
