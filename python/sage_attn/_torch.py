@@ -410,6 +410,13 @@ def sageattn3(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retu
     return (o, lse) if return_lse else o
 
 
+def _kernel_code(kernel):
+    """The library's kernel choice for sageattn's and sageattn_varlen's `kernel` argument."""
+    if not isinstance(kernel, (str, type(None))) or kernel not in KERNELS:
+        raise ValueError(f"kernel = {kernel!r}: must be None, 'auto', 'mma' or 'sm90'")
+    return KERNELS[kernel]
+
+
 def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *,
              qk_bits=None, smooth_k=True, smooth_q=None, smooth_v=None,
              causal_align="bottom_right", kernel=None):
@@ -433,8 +440,7 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     _lib.check_call_flags(causal_align, is_causal, return_lse)
     if qk_bits is not None and (isinstance(qk_bits, bool) or qk_bits not in (4, 8)):
         raise ValueError(f"qk_bits = {qk_bits!r}: must be 8, 4 or None (8)")
-    if not isinstance(kernel, (str, type(None))) or kernel not in KERNELS:
-        raise ValueError(f"kernel = {kernel!r}: must be None, 'auto', 'mma' or 'sm90'")
+    kernel_code = _kernel_code(kernel)
     _check_tensors(q, k, v, tensor_layout)
     layout = _lib.LAYOUTS[tensor_layout]
     scale = _scale(sm_scale, q.shape[-1], "sm_scale")
@@ -442,7 +448,7 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     for name, value in (("smooth_q", smooth_q), ("smooth_k", smooth_k), ("smooth_v", smooth_v)):
         _lib.check_flag(name, value)
     o, lse = _call(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
-                   return_lse, _RAISE, KERNELS[kernel])
+                   return_lse, _RAISE, kernel_code)
     return (o, lse) if return_lse else o
 
 
@@ -464,8 +470,8 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     fixed at capture bound them). The GPU does not check cu_seqlens' contents: lengths that break
     the conventions leave rows unwritten (never memory outside the tensors). CPU tensors run the
     library's CPU reference, which checks them. No autograd yet: inputs that require grad raise
-    NotImplementedError. kernel: None (the library's choice: mma.sync for packed batches so
-    far), "mma" or "sm90" (the wgmma kernel's packed path, sm_90, 8-bit), as in sageattn."""
+    NotImplementedError. kernel: None (the library's choice: on sm_90 the wgmma kernel for 8-bit
+    calls whose q rows it can read, else mma.sync), "mma" or "sm90", as in sageattn."""
     _lib.check_call_flags(causal_align, is_causal, return_lse)
     named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
              ("cu_seqlens_k", cu_seqlens_k))
@@ -497,8 +503,7 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]})")
     for name, value in (("smooth_q", smooth_q), ("smooth_k", smooth_k), ("smooth_v", smooth_v)):
         _lib.check_flag(name, value)
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel = {kernel!r}: must be None, 'auto', 'mma' or 'sm90'")
+    kernel_code = _kernel_code(kernel)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -522,7 +527,7 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if q.dtype == torch.float32:
         raise TypeError("q: float32 CUDA tensors have no GPU kernel; pass float16 or bfloat16")
     a.backend = _lib.BACKEND_CUDA
-    a.kernel = KERNELS[kernel]
+    a.kernel = kernel_code
     with torch.cuda.device(q.device):
         a.stream = _current_stream(q.device)
         # The workspace from torch's caching allocator (graph-capturable; sized from the shapes,
