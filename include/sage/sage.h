@@ -301,6 +301,11 @@ typedef struct sage_plan_info {
                                SAGE_BWD_INT8_DSQ)
 
 /* sage_backward_args.options flags. */
+/* The accuracy check of the 8-bit backward: per query head, the root mean square over its rows of
+ * the estimated error of the INT8 scores (natural-log units, each row weighted by its own P) may
+ * not exceed this; past it the call's gradients are NaN and *untrusted is 1 (docs/backward.md). */
+#define SAGE_BWD_MAX_SCORE_ERROR 0.05f
+
 #define SAGE_BWD_OPTION_DETERMINISTIC 1u /* CUDA: dQ summed over key blocks in a fixed order
                                             (no atomics): the same bits on every run. The CPU
                                             reference is deterministic either way. */
@@ -350,6 +355,11 @@ typedef struct sage_backward_args {
   int32_t num_threads; /* CPU reference threads; 0 = all */
   uint32_t options;    /* SAGE_BWD_OPTION_* flags */
   sage_kernel kernel;  /* CUDA: AUTO (sm_90: the wgmma kernel, else mma.sync), MMA or SM90 */
+  int32_t* untrusted;  /* optional, one int32 (device memory for CUDA, host for the CPU): written 0
+                          when the 8-bit gradients passed the accuracy check, 1 when they did not
+                          (a head's estimated score error was over SAGE_BWD_MAX_SCORE_ERROR:
+                          docs/backward.md). On 1, dq, dk and dv hold NaN: compute this call's
+                          gradients in 16 bits instead. The check runs with or without it. */
 } sage_backward_args;
 
 /* Library version, e.g. "0.1.0". */

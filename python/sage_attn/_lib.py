@@ -163,6 +163,7 @@ class BackwardArgs(ctypes.Structure):
         ("num_threads", ctypes.c_int32),
         ("options", ctypes.c_uint32),
         ("kernel", ctypes.c_int),
+        ("untrusted", ctypes.c_void_p),
     ]
 
 
