@@ -92,8 +92,9 @@ void run_cpu_packed(const Resolved& r, const sage_attention_args& a) {
   }
 }
 
-// The backward on the CPU: the forward's O and LSE and the gradients go through contiguous
-// scratch; dq, dk, dv are written only once everything is computed.
+// The backward on the CPU: the gradients (and the exact backward's O and LSE) go through
+// contiguous scratch; dq, dk, dv are written only once everything is computed, and *untrusted
+// (if given) always.
 void run_cpu_backward(const sage::api::ResolvedBackward& r, const sage_backward_args& a) {
   namespace ref = sage::ref;
   const ref::Problem& p = r.problem;
@@ -102,6 +103,7 @@ void run_cpu_backward(const sage::api::ResolvedBackward& r, const sage_backward_
   const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_kv;
   const size_t q_elems = size_t(p.out_elems()), k_elems = size_t(p.batch * p.heads_kv * Nk * D);
   std::vector<double> dq(q_elems), dk(k_elems), dv(k_elems);
+  bool untrusted = false;
   auto o_at = [&](int64_t bh, int64_t i, int64_t d) {
     return ref::load_element(a.o, a.dtype, (bh / p.heads_q) * r.o.batch +
                                                (bh % p.heads_q) * r.o.head + i * r.o.token + d);
@@ -124,17 +126,15 @@ void run_cpu_backward(const sage::api::ResolvedBackward& r, const sage_backward_
     ref::attention_backward_exact(p, q, k, v, of.data(), lf.data(), d_o, dq.data(), dk.data(),
                                   dv.data(), a.num_threads, a.d_lse ? gf.data() : nullptr);
   } else {
-    std::vector<float> of(q_elems), lf(size_t(p.lse_elems())), gf(a.d_lse ? lf.size() : 0);
-    for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh)
-      for (int64_t i = 0; i < Nq; ++i) {
-        lf[size_t(bh * Nq + i)] = lse_at(bh, i);
-        if (a.d_lse) gf[size_t(bh * Nq + i)] = dlse_at(bh, i);
-        for (int64_t d = 0; d < D; ++d) of[size_t((bh * Nq + i) * D + d)] = o_at(bh, i, d);
-      }
+    // SageBwd reads neither O nor the LSE: it normalizes its own scores (ref/backward.cpp).
+    std::vector<float> gf(a.d_lse ? size_t(p.lse_elems()) : 0);
+    for (int64_t bh = 0; a.d_lse && bh < p.batch * p.heads_q; ++bh)
+      for (int64_t i = 0; i < Nq; ++i) gf[size_t(bh * Nq + i)] = dlse_at(bh, i);
     std::vector<float> dqf(q_elems), dkf(k_elems), dvf(k_elems);
-    ref::attention_backward_quant(p, r.config, q, k, v, of.data(), lf.data(), d_o, dqf.data(),
-                                  dkf.data(), dvf.data(), a.num_threads,
-                                  a.d_lse ? gf.data() : nullptr);
+    ref::BackwardCheck check;
+    ref::attention_backward_quant(p, r.config, q, k, v, d_o, dqf.data(), dkf.data(), dvf.data(),
+                                  a.num_threads, a.d_lse ? gf.data() : nullptr, &check);
+    untrusted = check.untrusted;
     dq.assign(dqf.begin(), dqf.end());
     dk.assign(dkf.begin(), dkf.end());
     dv.assign(dvf.begin(), dvf.end());
@@ -151,6 +151,7 @@ void run_cpu_backward(const sage::api::ResolvedBackward& r, const sage_backward_
   store(a.dq, r.dq, p.heads_q, Nq, dq);
   store(a.dk, r.dk, p.heads_kv, Nk, dk);
   store(a.dv, r.dv, p.heads_kv, Nk, dv);
+  if (a.untrusted) *a.untrusted = untrusted ? 1 : 0;
 }
 
 // Runs a CPU reference call, turning its exceptions into statuses.

@@ -2,17 +2,26 @@
 // emulation of SageBwd (paper 004, Algorithm 3) with a switch per matmul between INT8 with
 // per-block scales ψ and the input dtype with fp32 accumulation. Host code; mirrors src/bwd.
 //
-// Both recompute S and P = exp(S - LSE) from the forward's LSE, D = rowsum(dO∘O) from its O,
-// dP = dO·Vᵀ, dS = P∘(dP - D), then dV = Pᵀ·dO, dQ = scale·dS·K, dK = scale·dSᵀ·Q. dK and dV sum
-// over the query heads of a GQA group. Fully masked rows (LSE = -inf) have P = 0.
+// The exact backward recomputes S and P = exp(S - LSE) from the forward's LSE, D = rowsum(dO∘O)
+// from its O, dP = dO·Vᵀ, dS = P∘(dP - D), then dV = Pᵀ·dO, dQ = scale·dS·K, dK = scale·dSᵀ·Q.
+// dK and dV sum over the query heads of a GQA group. Fully masked rows (LSE = -inf) have P = 0.
+//
+// The emulation takes neither: its forward quantized Q and K otherwise (and its O carries FP8
+// error), so exp(S_bwd - LSE_fwd) is no normalized softmax and dO·O_fwd is not Σ_j P_ij·dP_ij;
+// on peaked rows either error is exponential in |S| or cancels the whole gradient. A stats pass
+// computes each row's own normalizer L and D = Σ_j P_ij·dP_ij from the very scores and dP the
+// main pass uses, so every row of P sums to 1 and rowsum(dS) = dL/dLSE.
 //
 // K smoothing: K^ quantizes K - k̄ (k̄ the channel mean over all keys). S then lacks q_i·k̄ on
-// row i, a per-row constant: the LSE the backward uses drops it too (L' = L - scale·q_i·k̄), so
-// P is unchanged. dQ = dS·(K - k̄) + rowsum(dS)·k̄ and rowsum(dS) = Σ_j P_ij dP_ij - D_i = 0
-// (D_i = dO_i·O_i = Σ_j P_ij dO_i·V_j): the term vanishes, dQ is unchanged; dK = dSᵀ·Q and
-// dV = Pᵀ·dO never see K. So smoothing changes no gradient in exact arithmetic, and under
-// quantization ψ(K - k̄) has a finer step wherever K has a channel bias. With a gradient g on the
-// LSE, rowsum(dS_i) = g_i: dQ adds g_i·k̄ back.
+// row i, a per-row constant that the row's own L drops too, so P is unchanged. dQ = dS·(K - k̄) +
+// rowsum(dS)·k̄ and rowsum(dS_i) = g_i (the gradient on the LSE, zero without one): dQ adds g_i·k̄
+// back. dK = dSᵀ·Q and dV = Pᵀ·dO never see K. So smoothing changes no gradient in exact
+// arithmetic, and under quantization ψ(K - k̄) has a finer step wherever K has a channel bias.
+//
+// The check: a score's INT8 error has variance (Δq²·|k_j|² + Δk²·|q_i|²)·scale²/12 (Δ the ψ steps,
+// k_j = K_j - k̄); σ_i² is its P-weighted mean over row i. A head whose root mean square σ
+// exceeds SAGE_BWD_MAX_SCORE_ERROR gets gradients whose cosine to float64 can fall under 0.999
+// (docs/backward.md): the call's gradients are NaN and the verdict says so.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -208,8 +217,8 @@ float round_to(sage_dtype dtype, float x) {
 
 void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
                               const TensorView& q, const TensorView& k, const TensorView& v,
-                              const float* o, const float* lse, const TensorView& d_o, float* dq,
-                              float* dk, float* dv, int threads, const float* d_lse) {
+                              const TensorView& d_o, float* dq, float* dk, float* dv, int threads,
+                              const float* d_lse, BackwardCheck* check) {
   if (const std::string e = backward_config_error(cfg); !e.empty())
     throw Error{SAGE_ERROR_INVALID_ARGUMENT, e};
   const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_kv, G = p.group_ratio();
@@ -224,15 +233,18 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
   const float scale_log2 = float(p.scale * kLog2e);
   const size_t dims = size_t(D);
 
-  // Pre-pass, per (batch, q head): Q, Q^, dO, dO^, L' (log2 units) and D = rowsum(dO∘O).
+  // Pre-pass, per (batch, q head): Q, Q^, dO, dO^, |Q_i|²; per (batch, kv head): K, k̄, K^, V,
+  // |K_j - k̄|².
   struct QSide {
     std::vector<float> q, d_o, lse2, delta;
+    std::vector<double> norm2, sigma2;
     BlockQuant q8, do8;
   };
   struct KSide {
     std::vector<float> k, v;
     BlockQuant k8, v8;
     std::vector<float> k_mean;
+    std::vector<double> norm2;
   };
   std::vector<KSide> kside(size_t(p.batch * p.heads_kv));
   parallel_for(int64_t(kside.size()), threads, [&](int64_t bkv) {
@@ -247,9 +259,13 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       for (int64_t d = 0; d < D; ++d) s.k_mean[size_t(d)] = float(sum[size_t(d)] / double(Nk));
     }
     std::vector<float> ks(s.k.size());
+    s.norm2.assign(size_t(Nk), 0.0);
     for (int64_t j = 0; j < Nk; ++j)
-      for (int64_t d = 0; d < D; ++d)
-        ks[size_t(j * D + d)] = s.k[size_t(j * D + d)] - s.k_mean[size_t(d)];
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = s.k[size_t(j * D + d)] - s.k_mean[size_t(d)];
+        ks[size_t(j * D + d)] = x;
+        s.norm2[size_t(j)] += double(x) * x;
+      }
     s.k8 = psi_rows(ks, Nk, D, bk);
     if (i8_dov) s.v8 = psi_rows(s.v, Nk, D, bk);
   });
@@ -261,20 +277,50 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     s.d_o = load_matrix(d_o, b, bh % p.heads_q, Nq, D);
     s.q8 = psi_rows(s.q, Nq, D, bq);
     s.do8 = psi_rows(s.d_o, Nq, D, bq);
-    s.lse2.resize(size_t(Nq));
-    s.delta.resize(size_t(Nq));
-    const float* km = kside[size_t(kv)].k_mean.data();
+    const KSide& ks = kside[size_t(kv)];
+    s.lse2.assign(size_t(Nq), std::numeric_limits<float>::infinity());
+    s.delta.assign(size_t(Nq), 0.0f);
+    s.norm2.assign(size_t(Nq), 0.0);
+    s.sigma2.assign(size_t(Nq), 0.0);
+    // The stats pass: row i's scores x_ij (log2 units) and dP_ij exactly as the main pass computes
+    // them, then L = max + log2 Σ 2^(x - max) (+inf with no visible key: every P = 0) and
+    // D = Σ P·dP - g. NaN anywhere in the row makes L NaN (never dropped by the max).
+    std::vector<float> x(static_cast<size_t>(Nk)), dp(static_cast<size_t>(Nk));
     for (int64_t i = 0; i < Nq; ++i) {
-      const float L = lse[bh * Nq + i];
-      // Row i's scores lack scale·q_i·k̄ when K is smoothed (and Q·Kᵀ is the INT8 one).
-      const float shift = (smooth_k && i8_qk) ? float(p.scale) * dot32(s.q.data() + i * D, km, D)
-                                              : 0.0f;
-      // A fully masked row (L = -inf) gets +inf, so that every P = 2^(s - inf) is 0.
-      s.lse2[size_t(i)] = L == -std::numeric_limits<float>::infinity()
-                              ? std::numeric_limits<float>::infinity()
-                              : (L - shift) * float(kLog2e);
-      s.delta[size_t(i)] = dot32(s.d_o.data() + i * D, o + (bh * Nq + i) * D, D) -
-                           (d_lse ? d_lse[bh * Nq + i] : 0.0f);
+      const float* qi = s.q.data() + i * D;
+      for (int64_t d = 0; d < D; ++d) s.norm2[size_t(i)] += double(qi[d]) * qi[d];
+      const int64_t ib = i / bq, visible = std::min(Nk, p.visible_keys(i));
+      if (visible <= 0) continue;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < visible; ++j) {
+        const int64_t jb = j / bk;
+        const float qk_scale = i8_qk ? s.q8.scale[size_t(ib)] * ks.k8.scale[size_t(jb)] : 1.0f;
+        const float sij = i8_qk ? dot32(s.q8.values.data() + i * D, ks.k8.values.data() + j * D, D)
+                                : dot32(qi, ks.k.data() + j * D, D);
+        x[size_t(j)] = sij * (qk_scale * scale_log2);
+        const float dov_scale = i8_dov ? s.do8.scale[size_t(ib)] * ks.v8.scale[size_t(jb)] : 1.0f;
+        dp[size_t(j)] =
+            i8_dov ? dot32(s.do8.values.data() + i * D, ks.v8.values.data() + j * D, D) * dov_scale
+                   : dot32(s.d_o.data() + i * D, ks.v.data() + j * D, D);
+        m = nan_max(m, x[size_t(j)]);
+      }
+      double l = 0.0, dsum = 0.0, ak = 0.0, aq = 0.0;
+      for (int64_t j = 0; j < visible; ++j) {
+        const double e = std::exp2(double(x[size_t(j)]) - double(m));
+        const double dk_step = ks.k8.scale[size_t(j / bk)];
+        l += e;
+        dsum += e * dp[size_t(j)];
+        ak += e * ks.norm2[size_t(j)];
+        aq += e * dk_step * dk_step;
+      }
+      const float g = d_lse ? d_lse[bh * Nq + i] : 0.0f;
+      s.lse2[size_t(i)] = float(double(m) + std::log2(l));
+      s.delta[size_t(i)] = float(dsum / l) - g;
+      if (i8_qk) {
+        const double dq_step = s.q8.scale[size_t(ib)];
+        s.sigma2[size_t(i)] = p.scale * p.scale / 12.0 *
+                              (dq_step * dq_step * ak / l + s.norm2[size_t(i)] * aq / l);
+      }
     }
   });
 
@@ -447,6 +493,36 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
             (acc[size_t(r * D + d)] + g * ks.k_mean[size_t(d)]) * float(p.scale);
     }
   });
+
+  // The verdict: per head, the root mean square of σ over its rows that see a key.
+  BackwardCheck local;
+  BackwardCheck& c = check ? *check : local;
+  c.head_error.assign(qside.size(), 0.0);
+  c.untrusted = false;
+  int64_t rows = 0;
+  for (int64_t i = 0; i < Nq; ++i) rows += p.visible_keys(i) > 0 && Nk > 0;
+  for (size_t bh = 0; bh < qside.size(); ++bh) {
+    double sum = 0.0;
+    for (double x : qside[bh].sigma2) sum += x;
+    c.head_error[bh] = rows ? std::sqrt(sum / double(rows)) : 0.0;
+    if (!(c.head_error[bh] <= double(SAGE_BWD_MAX_SCORE_ERROR))) c.untrusted = true;
+  }
+  if (check) {
+    c.lse2.clear();
+    c.delta.clear();
+    c.sigma2.clear();
+    for (const QSide& s : qside) {
+      c.lse2.insert(c.lse2.end(), s.lse2.begin(), s.lse2.end());
+      c.delta.insert(c.delta.end(), s.delta.begin(), s.delta.end());
+      c.sigma2.insert(c.sigma2.end(), s.sigma2.begin(), s.sigma2.end());
+    }
+  }
+  if (c.untrusted) {  // never a gradient the check could not stand behind
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    std::fill(dq, dq + p.out_elems(), nan);
+    std::fill(dk, dk + p.batch * p.heads_kv * Nk * D, nan);
+    std::fill(dv, dv + p.batch * p.heads_kv * Nk * D, nan);
+  }
 }
 
 }  // namespace sage::ref

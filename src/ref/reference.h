@@ -159,12 +159,25 @@ void attention_backward_exact(const Problem& p, const TensorView& q, const Tenso
                               const TensorView& v, const double* o, const double* lse,
                               const TensorView& d_o, double* dq, double* dk, double* dv,
                               int threads = 0, const double* d_lse = nullptr);
-// SageBwd (paper 004, Algorithm 3) as the GPU computes it, every unquantized value in fp32.
+// What the backward's own softmax statistics and its accuracy check found (backward.cpp).
+struct BackwardCheck {
+  // Per (batch, q head, row), contiguous [B, Hq, Nq]: the row's log2-sum-exp of its own INT8
+  // scores (+inf: no visible key), D = Σ_j P_ij·dP_ij − dL/dLSE_i, and σ², the P-weighted
+  // variance estimate of its scores' quantization error (natural-log units squared).
+  std::vector<float> lse2, delta;
+  std::vector<double> sigma2;
+  std::vector<double> head_error;  // [B, Hq]: the root mean square of σ over the head's rows
+  bool untrusted = false;          // some head_error > SAGE_BWD_MAX_SCORE_ERROR (or NaN)
+};
+// SageBwd (paper 004, Algorithm 3) as the GPU computes it, every unquantized value in fp32. It
+// takes neither the forward's O nor its LSE: each row's softmax normalizer and D come from the
+// backward's own scores (so P sums to 1 over each row and rowsum(dS) = dL/dLSE), and when the
+// check finds the INT8 scores too coarse the gradients are NaN (check->untrusted).
 void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
                               const TensorView& q, const TensorView& k, const TensorView& v,
-                              const float* o, const float* lse, const TensorView& d_o, float* dq,
-                              float* dk, float* dv, int threads = 0,
-                              const float* d_lse = nullptr);
+                              const TensorView& d_o, float* dq, float* dk, float* dv,
+                              int threads = 0, const float* d_lse = nullptr,
+                              BackwardCheck* check = nullptr);
 sage_backward_config backward_preset();
 // Empty when `cfg` is usable, else a message naming the bad field and its value.
 std::string backward_config_error(const sage_backward_config& cfg);
