@@ -304,7 +304,7 @@ typedef struct sage_plan_info {
 /* The accuracy check of the 8-bit backward: per query head, the root mean square over its rows of
  * the estimated error of the INT8 scores (natural-log units, each row weighted by its own P) may
  * not exceed this; past it the call's gradients are NaN and *untrusted is 1 (docs/backward.md). */
-#define SAGE_BWD_MAX_SCORE_ERROR 0.05f
+#define SAGE_BWD_MAX_SCORE_ERROR 0.04f
 
 #define SAGE_BWD_OPTION_DETERMINISTIC 1u /* CUDA: dQ summed over key blocks in a fixed order
                                             (no atomics): the same bits on every run. The CPU

@@ -13,7 +13,8 @@ tensors on the GPU kernels, CPU tensors on the CPU reference) and `attention_var
 Context parallelism (Ulysses, ring attention, the LSE merge) on torch.distributed:
 `sage_attn.parallel`.
 """
-from ._lib import SageArgumentError, SageError, SageUnsupportedError, version
+from ._lib import (SageArgumentError, SageBwdFallbackWarning, SageError,  # noqa: F401
+                   SageUnsupportedError, version)
 
 __version__ = "0.1.0"
 
@@ -30,7 +31,8 @@ except ImportError:
     _torch_missing = True
 else:
     _torch_missing = False
-    from ._torch import (dropin_backend, sageattn, sageattn3, sageattn_varlen,  # noqa: F401
+    from ._torch import (backward_fallbacks,  # noqa: F401
+                         dropin_backend, sageattn, sageattn3, sageattn_varlen,
                          scaled_dot_product_attention, set_dropin_crossover)
 
 if _torch_missing:
@@ -41,9 +43,9 @@ if _torch_missing:
                           "work without it")
 
     sageattn = sageattn3 = sageattn_varlen = scaled_dot_product_attention = _needs_torch
-    dropin_backend = set_dropin_crossover = _needs_torch
+    dropin_backend = set_dropin_crossover = backward_fallbacks = _needs_torch
 
 __all__ = ["sageattn", "sageattn3", "sageattn_varlen", "scaled_dot_product_attention", "dropin_backend",
-           "set_dropin_crossover", "attention_numpy", "attention_varlen_numpy", "metrics",
+           "set_dropin_crossover", "backward_fallbacks", "SageBwdFallbackWarning", "attention_numpy", "attention_varlen_numpy", "metrics",
            "version",
            "SageError", "SageArgumentError", "SageUnsupportedError"]

@@ -47,6 +47,11 @@ class SageUnsupportedError(SageArgumentError):
     """Valid arguments that no kernel/backend implements (e.g. head_dim 256 on the GPU)."""
 
 
+class SageBwdFallbackWarning(UserWarning):
+    """A backward that SageBwd's accuracy check sent to 16 bits (torch): its INT8 scores were
+    estimated too coarse for gradients it could stand behind (docs/backward.md)."""
+
+
 # --- structs (field order and types exactly as sage.h; checked against struct_size at load) -----
 class QuantConfig(ctypes.Structure):
     _fields_ = [

@@ -240,10 +240,71 @@ def _lse_strides(field, x):
     field.batch, field.head, field.token = x.stride(0), x.stride(1), x.stride(2)
 
 
+SageBwdFallbackWarning = _lib.SageBwdFallbackWarning
+_fallbacks = 0
+
+
+def backward_fallbacks() -> int:
+    """How many backward calls of this process SageBwd's accuracy check sent to 16 bits."""
+    return _fallbacks
+
+
+def _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale):
+    """The gradients by torch in the inputs' precision: SDPA's own backward where SDPA computes
+    this attention (no LSE gradient; no mask, top-left causal, or square), else the textbook
+    backward in float32, a chunk of query rows at a time (memory B·H·chunk·Nk floats)."""
+    if layout != _lib.LAYOUT_HND:
+        q, k, v, d_o = (x.transpose(1, 2) for x in (q, k, v, d_o))
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    causal = mask != _lib.MASK_NONE
+    if d_lse is None and (not causal or mask == _lib.MASK_CAUSAL_TOP_LEFT or Nq == Nk):
+        with torch.enable_grad():
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            out = _torch_sdpa(qq, kk, vv, is_causal=causal, scale=scale, enable_gqa=G > 1)
+            dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), d_o)
+    else:
+        f = torch.float32
+        kf = k.to(f).repeat_interleave(G, dim=1)
+        vf = v.to(f).repeat_interleave(G, dim=1)
+        dq = torch.empty(q.shape, dtype=f, device=q.device)
+        dkf, dvf = torch.zeros_like(kf), torch.zeros_like(vf)
+        offset = (Nk - Nq if mask == _lib.MASK_CAUSAL_BOTTOM_RIGHT else 0) if causal else None
+        chunk = max(1, (1 << 26) // max(1, B * Hq * Nk))
+        for i0 in range(0, Nq, chunk):
+            i1 = min(Nq, i0 + chunk)
+            qc, doc = q[:, :, i0:i1].to(f), d_o[:, :, i0:i1].to(f)
+            s = torch.matmul(qc, kf.transpose(-1, -2)) * scale
+            if causal:
+                rows = torch.arange(i0, i1, device=q.device)[:, None]
+                cols = torch.arange(Nk, device=q.device)[None, :]
+                s = s.masked_fill(cols > rows + offset, float("-inf"))
+            lse = torch.logsumexp(s, dim=-1, keepdim=True)
+            p = torch.exp(s - lse.masked_fill(torch.isinf(lse) & (lse < 0), 0.0))
+            dp = torch.matmul(doc, vf.transpose(-1, -2))
+            g = d_lse[:, :, i0:i1, None].to(f) if d_lse is not None else 0.0
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True) + g)
+            dq[:, :, i0:i1] = torch.matmul(ds, kf) * scale
+            dkf += torch.matmul(ds.transpose(-1, -2), qc) * scale
+            dvf += torch.matmul(p.transpose(-1, -2), doc)
+        dk = dkf.view(B, Hkv, G, Nk, D).sum(2)
+        dv = dvf.view(B, Hkv, G, Nk, D).sum(2)
+        dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if layout != _lib.LAYOUT_HND:
+        dq, dk, dv = (x.transpose(1, 2) for x in (dq, dk, dv))
+    return dq, dk, dv
+
+
 def _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family=0):
     """dq, dk, dv of the attention whose output o and LSE the forward gave (SageBwd on CUDA
     tensors, the CPU reference's SageBwd emulation on CPU ones). d_lse may be None. family: the
-    forward's kernel choice (sage_backward_args.kernel: the same family runs the backward)."""
+    forward's kernel choice (sage_backward_args.kernel: the same family runs the backward).
+
+    SageBwd normalizes its own scores and checks them (docs/backward.md): where it estimates its
+    INT8 scores too coarse for a gradient it can stand behind, it returns NaN and says so, and
+    this call's gradients are computed in 16 bits by torch instead (one host synchronization a
+    call reads the verdict). Under CUDA-graph capture nothing can be read: the NaN stays."""
     if d_o.stride(-1) != 1:  # (autograd hands expanded or transposed gradients too)
         d_o = d_o.contiguous()
     if d_lse is not None and d_lse.stride(-1) != 1:
@@ -270,6 +331,9 @@ def _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family=0):
     a.mask = mask
     if torch.are_deterministic_algorithms_enabled():  # (the CPU reference is either way)
         a.options = _lib.BWD_OPTION_DETERMINISTIC
+    untrusted = torch.empty((1,), dtype=torch.int32, device=q.device)
+    a.untrusted = untrusted.data_ptr()
+    capturing = False
     if q.is_cuda:
         with torch.cuda.device(q.device):
             a.backend = _lib.BACKEND_CUDA
@@ -279,9 +343,24 @@ def _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family=0):
             ws = q.new_empty((max(n, 1),), dtype=torch.uint8)
             a.workspace, a.workspace_size = ws.data_ptr(), n
             _lib.run_backward(a)
+            capturing = torch.cuda.is_current_stream_capturing()
     else:
         a.backend = _lib.BACKEND_CPU
         _lib.run_backward(a)
+    if capturing:
+        if "capture" not in _warned:
+            _warned.add("capture")
+            warnings.warn("sage_attn: under CUDA-graph capture SageBwd's accuracy check cannot hand "
+                          "a backward to 16 bits: a call it rejects returns NaN gradients",
+                          SageBwdFallbackWarning, stacklevel=2)
+    elif untrusted.item():
+        global _fallbacks
+        _fallbacks += 1
+        warnings.warn("sage_attn: SageBwd's accuracy check estimated the INT8 scores of this call "
+                      "too coarse for its gradients (outlier channels or peaked rows): they were "
+                      "computed in 16 bits by torch instead (sage_attn.backward_fallbacks() counts "
+                      "these)", SageBwdFallbackWarning, stacklevel=2)
+        return _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale)
     return dq, dk, dv
 
 

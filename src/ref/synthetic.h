@@ -45,4 +45,41 @@ struct SyntheticInputs {
 
 SyntheticInputs make_inputs(const SyntheticSpec& spec);
 
+// Inputs with the structure training sees, for the backward's accuracy check: N(0,1) Q, K, V and
+// dO, then one class of structure at a strength. HND, contiguous, rounded to dtype (uint16 bits).
+enum class TrainingClass {
+  kNormal,        // nothing more
+  kOutlierScale,  // `channels` channels of Q and K (the same ones) times `strength`
+  kOutlierBias,   // those channels offset by ±strength (a per-channel sign)
+  kSink,          // key 0 of every KV head `strength` times longer, leaning along the mean query
+  kPeaked,        // Q scaled so the scores' standard deviation is about `strength`
+  kOutlierSink,   // kOutlierScale at `strength` plus a sink of 5
+};
+
+struct TrainingSpec {
+  int64_t batch = 1, heads_q = 4, heads_kv = 1, seq_q = 256, seq_kv = 256, head_dim = 64;
+  sage_dtype dtype = SAGE_DTYPE_BF16;
+  TrainingClass kind = TrainingClass::kNormal;
+  float strength = 1.0f;
+  int64_t channels = 4;
+  uint64_t seed = 1;
+};
+
+struct TrainingInputs {
+  TrainingSpec spec;
+  std::vector<uint16_t> q, k, v, d_o;  // dtype bits, HND, contiguous
+
+  TensorView q_view() const { return view(q.data(), spec.heads_q, spec.seq_q); }
+  TensorView k_view() const { return view(k.data(), spec.heads_kv, spec.seq_kv); }
+  TensorView v_view() const { return view(v.data(), spec.heads_kv, spec.seq_kv); }
+  TensorView d_o_view() const { return view(d_o.data(), spec.heads_q, spec.seq_q); }
+
+ private:
+  TensorView view(const uint16_t* p, int64_t heads, int64_t seq) const {
+    return {p, spec.dtype, contiguous_strides(SAGE_LAYOUT_HND, heads, seq, spec.head_dim)};
+  }
+};
+
+TrainingInputs make_training_inputs(const TrainingSpec& spec);
+
 }  // namespace sage::ref

@@ -4,6 +4,7 @@ torch's own fp16/bf16 SDPA backward, a gradient through the returned LSE, bit-id
 under torch.use_deterministic_algorithms(True), the SDPA drop-in in training,
 torch.compile(fullgraph=True). GPU tests skip themselves without a CUDA device."""
 import contextlib
+import warnings
 
 import numpy as np
 import pytest
@@ -240,3 +241,57 @@ def test_gpu_compile_fullgraph_backward(gen):
     want = sage_grads(q, k, v, do, True)
     for g, w in zip((qq.grad, kk.grad, vv.grad), want):
         assert cos(g, w) > 0.99999  # the same kernels (dQ's atomics may reorder its sums)
+
+
+def structured(gen, kind, strength, b, hq, hkv, n, d, dtype, device):
+    """N(0,1) inputs with one kind of training structure: 'outliers' (4 channels of Q and K
+    times strength), 'peaked' (Q times strength: scores of that standard deviation)."""
+    q, k, v, do = inputs(gen, b, hq, hkv, n, n, d, torch.float32, "cpu")
+    if kind == "outliers":
+        ch = torch.arange(4) * (d // 4)
+        q[..., ch] *= strength
+        k[..., ch] *= strength
+    elif kind == "peaked":
+        q *= strength
+    return tuple(x.to(dtype=dtype, device=device) for x in (q, k, v, do))
+
+
+@pytest.mark.parametrize("causal,layout,with_lse", [
+    (False, "HND", False), (True, "NHD", False), (True, "HND", True)])
+def test_cpu_check_sends_coarse_scores_to_16_bits(gen, causal, layout, with_lse):
+    """Outlier channels x16: the check refuses the 8-bit gradients and the call computes them in
+    16 bits by torch, with a warning and the counter; they match float64 as torch's would."""
+    q, k, v, do = structured(gen, "outliers", 16.0, 1, 4, 2, 75, 64, torch.float32, "cpu")
+    d_lse = torch.randn((1, 4, 75), generator=gen) if with_lse else None
+    tr = (lambda x: x.transpose(1, 2).contiguous()) if layout == "NHD" else (lambda x: x)
+    qq, kk, vv = (tr(x).requires_grad_() for x in (q, k, v))
+    before = sage_attn.backward_fallbacks()
+    with pytest.warns(sage_attn.SageBwdFallbackWarning, match="16 bits"):
+        o, lse = sage_attn.sageattn(qq, kk, vv, tensor_layout=layout, is_causal=causal,
+                                    return_lse=True)
+        loss = (o * tr(do)).sum() + ((lse * d_lse).sum() if with_lse else 0.0)
+        loss.backward()
+    assert sage_attn.backward_fallbacks() == before + 1
+    want = grads64(q, k, v, do, causal, d_lse)
+    for g, w in zip((qq.grad, kk.grad, vv.grad), want):
+        g = g.transpose(1, 2) if layout == "NHD" else g
+        assert torch.isfinite(g).all()
+        assert cos(g, w) > 0.99999 and rel_l1(g, w) < 1e-4
+
+
+@pytest.mark.parametrize("kind,strength", [("outliers", 1.0), ("outliers", 10.0),
+                                           ("peaked", 4.0), ("peaked", 20.0)])
+def test_cpu_training_inputs_never_silently_wrong(gen, kind, strength):
+    """Whatever path the check picks, the gradients meet the bar on the classes that broke the
+    8-bit backward (peaked rows and outlier channels: cos 0.5-0.9 before it normalized its own
+    scores), and plain inputs stay in 8 bits."""
+    q, k, v, do = structured(gen, kind, strength, 1, 4, 1, 130, 64, torch.bfloat16, "cpu")
+    before = sage_attn.backward_fallbacks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sage_attn.SageBwdFallbackWarning)
+        got = sage_grads(q, k, v, do, True)
+    if strength == 1.0:
+        assert sage_attn.backward_fallbacks() == before
+    want = grads64(q, k, v, do, True)
+    for g, w in zip(got, want):
+        assert cos(g, w) > 0.999

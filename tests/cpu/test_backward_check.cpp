@@ -1,0 +1,219 @@
+// SageBwd on the inputs training sees (ref::make_training_inputs: outlier channels as a scale
+// and as a bias, attention sinks, peaked rows; GQA, causal, bf16 and fp16): every call either
+// returns gradients within cosine 0.999 of float64 or is refused by its accuracy check (NaN
+// gradients, untrusted set), never silently wrong; the rows of its recomputed P sum to 1; and
+// the C entry point writes the verdict.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../common/test_util.h"
+#include "ref/reference.h"
+#include "ref/synthetic.h"
+#include "sage/sage.h"
+
+namespace sage {
+namespace {
+
+using test::fresh_seed;
+using ref::TrainingClass;
+
+struct Exact {
+  std::vector<double> dq, dk, dv;
+};
+
+Exact exact_grads(const ref::Problem& p, const ref::TrainingInputs& in) {
+  std::vector<double> o(size_t(p.out_elems())), lse(size_t(p.lse_elems()));
+  ref::attention_exact(p, in.q_view(), in.k_view(), in.v_view(), o.data(), lse.data(), 2);
+  Exact g;
+  g.dq.resize(o.size());
+  g.dk.resize(in.k.size());
+  g.dv.resize(in.k.size());
+  ref::attention_backward_exact(p, in.q_view(), in.k_view(), in.v_view(), o.data(), lse.data(),
+                                in.d_o_view(), g.dq.data(), g.dk.data(), g.dv.data(), 2);
+  return g;
+}
+
+ref::Problem problem_of(const ref::TrainingSpec& s, sage_mask mask) {
+  return ref::Problem{s.batch,   s.heads_q, s.heads_kv, s.seq_q, s.seq_kv, s.head_dim,
+                      1.0 / std::sqrt(double(s.head_dim)), mask};
+}
+
+double cosine(const std::vector<double>& t, const std::vector<float>& x) {
+  return ref::compare(t.data(), x.data(), int64_t(x.size())).cos;
+}
+
+bool all_nan(const std::vector<float>& x) {
+  for (float e : x)
+    if (!std::isnan(e)) return false;
+  return true;
+}
+
+struct Case {
+  TrainingClass kind;
+  float strength;
+  const char* name;
+};
+
+// Every class at strengths on both sides of what 8 bits can carry: accepted calls meet the bar,
+// refused ones are all NaN. The plain and the extreme cases pin the check to both outcomes (a
+// check that accepted or refused everything fails here).
+TEST(BackwardCheck, EveryTrainingClassIsAccurateOrRefused) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Case cases[] = {
+      {TrainingClass::kNormal, 1, "normal"},          {TrainingClass::kOutlierScale, 3, "x3"},
+      {TrainingClass::kOutlierScale, 6, "x6"},        {TrainingClass::kOutlierScale, 16, "x16"},
+      {TrainingClass::kOutlierBias, 8, "bias 8"},     {TrainingClass::kOutlierBias, 16, "bias 16"},
+      {TrainingClass::kSink, 5, "sink 5"},            {TrainingClass::kSink, 10, "sink 10"},
+      {TrainingClass::kPeaked, 4, "peaked 4"},        {TrainingClass::kPeaked, 20, "peaked 20"},
+      {TrainingClass::kOutlierSink, 10, "x10 + sink"}};
+  int accepted = 0, refused = 0;
+  for (const Case& c : cases) {
+    for (const bool causal : {false, true}) {
+      ref::TrainingSpec s;
+      s.kind = c.kind;
+      s.strength = c.strength;
+      s.seq_q = s.seq_kv = 193;  // not a multiple of the 64-row blocks
+      s.head_dim = 64;
+      s.heads_q = 4;
+      s.heads_kv = causal ? 1 : 2;  // MQA and GQA 2:1
+      s.dtype = causal ? SAGE_DTYPE_BF16 : SAGE_DTYPE_FP16;
+      s.seed = seed + uint64_t(&c - cases) * 2 + causal;
+      const ref::TrainingInputs in = ref::make_training_inputs(s);
+      const ref::Problem p = problem_of(s, causal ? SAGE_MASK_CAUSAL_BOTTOM_RIGHT : SAGE_MASK_NONE);
+      const Exact t = exact_grads(p, in);
+      std::vector<float> dq(t.dq.size()), dk(t.dk.size()), dv(t.dv.size());
+      ref::BackwardCheck check;
+      ref::attention_backward_quant(p, ref::backward_preset(), in.q_view(), in.k_view(),
+                                    in.v_view(), in.d_o_view(), dq.data(), dk.data(), dv.data(),
+                                    2, nullptr, &check);
+      SCOPED_TRACE(std::string(c.name) + (causal ? " causal" : ""));
+      double worst = 0.0;
+      for (double e : check.head_error) worst = std::max(worst, e);
+      if (check.untrusted) {
+        ++refused;
+        EXPECT_GT(worst, double(SAGE_BWD_MAX_SCORE_ERROR));
+        EXPECT_TRUE(all_nan(dq) && all_nan(dk) && all_nan(dv));
+      } else {
+        ++accepted;
+        EXPECT_LE(worst, double(SAGE_BWD_MAX_SCORE_ERROR));
+        EXPECT_GT(cosine(t.dq, dq), 0.999) << "score error " << worst;
+        EXPECT_GT(cosine(t.dk, dk), 0.999) << "score error " << worst;
+        EXPECT_GT(cosine(t.dv, dv), 0.999) << "score error " << worst;
+      }
+      if (c.kind == TrainingClass::kNormal) {
+        EXPECT_FALSE(check.untrusted);
+      }
+      if (c.strength >= 16 || c.kind == TrainingClass::kOutlierSink) {
+        EXPECT_TRUE(check.untrusted);
+      }
+    }
+  }
+  EXPECT_GT(accepted, 0);
+  EXPECT_GT(refused, 0);
+}
+
+// The backward's P is a normalized softmax of its own scores: with the scores in fp32 (no INT8
+// Q·Kᵀ, so the test can recompute them) Σ_j 2^(x_ij - L_i) = 1 on every row, peaked or not, and
+// D_i = Σ_j P_ij·dP_ij.
+TEST(BackwardCheck, RowsOfTheRecomputedPSumToOne) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  ref::TrainingSpec s;
+  s.kind = TrainingClass::kPeaked;
+  s.strength = 12;
+  s.seq_q = 70;
+  s.seq_kv = 150;
+  s.heads_q = 2;
+  s.heads_kv = 1;
+  s.dtype = SAGE_DTYPE_FP16;
+  s.seed = seed;
+  const ref::TrainingInputs in = ref::make_training_inputs(s);
+  const ref::Problem p = problem_of(s, SAGE_MASK_CAUSAL_BOTTOM_RIGHT);
+  sage_backward_config cfg = ref::backward_preset();
+  cfg.int8 = SAGE_BWD_INT8_PDO | SAGE_BWD_INT8_DSK | SAGE_BWD_INT8_DSQ;
+  std::vector<float> dq(size_t(p.out_elems())), dk(in.k.size()), dv(in.k.size());
+  ref::BackwardCheck check;
+  ref::attention_backward_quant(p, cfg, in.q_view(), in.k_view(), in.v_view(), in.d_o_view(),
+                                dq.data(), dk.data(), dv.data(), 1, nullptr, &check);
+  ASSERT_EQ(check.lse2.size(), size_t(p.lse_elems()));
+  EXPECT_FALSE(check.untrusted);  // no INT8 scores: nothing to refuse
+  const int64_t D = p.head_dim;
+  const double scale_log2 = p.scale * 1.4426950408889634;
+  for (int64_t h = 0; h < p.heads_q; ++h) {
+    const std::vector<float> q = ref::load_matrix(in.q_view(), 0, h, p.seq_q, D),
+                             k = ref::load_matrix(in.k_view(), 0, 0, p.seq_kv, D),
+                             v = ref::load_matrix(in.v_view(), 0, 0, p.seq_kv, D),
+                             d_o = ref::load_matrix(in.d_o_view(), 0, h, p.seq_q, D);
+    for (int64_t i = 0; i < p.seq_q; ++i) {
+      double sum = 0.0, pdp = 0.0;
+      for (int64_t j = 0; j < p.visible_keys(i); ++j) {
+        double x = 0.0, dp = 0.0;
+        for (int64_t d = 0; d < D; ++d) {
+          x += double(q[size_t(i * D + d)]) * k[size_t(j * D + d)];
+          dp += double(d_o[size_t(i * D + d)]) * v[size_t(j * D + d)];
+        }
+        const double pij = std::exp2(x * scale_log2 - check.lse2[size_t(h * p.seq_q + i)]);
+        sum += pij;
+        pdp += pij * dp;
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-5) << "head " << h << " row " << i;
+      EXPECT_NEAR(check.delta[size_t(h * p.seq_q + i)], pdp, 1e-4 * (1.0 + std::fabs(pdp)))
+          << "head " << h << " row " << i;
+    }
+  }
+}
+
+// A call whose inputs hold a NaN is refused too (its estimate is NaN): NaN gradients either way,
+// and the C entry point reports the verdict on the CPU backend, 0 or 1, always written.
+TEST(BackwardCheck, TheCEntryPointWritesTheVerdict) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const TrainingClass kind : {TrainingClass::kNormal, TrainingClass::kOutlierScale}) {
+    ref::TrainingSpec s;
+    s.kind = kind;
+    s.strength = 16;
+    s.seq_q = s.seq_kv = 96;
+    s.heads_q = s.heads_kv = 2;
+    s.dtype = SAGE_DTYPE_FP16;
+    s.seed = seed;
+    const ref::TrainingInputs in = ref::make_training_inputs(s);
+    const size_t qn = in.q.size(), kn = in.k.size();
+    std::vector<uint16_t> o(qn, 0), dq(qn), dk(kn), dv(kn);
+    std::vector<float> lse(size_t(s.batch * s.heads_q * s.seq_q), 0.0f);
+    sage_backward_args a;
+    ASSERT_EQ(sage_backward_args_init(&a), SAGE_OK);
+    a.q = in.q.data();
+    a.k = in.k.data();
+    a.v = in.v.data();
+    a.o = o.data();
+    a.lse = lse.data();
+    a.d_o = in.d_o.data();
+    a.dq = dq.data();
+    a.dk = dk.data();
+    a.dv = dv.data();
+    a.batch = s.batch;
+    a.heads_q = s.heads_q;
+    a.heads_kv = s.heads_kv;
+    a.seq_q = s.seq_q;
+    a.seq_kv = s.seq_kv;
+    a.head_dim = s.head_dim;
+    a.dtype = SAGE_DTYPE_FP16;
+    a.backend = SAGE_BACKEND_CPU;
+    int32_t untrusted = -7;
+    a.untrusted = &untrusted;
+    ASSERT_EQ(sage_attention_backward(&a), SAGE_OK) << sage_last_error();
+    const bool expect = kind != TrainingClass::kNormal;
+    EXPECT_EQ(untrusted, expect ? 1 : 0);
+    const float first = decode_float(kFp16, dq[0]);
+    EXPECT_EQ(std::isnan(first), expect);
+  }
+}
+
+}  // namespace
+}  // namespace sage
