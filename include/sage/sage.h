@@ -325,8 +325,9 @@ typedef struct sage_backward_args {
   size_t struct_size; /* sizeof(sage_backward_args), set by sage_backward_args_init */
 
   const void* q, *k, *v; /* the forward's inputs, shapes as in sage_attention_args */
-  const void* o;         /* the forward's output, q's shape */
-  const float* lse;      /* the forward's LSE, [B, Hq, Nq] fp32 (natural log) */
+  const void* o;         /* the forward's output, q's shape, and its LSE, [B, Hq, Nq] fp32 */
+  const float* lse;      /* (natural log): read by variant EXACT only (may be NULL otherwise):
+                            SageBwd recomputes each row's normalizer from its own scores */
   const void* d_o;       /* dL/dO, q's shape */
   const float* d_lse;    /* optional dL/dLSE, [B, Hq, Nq] fp32 (NULL: zero): a gradient that
                             reaches the LSE output (merging partial attentions) */

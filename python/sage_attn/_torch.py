@@ -296,10 +296,73 @@ def _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale):
     return dq, dk, dv
 
 
-def _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family=0):
-    """dq, dk, dv of the attention whose output o and LSE the forward gave (SageBwd on CUDA
-    tensors, the CPU reference's SageBwd emulation on CPU ones). d_lse may be None. family: the
-    forward's kernel choice (sage_backward_args.kernel: the same family runs the backward).
+def _launch_backward(q, k, v, d_o, d_lse, layout, mask, scale, family, out, untrusted,
+                     workspace=None):
+    """One sage_attention_backward() call writing out = (dq, dk, dv) and the verdict into
+    untrusted (an int32 element, read by the caller). workspace: a device buffer at least this
+    call's size (allocated here when None)."""
+    dq, dk, dv = out
+    hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
+    a = _lib.new_backward_args()
+    a.q, a.k, a.v, a.o, a.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), None, None
+    a.d_o = d_o.data_ptr()
+    a.d_lse = d_lse.data_ptr() if d_lse is not None else None
+    a.dq, a.dk, a.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    a.batch, a.heads_q, a.heads_kv = q.shape[0], q.shape[hi], k.shape[hi]
+    a.seq_q, a.seq_kv, a.head_dim = q.shape[ni], k.shape[ni], q.shape[3]
+    a.layout = layout
+    for field, x in (("q_strides", q), ("k_strides", k), ("v_strides", v), ("do_strides", d_o),
+                     ("dq_strides", dq), ("dk_strides", dk), ("dv_strides", dv)):
+        _lib.set_strides(getattr(a, field), layout, list(x.stride()))
+    if d_lse is not None:
+        _lse_strides(a.dlse_strides, d_lse)
+    a.dtype = _DTYPE_CODES[q.dtype]
+    a.scale = scale
+    a.mask = mask
+    if torch.are_deterministic_algorithms_enabled():  # (the CPU reference is either way)
+        a.options = _lib.BWD_OPTION_DETERMINISTIC
+    a.untrusted = untrusted.data_ptr()
+    if q.is_cuda:
+        with torch.cuda.device(q.device):
+            a.backend = _lib.BACKEND_CUDA
+            a.stream = _current_stream(q.device)
+            a.kernel = family
+            n = _lib.backward_workspace_size(a)
+            if workspace is None or workspace.numel() < n:
+                workspace = q.new_empty((max(n, 1),), dtype=torch.uint8)
+            a.workspace, a.workspace_size = workspace.data_ptr(), workspace.numel()
+            _lib.run_backward(a)
+    else:
+        a.backend = _lib.BACKEND_CPU
+        _lib.run_backward(a)
+    return workspace
+
+
+def _verdicts_readable(device):
+    """Whether the check's verdicts can be read now (not under CUDA-graph capture)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if "capture" not in _warned:
+            _warned.add("capture")
+            warnings.warn("sage_attn: under CUDA-graph capture SageBwd's accuracy check cannot hand "
+                          "a backward to 16 bits: a call it rejects returns NaN gradients",
+                          SageBwdFallbackWarning, stacklevel=3)
+        return False
+    return True
+
+
+def _note_fallback(calls=1):
+    global _fallbacks
+    _fallbacks += calls
+    warnings.warn("sage_attn: SageBwd's accuracy check estimated the INT8 scores of this call too "
+                  "coarse for its gradients (outlier channels or peaked rows): they were computed "
+                  "in 16 bits by torch instead (sage_attn.backward_fallbacks() counts these)",
+                  SageBwdFallbackWarning, stacklevel=3)
+
+
+def _backward(q, k, v, d_o, d_lse, layout, mask, scale, family=0):
+    """dq, dk, dv of the attention of q, k, v against dO (SageBwd on CUDA tensors, the CPU
+    reference's SageBwd emulation on CPU ones). d_lse may be None. family: the forward's kernel
+    choice (sage_backward_args.kernel: the same family runs the backward).
 
     SageBwd normalizes its own scores and checks them (docs/backward.md): where it estimates its
     INT8 scores too coarse for a gradient it can stand behind, it returns NaN and says so, and
@@ -309,71 +372,24 @@ def _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family=0):
         d_o = d_o.contiguous()
     if d_lse is not None and d_lse.stride(-1) != 1:
         d_lse = d_lse.contiguous()
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
-    a = _lib.new_backward_args()
-    a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
-    a.lse, a.d_o = lse.data_ptr(), d_o.data_ptr()
-    a.d_lse = d_lse.data_ptr() if d_lse is not None else None
-    a.dq, a.dk, a.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
-    a.batch, a.heads_q, a.heads_kv = q.shape[0], q.shape[hi], k.shape[hi]
-    a.seq_q, a.seq_kv, a.head_dim = q.shape[ni], k.shape[ni], q.shape[3]
-    a.layout = layout
-    for field, x in (("q_strides", q), ("k_strides", k), ("v_strides", v), ("o_strides", o),
-                     ("do_strides", d_o), ("dq_strides", dq), ("dk_strides", dk),
-                     ("dv_strides", dv)):
-        _lib.set_strides(getattr(a, field), layout, list(x.stride()))
-    _lse_strides(a.lse_strides, lse)
-    if d_lse is not None:
-        _lse_strides(a.dlse_strides, d_lse)
-    a.dtype = _DTYPE_CODES[q.dtype]
-    a.scale = scale
-    a.mask = mask
-    if torch.are_deterministic_algorithms_enabled():  # (the CPU reference is either way)
-        a.options = _lib.BWD_OPTION_DETERMINISTIC
+    out = (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
     untrusted = torch.empty((1,), dtype=torch.int32, device=q.device)
-    a.untrusted = untrusted.data_ptr()
-    capturing = False
-    if q.is_cuda:
-        with torch.cuda.device(q.device):
-            a.backend = _lib.BACKEND_CUDA
-            a.stream = _current_stream(q.device)
-            a.kernel = family
-            n = _lib.backward_workspace_size(a)
-            ws = q.new_empty((max(n, 1),), dtype=torch.uint8)
-            a.workspace, a.workspace_size = ws.data_ptr(), n
-            _lib.run_backward(a)
-            capturing = torch.cuda.is_current_stream_capturing()
-    else:
-        a.backend = _lib.BACKEND_CPU
-        _lib.run_backward(a)
-    if capturing:
-        if "capture" not in _warned:
-            _warned.add("capture")
-            warnings.warn("sage_attn: under CUDA-graph capture SageBwd's accuracy check cannot hand "
-                          "a backward to 16 bits: a call it rejects returns NaN gradients",
-                          SageBwdFallbackWarning, stacklevel=2)
-    elif untrusted.item():
-        global _fallbacks
-        _fallbacks += 1
-        warnings.warn("sage_attn: SageBwd's accuracy check estimated the INT8 scores of this call "
-                      "too coarse for its gradients (outlier channels or peaked rows): they were "
-                      "computed in 16 bits by torch instead (sage_attn.backward_fallbacks() counts "
-                      "these)", SageBwdFallbackWarning, stacklevel=2)
+    _launch_backward(q, k, v, d_o, d_lse, layout, mask, scale, family, out, untrusted)
+    if _verdicts_readable(q.device) and untrusted.item():
+        _note_fallback()
         return _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale)
-    return dq, dk, dv
+    return out
 
 
 @torch.library.custom_op("sage_attn::attention_backward", mutates_args=())
-def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, d_o: torch.Tensor, d_lse: Optional[torch.Tensor],
-                 layout: int, mask: int, scale: float, family: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family)
+def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_o: torch.Tensor,
+                 d_lse: Optional[torch.Tensor], layout: int, mask: int, scale: float,
+                 family: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(q, k, v, d_o, d_lse, layout, mask, scale, family)
 
 
 @_backward_op.register_fake
-def _(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family=0):
+def _(q, k, v, d_o, d_lse, layout, mask, scale, family=0):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
@@ -381,13 +397,14 @@ def _(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family=0):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, layout, mask, scale = inputs[:6]
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    _, lse = output
+    # Not O: SageBwd normalizes its own scores. The LSE (small) says whether SDPA ran instead.
+    ctx.save_for_backward(q, k, v, lse)
     ctx.attn = (layout, mask, scale, inputs[12] if len(inputs) > 12 else 0)
 
 
 def _attention_grad(ctx, d_o, d_lse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, lse = ctx.saved_tensors
     layout, mask, scale, family = ctx.attn
     nones = (None,) * 10
     if lse.numel() == 0:
@@ -400,7 +417,7 @@ def _attention_grad(ctx, d_o, d_lse):
             return (*torch.autograd.grad(out, (qq, kk, vv), d_o), *nones)
     if d_lse is not None and d_lse.numel() == 0:
         d_lse = None
-    dq, dk, dv = _backward_op(q, k, v, o, lse, d_o, d_lse, layout, mask, scale, family)
+    dq, dk, dv = _backward_op(q, k, v, d_o, d_lse, layout, mask, scale, family)
     return (dq, dk, dv, *nones)
 
 
@@ -548,8 +565,9 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     replayed with new cu_seqlens contents of the same batch size (max_seqlen_q/k and the totals
     fixed at capture bound them). The GPU does not check cu_seqlens' contents: lengths that break
     the conventions leave rows unwritten (never memory outside the tensors). CPU tensors run the
-    library's CPU reference, which checks them. No autograd yet: inputs that require grad raise
-    NotImplementedError. kernel: None (the library's choice: on sm_90 the wgmma kernel for 8-bit
+    library's CPU reference, which checks them. Differentiable: each sequence's gradients are
+    SageBwd's of that sequence alone (as a dense sageattn call of it computes them; the backward
+    reads cu_seqlens on the host). kernel: None (the library's choice: on sm_90 the wgmma kernel for 8-bit
     calls whose q rows it can read, else mma.sync), "mma" or "sm90", as in sageattn."""
     _lib.check_call_flags(causal_align, is_causal, return_lse)
     named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
@@ -561,10 +579,6 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         if x.device != q.device:
             raise ValueError(f"{name}: on {x.device}, but q is on {q.device} (every tensor of "
                              "the call, cu_seqlens included, must be on one device)")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        # Silently returning an output without a gradient would lose it: refuse instead.
-        raise NotImplementedError("sageattn_varlen: no backward for packed batches yet (call it "
-                                  "under torch.no_grad() or on tensors that do not require grad)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype not in _DTYPE_CODES:
             raise TypeError(f"{name}: dtype {x.dtype} is not supported; pass float16, bfloat16 "
@@ -585,6 +599,22 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     kernel_code = _kernel_code(kernel)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    scale = _scale(sm_scale, q.shape[-1], "sm_scale")
+    mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        o, lse = _VarlenAttention.apply(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask,
+                                        scale, (qk_bits, smooth_q, smooth_k, smooth_v),
+                                        kernel_code, return_lse)
+        return (o, lse) if return_lse else o
+    o, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, scale,
+                             (qk_bits, smooth_q, smooth_k, smooth_v), kernel_code, return_lse)
+    return (o, lse) if return_lse else o
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, scale, quant,
+                    kernel_code, return_lse):
+    """sageattn_varlen's forward on checked arguments: (o, lse or None)."""
+    qk_bits, smooth_q, smooth_k, smooth_v = quant
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = (torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
            if return_lse else None)
@@ -596,13 +626,13 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                     {f: (x.stride(0), x.stride(1)) for f, x in
                      (("q_strides", q), ("k_strides", k), ("v_strides", v), ("o_strides", o))})
     a.dtype = _DTYPE_CODES[q.dtype]
-    a.scale = _scale(sm_scale, q.shape[-1], "sm_scale")
-    a.mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
+    a.scale = scale
+    a.mask = mask
     a.variant, a.quant = _lib.quant_settings(qk_bits, smooth_q, smooth_k, smooth_v)
     if not q.is_cuda:
         a.backend = _lib.BACKEND_CPU
         _lib.run(a)
-        return (o, lse) if return_lse else o
+        return o, lse
     if q.dtype == torch.float32:
         raise TypeError("q: float32 CUDA tensors have no GPU kernel; pass float16 or bfloat16")
     a.backend = _lib.BACKEND_CUDA
@@ -615,7 +645,61 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         ws = torch.empty((max(size, 1),), dtype=torch.uint8, device=q.device)
         a.workspace, a.workspace_size = ws.data_ptr(), size
         _lib.run(a)
-    return (o, lse) if return_lse else o
+    return o, lse
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """sageattn_varlen with a backward: each sequence's gradients are SageBwd's of that sequence
+    alone, one backward call a sequence on views of the packed tensors (the same call, inputs and
+    kernel family as a dense sageattn of that sequence: bit-identical to it under
+    torch.use_deterministic_algorithms(True)). The backward reads cu_seqlens on the host and
+    every sequence's verdict with one synchronization; a sequence the check refuses is
+    recomputed in 16 bits by torch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, scale, quant,
+                kernel_code, return_lse):
+        o, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, scale,
+                                 quant, kernel_code, return_lse)
+        ctx.save_for_backward(q, k, v, cu_q, cu_k)
+        ctx.attn = (mask, scale, kernel_code)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, d_o, d_lse):
+        q, k, v, cu_q, cu_k = ctx.saved_tensors
+        mask, scale, family = ctx.attn
+        if d_o.stride(-1) != 1:
+            d_o = d_o.contiguous()
+        if d_lse is not None and d_lse.stride(-1) != 1:
+            d_lse = d_lse.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+        batch = len(starts_q) - 1
+        untrusted = torch.zeros((max(batch, 1),), dtype=torch.int32, device=q.device)
+        runs, ws = [], None
+        for b in range(batch):
+            q0, q1 = starts_q[b], min(starts_q[b + 1], q.shape[0])
+            k0, k1 = starts_k[b], min(starts_k[b + 1], k.shape[0])
+            if q1 <= q0 or k1 <= k0:  # no query, or no key: every gradient of it is 0
+                continue
+            views = [x[lo:hi].unsqueeze(0) for x, lo, hi in
+                     ((q, q0, q1), (k, k0, k1), (v, k0, k1), (d_o, q0, q1))]
+            dl = d_lse[:, q0:q1].unsqueeze(0) if d_lse is not None else None
+            out = (dq[q0:q1].unsqueeze(0), dk[k0:k1].unsqueeze(0), dv[k0:k1].unsqueeze(0))
+            ws = _launch_backward(*views, dl, _lib.LAYOUT_NHD, mask, scale, family, out,
+                                  untrusted[b:b + 1], ws)
+            runs.append((b, views, dl, out))
+        if runs and _verdicts_readable(q.device):
+            flags = untrusted.tolist()
+            refused = [r for r in runs if flags[r[0]]]
+            for _, views, dl, out in refused:
+                for dst, src in zip(out, _backward_16bit(*views, dl, _lib.LAYOUT_NHD, mask,
+                                                         scale)):
+                    dst.copy_(src)
+            if refused:
+                _note_fallback(len(refused))
+        return dq, dk, dv, *(None,) * 9
 
 
 def _scale(scale, head_dim, name):

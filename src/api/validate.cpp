@@ -348,17 +348,23 @@ sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* 
   r.dk = a.dk_strides;
   r.dv = a.dv_strides;
   const int64_t es = dtype_size(a.dtype), D = a.head_dim;
-  Range q, k, v, o, lse, d_o, dq, dk, dv, dlse{};
+  Range q, k, v, o{}, lse{}, d_o, dq, dk, dv, dlse{};
   SAGE_RETURN_IF_ERROR(
       check_tensor("q", a.q, &r.q, a.layout, a.heads_q, a.seq_q, a.batch, D, es, false, &q));
   SAGE_RETURN_IF_ERROR(
       check_tensor("k", a.k, &r.k, a.layout, a.heads_kv, a.seq_kv, a.batch, D, es, false, &k));
   SAGE_RETURN_IF_ERROR(
       check_tensor("v", a.v, &r.v, a.layout, a.heads_kv, a.seq_kv, a.batch, D, es, false, &v));
-  SAGE_RETURN_IF_ERROR(
-      check_tensor("o", a.o, &r.o, a.layout, a.heads_q, a.seq_q, a.batch, D, es, false, &o));
-  SAGE_RETURN_IF_ERROR(check_tensor("lse", a.lse, &r.lse, SAGE_LAYOUT_HND, a.heads_q, a.seq_q,
-                                    a.batch, 1, 4, false, &lse));
+  // SageBwd normalizes its own scores: only the float64 backward reads the forward's O and LSE
+  // (checked where given, required for EXACT).
+  SAGE_CHECK_ARG(a.variant != SAGE_VARIANT_EXACT || (a.o != nullptr && a.lse != nullptr),
+                 "variant = EXACT needs the forward's o and lse (one of them is NULL)");
+  if (a.o)
+    SAGE_RETURN_IF_ERROR(
+        check_tensor("o", a.o, &r.o, a.layout, a.heads_q, a.seq_q, a.batch, D, es, false, &o));
+  if (a.lse)
+    SAGE_RETURN_IF_ERROR(check_tensor("lse", a.lse, &r.lse, SAGE_LAYOUT_HND, a.heads_q, a.seq_q,
+                                      a.batch, 1, 4, false, &lse));
   SAGE_RETURN_IF_ERROR(check_tensor("d_o", a.d_o, &r.d_o, a.layout, a.heads_q, a.seq_q, a.batch,
                                     D, es, false, &d_o));
   SAGE_RETURN_IF_ERROR(

@@ -485,9 +485,11 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       }
     }
     // K^ holds K - k̄: dS·K = dS·(K - k̄) + rowsum(dS)·k̄, and rowsum(dS_i) is d_lse_i (zero
-    // without a gradient on the LSE): that term is added back exactly.
+    // without a gradient on the LSE): that term is added back exactly. A row that sees no key
+    // has no dS (its LSE is the constant -inf): nothing to add.
     for (int64_t r = 0; r < rows; ++r) {
-      const float g = d_lse && i8_dsk ? d_lse[bh * Nq + r0 + r] : 0.0f;
+      const bool seen = p.visible_keys(r0 + r) > 0 && Nk > 0;
+      const float g = d_lse && i8_dsk && seen ? d_lse[bh * Nq + r0 + r] : 0.0f;
       for (int64_t d = 0; d < D; ++d)
         dq[(bh * Nq + r0 + r) * D + d] =
             (acc[size_t(r * D + d)] + g * ks.k_mean[size_t(d)]) * float(p.scale);

@@ -213,5 +213,95 @@ def test_cuda_errors_name_the_argument(rng):
         sage_attn.sageattn_varlen(q, k, v.cpu(), cu_q, cu_k, 8, 8)
     with pytest.raises(TypeError, match="max_seqlen_q"):
         sage_attn.sageattn_varlen(q, k, v, cu_q, cu_k, 8.0, 8)
-    with pytest.raises(NotImplementedError, match="backward"):
-        sage_attn.sageattn_varlen(q.requires_grad_(), k, v, cu_q, cu_k, 8, 8)
+
+
+def _varlen_grads_vs_dense(torch, q, k, v, cu_q, cu_k, lens_q, lens_k, causal, with_lse, gen):
+    """sageattn_varlen's gradients next to each sequence's dense sageattn call (NHD [1, n, H, D],
+    the same inputs): (packed grads, list of (slices, dense grads or None))."""
+    hq = q.shape[1]
+    d_o = torch.randn(q.shape, generator=gen).to(q.device, q.dtype)
+    d_lse = torch.randn((hq, q.shape[0]), generator=gen).to(q.device) if with_lse else None
+    qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o, lse = sage_attn.sageattn_varlen(qq, kk, vv, cu_q, cu_k, max(lens_q), max(lens_k),
+                                       is_causal=causal, return_lse=True)
+    loss = (o.float() * d_o.float()).sum()
+    if with_lse:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * d_lse).sum()
+    loss.backward()
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    dense = []
+    for b in range(len(lens_q)):
+        qs, ks = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+        if lens_q[b] == 0 or lens_k[b] == 0:
+            dense.append(((qs, ks), None))
+            continue
+        x = [t[s].detach().clone().unsqueeze(0).requires_grad_() for t, s in
+             ((q, qs), (k, ks), (v, ks))]
+        od, ld = sage_attn.sageattn(*x, tensor_layout="NHD", is_causal=causal, return_lse=True)
+        dl = (od.float() * d_o[qs].unsqueeze(0).float()).sum()
+        if with_lse:
+            dl = dl + (torch.where(torch.isfinite(ld), ld, 0.0) * d_lse[:, qs].unsqueeze(0)).sum()
+        dl.backward()
+        dense.append(((qs, ks), [t.grad[0] for t in x]))
+    return (qq.grad, kk.grad, vv.grad), dense
+
+
+@pytest.mark.parametrize("causal,with_lse", [(False, False), (True, True)])
+def test_cpu_backward_is_each_sequences_dense_backward(rng, causal, with_lse):
+    """Per sequence, bit for bit the dense call's gradients (the CPU reference is
+    deterministic); sequences without queries or keys get zero gradients."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in
+                           packed(rng, LENS_Q, LENS_K, 4, 2, 64, np.float32))
+    (gq, gk, gv), dense = _varlen_grads_vs_dense(torch, q, k, v, cu_q, cu_k, LENS_Q, LENS_K,
+                                                 causal, with_lse, gen)
+    for (qs, ks), want in dense:
+        if want is None:
+            assert (gq[qs] == 0).all() and (gk[ks] == 0).all() and (gv[ks] == 0).all()
+            continue
+        for got, w in zip((gq[qs], gk[ks], gv[ks]), want):
+            assert torch.equal(got, w)
+
+
+def test_cpu_backward_refuses_one_sequence_alone(rng):
+    """A sequence with outlier channels x16 goes to 16 bits; its neighbours stay SageBwd's."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    lens = [40, 90, 64]
+    q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in packed(rng, lens, lens, 2, 2, 64,
+                                                                np.float32))
+    ch = torch.arange(4) * 16
+    for x in (q, k):
+        x[40:130, :, ch] *= 16.0  # sequence 1
+    before = sage_attn.backward_fallbacks()
+    with pytest.warns(sage_attn.SageBwdFallbackWarning):
+        (gq, gk, gv), dense = _varlen_grads_vs_dense(torch, q, k, v, cu_q, cu_k, lens, lens, True,
+                                                     False, gen)
+    assert sage_attn.backward_fallbacks() == before + 2  # the packed call's and the dense one's
+    for b, ((qs, ks), want) in enumerate(dense):
+        for got, w in zip((gq[qs], gk[ks], gv[ks]), want):
+            assert torch.isfinite(got).all()
+            assert torch.equal(got, w) if b != 1 else torch.allclose(got, w, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_backward_is_each_sequences_dense_backward(rng, dtype):
+    """On the GPU under torch.use_deterministic_algorithms(True) (dQ summed in a fixed order):
+    bit for bit the dense calls' gradients, lengths off every block size."""
+    torch = _cuda_torch()
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q, k, v, cu_q, cu_k = _cuda_packed(torch, rng, getattr(torch, dtype))
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        (gq, gk, gv), dense = _varlen_grads_vs_dense(torch, q, k, v, cu_q, cu_k, CUDA_LENS_Q,
+                                                     CUDA_LENS_K, True, True, gen)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for (qs, ks), want in dense:
+        if want is None:
+            assert (gq[qs] == 0).all() and (gk[ks] == 0).all() and (gv[ks] == 0).all()
+            continue
+        for got, w in zip((gq[qs], gk[ks], gv[ks]), want):
+            assert torch.equal(got, w)
