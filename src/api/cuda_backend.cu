@@ -354,8 +354,13 @@ bwd::Params backward_params(const api::ResolvedBackward& r, const sage_backward_
   x.q_scale = f32(w.q_scale), x.qhat = s8(w.qhat), x.qhat_t = s8(w.qhat_t);
   x.do_scale = f32(w.do_scale), x.dohat_t = s8(w.dohat_t);
   x.do_ws = reinterpret_cast<uint16_t*>(ws + w.d_o);
-  x.lse2 = f32(w.lse2), x.delta = f32(w.delta), x.dq_acc = f32(w.dq_acc);
+  x.qnorm2 = f32(w.qnorm2), x.knorm2 = f32(w.knorm2);
+  x.lse2 = f32(w.lse2), x.delta = f32(w.delta), x.err2 = f32(w.err2);
+  x.verdict = reinterpret_cast<int32_t*>(ws + w.verdict);
+  x.dq_acc = f32(w.dq_acc);
   x.dq_turn = reinterpret_cast<int*>(ws + w.dq_turn);
+  x.untrusted = a.untrusted;
+  x.max_score_err = SAGE_BWD_MAX_SCORE_ERROR;
   x.deterministic = (a.options & SAGE_BWD_OPTION_DETERMINISTIC) != 0;
   x.batch = p.batch, x.heads_q = p.heads_q, x.heads_kv = p.heads_kv;
   x.seq_q = p.seq_q, x.seq_kv = p.seq_kv, x.nq_pad = w.nq_pad, x.nk_pad = w.nk_pad;

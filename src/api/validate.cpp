@@ -396,9 +396,9 @@ sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* 
   }
   r.exact = a.variant == SAGE_VARIANT_EXACT;
 
-  const void* ptrs[] = {a.q, a.k, a.v, a.o, a.lse, a.d_o, a.dq, a.dk, a.dv, a.d_lse};
-  const char* names[] = {"q", "k", "v", "o", "lse", "d_o", "dq", "dk", "dv", "d_lse"};
-  SAGE_RETURN_IF_ERROR(resolve_backend(a.backend, ptrs, names, 10, &r.backend));
+  const void* ptrs[] = {a.q, a.k, a.v, a.o, a.lse, a.d_o, a.dq, a.dk, a.dv, a.d_lse, a.untrusted};
+  const char* names[] = {"q", "k", "v", "o", "lse", "d_o", "dq", "dk", "dv", "d_lse", "untrusted"};
+  SAGE_RETURN_IF_ERROR(resolve_backend(a.backend, ptrs, names, 11, &r.backend));
   if (r.exact && r.backend == SAGE_BACKEND_CUDA)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "variant = EXACT (float64) runs on the CPU reference only; pass host "

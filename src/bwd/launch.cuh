@@ -1,25 +1,29 @@
-// Host side of SageBwd's kernels: the launch sequence of one backward call (pre-pass, main
-// kernel: mma.sync or wgmma, dQ store) on the caller's stream, instantiated per head dim in
-// backward_d*.cu.
+// Host side of SageBwd's kernels: the launch sequence of one backward call (pre-pass, stats pass,
+// main kernel: mma.sync or wgmma, dQ store, verdict) on the caller's stream, instantiated per head
+// dim in backward_d*.cu.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "bwd/kernel.cuh"
 #include "bwd/launch.h"
 #include "bwd/prepass.cuh"
 #include "bwd/sm90_kernel.cuh"
+#include "bwd/stats.cuh"
 #include "common/grid.h"
 #include "common/launch.h"
 
 namespace sage::bwd {
 
-// The main kernel <causal> with its dynamic shared memory set once per device.
+// kKernel (the stats pass or the main kernel, <causal>) with its dynamic shared memory set once
+// per device.
 template <auto kKernel>
-cudaError_t launch_main(const Params& p, int smem, int device, cudaStream_t stream) {
+cudaError_t launch_smem(const Params& p, dim3 grid, int smem, int device, cudaStream_t stream) {
   const cudaError_t e = set_max_dynamic_smem_once<kKernel>(device, smem);
   if (e != cudaSuccess) return e;
-  kKernel<<<outer_dims(p.k_blocks, p.batch * p.heads_kv), kThreads, smem, stream>>>(p);
+  kKernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaSuccess;
 }
 
@@ -34,19 +38,31 @@ cudaError_t run_typed(const Params& p, bool sm90, int device, cudaStream_t strea
   cudaError_t e = set_max_dynamic_smem_once<k_prep_kernel<T, D>>(device, k_smem);
   if (e == cudaSuccess) e = set_max_dynamic_smem_once<q_prep_kernel<T, D>>(device, q_smem);
   if (e != cudaSuccess) return e;
-  k_prep_kernel<T, D><<<outer_dims(p.k_blocks, bk), kThreads, k_smem, stream>>>(p);
-  q_prep_kernel<T, D><<<outer_dims(p.q_blocks, bq), kThreads, q_smem, stream>>>(p);
+  const dim3 q_grid = outer_dims(p.q_blocks, bq), k_grid = outer_dims(p.k_blocks, bk);
+  k_prep_kernel<T, D><<<k_grid, kThreads, k_smem, stream>>>(p);
+  q_prep_kernel<T, D><<<q_grid, kThreads, q_smem, stream>>>(p);
+  constexpr int kStatsSmem = StatsSmem<D>::kBytes;
+  e = p.causal ? launch_smem<stats_kernel<T, D, true>>(p, q_grid, kStatsSmem, device, stream)
+               : launch_smem<stats_kernel<T, D, false>>(p, q_grid, kStatsSmem, device, stream);
+  if (e != cudaSuccess) return e;
   if (sm90) {
     constexpr int kSmem = sm90::Smem<D>::kBytes;
-    e = p.causal ? launch_main<sm90::backward_kernel<T, D, true>>(p, kSmem, device, stream)
-                 : launch_main<sm90::backward_kernel<T, D, false>>(p, kSmem, device, stream);
+    e = p.causal
+            ? launch_smem<sm90::backward_kernel<T, D, true>>(p, k_grid, kSmem, device, stream)
+            : launch_smem<sm90::backward_kernel<T, D, false>>(p, k_grid, kSmem, device, stream);
   } else {
     constexpr int kSmem = Smem<D>::kBytes;
-    e = p.causal ? launch_main<backward_kernel<T, D, true>>(p, kSmem, device, stream)
-                 : launch_main<backward_kernel<T, D, false>>(p, kSmem, device, stream);
+    e = p.causal ? launch_smem<backward_kernel<T, D, true>>(p, k_grid, kSmem, device, stream)
+                 : launch_smem<backward_kernel<T, D, false>>(p, k_grid, kSmem, device, stream);
   }
   if (e != cudaSuccess) return e;
-  dq_store_kernel<T, D><<<outer_dims(p.q_blocks, bq), kThreads, 0, stream>>>(p);
+  dq_store_kernel<T, D><<<q_grid, kThreads, 0, stream>>>(p);
+  judge_kernel<D><<<1, kThreads, 0, stream>>>(p);
+  // The poison grid strides over the gradients: at most 1024 CTAs, enough to fill a GPU on an
+  // untrusted call and few to launch on the usual one, where each returns at once.
+  const int64_t most = std::max(bq * p.seq_q, bk * p.seq_kv) * D;
+  const unsigned blocks = unsigned(std::min<int64_t>(1024, (most + kThreads - 1) / kThreads));
+  poison_kernel<T, D><<<blocks, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

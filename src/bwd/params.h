@@ -1,6 +1,6 @@
 // SageBwd on the GPU (the mma.sync kernel, kernel.cuh; the Hopper wgmma one, sm90_kernel.cuh):
-// the tile shape, the workspace layout the backward pre-pass writes, and the params struct of its
-// kernels. Plain C++ (no CUDA types).
+// the tile shape, the workspace layout the backward pre-pass and stats pass write, and the params
+// struct of its kernels. Plain C++ (no CUDA types).
 #pragma once
 
 #include <cstddef>
@@ -35,8 +35,13 @@ struct Layout {
   size_t do_scale = 0;  // f32 [B*Hq][q_blocks]
   size_t dohat_t = 0;   // s8 [B*Hq][D][nq_pad], permuted as qhat_t
   size_t d_o = 0;       // dtype [B*Hq][nq_pad][D]: dO, zero-padded
-  size_t lse2 = 0;      // f32 [B*Hq][nq_pad]: (LSE - scale·q·k_mean)·log2 e; +inf: no key
-  size_t delta = 0;     // f32 [B*Hq][nq_pad]: rowsum(dO∘O) - dL/dLSE
+  size_t qnorm2 = 0;    // f32 [B*Hq][nq_pad]: ‖Q_i‖² (0: padding)
+  size_t knorm2 = 0;    // f32 [B*Hkv][nk_pad]: ‖K_j - k_mean‖² (0: padding)
+  size_t lse2 = 0;      // f32 [B*Hq][nq_pad]: log2 Σ_j 2^(x_ij) of the backward's own scores
+                        // x = Q^·K^ᵀ·scales·scale·log2 e (stats.cuh); +inf: no key
+  size_t delta = 0;     // f32 [B*Hq][nq_pad]: Σ_j P_ij·dP_ij with that P, minus dL/dLSE
+  size_t err2 = 0;      // f32 [B*Hq]: Σ over the head's rows of the scores' estimated error²
+  size_t verdict = 0;   // s32 [1]: 1 when a head's error was over max_score_err
   size_t dq_acc = 0;    // f32 [B*Hq][nq_pad x D], laid out by dq_offset: dQ / scale, summed by
                         // atomics or bulk reductions (or in turn)
   size_t dq_turn = 0;   // s32 [B*Hq][q_blocks]: the key block whose turn it is to add (dq_order)
@@ -65,8 +70,12 @@ inline Layout make_layout(const ref::Problem& p) {
   w.do_scale = take(size_t(bq * w.q_blocks) * 4);
   w.dohat_t = take(size_t(bq * w.nq_pad * D));
   w.d_o = take(size_t(bq * w.nq_pad * D) * 2);
+  w.qnorm2 = take(size_t(bq * w.nq_pad) * 4);
+  w.knorm2 = take(size_t(bk * w.nk_pad) * 4);
   w.lse2 = take(size_t(bq * w.nq_pad) * 4);
   w.delta = take(size_t(bq * w.nq_pad) * 4);
+  w.err2 = take(size_t(bq) * 4);
+  w.verdict = take(4);
   w.dq_acc = take(size_t(bq * w.nq_pad * D) * 4);
   w.dq_turn = take(size_t(bq * w.q_blocks) * 4);
   w.total = carve.total;
@@ -109,7 +118,7 @@ struct Params {
   const void* q;
   const void* k;
   const void* v;
-  const void* o;
+  const void* o;  // o, lse: not read (the stats pass computes L' and D from the backward's scores)
   const void* d_o;
   const float* lse;
   const float* d_lse;  // optional (null: zero)
@@ -130,10 +139,15 @@ struct Params {
   float* do_scale;
   int8_t* dohat_t;
   uint16_t* do_ws;
+  float* qnorm2;
+  float* knorm2;
   float* lse2;
   float* delta;
+  float* err2;
+  int32_t* verdict;
   float* dq_acc;
   int* dq_turn;
+  int32_t* untrusted;  // the caller's (optional, null: none): the verdict, written every call
   int64_t batch, heads_q, heads_kv, seq_q, seq_kv, nq_pad, nk_pad, q_blocks, k_blocks, k_chunks;
   int64_t causal_offset;  // query i sees keys j <= i + causal_offset (causal masks)
   bool causal;
@@ -141,6 +155,8 @@ struct Params {
   bool deterministic;  // dQ's tiles summed in key-block order (dq_order.cuh), not by atomics
   float scale;         // softmax scale
   float scale_log2;    // scale · log2(e)
+  // The verdict's bound on a query head's rms score error (natural-log units; stats.cuh).
+  float max_score_err;
 
   SAGE_HOST_DEVICE int64_t group() const { return heads_q / heads_kv; }
 };

@@ -1,8 +1,8 @@
 // SageBwd's pre-pass (sm_80+): K's channel means (per chunk, then summed in a fixed order), ψ of
-// K - k_mean per 64-key block (rows and transposed), V copied zero-padded; per 64-query block ψ
-// of Q and dO (rows and transposed with queries permuted, bwd::query_at), dO copied, the LSE in
-// log2 units with K smoothing's q·k_mean removed, D = rowsum(dO∘O), and dQ's accumulator and
-// turn counters zeroed.
+// K - k_mean per 64-key block (rows and transposed) with each key's ‖K_j - k_mean‖², V copied
+// zero-padded; per 64-query block ψ of Q and dO (rows and transposed with queries permuted,
+// bwd::query_at), dO copied, each query's ‖Q_i‖², and dQ's accumulator and turn counters zeroed.
+// L' and D come from the stats pass (stats.cuh); the norms feed its error estimate.
 // ψ and the scales are the CPU emulation's (ref::bwd_scale, quant::quantize_bits); a NaN
 // anywhere in a block makes its scale NaN, so the gradients it reaches come out NaN.
 #pragma once
@@ -72,10 +72,11 @@ __global__ void k_mean_kernel(const Params p) {
   float s = 0.0f;
   for (int64_t c = 0; c < p.k_chunks; ++c) s += p.k_part[(bkv * p.k_chunks + c) * D + d];
   p.k_mean[bkv * D + d] = p.smooth_k ? s / float(p.seq_kv) : 0.0f;
+  if (bkv == 0 && d == 0) *p.verdict = 0;  // (a reused workspace holds the last call's)
 }
 
-// One 64-key block: ψ(K - k_mean) rows and transposed, its scale, V copied. Grid (k_blocks,
-// B·Hkv), kThreads threads, dynamic smem 64·(D+1) floats.
+// One 64-key block: ψ(K - k_mean) rows and transposed, its scale, ‖K_j - k_mean‖², V copied.
+// Grid (k_blocks, B·Hkv), kThreads threads, dynamic smem 64·(D+1) floats.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) k_prep_kernel(const Params p) {
   extern __shared__ float xs[];  // [64][D + 1]
@@ -110,10 +111,18 @@ __global__ void __launch_bounds__(kThreads) k_prep_kernel(const Params p) {
     const int r = idx % kBlockK, d = idx / kBlockK;
     p.khat_t[(bkv * D + d) * p.nk_pad + j0 + r] = psi_quantize(xs[r * (D + 1) + d], s.inv);
   }
+  // Rows: two threads a row, each half of the channels (padding keys are zero).
+  const int r = threadIdx.x / 2, half = threadIdx.x % 2;
+  float n2 = 0.0f;
+  for (int d = half * (D / 2); d < (half + 1) * (D / 2); ++d)
+    n2 += xs[r * (D + 1) + d] * xs[r * (D + 1) + d];
+  n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, 1);
+  if (half == 0) p.knorm2[bkv * p.nk_pad + j0 + r] = n2;
 }
 
-// One 64-query block: ψ(Q), ψ(dO) (rows / transposed and permuted), dO copied, L' and D, dQ's
-// accumulator and turn counter zeroed (in both modes: a reused workspace holds the last call's).
+// One 64-query block: ψ(Q), ψ(dO) (rows / transposed and permuted), dO copied, ‖Q_i‖², dQ's
+// accumulator and turn counter zeroed (in both modes: a reused workspace holds the last call's),
+// and by the head's first block its error sum, which the stats pass adds to.
 // Grid (q_blocks, B·Hq), kThreads threads, dynamic smem 2·64·(D+1) floats.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
@@ -123,10 +132,8 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
   const int64_t qb = blockIdx.x, bh = cta_outer_index(), i0 = qb * kBlockQ;
   if (bh >= p.batch * p.heads_q) return;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const int64_t bkv = b * p.heads_kv + h / p.group();
   const int64_t qbase = b * p.q_st.batch + h * p.q_st.head;
   const int64_t dobase = b * p.do_st.batch + h * p.do_st.head;
-  const int64_t obase = b * p.o_st.batch + h * p.o_st.head;
   float qmax = 0.0f, domax = 0.0f;
   for (int idx = threadIdx.x; idx < kBlockQ * D; idx += kThreads) {
     const int r = idx / D, d = idx % D;
@@ -150,6 +157,7 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
   const Psi sq = psi_scale(qmax), sd = psi_scale(domax);
   if (threadIdx.x == 0) {
     p.dq_turn[bh * p.q_blocks + qb] = 0;
+    if (qb == 0) p.err2[bh] = 0.0f;
     p.q_scale[bh * p.q_blocks + qb] = sq.scale;
     p.do_scale[bh * p.q_blocks + qb] = sd.scale;
   }
@@ -164,30 +172,13 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
     p.qhat_t[at] = psi_quantize(qs[r * (D + 1) + d], sq.inv);
     p.dohat_t[at] = psi_quantize(dos[r * (D + 1) + d], sd.inv);
   }
-  // Rows: two threads a row, each half of the channels.
+  // Rows: two threads a row, each half of the channels (padding rows are zero).
   const int r = threadIdx.x / 2, half = threadIdx.x % 2;
-  const int64_t i = i0 + r;
-  float dot_o = 0.0f, dot_k = 0.0f;
-  if (i < p.seq_q) {
-    for (int d = half * (D / 2); d < (half + 1) * (D / 2); ++d) {
-      dot_o += dos[r * (D + 1) + d] * load_f<T>(p.o, obase + i * p.o_st.token + d);
-      dot_k += qs[r * (D + 1) + d] * p.k_mean[bkv * D + d];
-    }
-  }
-  dot_o += __shfl_xor_sync(0xFFFFFFFFu, dot_o, 1);
-  dot_k += __shfl_xor_sync(0xFFFFFFFFu, dot_k, 1);
-  if (half == 0) {
-    float l2 = INFINITY;  // padding rows and rows that see no key: every P = 2^(s - inf) = 0
-    if (i < p.seq_q) {
-      const float L = p.lse[b * p.lse_st.batch + h * p.lse_st.head + i * p.lse_st.token];
-      if (L != -INFINITY) l2 = (L - p.scale * dot_k) * 1.4426950408889634f;
-    }
-    p.lse2[bh * p.nq_pad + i] = l2;
-    float g = 0.0f;  // a gradient reaching the LSE: dS = P∘(dP - D + g)
-    if (p.d_lse && i < p.seq_q)
-      g = p.d_lse[b * p.dlse_st.batch + h * p.dlse_st.head + i * p.dlse_st.token];
-    p.delta[bh * p.nq_pad + i] = i < p.seq_q ? dot_o - g : 0.0f;
-  }
+  float n2 = 0.0f;
+  for (int d = half * (D / 2); d < (half + 1) * (D / 2); ++d)
+    n2 += qs[r * (D + 1) + d] * qs[r * (D + 1) + d];
+  n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, 1);
+  if (half == 0) p.qnorm2[bh * p.nq_pad + i0 + r] = n2;
 }
 
 // dQ = scale · dq_acc in the caller's dtype and strides: grid (q_blocks, B·Hq), kThreads.
