@@ -194,9 +194,11 @@ __global__ void __launch_bounds__(kThreads) dq_store_kernel(const Params p) {
     const int64_t i = i0 + r;
     if (i >= p.seq_q) continue;
     // K^ holds K - k_mean: with a gradient g on the LSE, rowsum(dS_i) = g_i and dQ_i gets
-    // g_i·k_mean back (zero without one).
-    const float g =
-        p.d_lse ? p.d_lse[b * p.dlse_st.batch + h * p.dlse_st.head + i * p.dlse_st.token] : 0.0f;
+    // g_i·k_mean back (zero without one, and for a row that sees no key: its LSE is a constant).
+    const bool seen = p.seq_kv > 0 && (!p.causal || i + p.causal_offset >= 0);
+    const float g = p.d_lse && seen
+                        ? p.d_lse[b * p.dlse_st.batch + h * p.dlse_st.head + i * p.dlse_st.token]
+                        : 0.0f;
     dq[i * p.dq_st.token + d] =
         T((p.dq_acc[bh * p.nq_pad * D + dq_offset(i, d, D)] + g * p.k_mean[bkv * D + d]) * p.scale);
   }
