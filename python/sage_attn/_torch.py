@@ -260,9 +260,12 @@ def _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale):
     G = Hq // Hkv
     causal = mask != _lib.MASK_NONE
     if d_lse is None and (not causal or mask == _lib.MASK_CAUSAL_TOP_LEFT or Nq == Nk):
+        # K and V repeated over the group rather than enable_gqa, which only torch's flash
+        # kernel takes: this way the cuDNN kernel (the fastest backward on Hopper) can run it.
         with torch.enable_grad():
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-            out = _torch_sdpa(qq, kk, vv, is_causal=causal, scale=scale, enable_gqa=G > 1)
+            ke, ve = ((x.repeat_interleave(G, dim=1) if G > 1 else x) for x in (kk, vv))
+            out = _torch_sdpa(qq, ke, ve, is_causal=causal, scale=scale)
             dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), d_o)
     else:
         f = torch.float32
