@@ -283,6 +283,9 @@ typedef struct sage_plan_info {
   int32_t has_backward;    /* 1: sage_backward (its preset) runs the backward of this call here
                               (CUDA: head dims 64 and 128; the CPU reference: any), so a training
                               call can take both passes from the library */
+  int32_t prefer_sdpa_training; /* 1: for a training call (this forward and SageBwd's backward)
+                                   SDPA measured faster, or was never measured slower (the same
+                                   table): the SDPA drop-in trains such calls with torch */
 } sage_plan_info;
 
 /* ---- The backward pass: SageBwd (paper 004, Algorithm 3) ----------------------------------

@@ -66,12 +66,13 @@ class _Prepared:
     """A CUDA call's shape, planned once: the argument struct without its pointers, the
     workspace size, whether the library's crossover table prefers torch's SDPA, and whether the
     library has the call's backward."""
-    __slots__ = ("args", "workspace", "prefer_sdpa", "has_backward")
+    __slots__ = ("args", "workspace", "prefer_sdpa", "prefer_sdpa_training", "has_backward")
 
     def __init__(self, args, info):
         self.args = bytes(args)
         self.workspace = info.workspace_size
         self.prefer_sdpa = bool(info.prefer_sdpa)
+        self.prefer_sdpa_training = bool(info.prefer_sdpa_training)
         self.has_backward = bool(info.has_backward)
 
 
@@ -779,7 +780,8 @@ def _dropin_route(q, k, v, mask, scale, training=False):
         return f"no kernel for this call ({e})"
     if training and not prep.has_backward:
         return f"no backward kernel for head_dim {q.shape[-1]} (training)"
-    return "" if _use_crossover and prep.prefer_sdpa else None
+    faster = prep.prefer_sdpa_training if training else prep.prefer_sdpa
+    return "" if _use_crossover and faster else None
 
 
 def _dropin_prefers_sdpa(q, k, v, mask, scale, training=False):
@@ -795,8 +797,6 @@ def dropin_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     GPU)."""
     if _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa) is not None:
         return "sdpa"
-    if _training_to_sdpa(query, key, value):
-        return "sdpa"
     q, k, v = _dropin_args(query, key, value)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
@@ -807,15 +807,6 @@ def dropin_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 def _training(query, key, value):
     return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
                                         value.requires_grad)
-
-
-def _training_to_sdpa(query, key, value):
-    # Training calls (inputs that require grad) under the crossover rule: SageBwd's first kernels
-    # (mma.sync) measured 0.34-0.44x SDPA flash's forward+backward on the H100 at every shape of
-    # the grid (N 1k-16k, D 64/128, causal or not; bench/results/*-train.json), so the drop-in
-    # keeps torch's SDPA for training until a shape measures faster;
-    # set_dropin_crossover(False) trains with sage.
-    return _use_crossover and _training(query, key, value)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -834,9 +825,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         _warn_once(reason)
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    if _training_to_sdpa(query, key, value):
-        return _torch_sdpa(query, key, value, is_causal=is_causal, scale=scale,
-                           enable_gqa=enable_gqa)
     q, k, v = _dropin_args(query, key, value)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE

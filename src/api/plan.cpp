@@ -60,32 +60,40 @@ std::string fp4_gpu_mismatch(const sage_quant_config& c) {
 
 }  // namespace
 
-bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv) {
-  // H100 (sm_90), B=4 H=32 fp16 N(0,1), one process (bench/results/2026-11-25-h100.json), end
-  // to end under CUDA-graph replay: the smallest N of the standard grid (1k, 2k, 4k, 8k, ...)
-  // from which sage-8b beat SDPA cuDNN fp16 by a margin the run-to-run spread (~5 %) cannot
-  // undo. D=128: 2k 521 vs 557, 4k 593 vs 542; causal 4k 506 vs 502 (a tie: 8k), 8k 583 vs 539
-  // (eager 647 vs 521). D=64: 2k 394 vs 427, 4k 481 vs 439; causal 4k 357 vs 394, 8k 465 vs
-  // 420. Both lengths must reach it: fewer queries or fewer keys leave the pre-pass and the
-  // per-tile work less to amortize over.
+bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv,
+                 bool training) {
+  // One table for inference and training: a row is the smallest N from which sage beat SDPA
+  // cuDNN on that GPU, head dim and mask, by a margin the run-to-run spread (~5 %) cannot undo;
+  // both lengths must reach it (fewer queries or keys leave the pre-pass and the per-tile work
+  // less to amortize over).
+  // Inference, the forward alone: H100, B=4 H=32 fp16 N(0,1), one process
+  // (bench/results/2026-11-25-h100.json), end to end under CUDA-graph replay. D=128: 2k 521 vs
+  // 557, 4k 593 vs 542; causal 4k 506 vs 502 (a tie: 8k), 8k 583 vs 539 (eager 647 vs 521).
+  // D=64: 2k 394 vs 427, 4k 481 vs 439; causal 4k 357 vs 394, 8k 465 vs 420. D = 256 (the
+  // wgmma kernel's 64-key form; H200, B=4 H=32, graph): 4k 785 vs 622, 16k 983 vs 633; causal 4k
+  // 614 vs 566, 16k 895 vs 610. Its padded dims share the row, and D = 192 causal 4k lost (484 vs
+  // 543; non-causal 612 vs 602): causal from 8k, as D = 128.
+  // Training, forward + SageBwd's backward (its stats pass and check included): no row. It
+  // measured 0.38-0.45x SDPA cuDNN bf16 at N 4k-16k, D 64/128, both masks (H200,
+  // bench/results/2026-11-27-h200-train.json), and 0.34-0.44x SDPA flash on the H100 before; with
+  // no row torch's SDPA trains, on every GPU, until a shape measures faster.
   struct Crossover {
     int cc;
     int64_t head_dim;
     bool causal;
+    bool training;
     int64_t min_seq;
   };
-  // D = 256 (the wgmma kernel's 64-key form; H200, 2026-11-26, B=4 H=32, graph): 4k 785 vs 622,
-  // 16k 983 vs 633; causal 4k 614 vs 566, 16k 895 vs 610. Its padded dims share the row, and
-  // D = 192 causal 4k lost (484 vs 543; non-causal 612 vs 602): causal from 8k, as D = 128.
   static constexpr Crossover kTable[] = {
-      {90, 128, false, 4096}, {90, 128, true, 8192}, {90, 64, false, 4096}, {90, 64, true, 8192},
-      {90, 256, false, 4096}, {90, 256, true, 8192},
+      {90, 128, false, false, 4096}, {90, 128, true, false, 8192}, {90, 64, false, false, 4096},
+      {90, 64, true, false, 8192},   {90, 256, false, false, 4096}, {90, 256, true, false, 8192},
   };
   const bool causal = mask != SAGE_MASK_NONE;
   for (const Crossover& c : kTable)
-    if (c.cc == cc && c.head_dim == head_dim && c.causal == causal)
+    if (c.cc == cc && c.head_dim == head_dim && c.causal == causal && c.training == training)
       return seq_q < c.min_seq || seq_kv < c.min_seq;
-  return false;
+  // No row: the forward was never measured slower there; training never measured faster.
+  return training;
 }
 
 sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Device& dev,
@@ -224,7 +232,9 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   // A padded head dim looks up its kernel's row: it does Dk's work while SDPA does D's, so Dk's
   // crossover is the least length from which it could win (not measured at the padded dims).
   // (No SDPA stands in for a packed batch: the table is for dense calls.)
-  plan.prefer_sdpa = !r.packed() && prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv);
+  plan.prefer_sdpa = !r.packed() && prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv, false);
+  plan.prefer_sdpa_training =
+      !r.packed() && prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv, true);
   // The backward has no zero-padded head dims yet: a training call at a padded D gets its forward
   // here and must get its backward elsewhere (the SDPA drop-in asks this before taking one).
   plan.has_backward = gpu_backward_has_head_dim(D);
@@ -293,6 +303,7 @@ void describe(const Plan& plan, sage_plan_info* info) {
   info->fused_q = plan.fused_q;
   info->launches = plan.launches;
   info->prefer_sdpa = plan.prefer_sdpa;
+  info->prefer_sdpa_training = plan.prefer_sdpa_training;
   info->workspace_size = plan.prepass.total;
   info->emulation = plan.emulation;
   info->kernel_head_dim = plan.prepass.head_dim;

@@ -34,6 +34,7 @@ struct Plan {
   bool fused_q = false;    // sm90: Q quantized inside the kernel (no quant_q launch)
   bool two_level = false;  // mma: P·V in a fresh accumulator per key block, added into fp32
   bool prefer_sdpa = false;
+  bool prefer_sdpa_training = false;
   bool has_backward = false;  // the GPU backward takes this call's head dim
   int launches = 0;        // kernels launched per call
   sage_quant_config emulation{};
@@ -47,7 +48,8 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
 // The crossover table: true where a dense fp16 SDPA (cuDNN) measured faster than this library's
 // call for this (kernel, native) head dim, mask and length on this architecture (unmeasured
 // architectures: false).
-bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv);
+bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv,
+                 bool training = false);
 
 // The public description of a plan (sage_plan_info).
 void describe(const Plan& plan, sage_plan_info* info);

@@ -502,6 +502,11 @@ TEST(Planner, CrossoverTable) {
   // Unmeasured architectures keep sage.
   EXPECT_FALSE(must_plan(Call(1024, 1024, 128), kAda).prefer_sdpa);
   EXPECT_FALSE(sage::api::prefer_sdpa(120, 128, SAGE_MASK_NONE, 512, 512));
+  // Training (forward + SageBwd): the table has no row, so torch trains every shape and GPU.
+  EXPECT_TRUE(must_plan(Call(32768, 32768, 128), kH100).prefer_sdpa_training);
+  EXPECT_FALSE(must_plan(Call(32768, 32768, 128), kH100).prefer_sdpa);
+  for (const int cc : {89, 90, 120})
+    EXPECT_TRUE(sage::api::prefer_sdpa(cc, 64, SAGE_MASK_CAUSAL_TOP_LEFT, 16384, 16384, true));
 }
 
 TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {
