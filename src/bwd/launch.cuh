@@ -57,7 +57,7 @@ cudaError_t run_typed(const Params& p, bool sm90, int device, cudaStream_t strea
   }
   if (e != cudaSuccess) return e;
   dq_store_kernel<T, D><<<q_grid, kThreads, 0, stream>>>(p);
-  judge_kernel<D><<<1, kThreads, 0, stream>>>(p);
+  judge_kernel<D><<<unsigned((bq + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
   // The poison grid strides over the gradients: at most 1024 CTAs, enough to fill a GPU on an
   // untrusted call and few to launch on the usual one, where each returns at once.
   const int64_t most = std::max(bq * p.seq_q, bk * p.seq_kv) * D;

@@ -40,7 +40,8 @@ struct Layout {
   size_t lse2 = 0;      // f32 [B*Hq][nq_pad]: log2 Σ_j 2^(x_ij) of the backward's own scores
                         // x = Q^·K^ᵀ·scales·scale·log2 e (stats.cuh); +inf: no key
   size_t delta = 0;     // f32 [B*Hq][nq_pad]: Σ_j P_ij·dP_ij with that P, minus dL/dLSE
-  size_t err2 = 0;      // f32 [B*Hq]: Σ over the head's rows of the scores' estimated error²
+  size_t err2 = 0;      // f32 [B*Hq][q_blocks]: Σ over the block's rows of the scores'
+                        // estimated error² (summed per head in block order: deterministic)
   size_t verdict = 0;   // s32 [1]: 1 when a head's error was over max_score_err
   size_t dq_acc = 0;    // f32 [B*Hq][nq_pad x D], laid out by dq_offset: dQ / scale, summed by
                         // atomics or bulk reductions (or in turn)
@@ -74,7 +75,7 @@ inline Layout make_layout(const ref::Problem& p) {
   w.knorm2 = take(size_t(bk * w.nk_pad) * 4);
   w.lse2 = take(size_t(bq * w.nq_pad) * 4);
   w.delta = take(size_t(bq * w.nq_pad) * 4);
-  w.err2 = take(size_t(bq) * 4);
+  w.err2 = take(size_t(bq * w.q_blocks) * 4);
   w.verdict = take(4);
   w.dq_acc = take(size_t(bq * w.nq_pad * D) * 4);
   w.dq_turn = take(size_t(bq * w.q_blocks) * 4);

@@ -157,7 +157,6 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
   const Psi sq = psi_scale(qmax), sd = psi_scale(domax);
   if (threadIdx.x == 0) {
     p.dq_turn[bh * p.q_blocks + qb] = 0;
-    if (qb == 0) p.err2[bh] = 0.0f;
     p.q_scale[bh * p.q_blocks + qb] = sq.scale;
     p.do_scale[bh * p.q_blocks + qb] = sd.scale;
   }

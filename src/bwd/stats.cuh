@@ -12,10 +12,10 @@
 //   D_i  = Σ_j P_ij·dP_ij - g_i,  dP = dO·Vᵀ (the workspace's 16-bit operands, fp32 accumulation)
 //   σ_i² = scale²/12 · Σ_j P_ij·(s_Q²·‖K_j - k̄‖² + ‖Q_i‖²·s_K(j)²)
 // σ_i² is the variance of the INT8 scores' error (natural-log units), each element of Q and of
-// K - k̄ taken as rounded uniformly within its ψ step, weighted by the row's own P. Per query head
-// the stats pass sums it into err2; judge_kernel marks the call untrusted when a head's rms error
-// over its rows that see a key exceeds max_score_err (or is NaN), and poison_kernel then writes NaN
-// over dQ, dK and dV, so a caller that ignores the verdict cannot train on the gradients.
+// K - k̄ taken as rounded uniformly within its ψ step, weighted by the row's own P. The stats pass
+// sums it over each query block (err2); judge_kernel marks the call untrusted when a head's rms
+// error over its rows that see a key exceeds max_score_err (or is NaN), and poison_kernel then
+// writes NaN over dQ, dK and dV, so a caller that ignores the verdict cannot train on them.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -245,30 +245,29 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Params p) {
   if (threadIdx.x == 0) {
     float sum = scratch[0];
     for (int w = 1; w < kWarps; ++w) sum += scratch[w];
-    atomicAdd(p.err2 + bh, sum);
+    p.err2[bh * p.q_blocks + qb] = sum;  // (judge_kernel sums a head's blocks in order)
   }
 #endif
 }
 
-// The verdict: untrusted when any query head's rms score error, sqrt(err2 / rows) over its rows
-// that see a key, is not <= max_score_err (NaN included). Written to the workspace (for
-// poison_kernel) and to the caller's int32 if any. One CTA of kThreads (<D>: an instance a
-// backward_d*.cu, as every kernel here).
+// The verdict: untrusted when any query head's rms score error, sqrt(Σ err2 / rows) over its rows
+// that see a key, is not <= max_score_err (NaN included); each head's blocks summed in order, so
+// the verdict is the same on every run. One thread a head (a 1-D grid of kThreads-thread CTAs),
+// ORed into the workspace's verdict, which k_mean_kernel zeroed; poison_kernel passes it on to the
+// caller. (<D>: an instance a backward_d*.cu, as every kernel here.)
 template <int D>
 __global__ void __launch_bounds__(kThreads) judge_kernel(const Params p) {
+  const int64_t bh = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   // Row i sees a key when Nk >= 1 and, causal, i + causal_offset >= 0: the same rows every head.
   int64_t rows = p.seq_kv > 0 ? p.seq_q : 0;
   if (p.causal) rows = max(int64_t(0), min(rows, p.seq_q + min(int64_t(0), p.causal_offset)));
   bool bad = false;
-  for (int64_t bh = threadIdx.x; bh < p.batch * p.heads_q; bh += kThreads) {
-    const float rms = rows > 0 ? sqrtf(p.err2[bh] / float(rows)) : 0.0f;
-    bad |= !(rms <= p.max_score_err);
+  if (bh < p.batch * p.heads_q && rows > 0) {
+    float sum = 0.0f;
+    for (int64_t qb = 0; qb < p.q_blocks; ++qb) sum += p.err2[bh * p.q_blocks + qb];
+    bad = !(sqrtf(sum / float(rows)) <= p.max_score_err);
   }
-  const int32_t v = __syncthreads_or(bad) ? 1 : 0;
-  if (threadIdx.x == 0) {
-    *p.verdict = v;
-    if (p.untrusted) *p.untrusted = v;
-  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(p.verdict, 1);
 }
 
 // NaN over one gradient [B][heads][n][D] in the caller's strides, by the whole grid.
@@ -288,7 +287,9 @@ __device__ __forceinline__ void fill_nan(void* base, const sage_strides& st, int
 // one-dimensional grid of kThreads-thread CTAs, striding (any size).
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) poison_kernel(const Params p) {
-  if (*p.verdict == 0) return;
+  const int32_t verdict = *p.verdict;
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.untrusted) *p.untrusted = verdict;
+  if (verdict == 0) return;
   fill_nan<T, D>(p.dq, p.dq_st, p.batch, p.heads_q, p.seq_q);
   fill_nan<T, D>(p.dk, p.dk_st, p.batch, p.heads_kv, p.seq_kv);
   fill_nan<T, D>(p.dv, p.dv_st, p.batch, p.heads_kv, p.seq_kv);
