@@ -246,6 +246,18 @@ def _varlen_grads_vs_dense(torch, q, k, v, cu_q, cu_k, lens_q, lens_k, causal, w
     return (qq.grad, kk.grad, vv.grad), dense
 
 
+def _expect_dense_bits(torch, grads, dense):
+    """Each sequence's packed gradients are its dense call's bit for bit (zero where the
+    sequence has no query or no key)."""
+    gq, gk, gv = grads
+    for (qs, ks), want in dense:
+        if want is None:
+            assert (gq[qs] == 0).all() and (gk[ks] == 0).all() and (gv[ks] == 0).all()
+            continue
+        for got, w in zip((gq[qs], gk[ks], gv[ks]), want):
+            assert torch.equal(got, w)
+
+
 @pytest.mark.parametrize("causal,with_lse", [(False, False), (True, True)])
 def test_cpu_backward_is_each_sequences_dense_backward(rng, causal, with_lse):
     """Per sequence, bit for bit the dense call's gradients (the CPU reference is
@@ -254,14 +266,8 @@ def test_cpu_backward_is_each_sequences_dense_backward(rng, causal, with_lse):
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in
                            packed(rng, LENS_Q, LENS_K, 4, 2, 64, np.float32))
-    (gq, gk, gv), dense = _varlen_grads_vs_dense(torch, q, k, v, cu_q, cu_k, LENS_Q, LENS_K,
-                                                 causal, with_lse, gen)
-    for (qs, ks), want in dense:
-        if want is None:
-            assert (gq[qs] == 0).all() and (gk[ks] == 0).all() and (gv[ks] == 0).all()
-            continue
-        for got, w in zip((gq[qs], gk[ks], gv[ks]), want):
-            assert torch.equal(got, w)
+    _expect_dense_bits(torch, *_varlen_grads_vs_dense(torch, q, k, v, cu_q, cu_k, LENS_Q,
+                                                      LENS_K, causal, with_lse, gen))
 
 
 def test_cpu_backward_refuses_one_sequence_alone(rng):
@@ -295,13 +301,8 @@ def test_cuda_backward_is_each_sequences_dense_backward(rng, dtype):
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        (gq, gk, gv), dense = _varlen_grads_vs_dense(torch, q, k, v, cu_q, cu_k, CUDA_LENS_Q,
-                                                     CUDA_LENS_K, True, True, gen)
+        got = _varlen_grads_vs_dense(torch, q, k, v, cu_q, cu_k, CUDA_LENS_Q, CUDA_LENS_K, True,
+                                     True, gen)
     finally:
         torch.use_deterministic_algorithms(was)
-    for (qs, ks), want in dense:
-        if want is None:
-            assert (gq[qs] == 0).all() and (gk[ks] == 0).all() and (gv[ks] == 0).all()
-            continue
-        for got, w in zip((gq[qs], gk[ks], gv[ks]), want):
-            assert torch.equal(got, w)
+    _expect_dense_bits(torch, *got)
