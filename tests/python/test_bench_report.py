@@ -132,3 +132,15 @@ def test_plot(tmp_path):
     path = tmp_path / "p.png"
     assert bc.plot(synthetic_rows(), path, "synthetic")
     assert path.stat().st_size > 1000
+
+
+def test_bench_models_table_is_well_formed():
+    """The real-model shape table: every call is one the library's GPU kernels take (head dims a
+    multiple of 8 up to 256, whole GQA groups) and is named once."""
+    from sage_attn.bench_models import MODELS
+    calls = [m[1] for m in MODELS]
+    assert len(calls) == len(set(calls))
+    for model, call, b, hq, hkv, n, d, causal in MODELS:
+        assert b >= 1 and n >= 1 and hq % hkv == 0, call
+        assert d % 8 == 0 and 8 <= d <= 256, call
+        assert isinstance(causal, bool), call
