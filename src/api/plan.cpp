@@ -61,7 +61,7 @@ std::string fp4_gpu_mismatch(const sage_quant_config& c) {
 }  // namespace
 
 bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv,
-                 bool training) {
+                 bool training, CallWork work) {
   // One table for inference and training: a row is the smallest N from which sage beat SDPA
   // cuDNN on that GPU, head dim and mask, by a margin the run-to-run spread (~5 %) cannot undo;
   // both lengths must reach it (fewer queries or keys leave the pre-pass and the per-tile work
@@ -73,6 +73,13 @@ bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_
   // wgmma kernel's 64-key form; H200, B=4 H=32, graph): 4k 785 vs 622, 16k 983 vs 633; causal 4k
   // 614 vs 566, 16k 895 vs 610. Its padded dims share the row, and D = 192 causal 4k lost (484 vs
   // 543; non-causal 612 vs 602): causal from 8k, as D = 128.
+  // Few tiles: below twice its length a row also asks for min_waves tiles (B·Hq·⌈Nq/block_q⌉) an
+  // SM, where its call's fixed costs (the K/V pre-pass, the launches, the last partial wave) are
+  // measured to outweigh the kernel's lead. D = 64 non-causal (H200, 2026-11-27, graph,
+  // bench/results/2026-11-27-h200-models.json): SDXL 1024²'s first level (B·H = 20, N = 4096: 440
+  // tiles of 192 rows, 3.3 an SM) 0.89x SDPA cuDNN; SD 1.5's (16 heads, 2.7 an SM, D = 40 on
+  // this kernel) 1.03x; B·H = 128 (21 an SM) 1.10x; SD3.5-large (4429 tokens, 14 an SM) 1.23x.
+  // D = 128: Flux 1024² (24 heads, 4608 tokens, 6.5 an SM) 1.09x; no loss seen, no bound.
   // Training, forward + SageBwd's backward (its stats pass and check included): no row. It
   // measured 0.38-0.45x SDPA cuDNN bf16 at N 4k-16k, D 64/128, both masks (H200,
   // bench/results/2026-11-27-h200-train.json), and 0.34-0.44x SDPA flash on the H100 before; with
@@ -83,15 +90,21 @@ bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_
     bool causal;
     bool training;
     int64_t min_seq;
+    int min_waves;  // tiles an SM needed below 2·min_seq (0: no bound)
   };
   static constexpr Crossover kTable[] = {
-      {90, 128, false, false, 4096}, {90, 128, true, false, 8192}, {90, 64, false, false, 4096},
-      {90, 64, true, false, 8192},   {90, 256, false, false, 4096}, {90, 256, true, false, 8192},
+      {90, 128, false, false, 4096, 0}, {90, 128, true, false, 8192, 0},
+      {90, 64, false, false, 4096, 4},  {90, 64, true, false, 8192, 0},
+      {90, 256, false, false, 4096, 0}, {90, 256, true, false, 8192, 0},
   };
   const bool causal = mask != SAGE_MASK_NONE;
   for (const Crossover& c : kTable)
-    if (c.cc == cc && c.head_dim == head_dim && c.causal == causal && c.training == training)
-      return seq_q < c.min_seq || seq_kv < c.min_seq;
+    if (c.cc == cc && c.head_dim == head_dim && c.causal == causal && c.training == training) {
+      if (seq_q < c.min_seq || seq_kv < c.min_seq) return true;
+      const bool near = seq_q < 2 * c.min_seq || seq_kv < 2 * c.min_seq;
+      return near && c.min_waves > 0 && work.sms > 0 &&
+             work.tiles < int64_t(c.min_waves) * work.sms;
+    }
   // No row: the forward was never measured slower there; training never measured faster.
   return training;
 }
@@ -232,9 +245,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   // A padded head dim looks up its kernel's row: it does Dk's work while SDPA does D's, so Dk's
   // crossover is the least length from which it could win (not measured at the padded dims).
   // (No SDPA stands in for a packed batch: the table is for dense calls.)
-  plan.prefer_sdpa = !r.packed() && prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv, false);
-  plan.prefer_sdpa_training =
-      !r.packed() && prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv, true);
+  // (prefer_sdpa below, once the tile is known.)
   // The backward has no zero-padded head dims yet: a training call at a padded D gets its forward
   // here and must get its backward elsewhere (the SDPA drop-in asks this before taking one).
   plan.has_backward = gpu_backward_has_head_dim(D);
@@ -287,6 +298,12 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
     e.exp2_poly_every = 0;
   }
   plan.emulation = e;
+  const CallWork work{p.batch * p.heads_q * ((p.seq_q + plan.block_q - 1) / plan.block_q),
+                      dev.sms};
+  plan.prefer_sdpa =
+      !r.packed() && prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv, false, work);
+  plan.prefer_sdpa_training =
+      !r.packed() && prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv, true, work);
   *out = plan;
   return SAGE_OK;
 }

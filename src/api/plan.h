@@ -45,11 +45,17 @@ struct Plan {
 sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Device& dev,
                       Plan* plan);
 
+// How much work a call gives the GPU: its attention tiles (B·Hq·⌈Nq/block_q⌉) and the SMs.
+struct CallWork {
+  int64_t tiles = 0;
+  int sms = 0;  // 0: unknown (no bound on the tiles applies)
+};
+
 // The crossover table: true where a dense fp16 SDPA (cuDNN) measured faster than this library's
-// call for this (kernel, native) head dim, mask and length on this architecture (unmeasured
-// architectures: false).
+// call for this (kernel, native) head dim, mask, length and amount of work on this architecture
+// (unmeasured architectures: false for the forward, true for training: see plan.cpp).
 bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv,
-                 bool training = false);
+                 bool training = false, CallWork work = {});
 
 // The public description of a plan (sage_plan_info).
 void describe(const Plan& plan, sage_plan_info* info);

@@ -264,7 +264,9 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
   // Multiples of 8 that are not of 16 take their kernel head dim's row too (SD 1.x's 40 and 160,
   // DiT's 72).
   EXPECT_TRUE(must_plan(Call(2048, 2048, 40), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(4096, 4096, 40), kH100).prefer_sdpa);
+  // (B·H = 8 at 4k: too few tiles for the D = 64 kernel's row; at 8k the length alone decides.)
+  EXPECT_TRUE(must_plan(Call(4096, 4096, 40), kH100).prefer_sdpa);
+  EXPECT_FALSE(must_plan(Call(8192, 8192, 40), kH100).prefer_sdpa);
   EXPECT_TRUE(must_plan(Call(4096, 4096, 72, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
   EXPECT_FALSE(must_plan(Call(8192, 8192, 72, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
   EXPECT_FALSE(must_plan(Call(4096, 4096, 200), kH100).prefer_sdpa);
@@ -502,6 +504,14 @@ TEST(Planner, CrossoverTable) {
   // Unmeasured architectures keep sage.
   EXPECT_FALSE(must_plan(Call(1024, 1024, 128), kAda).prefer_sdpa);
   EXPECT_FALSE(sage::api::prefer_sdpa(120, 128, SAGE_MASK_NONE, 512, 512));
+  // Few tiles: D = 64 non-causal below 8k needs 4 tiles an SM (SDXL 1024²'s first level, 440
+  // tiles on 132 SMs, measured 0.89x SDPA), the length alone past it; D = 128 has no bound.
+  EXPECT_TRUE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 4096, 4096, false, {440, 132}));
+  EXPECT_FALSE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 4096, 4096, false, {2816, 132}));
+  EXPECT_FALSE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 8192, 8192, false, {43, 132}));
+  EXPECT_FALSE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 4096, 4096, false, {440, 0}));
+  EXPECT_FALSE(sage::api::prefer_sdpa(90, 128, SAGE_MASK_NONE, 4608, 4608, false, {864, 132}));
+  EXPECT_FALSE(sage::api::prefer_sdpa(90, 128, SAGE_MASK_NONE, 4096, 4096, false, {32, 132}));
   // Training (forward + SageBwd): the table has no row, so torch trains every shape and GPU.
   EXPECT_TRUE(must_plan(Call(32768, 32768, 128), kH100).prefer_sdpa_training);
   EXPECT_FALSE(must_plan(Call(32768, 32768, 128), kH100).prefer_sdpa);
