@@ -299,42 +299,12 @@ sage_status attention_stages(const api::Resolved& r, const sage_attention_args& 
 namespace sage::cuda {
 namespace {
 
-// What the GPU backward runs, or why it cannot: refused with UNSUPPORTED, never approximated.
-sage_status check_backward(const api::ResolvedBackward& r, const sage_backward_args& a,
-                           const api::Device& dev) {
-  const ref::Problem& p = r.problem;
-  SAGE_RETURN_IF_ERROR(check_batch_heads("the backward", p.batch, p.heads_q));
-  // The kernels themselves need sm_80, but the library builds for sm_89 and newer only (its
-  // forward pre-pass needs FP8 conversions): below that there is no kernel image to launch.
-  if (dev.cc < 89)
-    return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "the GPU is sm_%d; the backward, like the library, is built for sm_89 or "
-                     "newer",
-                     dev.cc);
-  if (!api::gpu_backward_has_head_dim(p.head_dim))
-    return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "head_dim = %lld has no GPU backward kernel (GPU backward kernels: %s; the "
-                     "CPU reference takes 1..%lld)",
-                     static_cast<long long>(p.head_dim), api::kGpuBackwardHeadDims,
-                     static_cast<long long>(api::kMaxHeadDim));
-  if (a.dtype == SAGE_DTYPE_FP32)
-    return set_error(SAGE_ERROR_UNSUPPORTED, "dtype = FP32 runs on the CPU reference only");
-  sage_backward_config want = ref::backward_preset();
-  want.smooth = r.config.smooth;  // either way: k_mean is zero without smoothing
-  const sage_backward_config& c = r.config;
-  if (c.int8 != want.int8 || c.block_q != want.block_q || c.block_k != want.block_k ||
-      c.granularity != want.granularity)
-    return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "config (int8 0x%x, block %d x %d, granularity %d): the GPU backward runs "
-                     "the preset only (int8 0x%x, block %d x %d, per token); the CPU reference "
-                     "runs any",
-                     unsigned(c.int8), int(c.block_q), int(c.block_k), int(c.granularity),
-                     unsigned(want.int8), int(want.block_q), int(want.block_k));
-  if (a.kernel == SAGE_KERNEL_SM90 && dev.cc != 90)
-    return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "kernel = SM90: the wgmma backward needs an sm_90 GPU (this is sm_%d)",
-                     dev.cc);
-  return SAGE_OK;
+// The backward's plan on this device (refused with UNSUPPORTED, never approximated).
+sage_status plan_backward(const api::ResolvedBackward& r, const sage_backward_args& a,
+                          api::Device* dev, api::BackwardPlan* plan) {
+  SAGE_RETURN_IF_ERROR(current_device(dev));
+  SAGE_RETURN_IF_ERROR(check_batch_heads("the backward", r.problem.batch, r.problem.heads_q));
+  return api::make_backward_plan(r, a, *dev, plan);
 }
 
 bwd::Params backward_params(const api::ResolvedBackward& r, const sage_backward_args& a,
@@ -378,17 +348,17 @@ bwd::Params backward_params(const api::ResolvedBackward& r, const sage_backward_
 sage_status backward_workspace_size(const api::ResolvedBackward& r, const sage_backward_args& a,
                                     size_t* bytes) {
   api::Device dev;
-  SAGE_RETURN_IF_ERROR(current_device(&dev));
-  SAGE_RETURN_IF_ERROR(check_backward(r, a, dev));
-  *bytes = bwd::make_layout(r.problem).total;
+  api::BackwardPlan plan;
+  SAGE_RETURN_IF_ERROR(plan_backward(r, a, &dev, &plan));
+  *bytes = plan.layout.total;
   return SAGE_OK;
 }
 
 sage_status backward(const api::ResolvedBackward& r, const sage_backward_args& a) {
   api::Device dev;
-  SAGE_RETURN_IF_ERROR(current_device(&dev));
-  SAGE_RETURN_IF_ERROR(check_backward(r, a, dev));
-  const bwd::Layout w = bwd::make_layout(r.problem);
+  api::BackwardPlan plan;
+  SAGE_RETURN_IF_ERROR(plan_backward(r, a, &dev, &plan));
+  const bwd::Layout& w = plan.layout;
   if (a.workspace_size < w.total || a.workspace == nullptr)
     return set_error(SAGE_ERROR_WORKSPACE_TOO_SMALL,
                      "workspace_size = %zu, this call needs %zu bytes "
@@ -403,9 +373,7 @@ sage_status backward(const api::ResolvedBackward& r, const sage_backward_args& a
   const bwd::Params x = backward_params(r, a, w, static_cast<uint8_t*>(a.workspace));
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const bool bf16 = a.dtype == SAGE_DTYPE_BF16;
-  // sm_90 runs the wgmma kernel unless the mma.sync one is asked for (check_backward refused
-  // SM90 elsewhere).
-  const bool sm90 = dev.cc == 90 && a.kernel != SAGE_KERNEL_MMA;
+  const bool sm90 = plan.family == api::Family::kSm90;
   const cudaError_t e = r.problem.head_dim == 64
                             ? bwd::run<64>(x, bf16, sm90, dev.index, stream)
                             : bwd::run<128>(x, bf16, sm90, dev.index, stream);

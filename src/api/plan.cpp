@@ -308,6 +308,50 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   return SAGE_OK;
 }
 
+sage_status make_backward_plan(const ResolvedBackward& r, const sage_backward_args& a,
+                               const Device& dev, BackwardPlan* out) {
+  const ref::Problem& p = r.problem;
+  // The kernels themselves need sm_80, but the library builds for sm_89 and newer only (its
+  // forward pre-pass needs FP8 conversions): below that there is no kernel image to launch.
+  if (dev.cc < 89)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "the GPU is sm_%d; the backward, like the library, is built for sm_89 or "
+                     "newer",
+                     dev.cc);
+  if (!gpu_backward_has_head_dim(p.head_dim))
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "head_dim = %lld has no GPU backward kernel (GPU backward kernels: %s; the "
+                     "CPU reference takes 1..%lld)",
+                     static_cast<long long>(p.head_dim), kGpuBackwardHeadDims,
+                     static_cast<long long>(kMaxHeadDim));
+  if (a.dtype == SAGE_DTYPE_FP32)
+    return set_error(SAGE_ERROR_UNSUPPORTED, "dtype = FP32 runs on the CPU reference only");
+  sage_backward_config want = ref::backward_preset();
+  want.smooth = r.config.smooth;  // either way: k_mean is zero without smoothing
+  const sage_backward_config& c = r.config;
+  if (c.int8 != want.int8 || c.block_q != want.block_q || c.block_k != want.block_k ||
+      c.granularity != want.granularity)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "config (int8 0x%x, block %d x %d, granularity %d): the GPU backward runs "
+                     "the preset only (int8 0x%x, block %d x %d, per token); the CPU reference "
+                     "runs any",
+                     unsigned(c.int8), int(c.block_q), int(c.block_k), int(c.granularity),
+                     unsigned(want.int8), int(want.block_q), int(want.block_k));
+  if (a.kernel == SAGE_KERNEL_SM90 && dev.cc != 90)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "kernel = SM90: the wgmma backward needs an sm_90 GPU (this is sm_%d)",
+                     dev.cc);
+  BackwardPlan plan;
+  // sm_90 runs the wgmma main kernel unless the mma.sync one is asked for.
+  plan.family = dev.cc == 90 && a.kernel != SAGE_KERNEL_MMA ? Family::kSm90 : Family::kMma;
+  plan.layout = bwd::make_layout(p);
+  // The pre-pass (K's channel sums, their mean, K and V, Q and dO), the stats pass, the main
+  // kernel, the dQ store, the verdict (judge, poison).
+  plan.launches = 9;
+  *out = plan;
+  return SAGE_OK;
+}
+
 void describe(const Plan& plan, sage_plan_info* info) {
   *info = sage_plan_info{};
   info->struct_size = sizeof(sage_plan_info);

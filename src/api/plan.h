@@ -6,6 +6,7 @@
 #pragma once
 
 #include "api/backend.h"
+#include "bwd/params.h"
 #include "fp4/layout.h"
 #include "quant/layout.h"
 #include "sage/sage.h"
@@ -56,6 +57,19 @@ struct CallWork {
 // (unmeasured architectures: false for the forward, true for training: see plan.cpp).
 bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv,
                  bool training = false, CallWork work = {});
+
+// A CUDA backward call's plan: the main kernel's family (the stats pass, pre-pass, dQ store and
+// verdict are the same for both), the workspace layout, and the launches.
+struct BackwardPlan {
+  Family family = Family::kMma;  // kSm90: the wgmma main kernel; kMma: the mma.sync one
+  bwd::Layout layout;            // the workspace (layout.total bytes)
+  int launches = 0;              // kernels launched per call
+};
+
+// Plans a CUDA backward (r.backend == CUDA): SAGE_ERROR_UNSUPPORTED, naming the argument, where
+// no GPU kernel computes it on this device. (The grid limit on batch·heads is the backend's.)
+sage_status make_backward_plan(const ResolvedBackward& r, const sage_backward_args& a,
+                               const Device& dev, BackwardPlan* plan);
 
 // The public description of a plan (sage_plan_info).
 void describe(const Plan& plan, sage_plan_info* info);

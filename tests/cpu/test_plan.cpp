@@ -583,3 +583,59 @@ TEST(Planner, Fp4RunsSage3ConfigOnlyAndRefusesTheRestNamingTheArgument) {
 }
 
 }  // namespace
+
+namespace {
+
+// A backward call validated as host pointers (the CPU backend), then planned as the CUDA backend
+// would on a described device.
+sage_status plan_backward(const Device& dev, int64_t d, sage_dtype dtype, sage_kernel kernel,
+                          sage::api::BackwardPlan* out, int64_t n = 300) {
+  const size_t qn = size_t(4 * n * d), kn = size_t(2 * n * d);
+  static std::vector<uint16_t> q, k, v, o, d_o, dq, dk, dv;
+  static std::vector<float> lse;
+  for (auto* x : {&q, &o, &d_o, &dq}) x->assign(qn * 2, 0);
+  for (auto* x : {&k, &v, &dk, &dv}) x->assign(kn * 2, 0);
+  lse.assign(size_t(4 * n), 0.0f);
+  sage_backward_args a;
+  sage_backward_args_init(&a);
+  a.q = q.data(), a.k = k.data(), a.v = v.data(), a.o = o.data(), a.lse = lse.data();
+  a.d_o = d_o.data(), a.dq = dq.data(), a.dk = dk.data(), a.dv = dv.data();
+  a.batch = 1, a.heads_q = 4, a.heads_kv = 2, a.seq_q = n, a.seq_kv = n, a.head_dim = d;
+  a.dtype = dtype;
+  sage::api::ResolvedBackward r;
+  const sage_status s = sage::api::validate_backward(&a, &r);
+  if (s != SAGE_OK) return s;
+  a.kernel = kernel;  // (the CPU backend refuses a forced family; the plan is the CUDA one's)
+  return sage::api::make_backward_plan(r, a, dev, out);
+}
+
+}  // namespace
+
+TEST(BackwardPlan, FamilyWorkspaceAndRefusals) {
+  sage::api::BackwardPlan p;
+  // sm_90: the wgmma main kernel unless mma.sync is asked for; elsewhere mma.sync.
+  ASSERT_EQ(plan_backward(kH100, 128, SAGE_DTYPE_BF16, SAGE_KERNEL_AUTO, &p), SAGE_OK);
+  EXPECT_EQ(p.family, Family::kSm90);
+  EXPECT_EQ(p.launches, 9);
+  EXPECT_EQ(p.layout.total, sage::bwd::make_layout(sage::ref::Problem{
+                                1, 4, 2, 300, 300, 128, 1.0 / std::sqrt(128.0)}).total);
+  EXPECT_GT(p.layout.total, size_t(0));
+  ASSERT_EQ(plan_backward(kH100, 64, SAGE_DTYPE_FP16, SAGE_KERNEL_MMA, &p), SAGE_OK);
+  EXPECT_EQ(p.family, Family::kMma);
+  for (const Device& dev : {kAda, kBlackwell}) {
+    ASSERT_EQ(plan_backward(dev, 128, SAGE_DTYPE_FP16, SAGE_KERNEL_AUTO, &p), SAGE_OK);
+    EXPECT_EQ(p.family, Family::kMma);
+    EXPECT_EQ(plan_backward(dev, 128, SAGE_DTYPE_FP16, SAGE_KERNEL_SM90, &p),
+              SAGE_ERROR_UNSUPPORTED);
+    EXPECT_NE(std::string(sage_last_error()).find("kernel = SM90"), std::string::npos);
+  }
+  EXPECT_EQ(plan_backward(kAmpere, 128, SAGE_DTYPE_FP16, SAGE_KERNEL_AUTO, &p),
+            SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("sm_86"), std::string::npos);
+  EXPECT_EQ(plan_backward(kH100, 96, SAGE_DTYPE_FP16, SAGE_KERNEL_AUTO, &p),
+            SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("head_dim = 96"), std::string::npos);
+  EXPECT_EQ(plan_backward(kH100, 64, SAGE_DTYPE_FP32, SAGE_KERNEL_AUTO, &p),
+            SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("FP32"), std::string::npos);
+}
