@@ -365,13 +365,9 @@ def _note_fallback(calls=1):
 
 def _backward(q, k, v, d_o, d_lse, layout, mask, scale, family=0):
     """dq, dk, dv of the attention of q, k, v against dO (SageBwd on CUDA tensors, the CPU
-    reference's SageBwd emulation on CPU ones). d_lse may be None. family: the forward's kernel
-    choice (sage_backward_args.kernel: the same family runs the backward).
-
-    SageBwd normalizes its own scores and checks them (docs/backward.md): where it estimates its
-    INT8 scores too coarse for a gradient it can stand behind, it returns NaN and says so, and
-    this call's gradients are computed in 16 bits by torch instead (one host synchronization a
-    call reads the verdict). Under CUDA-graph capture nothing can be read: the NaN stays."""
+    reference's SageBwd emulation on CPU ones), and its verdict (int32 [1], 1: refused, the
+    gradients NaN). d_lse may be None. family: the forward's kernel choice
+    (sage_backward_args.kernel: the same family runs the backward)."""
     if d_o.stride(-1) != 1:  # (autograd hands expanded or transposed gradients too)
         d_o = d_o.contiguous()
     if d_lse is not None and d_lse.stride(-1) != 1:
@@ -379,16 +375,14 @@ def _backward(q, k, v, d_o, d_lse, layout, mask, scale, family=0):
     out = (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
     untrusted = torch.empty((1,), dtype=torch.int32, device=q.device)
     _launch_backward(q, k, v, d_o, d_lse, layout, mask, scale, family, out, untrusted)
-    if _verdicts_readable(q.device) and untrusted.item():
-        _note_fallback()
-        return _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale)
-    return out
+    return (*out, untrusted)
 
 
 @torch.library.custom_op("sage_attn::attention_backward", mutates_args=())
 def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_o: torch.Tensor,
                  d_lse: Optional[torch.Tensor], layout: int, mask: int, scale: float,
-                 family: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 family: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(q, k, v, d_o, d_lse, layout, mask, scale, family)
 
 
@@ -396,7 +390,8 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_o: torch.T
 def _(q, k, v, d_o, d_lse, layout, mask, scale, family=0):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+            torch.empty(v.shape, dtype=v.dtype, device=v.device),
+            torch.empty((1,), dtype=torch.int32, device=q.device))
 
 
 def _setup_context(ctx, inputs, output):
@@ -405,12 +400,18 @@ def _setup_context(ctx, inputs, output):
     # Not O: SageBwd normalizes its own scores. The LSE (small) says whether SDPA ran instead.
     ctx.save_for_backward(q, k, v, lse)
     ctx.attn = (layout, mask, scale, inputs[12] if len(inputs) > 12 else 0)
+    # An output the loss does not use arrives as None, not as zeros: an LSE nobody asked for
+    # (autograd always computes it) must not look like a gradient on it, which would take the
+    # 16-bit fallback off SDPA's kernels.
+    ctx.set_materialize_grads(False)
 
 
 def _attention_grad(ctx, d_o, d_lse):
     q, k, v, lse = ctx.saved_tensors
     layout, mask, scale, family = ctx.attn
     nones = (None,) * 10
+    if lse.numel() == 0 and d_o is None:
+        return (None, None, None, *nones)
     if lse.numel() == 0:
         # The op handed the call to torch's SDPA (the drop-in's fallback inside a compiled
         # graph): the gradient is SDPA's, by its own autograd.
@@ -421,7 +422,18 @@ def _attention_grad(ctx, d_o, d_lse):
             return (*torch.autograd.grad(out, (qq, kk, vv), d_o), *nones)
     if d_lse is not None and d_lse.numel() == 0:
         d_lse = None
-    dq, dk, dv = _backward_op(q, k, v, d_o, d_lse, layout, mask, scale, family)
+    if d_o is None:  # only the LSE reaches the loss
+        d_o = q.new_zeros(q.shape)
+    dq, dk, dv, untrusted = _backward_op(q, k, v, d_o, d_lse, layout, mask, scale, family)
+    # SageBwd normalizes its own scores and checks them (docs/backward.md): where it estimates
+    # its INT8 scores too coarse for gradients it can stand behind, they are NaN and the verdict
+    # says so, and this call's gradients are computed in 16 bits by torch instead, here where
+    # autograd records (one host synchronization a call reads the verdict). Under CUDA-graph
+    # capture or while compiling nothing can be read: the NaN stays.
+    if (not torch.compiler.is_compiling() and _verdicts_readable(q.device)
+            and untrusted.item()):
+        _note_fallback()
+        dq, dk, dv = _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale)
     return (dq, dk, dv, *nones)
 
 
@@ -667,12 +679,15 @@ class _VarlenAttention(torch.autograd.Function):
                                  quant, kernel_code, return_lse)
         ctx.save_for_backward(q, k, v, cu_q, cu_k)
         ctx.attn = (mask, scale, kernel_code)
+        ctx.set_materialize_grads(False)  # (as the dense op: an unused LSE's gradient is None)
         return o, lse
 
     @staticmethod
     def backward(ctx, d_o, d_lse):
         q, k, v, cu_q, cu_k = ctx.saved_tensors
         mask, scale, family = ctx.attn
+        if d_o is None:  # only the LSE reaches the loss
+            d_o = q.new_zeros(q.shape)
         if d_o.stride(-1) != 1:
             d_o = d_o.contiguous()
         if d_lse is not None and d_lse.stride(-1) != 1:

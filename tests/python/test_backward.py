@@ -295,3 +295,30 @@ def test_cpu_training_inputs_never_silently_wrong(gen, kind, strength):
     want = grads64(q, k, v, do, True)
     for g, w in zip(got, want):
         assert cos(g, w) > 0.999
+
+
+def test_cpu_fallback_runs_sdpa_unless_the_lse_has_a_gradient(gen, monkeypatch):
+    """A refused call whose loss does not use the LSE gets SDPA's own backward (its fused
+    kernels on a GPU), not the float32 textbook one: autograd hands the unused LSE's gradient as
+    None, not as zeros."""
+    import sage_attn._torch as T
+    calls = []
+    real = T._torch_sdpa
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(T, "_torch_sdpa", counting)
+    q, k, v, do = structured(gen, "outliers", 16.0, 1, 2, 2, 64, 64, torch.float32, "cpu")
+    for with_lse in (False, True):
+        calls.clear()
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        with pytest.warns(sage_attn.SageBwdFallbackWarning):
+            o, lse = sage_attn.sageattn(qq, kk, vv, is_causal=True, return_lse=True)
+            loss = (o * do).sum() + (lse.sum() if with_lse else 0.0)
+            loss.backward()
+        assert len(calls) == (0 if with_lse else 1)
+        want = grads64(q, k, v, do, True, torch.ones(1, 2, 64) if with_lse else None)
+        for g, w in zip((qq.grad, kk.grad, vv.grad), want):
+            assert cos(g, w) > 0.99999
