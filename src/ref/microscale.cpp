@@ -34,7 +34,7 @@ void quantize_fp4(const float* x, int64_t n, int64_t stride, const MicroscaleFor
       amax = std::max(amax, a);
     }
     // A NaN or infinity would come out of cvt's .satfinite as a finite scale or value: the run
-    // dequantizes to NaN instead, so a non-finite input never looks finite (ARCHITECTURE.md).
+    // dequantizes to NaN instead, so a non-finite input never looks finite.
     const uint32_t sc = finite ? fp4_scale_code(f, amax) : (f.e8m0_scale ? kE8M0Nan : 0x7Fu);
     const float scale = fp4_scale_value(f, sc);
     if (scale_codes) scale_codes[run] = uint8_t(sc);
