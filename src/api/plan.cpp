@@ -63,27 +63,14 @@ std::string fp4_gpu_mismatch(const sage_quant_config& c) {
 bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv,
                  bool training, CallWork work) {
   // One table for inference and training: a row is the smallest N from which sage beat SDPA
-  // cuDNN on that GPU, head dim and mask, by a margin the run-to-run spread (~5 %) cannot undo;
-  // both lengths must reach it (fewer queries or keys leave the pre-pass and the per-tile work
-  // less to amortize over).
-  // Inference, the forward alone: H100, B=4 H=32 fp16 N(0,1), one process
-  // (bench/results/2026-11-25-h100.json), end to end under CUDA-graph replay. D=128: 2k 521 vs
-  // 557, 4k 593 vs 542; causal 4k 506 vs 502 (a tie: 8k), 8k 583 vs 539 (eager 647 vs 521).
-  // D=64: 2k 394 vs 427, 4k 481 vs 439; causal 4k 357 vs 394, 8k 465 vs 420. D = 256 (the
-  // wgmma kernel's 64-key form; H200, B=4 H=32, graph): 4k 785 vs 622, 16k 983 vs 633; causal 4k
-  // 614 vs 566, 16k 895 vs 610. Its padded dims share the row, and D = 192 causal 4k lost (484 vs
-  // 543; non-causal 612 vs 602): causal from 8k, as D = 128.
-  // Few tiles: below twice its length a row also asks for min_waves tiles (B·Hq·⌈Nq/block_q⌉) an
-  // SM, where its call's fixed costs (the K/V pre-pass, the launches, the last partial wave) are
-  // measured to outweigh the kernel's lead. D = 64 non-causal (H200, 2026-11-27, graph,
-  // bench/results/2026-11-27-h200-models.json): SDXL 1024²'s first level (B·H = 20, N = 4096: 440
-  // tiles of 192 rows, 3.3 an SM) 0.89x SDPA cuDNN; SD 1.5's (16 heads, 2.7 an SM, D = 40 on
-  // this kernel) 1.03x; B·H = 128 (21 an SM) 1.10x; SD3.5-large (4429 tokens, 14 an SM) 1.23x.
-  // D = 128: Flux 1024² (24 heads, 4608 tokens, 6.5 an SM) 1.09x; no loss seen, no bound.
-  // Training, forward + SageBwd's backward (its stats pass and check included): no row. It
-  // measured 0.38-0.45x SDPA cuDNN bf16 at N 4k-16k, D 64/128, both masks (H200,
-  // bench/results/2026-11-27-h200-train.json), and 0.34-0.44x SDPA flash on the H100 before; with
-  // no row torch's SDPA trains, on every GPU, until a shape measures faster.
+  // cuDNN on that GPU, head dim and mask, by a margin the run-to-run spread cannot undo; both
+  // lengths must reach it (fewer queries or keys leave the pre-pass and the per-tile work less
+  // to amortize over). A padded head dim shares its kernel's row. Near a row's length the call's
+  // fixed costs (the K/V pre-pass, the launches, the last partial wave) can outweigh the
+  // kernel's lead when it has few tiles an SM: below twice the length a row may also ask for
+  // min_waves of them. Training (forward + SageBwd) has no row: it never measured faster, so
+  // torch's SDPA trains until a shape does. The measurements behind every row:
+  // docs/sm90-kernel.md, "The crossover table".
   struct Crossover {
     int cc;
     int64_t head_dim;

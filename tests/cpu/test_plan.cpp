@@ -504,8 +504,8 @@ TEST(Planner, CrossoverTable) {
   // Unmeasured architectures keep sage.
   EXPECT_FALSE(must_plan(Call(1024, 1024, 128), kAda).prefer_sdpa);
   EXPECT_FALSE(sage::api::prefer_sdpa(120, 128, SAGE_MASK_NONE, 512, 512));
-  // Few tiles: D = 64 non-causal below 8k needs 4 tiles an SM (SDXL 1024²'s first level, 440
-  // tiles on 132 SMs, measured 0.89x SDPA), the length alone past it; D = 128 has no bound.
+  // Few tiles: D = 64 non-causal below 8k needs 4 tiles an SM (SDXL 1024²'s first level has
+  // 440 on 132 SMs), the length alone past it; D = 128 has no bound.
   EXPECT_TRUE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 4096, 4096, false, {440, 132}));
   EXPECT_FALSE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 4096, 4096, false, {2816, 132}));
   EXPECT_FALSE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 8192, 8192, false, {43, 132}));
