@@ -246,6 +246,22 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     std::vector<float> k_mean;
     std::vector<double> norm2;
   };
+  // Score x_ij (log2 units, K smoothing's per-row constant left out) and dP_ij of one query row
+  // and key, as the stats pass and the main pass both take them (ib, jb: their ψ blocks).
+  struct ScoreDp {
+    float x, dp;
+  };
+  auto score_dp = [&](const QSide& qs, const KSide& ks, int64_t i, int64_t j) {
+    const int64_t ib = i / bq, jb = j / bk;
+    const float qk_scale = i8_qk ? qs.q8.scale[size_t(ib)] * ks.k8.scale[size_t(jb)] : 1.0f;
+    const float dov_scale = i8_dov ? qs.do8.scale[size_t(ib)] * ks.v8.scale[size_t(jb)] : 1.0f;
+    const float sij = i8_qk ? dot32(qs.q8.values.data() + i * D, ks.k8.values.data() + j * D, D)
+                            : dot32(qs.q.data() + i * D, ks.k.data() + j * D, D);
+    const float dp = i8_dov ? dot32(qs.do8.values.data() + i * D, ks.v8.values.data() + j * D, D) *
+                                  dov_scale
+                            : dot32(qs.d_o.data() + i * D, ks.v.data() + j * D, D);
+    return ScoreDp{sij * (qk_scale * scale_log2), dp};
+  };
   std::vector<KSide> kside(size_t(p.batch * p.heads_kv));
   parallel_for(int64_t(kside.size()), threads, [&](int64_t bkv) {
     KSide& s = kside[size_t(bkv)];
@@ -293,16 +309,10 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       if (visible <= 0) continue;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < visible; ++j) {
-        const int64_t jb = j / bk;
-        const float qk_scale = i8_qk ? s.q8.scale[size_t(ib)] * ks.k8.scale[size_t(jb)] : 1.0f;
-        const float sij = i8_qk ? dot32(s.q8.values.data() + i * D, ks.k8.values.data() + j * D, D)
-                                : dot32(qi, ks.k.data() + j * D, D);
-        x[size_t(j)] = sij * (qk_scale * scale_log2);
-        const float dov_scale = i8_dov ? s.do8.scale[size_t(ib)] * ks.v8.scale[size_t(jb)] : 1.0f;
-        dp[size_t(j)] =
-            i8_dov ? dot32(s.do8.values.data() + i * D, ks.v8.values.data() + j * D, D) * dov_scale
-                   : dot32(s.d_o.data() + i * D, ks.v.data() + j * D, D);
-        m = nan_max(m, x[size_t(j)]);
+        const ScoreDp sd = score_dp(s, ks, i, j);
+        x[size_t(j)] = sd.x;
+        dp[size_t(j)] = sd.dp;
+        m = nan_max(m, sd.x);
       }
       double l = 0.0, dsum = 0.0, ak = 0.0, aq = 0.0;
       for (int64_t j = 0; j < visible; ++j) {
@@ -348,19 +358,13 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     t.empty = true;
     std::vector<float> p_max(size_t(cols), 0.0f), ds_col_max(size_t(cols), 0.0f),
         ds_row_max(size_t(rows), 0.0f);
-    const float qk_scale = i8_qk ? qs.q8.scale[size_t(ib)] * ks.k8.scale[size_t(jb)] : 1.0f;
-    const float dov_scale = i8_dov ? qs.do8.scale[size_t(ib)] * ks.v8.scale[size_t(jb)] : 1.0f;
     for (int64_t i = t.r0; i < t.r1; ++i) {
       const int64_t visible = std::min(t.c1, p.visible_keys(i));
       for (int64_t j = t.c0; j < visible; ++j) {
         t.empty = false;
-        const float s = i8_qk ? dot32(qs.q8.values.data() + i * D, ks.k8.values.data() + j * D, D)
-                              : dot32(qs.q.data() + i * D, ks.k.data() + j * D, D);
-        const float pij = std::exp2(s * (qk_scale * scale_log2) - qs.lse2[size_t(i)]);
-        const float dp =
-            i8_dov ? dot32(qs.do8.values.data() + i * D, ks.v8.values.data() + j * D, D) * dov_scale
-                   : dot32(qs.d_o.data() + i * D, ks.v.data() + j * D, D);
-        const float ds = pij * (dp - qs.delta[size_t(i)]);
+        const ScoreDp sd = score_dp(qs, ks, i, j);
+        const float pij = std::exp2(sd.x - qs.lse2[size_t(i)]);
+        const float ds = pij * (sd.dp - qs.delta[size_t(i)]);
         const int64_t r = i - t.r0, c = j - t.c0;
         t.P[size_t(r * cols + c)] = pij;
         t.dS[size_t(r * cols + c)] = ds;
