@@ -160,6 +160,16 @@ struct Params {
   float max_score_err;
 
   SAGE_HOST_DEVICE int64_t group() const { return heads_q / heads_kv; }
+  // Query i sees a key: Nk >= 1 and, causal, i + causal_offset >= 0. The rows of a head that do
+  // (the same for every head): those from max(0, -causal_offset) on.
+  SAGE_HOST_DEVICE bool sees_key(int64_t i) const {
+    return seq_kv > 0 && (!causal || i + causal_offset >= 0);
+  }
+  SAGE_HOST_DEVICE int64_t rows_seeing_keys() const {
+    if (seq_kv <= 0) return 0;
+    const int64_t first = causal && causal_offset < 0 ? -causal_offset : 0;
+    return first < seq_q ? seq_q - first : 0;
+  }
 };
 
 }  // namespace sage::bwd

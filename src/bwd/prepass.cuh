@@ -50,6 +50,17 @@ __device__ __forceinline__ float block_max_nan(float x, float* scratch) {
   return m;
 }
 
+// The squared norm of row threadIdx.x / 2 of a [64][D + 1] staging tile: two threads a row, each
+// half of the channels; both get the sum.
+template <int D>
+__device__ __forceinline__ float row_norm2(const float* tile) {
+  const float* row = tile + (threadIdx.x / 2) * (D + 1);
+  const int half = threadIdx.x % 2;
+  float n2 = 0.0f;
+  for (int d = half * (D / 2); d < (half + 1) * (D / 2); ++d) n2 += row[d] * row[d];
+  return n2 + __shfl_xor_sync(0xFFFFFFFFu, n2, 1);
+}
+
 // K's channel sums over keys [256·chunk, 256·chunk + 256): grid (k_chunks, B·Hkv over y and z:
 // common/grid.h), D threads.
 template <typename T, int D>
@@ -111,13 +122,8 @@ __global__ void __launch_bounds__(kThreads) k_prep_kernel(const Params p) {
     const int r = idx % kBlockK, d = idx / kBlockK;
     p.khat_t[(bkv * D + d) * p.nk_pad + j0 + r] = psi_quantize(xs[r * (D + 1) + d], s.inv);
   }
-  // Rows: two threads a row, each half of the channels (padding keys are zero).
-  const int r = threadIdx.x / 2, half = threadIdx.x % 2;
-  float n2 = 0.0f;
-  for (int d = half * (D / 2); d < (half + 1) * (D / 2); ++d)
-    n2 += xs[r * (D + 1) + d] * xs[r * (D + 1) + d];
-  n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, 1);
-  if (half == 0) p.knorm2[bkv * p.nk_pad + j0 + r] = n2;
+  const float n2 = row_norm2<D>(xs);  // (padding keys are zero)
+  if (threadIdx.x % 2 == 0) p.knorm2[bkv * p.nk_pad + j0 + threadIdx.x / 2] = n2;
 }
 
 // One 64-query block: ψ(Q), ψ(dO) (rows / transposed and permuted), dO copied, ‖Q_i‖², dQ's
@@ -171,13 +177,8 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
     p.qhat_t[at] = psi_quantize(qs[r * (D + 1) + d], sq.inv);
     p.dohat_t[at] = psi_quantize(dos[r * (D + 1) + d], sd.inv);
   }
-  // Rows: two threads a row, each half of the channels (padding rows are zero).
-  const int r = threadIdx.x / 2, half = threadIdx.x % 2;
-  float n2 = 0.0f;
-  for (int d = half * (D / 2); d < (half + 1) * (D / 2); ++d)
-    n2 += qs[r * (D + 1) + d] * qs[r * (D + 1) + d];
-  n2 += __shfl_xor_sync(0xFFFFFFFFu, n2, 1);
-  if (half == 0) p.qnorm2[bh * p.nq_pad + i0 + r] = n2;
+  const float n2 = row_norm2<D>(qs);  // (padding rows are zero)
+  if (threadIdx.x % 2 == 0) p.qnorm2[bh * p.nq_pad + i0 + threadIdx.x / 2] = n2;
 }
 
 // dQ = scale · dq_acc in the caller's dtype and strides: grid (q_blocks, B·Hq), kThreads.
@@ -194,8 +195,7 @@ __global__ void __launch_bounds__(kThreads) dq_store_kernel(const Params p) {
     if (i >= p.seq_q) continue;
     // K^ holds K - k_mean: with a gradient g on the LSE, rowsum(dS_i) = g_i and dQ_i gets
     // g_i·k_mean back (zero without one, and for a row that sees no key: its LSE is a constant).
-    const bool seen = p.seq_kv > 0 && (!p.causal || i + p.causal_offset >= 0);
-    const float g = p.d_lse && seen
+    const float g = p.d_lse && p.sees_key(i)
                         ? p.d_lse[b * p.dlse_st.batch + h * p.dlse_st.head + i * p.dlse_st.token]
                         : 0.0f;
     dq[i * p.dq_st.token + d] =

@@ -258,9 +258,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Params p) {
 template <int D>
 __global__ void __launch_bounds__(kThreads) judge_kernel(const Params p) {
   const int64_t bh = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  // Row i sees a key when Nk >= 1 and, causal, i + causal_offset >= 0: the same rows every head.
-  int64_t rows = p.seq_kv > 0 ? p.seq_q : 0;
-  if (p.causal) rows = max(int64_t(0), min(rows, p.seq_q + min(int64_t(0), p.causal_offset)));
+  const int64_t rows = p.rows_seeing_keys();
   bool bad = false;
   if (bh < p.batch * p.heads_q && rows > 0) {
     float sum = 0.0f;

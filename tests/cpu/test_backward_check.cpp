@@ -9,9 +9,11 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../common/test_util.h"
+#include "bwd/params.h"
 #include "ref/reference.h"
 #include "ref/synthetic.h"
 #include "sage/sage.h"
@@ -213,6 +215,26 @@ TEST(BackwardCheck, TheCEntryPointWritesTheVerdict) {
     const float first = decode_float(kFp16, dq[0]);
     EXPECT_EQ(std::isnan(first), expect);
   }
+}
+
+// The GPU's rule for which rows see a key (the dQ store's g·k̄, the verdict's row count) is the
+// reference's visible_keys, for both alignments and Nq vs Nk either way.
+TEST(BackwardCheck, RowsSeeingKeysAsTheReference) {
+  for (const sage_mask mask :
+       {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, SAGE_MASK_CAUSAL_TOP_LEFT})
+    for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{70, 30}, {30, 70}, {64, 64},
+                                 {5, 1}, {1, 5}}) {
+      const ref::Problem p{1, 1, 1, nq, nk, 64, 0.125, mask};
+      bwd::Params x{};
+      x.seq_q = nq, x.seq_kv = nk, x.causal = mask != SAGE_MASK_NONE;
+      x.causal_offset = mask == SAGE_MASK_CAUSAL_BOTTOM_RIGHT ? nk - nq : 0;
+      int64_t rows = 0;
+      for (int64_t i = 0; i < nq; ++i) {
+        EXPECT_EQ(x.sees_key(i), p.visible_keys(i) > 0) << mask << " " << nq << "x" << nk;
+        rows += p.visible_keys(i) > 0;
+      }
+      EXPECT_EQ(x.rows_seeing_keys(), rows) << mask << " " << nq << "x" << nk;
+    }
 }
 
 }  // namespace
