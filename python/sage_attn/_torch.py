@@ -410,16 +410,12 @@ def _attention_grad(ctx, d_o, d_lse):
     q, k, v, lse = ctx.saved_tensors
     layout, mask, scale, family = ctx.attn
     nones = (None,) * 10
-    if lse.numel() == 0 and d_o is None:
-        return (None, None, None, *nones)
     if lse.numel() == 0:
         # The op handed the call to torch's SDPA (the drop-in's fallback inside a compiled
         # graph): the gradient is SDPA's, by its own autograd.
-        with torch.enable_grad():
-            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-            out = _torch_sdpa(qq, kk, vv, is_causal=mask != _lib.MASK_NONE, scale=scale,
-                              enable_gqa=q.shape[1] != k.shape[1])
-            return (*torch.autograd.grad(out, (qq, kk, vv), d_o), *nones)
+        if d_o is None:
+            return (None, None, None, *nones)
+        return (*_backward_16bit(q, k, v, d_o, None, layout, mask, scale), *nones)
     if d_lse is not None and d_lse.numel() == 0:
         d_lse = None
     if d_o is None:  # only the LSE reaches the loss
