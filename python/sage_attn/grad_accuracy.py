@@ -306,46 +306,15 @@ def grad_metrics(x, truth):
 
 
 # --- sage and SDPA ---------------------------------------------------------------------------
-# The package's signals of a 16-bit recompute. Its Python fallback is newer than this tool:
-# adapt backward_path when it settles on one.
-_FALLBACK_TEXT = ("16 bits", "accuracy check")
-
-
-def _count(counter):
-    if counter is None:
-        return None
-    try:
-        return int(counter() if callable(counter) else counter)
-    except (TypeError, ValueError):
-        return None
-
-
 def backward_path(step):
-    """Runs step() (one sage forward + backward) and returns "16-bit" when the package says its
-    accuracy check sent the backward to a 16-bit recompute, else "8-bit". The signals, in
-    order: a counter sage_attn.backward_fallbacks (an int attribute or a function returning
-    one) that grew; a warning of category sage_attn.SageBwdFallbackWarning; without that
-    category, a warning whose message names "16 bits" or "accuracy check". Other warnings are
-    re-issued. (A package that warns once a process is seen on its first fallback only: the
-    counter is the signal that sees every call.)"""
-    counter = getattr(sage_attn, "backward_fallbacks", None)
-    category = getattr(sage_attn, "SageBwdFallbackWarning", None)
-    before = _count(counter)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    """Runs step() (one sage forward + backward) and returns "16-bit" when SageBwd's accuracy
+    check sent the backward to a 16-bit recompute (sage_attn.backward_fallbacks() grew), else
+    "8-bit". The recompute's warning is silenced; other warnings pass through."""
+    before = sage_attn.backward_fallbacks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sage_attn.SageBwdFallbackWarning)
         step()
-    after = _count(counter)
-    fell_back = before is not None and after is not None and after > before
-    for w in caught:
-        if category is not None:
-            ours = isinstance(category, type) and issubclass(w.category, category)
-        else:
-            ours = any(s in str(w.message) for s in _FALLBACK_TEXT)
-        if ours:
-            fell_back = True
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return "16-bit" if fell_back else "8-bit"
+    return "16-bit" if sage_attn.backward_fallbacks() > before else "8-bit"
 
 
 def _grads(fn, q, k, v, d_o, causal):
