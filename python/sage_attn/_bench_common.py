@@ -33,6 +33,12 @@ def flops(batch, heads, seq_len, head_dim, causal):
     return 4.0 * batch * heads * seq_len * seq_len * head_dim / (2 if causal else 1)
 
 
+def gpu_slug(name):
+    """The GPU's short name in result file names: "NVIDIA H100 80GB HBM3" -> "h100"; no name
+    (a CPU run) -> "cpu"."""
+    return name.lower().replace("nvidia ", "").split()[0] if name else "cpu"
+
+
 def tops(flop_count, ms):
     return None if ms is None or ms <= 0 else round(flop_count / ms / 1e9, 2)
 

@@ -21,7 +21,7 @@ import warnings
 
 import sage_attn
 
-from ._bench_common import (IMPLS, flops, impl_table, new_row, parse_args, plot,
+from ._bench_common import (IMPLS, flops, gpu_slug, impl_table, new_row, parse_args, plot,
                             summary_table, tops, write_json)
 
 try:
@@ -322,8 +322,7 @@ def main(argv=None):
                 del q, k, v, ref
                 torch.cuda.empty_cache()
     date = datetime.date.today().isoformat()
-    gpu_slug = name.lower().replace("nvidia ", "").split()[0]
-    stem = f"{date}-{gpu_slug}" + (f"-{args.tag}" if args.tag else "")
+    stem = f"{date}-{gpu_slug(name)}" + (f"-{args.tag}" if args.tag else "")
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"gpu": name, "driver": driver, "cuda": torch.version.cuda, "torch": torch.__version__,

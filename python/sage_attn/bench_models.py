@@ -19,6 +19,8 @@ import sys
 
 import sage_attn
 
+from ._bench_common import gpu_slug
+
 try:
     import torch
     import torch.nn.functional as F
@@ -170,8 +172,7 @@ def main(argv=None):
             "date": datetime.date.today().isoformat(), "timing": "CUDA-graph replay, median"}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    slug = name.lower().replace("nvidia", "").strip().split()[0] if name else "gpu"
-    path = out / f"{meta['date']}-{slug}-models.json"
+    path = out / f"{meta['date']}-{gpu_slug(name)}-models.json"
     path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     print("wrote", path)
     return 0

@@ -45,7 +45,7 @@ import zlib
 
 import sage_attn
 
-from ._bench_common import _int_list
+from ._bench_common import _int_list, gpu_slug
 
 try:
     import torch
@@ -476,11 +476,6 @@ def _metadata(device, a, argv):
             "heads": a.heads, "argv": sys.argv[1:] if argv is None else list(argv)}
 
 
-def _gpu_slug(meta):
-    # bench.py's rule: "NVIDIA H100 80GB HBM3" -> "h100".
-    return meta["gpu"].lower().replace("nvidia ", "").split()[0] if meta["gpu"] else "cpu"
-
-
 def main(argv=None):
     a = parse_args(argv)
     if torch is None:
@@ -529,7 +524,7 @@ def main(argv=None):
     if a.out:
         out = pathlib.Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{meta['date']}-{_gpu_slug(meta)}-grad-accuracy.json"
+        path = out / f"{meta['date']}-{gpu_slug(meta['gpu'])}-grad-accuracy.json"
         write_json(path, meta, rows)
         print(f"\nwrote {path}")
     return 0
