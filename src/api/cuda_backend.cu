@@ -311,10 +311,10 @@ bwd::Params backward_params(const api::ResolvedBackward& r, const sage_backward_
                             const bwd::Layout& w, uint8_t* ws) {
   const ref::Problem& p = r.problem;
   bwd::Params x{};
-  x.q = a.q, x.k = a.k, x.v = a.v, x.o = a.o, x.d_o = a.d_o, x.lse = a.lse, x.d_lse = a.d_lse;
+  // (Not the forward's O and LSE: the stats pass computes L' and D from the backward's scores.)
+  x.q = a.q, x.k = a.k, x.v = a.v, x.d_o = a.d_o, x.d_lse = a.d_lse;
   x.dq = a.dq, x.dk = a.dk, x.dv = a.dv;
-  x.q_st = r.q, x.k_st = r.k, x.v_st = r.v, x.o_st = r.o, x.lse_st = r.lse, x.do_st = r.d_o;
-  x.dlse_st = r.dlse;
+  x.q_st = r.q, x.k_st = r.k, x.v_st = r.v, x.do_st = r.d_o, x.dlse_st = r.dlse;
   x.dq_st = r.dq, x.dk_st = r.dk, x.dv_st = r.dv;
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
   auto s8 = [&](size_t off) { return reinterpret_cast<int8_t*>(ws + off); };

@@ -119,14 +119,12 @@ struct Params {
   const void* q;
   const void* k;
   const void* v;
-  const void* o;  // o, lse: not read (the stats pass computes L' and D from the backward's scores)
   const void* d_o;
-  const float* lse;
   const float* d_lse;  // optional (null: zero)
   void* dq;
   void* dk;
   void* dv;
-  sage_strides q_st, k_st, v_st, o_st, lse_st, do_st, dlse_st, dq_st, dk_st, dv_st;
+  sage_strides q_st, k_st, v_st, do_st, dlse_st, dq_st, dk_st, dv_st;
   // The workspace (Layout).
   float* k_part;
   float* k_mean;
