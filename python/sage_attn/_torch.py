@@ -426,8 +426,7 @@ def _attention_grad(ctx, d_o, d_lse):
     # says so, and this call's gradients are computed in 16 bits by torch instead, here where
     # autograd records (one host synchronization a call reads the verdict). Under CUDA-graph
     # capture or while compiling nothing can be read: the NaN stays.
-    if (not torch.compiler.is_compiling() and _verdicts_readable(q.device)
-            and untrusted.item()):
+    if not _traced(untrusted) and _verdicts_readable(q.device) and untrusted.item():
         _note_fallback()
         dq, dk, dv = _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale)
     return (dq, dk, dv, *nones)
@@ -438,6 +437,15 @@ _attention_op.register_autograd(_attention_grad, setup_context=_setup_context)
 
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+
+
+def _traced(x):
+    """Whether x is a tracer's stand-in (dynamo, or AOT autograd's trace of a backward, which
+    older torch does not report through is_compiling): its value cannot be read."""
+    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:
+        return True
+    proxy = getattr(torch._C, "_TorchDispatchModeKey", None)
+    return proxy is not None and torch._C._get_dispatch_mode(proxy.PROXY) is not None
 
 
 def _call(*args):
