@@ -101,7 +101,8 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int64_t kb = blockIdx.x, bkv = cta_outer_index(), k0 = kb * kBlockK;
-  if (bkv >= p.batch * p.heads_kv) return;  // (the whole CTA, before any barrier)
+  // (the whole CTA, before any barrier; a call the verdict refused is NaN whatever this computes)
+  if (bkv >= p.batch * p.heads_kv || refused(p)) return;
   const int64_t b = bkv / p.heads_kv, hkv = bkv % p.heads_kv, G = p.group();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int ka = warp * 16 + g;  // this thread's keys (local): ka and ka + 8

@@ -1,6 +1,6 @@
-// Host side of SageBwd's kernels: the launch sequence of one backward call (pre-pass, stats pass,
-// main kernel: mma.sync or wgmma, dQ store, verdict) on the caller's stream, instantiated per head
-// dim in backward_d*.cu.
+// Host side of SageBwd's kernels: the launch sequence of one backward call on the caller's stream
+// (pre-pass, stats pass, verdict, main kernel: mma.sync or wgmma, dQ store, NaN on a refused
+// call), instantiated per head dim in backward_d*.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,6 +45,7 @@ cudaError_t run_typed(const Params& p, bool sm90, int device, cudaStream_t strea
   e = p.causal ? launch_smem<stats_kernel<T, D, true>>(p, q_grid, kStatsSmem, device, stream)
                : launch_smem<stats_kernel<T, D, false>>(p, q_grid, kStatsSmem, device, stream);
   if (e != cudaSuccess) return e;
+  judge_kernel<D><<<unsigned((bq + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
   if (sm90) {
     constexpr int kSmem = sm90::Smem<D>::kBytes;
     e = p.causal
@@ -57,7 +58,6 @@ cudaError_t run_typed(const Params& p, bool sm90, int device, cudaStream_t strea
   }
   if (e != cudaSuccess) return e;
   dq_store_kernel<T, D><<<q_grid, kThreads, 0, stream>>>(p);
-  judge_kernel<D><<<unsigned((bq + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
   // The poison grid strides over the gradients: at most 1024 CTAs, enough to fill a GPU on an
   // untrusted call and few to launch on the usual one, where each returns at once.
   const int64_t most = std::max(bq * p.seq_q, bk * p.seq_kv) * D;

@@ -170,4 +170,11 @@ struct Params {
   }
 };
 
+#ifdef __CUDACC__
+// Whether the verdict refused this call: judge_kernel runs right after the stats pass, so that
+// the main kernels and the dQ store of a call whose gradients will be NaN cost nothing (the
+// caller recomputes such a call another way).
+__device__ __forceinline__ bool refused(const Params& p) { return *p.verdict != 0; }
+#endif
+
 }  // namespace sage::bwd

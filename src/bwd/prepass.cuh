@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) dq_store_kernel(const Params p) {
   const int64_t qb = blockIdx.x, bh = cta_outer_index(), i0 = qb * kBlockQ;
-  if (bh >= p.batch * p.heads_q) return;
+  if (bh >= p.batch * p.heads_q || refused(p)) return;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
   T* dq = static_cast<T*>(p.dq) + b * p.dq_st.batch + h * p.dq_st.head;
   const int64_t bkv = b * p.heads_kv + h / p.group();

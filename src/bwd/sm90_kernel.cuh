@@ -214,7 +214,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(con
   uint8_t* smem = smem_raw + ((1024 - (__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
 
   const int64_t kb = blockIdx.x, bkv = cta_outer_index(), k0 = kb * kBlockK;
-  if (bkv >= p.batch * p.heads_kv) return;  // (the whole CTA, before any barrier)
+  // (the whole CTA, before any barrier; a call the verdict refused is NaN whatever this computes)
+  if (bkv >= p.batch * p.heads_kv || refused(p)) return;
   const int64_t b = bkv / p.heads_kv, hkv = bkv % p.heads_kv, G = p.group();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int ka = warp * 16 + g;  // this thread's keys (local): ka and ka + 8

@@ -14,8 +14,9 @@
 // σ_i² is the variance of the INT8 scores' error (natural-log units), each element of Q and of
 // K - k̄ taken as rounded uniformly within its ψ step, weighted by the row's own P. The stats pass
 // sums it over each query block (err2); judge_kernel marks the call untrusted when a head's rms
-// error over its rows that see a key exceeds max_score_err (or is NaN), and poison_kernel then
-// writes NaN over dQ, dK and dV, so a caller that ignores the verdict cannot train on them.
+// error over its rows that see a key exceeds max_score_err (or is NaN); the main kernels of such a
+// call return at once (refused), and poison_kernel writes NaN over dQ, dK and dV, so a caller
+// that ignores the verdict cannot train on them.
 #pragma once
 
 #include <cuda_bf16.h>
