@@ -10,7 +10,7 @@
 #include "bwd/kernel.cuh"
 #include "bwd/launch.h"
 #include "bwd/prepass.cuh"
-#include "bwd/sm90_kernel.cuh"
+#include "bwd/sm90/kernel.cuh"
 #include "bwd/stats.cuh"
 #include "common/grid.h"
 #include "common/launch.h"

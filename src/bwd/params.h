@@ -1,4 +1,4 @@
-// SageBwd on the GPU (the mma.sync kernel, kernel.cuh; the Hopper wgmma one, sm90_kernel.cuh):
+// SageBwd on the GPU (the mma.sync kernel, kernel.cuh; the Hopper wgmma one, sm90/kernel.cuh):
 // the tile shape, the workspace layout the backward pre-pass and stats pass write, and the params
 // struct of its kernels. Plain C++ (no CUDA types).
 #pragma once

@@ -1,0 +1,36 @@
+// What one CTA of SageBwd's Hopper main kernel does: its 64 keys of a KV head (blockIdx.x, the
+// grid's outer index) and the query blocks it streams, in order: every block of each query head
+// of the KV head's group from the first one a causal mask lets see its keys.
+#pragma once
+
+#include "bwd/kernel.cuh"  // cta_outer_index
+#include "bwd/params.h"
+
+namespace sage::bwd::sm90 {
+
+struct CtaWork {
+  int64_t kb, bkv, b, hkv, k0;  // key block, KV head (b·Hkv + hkv), its first key
+  int64_t iters;                // query blocks streamed: n_q per query head of the group
+  BlockWalk first;              // the first of them
+
+  // Whether the grid's outer index is past the last KV head (the whole CTA returns).
+  __device__ bool idle(const Params& p) const { return bkv >= p.batch * p.heads_kv; }
+};
+
+template <bool kCausal>
+__device__ __forceinline__ CtaWork cta_work(const Params& p) {
+  CtaWork w;
+  w.kb = blockIdx.x;
+  w.bkv = cta_outer_index();
+  w.k0 = w.kb * kBlockK;
+  w.b = w.bkv / p.heads_kv;
+  w.hkv = w.bkv % p.heads_kv;
+  const int64_t G = p.group();
+  const int64_t q_begin = kCausal ? max(int64_t(0), w.k0 - p.causal_offset) / kBlockQ : 0;
+  const int64_t n_q = max(int64_t(0), p.q_blocks - q_begin);
+  w.iters = n_q * G;
+  w.first = BlockWalk{w.b * p.heads_q + w.hkv * G, int(q_begin), int(q_begin), int(p.q_blocks)};
+  return w;
+}
+
+}  // namespace sage::bwd::sm90
