@@ -11,7 +11,10 @@ The library is reached through its C API (ctypes); torch is needed only for the 
 Packed variable-length batches: `sageattn_varlen` (flash_attn_varlen_func's conventions; CUDA
 tensors on the GPU kernels, CPU tensors on the CPU reference) and `attention_varlen_numpy`.
 Context parallelism (Ulysses, ring attention, the LSE merge) on torch.distributed:
-`sage_attn.parallel`.
+`sage_attn.parallel`. Integrations: `with sage_attn.sdpa():` (SDPA swapped for the drop-in in a
+block), torch.nn.attention.activate_flash_attention_impl("sage") where torch has that registry,
+`import sage_attn.transformers` (attn_implementation="sage"), and
+`sage_attn.install_sageattention_alias()` (`import sageattention` for diffusers and ComfyUI).
 """
 from ._lib import (SageArgumentError, SageBwdFallbackWarning, SageError,  # noqa: F401
                    SageUnsupportedError, version)
@@ -34,6 +37,11 @@ else:
     from ._torch import (backward_fallbacks,  # noqa: F401
                          dropin_backend, sageattn, sageattn3, sageattn_varlen,
                          scaled_dot_product_attention, set_dropin_crossover)
+    from ._sdpa import sdpa  # noqa: F401
+    from ._sdpa import register_flash_impl as _register_flash_impl
+    # "sage" joins torch.nn.attention.list_flash_attention_impls() where torch has the
+    # registry; it runs only after torch.nn.attention.activate_flash_attention_impl("sage").
+    _register_flash_impl()
 
 if _torch_missing:
     def _needs_torch(*_args, **_kwargs):
@@ -43,9 +51,18 @@ if _torch_missing:
                           "work without it")
 
     sageattn = sageattn3 = sageattn_varlen = scaled_dot_product_attention = _needs_torch
-    dropin_backend = set_dropin_crossover = backward_fallbacks = _needs_torch
+    dropin_backend = set_dropin_crossover = backward_fallbacks = sdpa = _needs_torch
 
-__all__ = ["sageattn", "sageattn3", "sageattn_varlen", "scaled_dot_product_attention", "dropin_backend",
+
+def install_sageattention_alias() -> None:
+    """Opt-in: `import sageattention` gives sage_attn.sageattention (the official package's
+    functions, computed by this library) for this process; see sage_attn._alias."""
+    from ._alias import install_sageattention_alias as install
+    install()
+
+
+__all__ = ["sageattn", "sageattn3", "sageattn_varlen", "scaled_dot_product_attention", "sdpa",
+           "install_sageattention_alias", "dropin_backend",
            "set_dropin_crossover", "backward_fallbacks", "SageBwdFallbackWarning", "attention_numpy", "attention_varlen_numpy", "metrics",
            "version",
            "SageError", "SageArgumentError", "SageUnsupportedError"]
