@@ -91,6 +91,49 @@ def test_cpu_eager_fast_path_equals_the_op(gen):
     _fast_path_checks(*(randn(gen, (1, 2, 40, 64), torch.float32, "cpu") for _ in range(3)))
 
 
+def test_call_fields_are_the_op_schema():
+    """_Call names the custom op's arguments: its fields are the op's schema, name by name and in
+    order, with the same default for the last; op_args and from_op_args are inverses."""
+    from sage_attn import _lib, _torch as T
+    schema = torch.ops.sage_attn.attention.default._schema
+    assert T._Call._fields == tuple(a.name for a in schema.arguments)
+    assert [a.name for a in schema.arguments if a.default_value is not None] == ["family"]
+    assert T._Call._field_defaults == {"family": schema.arguments[-1].default_value}
+    c = T._Call(*range(len(T._Call._fields)))
+    assert T._Call.from_op_args(c.op_args()) == c
+    assert T._Call.from_op_args(c.op_args()[:-1]).family == _lib.KERNEL_AUTO
+
+
+def test_cpu_op_path_carries_every_argument(gen, monkeypatch):
+    """Through the custom op (inputs that require grad), sageattn hands the library each of its
+    arguments by name: what _attention receives is the call sageattn built, with return_lse
+    forced on for the backward, and the backward gets the forward's layout, mask, scale and
+    kernel family."""
+    from sage_attn import _lib, _torch as T
+    seen, seen_bwd = [], []
+    attention, backward = T._attention, T._backward
+    # (The CPU reference refuses a GPU kernel family: recorded, then run as AUTO.)
+    monkeypatch.setattr(T, "_attention", lambda c: seen.append(c) or attention(
+        c._replace(family=_lib.KERNEL_AUTO)))
+    monkeypatch.setattr(T, "_backward", lambda *a: seen_bwd.append(a) or backward(
+        *a[:-1], _lib.KERNEL_AUTO))
+    q, k, v = (randn(gen, (1, 8, 2, 64), torch.float32, "cpu").requires_grad_()
+               for _ in range(3))
+    o = sage_attn.sageattn(q, k, v, tensor_layout="NHD", is_causal=True, sm_scale=0.25,
+                           qk_bits=4, smooth_k=False, smooth_v=True, causal_align="top_left",
+                           kernel="mma")
+    (c,) = seen
+    assert (c.layout, c.mask, c.scale, c.qk_bits, c.smooth_q, c.smooth_k, c.smooth_v,
+            c.return_lse, c.fallback, c.family) == (
+        _lib.LAYOUT_NHD, _lib.MASK_CAUSAL_TOP_LEFT, 0.25, 4, None, False, True, True, T._RAISE,
+        _lib.KERNEL_MMA)
+    assert c.q is not None and c.q.shape == q.shape
+    o.sum().backward()
+    (args,) = seen_bwd
+    assert args[5:] == (_lib.LAYOUT_NHD, _lib.MASK_CAUSAL_TOP_LEFT, 0.25, _lib.KERNEL_MMA)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 def test_unknown_keyword_is_type_error(gen):
     q = randn(gen, (1, 1, 8, 64), torch.float32, "cpu")
     with pytest.raises(TypeError):
