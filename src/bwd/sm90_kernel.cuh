@@ -205,7 +205,7 @@ __device__ __forceinline__ void mma_dv_dk(AddV add_v, AddK add_k, const uint32_t
 
 template <typename T, int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(const Params p) {
-#ifdef SAGE_WGMMA_OK
+#ifdef SAGE_PTX_HAS_WGMMA
   using S = Smem<D>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
