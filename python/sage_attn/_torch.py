@@ -7,9 +7,9 @@ allocator (so CUDA-graph capture works: no host sync, no cudaMalloc in the libra
 the C API through ctypes. CPU tensors run the library's CPU reference.
 
 Eager calls on plain tensors skip the op's dispatch and run the implementation directly
-(_attention): the dispatcher cost ~50 us a call on the H100 machine, more than the GPU work of a
-small call. Anything that must see the op (torch.compile, autograd, tensor subclasses, dispatch
-or function modes) still goes through it.
+(_attention): the dispatcher's host time a call can exceed the GPU work of a small call
+(tools/probes/host_overhead.py measures a call's host time). Anything that must see the op
+(torch.compile, autograd, tensor subclasses, dispatch or function modes) still goes through it.
 
 One C call a call: the library's plan of a shape (workspace size, the crossover hint of the SDPA
 drop-in) and the argument struct with everything but the pointers are kept per shape
@@ -522,7 +522,7 @@ def _check_tensors(q, k, v, layout_name):
 
 def sageattn3(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *,
               causal_align="bottom_right"):
-    """SageAttention3's FP4 attention (paper 004, Algorithm 1): NVFP4 Q·Kᵀ with K smoothed and Q
+    """SageAttention3's FP4 attention (its paper's Algorithm 1): NVFP4 Q·Kᵀ with K smoothed and Q
     smoothed per 128-row block (plus its ΔS correction), P̃ in two-level NVFP4, V in NVFP4.
     FP4 tensor cores are Blackwell's: on CUDA tensors (sm_89+) this computes exactly what an FP4
     kernel would, with the values dequantized to fp16 on fp16 tensor cores (a reference-exact
@@ -562,7 +562,7 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     None/"auto" the library's choice, "mma" the portable mma.sync kernel, "sm90" the Hopper wgmma
     kernel (ValueError where it has no kernel for the call).
 
-    Differentiable: with inputs that require grad, .backward() runs SageBwd (paper 004: the
+    Differentiable: with inputs that require grad, .backward() runs SageBwd (SageAttention3: the
     recomputed Q·Kᵀ, Pᵀ·dO, dS·K and dSᵀ·Q in INT8, dO·Vᵀ in fp16/bf16; D 64/128 on the GPU, the
     CPU reference's emulation on CPU tensors); a gradient reaching the returned LSE is included.
     Under torch.use_deterministic_algorithms(True) the CUDA backward sums dQ in a fixed order
