@@ -104,6 +104,55 @@ def test_call_fields_are_the_op_schema():
     assert T._Call.from_op_args(c.op_args()[:-1]).family == _lib.KERNEL_AUTO
 
 
+def test_cuda_path_builds_its_struct_from_the_call(gen, monkeypatch):
+    """The CUDA path's Python (_run_cuda, _prepare, _plan_of) on CPU tensors with the library's
+    plan and run faked: the argument struct holds the call's fields, the plan is made once a
+    shape and reused, and the drop-in's plan is the entry its run uses."""
+    import contextlib
+    from sage_attn import _lib, _torch as T
+    planned, ran = [], []
+
+    def fake_plan(a):
+        planned.append(bytes(a))
+        info = _lib.PlanInfo()
+        info.workspace_size, info.has_backward = 96, 1
+        return info
+
+    monkeypatch.setattr(_lib, "plan", fake_plan)
+    monkeypatch.setattr(_lib, "run", lambda a: ran.append(_lib.AttentionArgs.from_buffer_copy(a)))
+    monkeypatch.setattr(T, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(T, "_prepared", {})
+    q, k, v = (randn(gen, (2, 4, 16, 64), torch.float16, "cpu") for _ in range(3))
+    c = T._Call(q, k[:, :2], v[:, :2], _lib.LAYOUT_NHD, _lib.MASK_CAUSAL_TOP_LEFT, 0.5,
+                qk_bits=4, smooth_q=None, smooth_k=False, smooth_v=True, return_lse=True,
+                fallback=T._RAISE, family=_lib.KERNEL_MMA)
+    for _ in range(2):
+        o, lse = q.new_empty(q.shape), torch.empty((2, 16, 4))
+        T._run_cuda(c, o, lse)
+    assert len(planned) == 1 and len(ran) == 2
+    a = ran[-1]
+    variant, quant = _lib.quant_settings(4, None, False, True)
+    assert (a.q, a.k, a.v, a.o, a.lse) == (q.data_ptr(), c.k.data_ptr(), c.v.data_ptr(),
+                                           o.data_ptr(), lse.data_ptr())
+    assert (a.batch, a.heads_q, a.heads_kv, a.seq_q, a.seq_kv, a.head_dim) == (2, 16, 16, 4, 2, 64)
+    assert (a.layout, a.mask, a.scale, a.kernel, a.backend, a.stream, a.workspace_size) == (
+        _lib.LAYOUT_NHD, _lib.MASK_CAUSAL_TOP_LEFT, 0.5, _lib.KERNEL_MMA, _lib.BACKEND_CUDA, 1234,
+        96)
+    assert a.variant == variant and bytes(a.quant) == bytes(quant)
+    assert (a.k_strides.batch, a.k_strides.token, a.k_strides.head) == tuple(c.k.stride()[:3])
+    # The drop-in's plan: its own entry (preset, no LSE, AUTO), shared with its run.
+    q2, k2, v2 = (randn(gen, (1, 2, 8, 64), torch.float16, "cpu") for _ in range(3))
+    prep = T._plan_of(q2, k2, v2, _lib.LAYOUT_HND, _lib.MASK_NONE, 0.125)
+    assert prep.has_backward and prep.workspace == 96 and len(planned) == 2
+    a = _lib.AttentionArgs.from_buffer_copy(planned[-1])
+    assert (a.kernel, a.variant, a.lse, a.mask) == (_lib.KERNEL_AUTO, _lib.VARIANT_SAGE2_8B, None,
+                                                   _lib.MASK_NONE)
+    T._run_cuda(T._dropin_call(q2, k2, v2, _lib.LAYOUT_HND, _lib.MASK_NONE, 0.125,
+                               T._FALLBACK_SDPA_ROUTED), q2.new_empty(q2.shape), None)
+    assert len(planned) == 2 and len(ran) == 3
+
+
 def test_cpu_op_path_carries_every_argument(gen, monkeypatch):
     """Through the custom op (inputs that require grad), sageattn hands the library each of its
     arguments by name: what _attention receives is the call sageattn built, with return_lse
