@@ -5,7 +5,8 @@ the same order, each of the ctypes type its C declaration calls for (enums as c_
 c_void_p, nested structs as their mirrors). Compiled: every enum and #define constant of the
 header has its Python twin with the same value, and every field sits at the same offset with the
 same size, every struct the same size. A C compiler (cc) is needed for the compiled half; without
-one it skips."""
+one it skips. And every function the binding declares has the header's parameter and return
+types."""
 import ctypes
 import pathlib
 import re
@@ -145,3 +146,45 @@ def test_constants_and_struct_layouts_match_the_header(compiled):
         for field, _ in py._fields_:
             assert int(next(compiled)) == getattr(py, field).offset, f"offsetof {cname}.{field}"
             assert int(next(compiled)) == getattr(py, field).size, f"sizeof {cname}.{field}"
+
+
+def header_functions():
+    """{name: (return type, [parameter types])} of every SAGE_API function, from the header's
+    text ("T*" for pointers, without const)."""
+    text = re.sub(r"/\*.*?\*/", " ", HEADER.read_text(), flags=re.S)
+    funcs = {}
+    for m in re.finditer(r"^SAGE_API\s+(.*?)\b(sage_\w+)\((.*?)\);", text, re.M | re.S):
+        ret = " ".join(m.group(1).replace("const", "").split())
+        params = [] if m.group(3).strip() == "void" else [
+            " ".join(re.sub(r"\bconst\b", "", re.sub(r"\w+\s*$", "", p)).split()).replace(" *", "*")
+            for p in m.group(3).split(",")]
+        funcs[m.group(2)] = (ret, params)
+    return funcs
+
+
+def test_every_bound_function_has_the_headers_signature():
+    """The functions the binding declares argtypes/restype for take, in order, what sage.h says:
+    a pointer to the mirrored struct where the header has one, c_int for an enum, and return
+    c_int for a sage_status and c_char_p for a string."""
+    funcs = header_functions()
+    assert len(funcs) >= 12 and funcs["sage_attention_plan"] == (
+        "sage_status", ["sage_attention_args*", "sage_plan_info*"])
+    lib = _lib.library()
+    bound = set(re.findall(r"\blib\.(sage_\w+)\.(?:argtypes|restype)",
+                           pathlib.Path(_lib.__file__).read_text()))
+    assert bound and bound <= set(funcs), bound - set(funcs)
+    enums = header_enums()
+    for name in sorted(bound):
+        ret, params = funcs[name]
+        f = getattr(lib, name)
+        want_ret = {"sage_status": ctypes.c_int, "char*": ctypes.c_char_p}[ret]
+        assert f.restype is want_ret, name
+        if params or f.argtypes is not None:
+            assert f.argtypes is not None and len(f.argtypes) == len(params), name
+            for c_type, py in zip(params, f.argtypes):
+                if c_type.endswith("*") and c_type[:-1] in STRUCTS:
+                    assert py is ctypes.POINTER(STRUCTS[c_type[:-1]]), (name, c_type)
+                elif c_type in enums:
+                    assert py is ctypes.c_int, (name, c_type)
+                else:
+                    assert py is {"size_t*": ctypes.POINTER(ctypes.c_size_t)}[c_type], (name, c_type)
