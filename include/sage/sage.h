@@ -69,7 +69,7 @@ typedef enum sage_variant {
   SAGE_VARIANT_SAGE2_4B = 2, /* INT4 per-thread Q,K + smooth Q and K; FP8 E4M3 P,V; two-level */
   SAGE_VARIANT_EXACT = 3,    /* no quantization: float64 on the CPU */
   SAGE_VARIANT_CUSTOM = 4,   /* every knob from .quant (CPU reference: all combinations) */
-  SAGE_VARIANT_SAGE3_FP4 = 5 /* SageAttention3's FP4 attention (paper 004, Algorithm 1): NVFP4
+  SAGE_VARIANT_SAGE3_FP4 = 5 /* SageAttention3's FP4 attention (its paper's Algorithm 1): NVFP4
                                 Q,K + smooth Q and K; NVFP4 P~ (two-level) and V; CPU reference
                                 only (no GPU kernel: see docs/fp4-blackwell.md) */
 } sage_variant;
@@ -79,13 +79,13 @@ typedef enum sage_qk_format {
   SAGE_QK_INT8 = 1,
   SAGE_QK_INT4 = 2,
   SAGE_QK_FP8_E4M3 = 3,
-  /* FP4 microscaling (paper 004; CPU reference only): E2M1 in runs along head_dim, one scale per
+  /* FP4 microscaling (SageAttention3; CPU only): E2M1 in runs along head_dim, one scale per
    * run; quant.granularity does not apply (the runs are the groups). */
   SAGE_QK_NVFP4 = 4, /* runs of 16, E4M3 scale amax / 6 */
   SAGE_QK_MXFP4 = 5  /* runs of 32, E8M0 scale 2^(floor(log2 amax) - 2) (OCP MX) */
 } sage_qk_format;
 
-/* Which tokens share one quantization scale (SPEC.md §3, §4). */
+/* Which tokens share one quantization scale. */
 typedef enum sage_granularity {
   SAGE_GRANULARITY_PER_THREAD_MMA = 0,   /* mma.sync m16n8k*: 4 warps x 32 rows, 64-key blocks */
   SAGE_GRANULARITY_PER_THREAD_WGMMA = 1, /* wgmma m64nNk32: 16 rows a warp, block_k keys; with
@@ -103,14 +103,14 @@ typedef enum sage_pv_format {
   SAGE_PV_FP8_E4M3 = 2, /* P~ x 448 and V / v_scale in E4M3 */
   SAGE_PV_FP8_E5M2 = 3, /* P~ x 57344 and V / v_scale in E5M2 */
   SAGE_PV_INT8 = 4,     /* P~ x 127 and V / v_scale in INT8 (static P scale, as the paper) */
-  /* FP4 microscaling (paper 004; CPU reference only): P~ in runs of keys within a key block, V in
+  /* FP4 microscaling (SageAttention3; CPU only): P~ in runs of keys within a key block, V in
    * runs of keys per channel (the reduction dimension of P~·V); needs block_k a multiple of the
    * run, softmax_block_k 0 (or block_k), exp2_poly_every 0, v_scale PER_CHANNEL (ignored). */
   SAGE_PV_NVFP4 = 5,        /* NVFP4, P~ two-level: each row of a key block first scaled to
                                [0, 448 x 6] by an fp32 s_P1 = rowmax / 2688 (applied to the
                                block's P·V product), then NVFP4; needs the accumulator flushed
                                every key block (pv_accum FP32, or TWO_LEVEL with interval 1) */
-  SAGE_PV_NVFP4_DIRECT = 6, /* NVFP4, P~ in [0, 1] quantized directly (paper 004 Table 1(b)) */
+  SAGE_PV_NVFP4_DIRECT = 6, /* NVFP4, P~ in [0, 1] quantized directly (SageAttention3, Tab. 1(b)) */
   SAGE_PV_MXFP4 = 7         /* MXFP4 (runs of 32, E8M0 scales), P~ directly: a power-of-two
                                scale has no mantissa for a first level to fill */
 } sage_pv_format;
@@ -149,7 +149,9 @@ typedef enum sage_kernel {
 #define SAGE_OPTION_PREPASS_KV_SPLIT 2u /* K/V pre-pass in three launches (statistics, finalize,
                                            quantize) where it would run as one cluster launch */
 
-/* Smoothing flags (SPEC.md §2.1, §2.2, §2.10). */
+/* Smoothing flags: quantize X - mean(X) over tokens instead of X, and add the mean's part back
+ * exactly (K: a constant per score row, which the softmax ignores and the LSE adds back; Q: ΔS
+ * on the scores; V: v_mean on O, each row of P summing to 1). */
 #define SAGE_SMOOTH_Q 1u
 #define SAGE_SMOOTH_K 2u
 #define SAGE_SMOOTH_V 4u
@@ -288,7 +290,7 @@ typedef struct sage_plan_info {
                                    table): the SDPA drop-in trains such calls with torch */
 } sage_plan_info;
 
-/* ---- The backward pass: SageBwd (paper 004, Algorithm 3) ----------------------------------
+/* ---- The backward pass: SageBwd (SageAttention3 paper, Algorithm 3) -----------------------------
  * dQ, dK, dV of O = softmax(Q·Kᵀ·scale + mask)·V from Q, K, V, the forward's O and LSE, and dO.
  * SageBwd recomputes S = Q·Kᵀ and P = exp(S - LSE) and runs five matmuls; each can be INT8 with
  * per-block scales (ψ: one scale max|x|/127 per block_q x D, block_k x D or block_q x block_k

@@ -33,7 +33,7 @@ BWD_INT8_QK, BWD_INT8_PDO, BWD_INT8_DOV, BWD_INT8_DSK, BWD_INT8_DSQ = 1, 2, 4, 8
 BWD_INT8_DEFAULT = BWD_INT8_QK | BWD_INT8_PDO | BWD_INT8_DSK | BWD_INT8_DSQ
 BWD_MAX_SCORE_ERROR = 0.04
 BWD_OPTION_DETERMINISTIC = 1
-# (tests/python/test_abi.py holds every constant and struct field here to sage.h, compiled.)
+# (tests/python/test_abi.py holds every constant here to sage.h's value, compiled.)
 
 LAYOUTS = {"HND": LAYOUT_HND, "NHD": LAYOUT_NHD}
 CAUSAL_ALIGNS = {"bottom_right": MASK_CAUSAL_BOTTOM_RIGHT, "top_left": MASK_CAUSAL_TOP_LEFT}
@@ -60,7 +60,9 @@ class SageBwdFallbackWarning(UserWarning):
     estimated too coarse for gradients it could stand behind (docs/backward.md)."""
 
 
-# --- structs (field order and types exactly as sage.h; checked against struct_size at load) -----
+# --- structs: field names, order and types exactly as sage.h (tests/python/test_abi.py checks
+# them field by field against the header's text and the compiler's offsets and sizes; the
+# library's struct_size against ours at load) ------------------------------------------------
 class QuantConfig(ctypes.Structure):
     _fields_ = [
         ("qk_format", ctypes.c_int),

@@ -131,7 +131,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def metrics(out, ref):
-    """The four accuracy metrics of SPEC.md §5 (float64): cos, rel_l1, rmse, max_abs."""
+    """The four accuracy metrics of the SageAttention2 paper (float64): cos, rel_l1, rmse,
+    max_abs."""
     o = np.asarray(out, dtype=np.float64).ravel()
     r = np.asarray(ref, dtype=np.float64).ravel()
     d = o - r

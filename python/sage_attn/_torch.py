@@ -7,9 +7,9 @@ allocator (so CUDA-graph capture works: no host sync, no cudaMalloc in the libra
 the C API through ctypes. CPU tensors run the library's CPU reference.
 
 Eager calls on plain tensors skip the op's dispatch and run the implementation directly
-(_attention): the dispatcher cost ~50 us a call on the H100 machine, more than the GPU work of a
-small call. Anything that must see the op (torch.compile, autograd, tensor subclasses, dispatch
-or function modes) still goes through it.
+(_attention): the dispatcher's host time a call can exceed the GPU work of a small call
+(tools/probes/host_overhead.py measures a call's host time). Anything that must see the op
+(torch.compile, autograd, tensor subclasses, dispatch or function modes) still goes through it.
 
 One C call a call: the library's plan of a shape (workspace size, the crossover hint of the SDPA
 drop-in) and the argument struct with everything but the pointers are kept per shape
@@ -19,7 +19,7 @@ sage_attention() itself, which validates and plans once.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 import warnings
 
 import torch
@@ -43,22 +43,51 @@ KERNELS = {None: _lib.KERNEL_AUTO, "auto": _lib.KERNEL_AUTO, "mma": _lib.KERNEL_
            "sm90": _lib.KERNEL_SM90}
 
 
-def _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
-                kernel=_lib.KERNEL_AUTO):
+class _Call(NamedTuple):
+    """One forward call's arguments, by name: the one place that knows the order of the custom
+    op's arguments (the fields are its schema, in order; tests/python/test_torch_api.py holds
+    them equal). Everything else reads fields: `call.return_lse`, never a position."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: int  # _lib.LAYOUT_*
+    mask: int  # _lib.MASK_*
+    scale: float
+    qk_bits: Optional[int]  # 8, 4, None (8) or _lib.QK_BITS_FP4 (sageattn3)
+    smooth_q: Optional[bool]  # None: what the preset does
+    smooth_k: Optional[bool]
+    smooth_v: Optional[bool]
+    return_lse: bool
+    fallback: int  # _RAISE, _FALLBACK_SDPA or _FALLBACK_SDPA_ROUTED
+    family: int = _lib.KERNEL_AUTO  # sage_attention_args.kernel
+
+    def op_args(self) -> tuple:
+        """The positional arguments of _attention_op (torch custom ops take tensors and
+        scalars, not a structure)."""
+        return tuple(self)
+
+    @classmethod
+    def from_op_args(cls, args) -> "_Call":
+        """The call of _attention_op's arguments (its setup_context's inputs)."""
+        return cls(*args)
+
+
+def _build_args(c: _Call, o, lse):
+    q, k, layout = c.q, c.k, c.layout
     hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
     a = _lib.new_args()
-    a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), c.v.data_ptr(), o.data_ptr()
     a.lse = lse.data_ptr() if lse is not None else None
     a.batch, a.heads_q, a.heads_kv = q.shape[0], q.shape[hi], k.shape[hi]
     a.seq_q, a.seq_kv, a.head_dim = q.shape[ni], k.shape[ni], q.shape[3]
     a.layout = layout
-    for field, x in (("q_strides", q), ("k_strides", k), ("v_strides", v), ("o_strides", o)):
+    for field, x in (("q_strides", q), ("k_strides", k), ("v_strides", c.v), ("o_strides", o)):
         _lib.set_strides(getattr(a, field), layout, list(x.stride()))
     a.dtype = _DTYPE_CODES[q.dtype]
-    a.scale = scale
-    a.mask = mask
-    a.variant, a.quant = _lib.quant_settings(qk_bits, smooth_q, smooth_k, smooth_v)
-    a.kernel = kernel
+    a.scale = c.scale
+    a.mask = c.mask
+    a.variant, a.quant = _lib.quant_settings(c.qk_bits, c.smooth_q, c.smooth_k, c.smooth_v)
+    a.kernel = c.family
     return a
 
 
@@ -88,22 +117,20 @@ _prepared: dict = {}
 _PREPARED_MAX = 512  # shapes kept (a model has a handful; a sweep may have many)
 
 
-def _key(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse,
-         kernel):
+def _key(c: _Call):
     # Everything the plan and the argument struct depend on except the pointers (the output is
     # allocated contiguous in q's shape, the LSE contiguous), and whether q starts 16-byte
     # aligned: on sm_90 such a Q is quantized inside the kernel, and the workspace then holds no
-    # quantized Q.
+    # quantized Q. (Not the fallback: it acts around the library call, not in it.)
+    q, k, v = c.q, c.k, c.v
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-            v.dtype, q.device, k.device, v.device, layout, mask, scale, qk_bits, smooth_q,
-            smooth_k, smooth_v, return_lse, kernel, q.data_ptr() % 16 == 0)
+            v.dtype, q.device, k.device, v.device, c.layout, c.mask, c.scale, c.qk_bits,
+            c.smooth_q, c.smooth_k, c.smooth_v, c.return_lse, c.family, q.data_ptr() % 16 == 0)
 
 
-def _prepare(key, q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
-             kernel, stream):
+def _prepare(key, c: _Call, o, lse, stream):
     """The plan of a new CUDA shape (validated by the library: a bad shape raises here)."""
-    a = _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
-                    kernel)
+    a = _build_args(c, o, lse)
     a.backend = _lib.BACKEND_CUDA
     a.stream = stream
     try:
@@ -141,11 +168,11 @@ def _warn_once(reason: str):
                   stacklevel=3)
 
 
-def _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse,
-               fallback, kernel=_lib.KERNEL_AUTO):
+def _attention(c: _Call):
     """The op's implementation (see the module docstring): (o, lse), lse None unless asked."""
-    if (fallback == _FALLBACK_SDPA and q.is_cuda and
-            _dropin_prefers_sdpa(q, k, v, mask, scale, training=return_lse)):
+    q, k, v, layout, mask, scale = c.q, c.k, c.v, c.layout, c.mask, c.scale
+    if (c.fallback == _FALLBACK_SDPA and q.is_cuda and
+            _dropin_prefers_sdpa(q, k, v, mask, scale, training=c.return_lse)):
         # The SDPA drop-in (top-left causal, HND, no LSE unless training: _call) on a shape where
         # torch's SDPA is faster on this GPU, or a training call whose backward the library does
         # not have: decided here, inside the op, so that compiled graphs decide alike.
@@ -153,7 +180,7 @@ def _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth
                            enable_gqa=q.shape[1] != k.shape[1]), None
     o = q.new_empty(q.shape)  # (new_empty: fewer arguments to parse than torch.empty)
     lse = None
-    if return_lse:
+    if c.return_lse:
         hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
         lse = q.new_empty((q.shape[0], q.shape[hi], q.shape[ni]), dtype=torch.float32)
     try:
@@ -161,18 +188,15 @@ def _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth
             device = q.device
             if device.index != torch.cuda.current_device():
                 with torch.cuda.device(device):
-                    _run_cuda(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
-                              smooth_v, return_lse, kernel)
+                    _run_cuda(c, o, lse)
             else:
-                _run_cuda(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
-                          smooth_v, return_lse, kernel)
+                _run_cuda(c, o, lse)
         else:
-            a = _build_args(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
-                            smooth_v, kernel)
+            a = _build_args(c, o, lse)
             a.backend = _lib.BACKEND_CPU
             _lib.run(a)
     except _lib.SageUnsupportedError as e:
-        if fallback == _RAISE:
+        if c.fallback == _RAISE:
             raise
         # Only reached from the SDPA drop-in, which asks for top-left causal in HND, no LSE.
         _warn_once(f"no kernel for this call ({e})")
@@ -182,18 +206,16 @@ def _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth
     return o, lse
 
 
-def _run_cuda(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
-              return_lse, kernel):
+def _run_cuda(c: _Call, o, lse):
+    q = c.q
     stream = _current_stream(q.device)
-    key = _key(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v, return_lse,
-               kernel)
+    key = _key(c)
     prep = _prepared.get(key)
     if prep is None:
-        prep = _prepare(key, q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
-                        smooth_v, kernel, stream)
+        prep = _prepare(key, c, o, lse, stream)
     prep = _planned(prep)
     a = _lib.AttentionArgs.from_buffer_copy(prep.args)
-    a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    a.q, a.k, a.v, a.o = q.data_ptr(), c.k.data_ptr(), c.v.data_ptr(), o.data_ptr()
     a.lse = lse.data_ptr() if lse is not None else None
     a.stream = stream
     ws = q.new_empty((max(prep.workspace, 1),), dtype=torch.uint8)
@@ -204,13 +226,13 @@ def _run_cuda(q, k, v, o, lse, layout, mask, scale, qk_bits, smooth_q, smooth_k,
 def _plan_of(q, k, v, layout, mask, scale):
     """The cached plan of the SDPA drop-in's CUDA call (the preset, no LSE, the library's kernel):
     the same entry its run uses."""
-    key = _key(q, k, v, layout, mask, scale, None, None, None, None, False, _lib.KERNEL_AUTO)
+    c = _dropin_call(q, k, v, layout, mask, scale, _FALLBACK_SDPA_ROUTED)
+    key = _key(c)
     prep = _prepared.get(key)
     if prep is None:
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         with torch.cuda.device(q.device):
-            prep = _prepare(key, q, k, v, o, None, layout, mask, scale, None, None, None, None,
-                            _lib.KERNEL_AUTO, _current_stream(q.device))
+            prep = _prepare(key, c, o, None, _current_stream(q.device))
     return _planned(prep)
 
 
@@ -221,8 +243,8 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: int
                   fallback: int, family: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     # (family: the kernel family, sage_attention_args.kernel; an op argument named "kernel"
     # collides with Inductor's FallbackKernel.create.)
-    o, lse = _attention(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
-                        return_lse, fallback, family)
+    o, lse = _attention(_Call(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
+                              return_lse, fallback, family))
     if lse is None:  # an op returns tensors
         lse = torch.empty((0,), dtype=torch.float32, device=q.device)
     return o, lse
@@ -395,11 +417,11 @@ def _(q, k, v, d_o, d_lse, layout, mask, scale, family=0):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, layout, mask, scale = inputs[:6]
+    c = _Call.from_op_args(inputs)
     _, lse = output
     # Not O: SageBwd normalizes its own scores. The LSE (small) says whether SDPA ran instead.
-    ctx.save_for_backward(q, k, v, lse)
-    ctx.attn = (layout, mask, scale, inputs[12] if len(inputs) > 12 else 0)
+    ctx.save_for_backward(c.q, c.k, c.v, lse)
+    ctx.call = c._replace(q=None, k=None, v=None)  # (the tensors travel as saved tensors)
     # An output the loss does not use arrives as None, not as zeros: an LSE nobody asked for
     # (autograd always computes it) must not look like a gradient on it, which would take the
     # 16-bit fallback off SDPA's kernels.
@@ -408,8 +430,9 @@ def _setup_context(ctx, inputs, output):
 
 def _attention_grad(ctx, d_o, d_lse):
     q, k, v, lse = ctx.saved_tensors
-    layout, mask, scale, family = ctx.attn
-    nones = (None,) * 10
+    c = ctx.call
+    layout, mask, scale, family = c.layout, c.mask, c.scale, c.family
+    nones = (None,) * (len(_Call._fields) - 3)  # no gradient for the op's non-tensor arguments
     if lse.numel() == 0:
         # The op handed the call to torch's SDPA (the drop-in's fallback inside a compiled
         # graph): the gradient is SDPA's, by its own autograd.
@@ -448,11 +471,11 @@ def _traced(x):
     return proxy is not None and torch._C._get_dispatch_mode(proxy.PROXY) is not None
 
 
-def _call(*args):
+def _call(c: _Call):
     """_attention directly where nothing needs to see the op: eager, plain tensors (no
     subclass such as FakeTensor), no gradient wanted, no dispatch or function mode (profilers,
     flop counters, fake-tensor tracing); the custom op everywhere else."""
-    q, k, v = args[:3]
+    q, k, v = c.q, c.k, c.v
     eager = (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
              and not torch.compiler.is_compiling()
              and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
@@ -460,11 +483,11 @@ def _call(*args):
              and (_dispatch_stack_len is None or _dispatch_stack_len() == 0)
              and (_function_mode_on is None or not _function_mode_on()))
     if eager:
-        return _attention(*args)
+        return _attention(c)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # The backward needs the LSE: computed whether or not the caller asked for it.
-        args = args[:10] + (True,) + args[11:]
-    return _attention_op(*args)
+        c = c._replace(return_lse=True)
+    return _attention_op(*c.op_args())
 
 
 def _check_tensors(q, k, v, layout_name):
@@ -507,7 +530,7 @@ def _check_tensors(q, k, v, layout_name):
 
 def sageattn3(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, return_lse=False, *,
               causal_align="bottom_right"):
-    """SageAttention3's FP4 attention (paper 004, Algorithm 1): NVFP4 Q·Kᵀ with K smoothed and Q
+    """SageAttention3's FP4 attention (its paper's Algorithm 1): NVFP4 Q·Kᵀ with K smoothed and Q
     smoothed per 128-row block (plus its ΔS correction), P̃ in two-level NVFP4, V in NVFP4.
     FP4 tensor cores are Blackwell's: on CUDA tensors (sm_89+) this computes exactly what an FP4
     kernel would, with the values dequantized to fp16 on fp16 tensor cores (a reference-exact
@@ -521,8 +544,9 @@ def sageattn3(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retu
         raise NotImplementedError("sageattn3 has no backward (SageBwd is 8-bit: use sageattn)")
     scale = _scale(sm_scale, q.shape[-1], "sm_scale")
     mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
-    o, lse = _call(q, k, v, _lib.LAYOUTS[tensor_layout], mask, scale, _lib.QK_BITS_FP4, None, None,
-                   None, return_lse, _RAISE, KERNELS[None])
+    o, lse = _call(_Call(q, k, v, _lib.LAYOUTS[tensor_layout], mask, scale,
+                         qk_bits=_lib.QK_BITS_FP4, smooth_q=None, smooth_k=None, smooth_v=None,
+                         return_lse=return_lse, fallback=_RAISE, family=KERNELS[None]))
     return (o, lse) if return_lse else o
 
 
@@ -546,7 +570,7 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     None/"auto" the library's choice, "mma" the portable mma.sync kernel, "sm90" the Hopper wgmma
     kernel (ValueError where it has no kernel for the call).
 
-    Differentiable: with inputs that require grad, .backward() runs SageBwd (paper 004: the
+    Differentiable: with inputs that require grad, .backward() runs SageBwd (SageAttention3: the
     recomputed Q·Kᵀ, Pᵀ·dO, dS·K and dSᵀ·Q in INT8, dO·Vᵀ in fp16/bf16; D 64/128 on the GPU, the
     CPU reference's emulation on CPU tensors); a gradient reaching the returned LSE is included.
     Under torch.use_deterministic_algorithms(True) the CUDA backward sums dQ in a fixed order
@@ -563,8 +587,9 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
     for name, value in (("smooth_q", smooth_q), ("smooth_k", smooth_k), ("smooth_v", smooth_v)):
         _lib.check_flag(name, value)
-    o, lse = _call(q, k, v, layout, mask, scale, qk_bits, smooth_q, smooth_k, smooth_v,
-                   return_lse, _RAISE, kernel_code)
+    o, lse = _call(_Call(q, k, v, layout, mask, scale, qk_bits=qk_bits, smooth_q=smooth_q,
+                         smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse,
+                         fallback=_RAISE, family=kernel_code))
     return (o, lse) if return_lse else o
 
 
@@ -781,6 +806,12 @@ def set_dropin_crossover(enabled: bool) -> None:
     _use_crossover = enabled
 
 
+def _dropin_call(q, k, v, layout, mask, scale, fallback):
+    """The SDPA drop-in's call: the SageAttn2-8b preset, no LSE, the library's kernel."""
+    return _Call(q, k, v, layout, mask, scale, qk_bits=None, smooth_q=None, smooth_k=None,
+                 smooth_v=None, return_lse=False, fallback=fallback, family=_lib.KERNEL_AUTO)
+
+
 def _dropin_args(query, key, value):
     # SDPA takes any strides; the kernels need a contiguous head_dim.
     q = query if query.stride(-1) == 1 else query.contiguous()
@@ -854,7 +885,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                 _warn_once(route)
             return _torch_sdpa(query, key, value, is_causal=is_causal, scale=scale,
                                enable_gqa=enable_gqa)
-    o, _ = _call(q, k, v, _lib.LAYOUT_HND, mask, s, None, None, None, None, False,
-                 _FALLBACK_SDPA if torch.compiler.is_compiling() else _FALLBACK_SDPA_ROUTED,
-                 _lib.KERNEL_AUTO)
+    o, _ = _call(_dropin_call(q, k, v, _lib.LAYOUT_HND, mask, s,
+                              _FALLBACK_SDPA if torch.compiler.is_compiling()
+                              else _FALLBACK_SDPA_ROUTED))
     return o

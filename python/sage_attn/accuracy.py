@@ -3,7 +3,7 @@ tensors. Loads .npy or .pt ([B,H,N,D], [H,N,D] or [N,D]; HND or NHD), rounds the
 with --dtype bf16) and prints cos / rel-L1 / RMSE / max-abs against float64 attention of those
 rounded inputs for SageAttn2-8b and -4b (with and without each smoothing) and, on a GPU, SDPA
 in the same dtype. Without a GPU the CPU reference's exact emulation of each kernel runs.
-Then paper 004's Table 1 (SageAttention3's FP4 attention: MXFP4 against NVFP4, P~ quantized
+Then SageAttention3's Table 1 (its FP4 attention: MXFP4 against NVFP4, P~ quantized
 directly or in two levels, beside fp16 and SageAttn2-8b), always on the CPU emulation: no GPU
 here has FP4 kernels (--no-fp4 skips it; it is slow on long sequences).
 Exit status 2, with one line naming the file, for an input it cannot use (missing, unreadable,
@@ -86,7 +86,7 @@ def check(x, path, layout, dtype):
         raise InputError(f"{path}: values up to {top:.3g} overflow {dtype} (max {_MAX[dtype]:.6g})")
 
 def _fp4_configs():
-    """Paper 004 Table 1 as (label, QuantConfig): every FP4 row smooths Q and K (Algorithm 1),
+    """SageAttention3's Table 1 as (label, QuantConfig): each FP4 row smooths Q and K (Algorithm 1),
     as `sage accuracy`'s table (src/ref/ablations.cpp)."""
     L = _lib
     fp16 = L.preset(L.VARIANT_EXACT)

@@ -10,7 +10,7 @@
 
 namespace sage::api {
 
-// Head dims. Any call takes 1..kMaxHeadDim, the largest head dim SPEC.md plans a GPU kernel for
+// Head dims. Any call takes 1..kMaxHeadDim, the largest head dim a GPU kernel is planned for
 // (32, 64, 80, 96, 128, 256): the CPU reference, the oracle, covers every kernel to come (and
 // the odd sizes tests use), but nothing larger than any GPU kernel will take. The GPU runs the
 // head dims it has a kernel for and refuses the others (UNSUPPORTED), naming these lists.

@@ -12,9 +12,9 @@ namespace sage::api {
 namespace {
 
 // The sm90 kernel's tile: three consumer warpgroups at D = 64 with fused Q (their 192-row tiles
-// have no pre-pass Q layout), except causal with fewer than 2048 query rows, where the 192-row
-// tiles lost (H100, kernel-only, causal 1k 173 vs 187 TOPS; three won everywhere else: non-causal
-// 4k 484 vs 424, 16k 550 vs 474; causal 4k 392 vs 380, 16k 517 vs 465).
+// have no pre-pass Q layout): a third warp per scheduler hides more of the softmax's latency.
+// Not for causal calls with fewer than 2048 query rows, where two consumers measured faster
+// (docs/sm90-kernel.md, "The CTA", has the figures).
 int sm90_consumers(int64_t head_dim, bool causal, int64_t seq_q, bool fused_q) {
   return head_dim == 64 && fused_q && !(causal && seq_q < 2048) ? 3 : 2;
 }
@@ -103,7 +103,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   if (r.exact)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "variant = EXACT has no GPU kernel (float64 runs on the CPU reference)");
-  // FP4 microscaling (SageAttention3): one GPU path computes paper 004's Algorithm 1 exactly as
+  // FP4 microscaling (SageAttention3): one GPU path computes Algorithm 1 of its paper exactly as
   // the CPU emulation of SAGE3_FP4 does (NVFP4 Q, K, two-level P~, V on fp16 tensor cores:
   // src/fp4); every other FP4 combination runs on the CPU only, and no other kernel stands in.
   const bool fp4 = ref::qk_microscale(c.qk_format) != nullptr ||
@@ -190,9 +190,9 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
 
   // The family: the wgmma kernel on sm_90 where it applies (8-bit, no Q smoothing: ΔS stays on
   // mma.sync); args.kernel forces one (tests and benchmarks compare them). A packed batch takes
-  // it too where fused Q can read its Q (the packed path quantizes Q in the kernel only): 64
-  // sequences of 128..8k tokens ran 661 / 549 TOPS there against 243 / 216 on mma.sync
-  // (non-causal / causal, D = 128, H200), and 1.12x / 1.27x the same work as dense calls.
+  // it too where fused Q can read its Q (the packed path quantizes Q in the kernel only): the
+  // wgmma kernel's lead over mma.sync holds for packed batches as for dense ones
+  // (docs/sm90-kernel.md, "Packed variable-length batches").
   const bool q_map = quant::rows_aligned16(a.q, r.q) && (r.packed() || r.q.batch > 0) &&
                      r.q.head > 0 && r.q.token > 0;  // a TMA map can describe Q (fused Q)
   const bool packed_sm90 = q_map && !(a.options & SAGE_OPTION_PREPASS_Q);
@@ -221,8 +221,9 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       ref::mean_token_stride(p.seq_kv, c.k_mean_tokens),  // as the emulation samples K's mean
       // K/V's pre-pass in one cluster launch where a cluster holds the head's chunks;
       // SAGE_OPTION_PREPASS_KV_SPLIT keeps the three launches (to compare the two). Not at
-      // Dk = 256: a staged chunk (132 KB) exceeds what sm_89/sm_120 give a CTA, and at one CTA an
-      // SM the one launch lost on the H100 already at 139 KB (docs/sm90-kernel.md, Tried 41).
+      // Dk = 256: a staged chunk (132 KB) exceeds what sm_89/sm_120 give a CTA, and with chunks
+      // that large (one CTA an SM) the one launch measured slower than the three
+      // (docs/sm90-kernel.md, Tried 41).
       (a.options & SAGE_OPTION_PREPASS_KV_SPLIT) || Dk > 128 ? 0 : dev.kv_cluster,
       /*quantize_q=*/!plan.fused_q, /*lse=*/a.lse != nullptr, c.k_mean_tokens,
       // A packed batch: p.seq_q, p.seq_kv are the longest sequences (the grids' extents), the

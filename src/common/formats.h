@@ -179,9 +179,9 @@ SAGE_HOST_DEVICE inline uint32_t encode_e8m0(double x, bool round_up) {
 }
 
 // ---- FP4 microscaling: E2M1 values in 1 x block runs along the reduction dimension of the
-// product they feed, one scale per run (paper 004 §3.1; PTX ISA, "Block Scaling" of mma and
-// tcgen05.mma: kind::mxf4nvf4 with scale_vec::4X = one E4M3 scale per 16 values, scale_vec::2X =
-// one E8M0 scale per 32).
+// product they feed, one scale per run (SageAttention3 paper §3.1; PTX ISA, "Block Scaling" of mma
+// and tcgen05.mma: kind::mxf4nvf4 with scale_vec::4X = one E4M3 scale per 16 values, scale_vec::2X
+// = one E8M0 scale per 32).
 struct MicroscaleFormat {
   int block;        // values sharing one scale
   bool e8m0_scale;  // MXFP4 (E8M0 scale) rather than NVFP4 (E4M3 scale)
@@ -190,9 +190,9 @@ inline constexpr MicroscaleFormat kNvfp4{16, false};
 inline constexpr MicroscaleFormat kMxfp4{32, true};
 
 // The scale code of a run whose largest |x| is amax (a finite, non-negative float):
-//   NVFP4: E4M3(amax / 6), cvt.rn.satfinite.e4m3x2.f32 of the fp32 quotient (paper 004: the
-//          scale is amax / 6, in E4M3); it may round below amax / 6, and the values that then
-//          pass 6 saturate.
+//   NVFP4: E4M3(amax / 6), cvt.rn.satfinite.e4m3x2.f32 of the fp32 quotient (the SageAttention3
+//          paper: the scale is amax / 6, in E4M3); it may round below amax / 6, and the values
+//          that then pass 6 saturate.
 //   MXFP4: 2^(floor(log2 amax) - 2), the OCP MX v1.0 rule (shared exponent floor(log2 amax) minus
 //          the element format's largest exponent, 2 for E2M1) = cvt.rz.satfinite.ue8m0x2.f32 of
 //          amax / 4 (exact). Values in [1.5, 2) x 2^floor(log2 amax) saturate to 6 x scale.

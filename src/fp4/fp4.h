@@ -1,6 +1,6 @@
-// SageAttention3's FP4 attention (paper 004, Algorithm 1) computed on Hopper/Ada: NVFP4 values
-// dequantized exactly to fp16 (every E2M1 x E4M3 product is an fp16 value) and both matmuls on
-// fp16 tensor cores (mma.sync m16n8k16, fp32 accumulators), the two-level P~ quantization in the
+// SageAttention3's FP4 attention (SageAttention3 paper, Algorithm 1) computed on Hopper/Ada: NVFP4
+// values dequantized exactly to fp16 (every E2M1 x E4M3 product is an fp16 value) and both matmuls
+// on fp16 tensor cores (mma.sync m16n8k16, fp32 accumulators), the two-level P~ quantization in the
 // kernel. It is what a native sm_100/sm_120 kernel computes, not a fast path (docs/fp4-blackwell.md).
 // Host interface (the workspace layout: layout.h); the kernels are in fp4.cu (sm_89+).
 #pragma once

@@ -1,8 +1,17 @@
 // mbarrier and TMA (cp.async.bulk.tensor) wrappers, sm_90a. A full barrier completes when the
 // TMA bytes it expects have landed; an empty barrier when every consumer warp has arrived.
+// The TMA and fence wrappers are templates that a device pass below sm_90 may not instantiate
+// (ptx/arch.cuh); the mbarrier ones need no guard: ptxas itself rejects an instruction the
+// target lacks (expect_tx and try_wait below sm_90).
 #pragma once
 
 #include <cstdint>
+
+#include "ptx/arch.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define SAGE_PTX_HAS_TMA 1
+#endif
 
 namespace sage::ptx {
 
@@ -14,9 +23,12 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
 }
 // Makes the barrier inits visible to the async (TMA) proxy.
+template <int kInst = 0>
 __device__ __forceinline__ void fence_barrier_init() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef SAGE_PTX_HAS_TMA
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#elif defined(__CUDA_ARCH__)
+  SAGE_PTX_REQUIRE(kInst, "fence.mbarrier_init (sm_90)");
 #endif
 }
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
@@ -39,34 +51,43 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 
 // cp.async.bulk.tensor.3d: the box at coordinates (c0 innermost, c1, c2) of the tensor map into
 // shared memory, completing `bar`'s transaction bytes.
+template <int kInst = 0>
 __device__ __forceinline__ void tma_load_3d(void* smem_dst, const void* tensor_map, uint64_t* bar,
                                             int c0, int c1, int c2) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef SAGE_PTX_HAS_TMA
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(smem_u32(smem_dst)),
       "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
       : "memory");
+#elif defined(__CUDA_ARCH__)
+  SAGE_PTX_REQUIRE(kInst, "cp.async.bulk.tensor (sm_90)");
 #endif
 }
 
 // cp.async.bulk.tensor.4d: as tma_load_3d with four coordinates.
+template <int kInst = 0>
 __device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tensor_map, uint64_t* bar,
                                             int c0, int c1, int c2, int c3) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef SAGE_PTX_HAS_TMA
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(smem_u32(smem_dst)),
       "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
       : "memory");
+#elif defined(__CUDA_ARCH__)
+  SAGE_PTX_REQUIRE(kInst, "cp.async.bulk.tensor (sm_90)");
 #endif
 }
 
 // Orders this thread's generic-proxy writes to shared memory before later async-proxy reads
 // (wgmma operands, TMA stores) that another thread starts after synchronizing with this one.
+template <int kInst = 0>
 __device__ __forceinline__ void fence_proxy_async_smem() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#ifdef SAGE_PTX_HAS_TMA
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#elif defined(__CUDA_ARCH__)
+  SAGE_PTX_REQUIRE(kInst, "fence.proxy.async (sm_90)");
 #endif
 }
 

@@ -1,5 +1,5 @@
 // The ablation rows of `sage accuracy`: each one the 4-bit (or 8-bit) kernel with one knob turned,
-// and paper 004's FP4 table (formats and P~ quantization).
+// and the SageAttention3 paper's FP4 table (formats and P~ quantization).
 #include "ref/ablations.h"
 
 #include "ref/reference.h"
@@ -92,10 +92,11 @@ std::vector<AblationRow> paper_ablations() {
   rows.push_back({tv, "SageAttn2-8b (wgmma, per-block-channel V)", w8v});
   rows.push_back({tv, "SageAttn2-4b (mma, 128x64)", b4});
 
-  // Paper 004 Table 1(a) and (b): the FP4 format, and P~'s quantization, beside the 8-bit kernel
-  // and fp16 attention (Q, K, P~, V in fp16, fp32 accumulator). Every FP4 row smooths Q and K as
-  // Algorithm 1 does. The format is compared on Q·K alone (P~·V in fp16) and on both products;
-  // MXFP4 takes P~ directly (its power-of-two scales leave a first level nothing to gain).
+  // The SageAttention3 paper's Table 1(a) and (b): the FP4 format, and P~'s quantization, beside
+  // the 8-bit kernel and fp16 attention (Q, K, P~, V in fp16, fp32 accumulator). Every FP4 row
+  // smooths Q and K as Algorithm 1 does. The format is compared on Q·K alone (P~·V in fp16) and on
+  // both products; MXFP4 takes P~ directly (its power-of-two scales leave a first level nothing to
+  // gain).
   const std::string t1 = "FP4 microscaling, smoothed Q+K (paper 004 Table 1; CPU emulation)";
   sage_quant_config f16 = quant_preset(SAGE_VARIANT_EXACT);
   f16.pv_format = SAGE_PV_FP16;  // Q, K are fp16 inputs already (qk_format NONE)

@@ -1,6 +1,6 @@
 // The paper's ablations (003 Tables 4, 6, 7; the FP22 study of §3.4), the two kernel variants and
-// paper 004's FP4 Table 1, as quantization configs: what `sage accuracy` prints and what the
-// ordering tests check.
+// the SageAttention3 paper's FP4 Table 1, as quantization configs: what `sage accuracy` prints and
+// what the ordering tests check.
 #pragma once
 
 #include <string>

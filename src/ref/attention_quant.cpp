@@ -1,4 +1,4 @@
-// The CPU emulation of quantized attention (SageAttention2, SPEC.md §2–4): smoothing, per-group
+// The CPU emulation of quantized attention (SageAttention2): smoothing, per-group
 // Q/K quantization, base-2 online softmax over key blocks, P~ and V quantization, and the P·V
 // accumulator as the hardware keeps it (exact sums inside one MMA, truncation to a few mantissa
 // bits on each add, flushed into fp32 every few key blocks). Host code; mirrors the GPU kernels.
@@ -227,10 +227,10 @@ std::vector<char> zero_non_finite(std::vector<Real>& x, int64_t rows, int64_t di
 }
 
 // P~ of one row of a key block (n keys, masked ones 0) to FP4 in place; returns the factor s_P1
-// the block's P·V product is multiplied by. Two-level (paper 004, Algorithm 1, line 10): s_P1 =
-// rowmax(P~) / (448·6) in fp32, P~ / s_P1 in [0, 2688] (its runs' E4M3 scales then use E4M3's
-// range up to 448), then NVFP4. rowmax(P~) = 2^(rowmax(S) - m), the online softmax's own max,
-// as the kernel reuses it. Direct: P~ in [0, 1] straight into FP4, s_P1 = 1.
+// the block's P·V product is multiplied by. Two-level (SageAttention3 paper, Algorithm 1, line 10):
+// s_P1 = rowmax(P~) / (448·6) in fp32, P~ / s_P1 in [0, 2688] (its runs' E4M3 scales then use
+// E4M3's range up to 448), then NVFP4. rowmax(P~) = 2^(rowmax(S) - m), the online softmax's own
+// max, as the kernel reuses it. Direct: P~ in [0, 1] straight into FP4, s_P1 = 1.
 template <typename Real>
 Real quantize_p_fp4(const PvFormat& pv, Real* p, int64_t n, Real row_max_minus_m) {
   Real level1 = 1;
@@ -378,7 +378,8 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
     const QPrep<Real>& pr = qp[size_t(bh)];
     const int64_t r0 = qb * bq, rows = std::min(Nq, r0 + bq) - r0;
 
-    // ΔS = q_mean · (K - k_mean)ᵀ: one value per key for this Q block (SPEC.md §2.2).
+    // ΔS = q_mean · (K - k_mean)ᵀ: one value per key for this Q block, the part of Q·Kᵀ that
+    // quantizing Q - q_mean leaves out (added back to the scores exactly).
     std::vector<Real> delta_s(size_t(Nk), Real(0));
     if (smooth_q)
       for (int64_t j = 0; j < Nk; ++j)
@@ -453,7 +454,7 @@ void run(const Problem& p, const sage_quant_config& cfg, const TensorView& q, co
         }
         const Real m_new = std::max(m[size_t(r)], row_max);
         const Real alpha = std::exp2(m[size_t(r)] - m_new);  // 0 on the first block
-        Real p_level1 = 1;  // s_P1 of the two-level P~ (paper 004, Algorithm 1, line 10)
+        Real p_level1 = 1;  // s_P1 of the two-level P~ (SageAttention3 paper, Algorithm 1, line 10)
         if (!sm90) {
           Real row_sum = 0;
           for (int64_t j = j0; j < j1; ++j) {

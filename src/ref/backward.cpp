@@ -1,6 +1,6 @@
 // The CPU reference of the attention backward pass: float64 gradients (the truth), and the
-// emulation of SageBwd (paper 004, Algorithm 3) with a switch per matmul between INT8 with
-// per-block scales ψ and the input dtype with fp32 accumulation. Host code; mirrors src/bwd.
+// emulation of SageBwd (SageAttention3 paper, Algorithm 3) with a switch per matmul between INT8
+// with per-block scales ψ and the input dtype with fp32 accumulation. Host code; mirrors src/bwd.
 //
 // The exact backward recomputes S and P = exp(S - LSE) from the forward's LSE, D = rowsum(dO∘O)
 // from its O, dP = dO·Vᵀ, dS = P∘(dP - D), then dV = Pᵀ·dO, dQ = scale·dS·K, dK = scale·dSᵀ·Q.

@@ -28,9 +28,9 @@ sage_quant_config quant_preset(sage_variant variant) {
   c.warps = 8;
   // K's smoothing mean from about 256 tokens: any k_mean leaves the softmax unchanged (a constant
   // per row) and only has to take the channel bias out, so the pre-pass reads K once. V's mean
-  // takes every token: sampled, it varied the 8-bit rel-L1 of the built-in problem 0.87x-1.34x
-  // with the draw, and on the GPU the sm90 kernel's wgmma accumulator (each product cut to the
-  // grid of the running O) lost 2.5x at 16k: V - v_mean must sum to zero (docs/sm90-kernel.md).
+  // takes every token: sampled, it made the 8-bit error depend on the draw, and on the GPU the
+  // sm90 kernel's wgmma accumulator (each product cut to the grid of the running O) grew its
+  // error with the length: V - v_mean must sum to zero (docs/sm90-kernel.md, Tried 29).
   c.k_mean_tokens = 256;
   switch (variant) {
     case SAGE_VARIANT_SAGE2_4B:
@@ -38,9 +38,9 @@ sage_quant_config quant_preset(sage_variant variant) {
       c.smooth = SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V;
       break;
     case SAGE_VARIANT_SAGE3_FP4:
-      // Paper 004, Algorithm 1: smooth K, smooth Q per block (with ΔS), NVFP4 Q·K, two-level
-      // NVFP4 P~, NVFP4 V (no V smoothing in the paper), each key block's k64 MMA results added
-      // into an fp32 O after the s_P1 multiply.
+      // SageAttention3 paper, Algorithm 1: smooth K, smooth Q per block (with ΔS), NVFP4 Q·K,
+      // two-level NVFP4 P~, NVFP4 V (no V smoothing in the paper), each key block's k64 MMA results
+      // added into an fp32 O after the s_P1 multiply.
       c.qk_format = SAGE_QK_NVFP4;
       c.smooth = SAGE_SMOOTH_Q | SAGE_SMOOTH_K;
       c.pv_format = SAGE_PV_NVFP4;

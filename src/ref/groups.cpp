@@ -1,4 +1,4 @@
-// Quantization groups: which tokens share one scale, for every granularity of SPEC.md §3–4,
+// Quantization groups: which tokens share one scale, for every sage_granularity,
 // including the per-thread layouts that follow the mma.sync / wgmma accumulator, and the
 // quantizer of a matrix by such groups (or by FP4 runs along its rows). Host code.
 #include <algorithm>

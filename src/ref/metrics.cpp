@@ -1,5 +1,5 @@
-// Accuracy metrics of SPEC.md §5 (paper A.7): cosine similarity, relative L1, RMSE, max |error|,
-// over flattened outputs, accumulated in double. Host code.
+// The accuracy metrics of the SageAttention2 paper (its appendix A.7): cosine similarity,
+// relative L1, RMSE, max |error|, over flattened outputs, accumulated in double. Host code.
 #include <cmath>
 
 #include "ref/reference.h"

@@ -1,5 +1,5 @@
-// FP4 microscaling quantizers of the CPU reference (paper 004 §3.1): NVFP4 (E2M1 in runs of 16,
-// E4M3 scale amax / 6) and MXFP4 (runs of 32, E8M0 scale), built on the codecs of
+// FP4 microscaling quantizers of the CPU reference (SageAttention3 paper §3.1): NVFP4 (E2M1 in runs
+// of 16, E4M3 scale amax / 6) and MXFP4 (runs of 32, E8M0 scale), built on the codecs of
 // common/formats.h, bit for bit what the block-scaled MMA would be handed. Host code.
 #include <algorithm>
 #include <cmath>

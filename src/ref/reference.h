@@ -1,6 +1,7 @@
 // sage::ref — the CPU reference, the oracle every GPU kernel is checked against. Plain C++17,
 // no CUDA. Two entry points: float64 attention, and a faithful emulation of quantized attention
-// with every knob of SPEC.md §2–4 (sage_quant_config). Both read strided fp16/bf16/fp32 inputs.
+// with every knob of sage_quant_config (include/sage/sage.h). Both read strided fp16/bf16/fp32
+// inputs.
 #pragma once
 
 #include <cstdint>
@@ -90,13 +91,15 @@ struct GroupLayout {
   static GroupLayout per_token(int64_t block);
   static GroupLayout per_rows(int64_t block, int64_t rows);  // consecutive runs of `rows` tokens
   // Q rows of an MMA accumulator: a warp owns rows_per_warp consecutive rows (a multiple of 16);
-  // lane group g = lane/4 holds rows {g, g+8, g+16, ...} of its warp (SPEC.md §4).
+  // lane group g = lane/4 holds rows {g, g+8, g+16, ...} of its warp (the mma.sync C fragment,
+  // src/ptx/mma.cuh).
   static GroupLayout thread_q(int64_t block_q, int64_t rows_per_warp);
-  // K columns of an MMA accumulator: lane t = lane%4 holds keys {8j+2t, 8j+2t+1} (SPEC.md §4).
+  // K columns of an MMA accumulator: lane t = lane%4 holds keys {8j+2t, 8j+2t+1} (the same
+  // fragment).
   static GroupLayout thread_k(int64_t block_k);
 };
 
-// A [rows][dim] matrix quantized in groups of rows (SPEC.md §2.3): values holds the quantized
+// A [rows][dim] matrix quantized in groups of rows (one scale a group): values holds the quantized
 // numbers (integers for INT8/INT4, E4M3 values for FP8; x itself for SAGE_QK_NONE) and scale
 // the dequantization factor of each row's group: x ~ values * scale, delta = amax / qmax. For
 // the FP4 formats values are already dequantized (each run of a row times its own scale) and
@@ -110,7 +113,7 @@ template <typename Real>
 QuantizedGroups<Real> quantize_groups(const std::vector<Real>& x, int64_t rows, int64_t dim,
                                       const GroupLayout& layout, sage_qk_format format);
 
-// ---- FP4 microscaling (paper 004 §3.1; microscale.cpp) ----
+// ---- FP4 microscaling (SageAttention3 paper §3.1; microscale.cpp) ----
 // The run format of a Q·K or P·V format (nullptr: not FP4).
 const MicroscaleFormat* qk_microscale(sage_qk_format f);
 const MicroscaleFormat* pv_microscale(sage_pv_format f);
@@ -169,9 +172,9 @@ struct BackwardCheck {
   std::vector<double> head_error;  // [B, Hq]: the root mean square of σ over the head's rows
   bool untrusted = false;          // some head_error > SAGE_BWD_MAX_SCORE_ERROR (or NaN)
 };
-// SageBwd (paper 004, Algorithm 3) as the GPU computes it, every unquantized value in fp32. It
-// takes neither the forward's O nor its LSE: each row's softmax normalizer and D come from the
-// backward's own scores (so P sums to 1 over each row and rowsum(dS) = dL/dLSE), and when the
+// SageBwd (SageAttention3 paper, Algorithm 3) as the GPU computes it, every unquantized value in
+// fp32. It takes neither the forward's O nor its LSE: each row's softmax normalizer and D come from
+// the backward's own scores (so P sums to 1 over each row and rowsum(dS) = dL/dLSE), and when the
 // check finds the INT8 scores too coarse the gradients are NaN (check->untrusted).
 void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
                               const TensorView& q, const TensorView& k, const TensorView& v,
@@ -195,7 +198,7 @@ float nan_max(float a, float b);
 struct Metrics {
   double cos = 0, rel_l1 = 0, rmse = 0, max_abs = 0;
 };
-// Accuracy of `x` against `ref` (SPEC.md §5), over n elements.
+// Accuracy of `x` against `ref` (metrics.cpp), over n elements.
 Metrics compare(const double* ref, const float* x, int64_t n);
 Metrics compare(const double* ref, const double* x, int64_t n);
 

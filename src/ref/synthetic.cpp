@@ -1,7 +1,7 @@
-// Built-in inputs with the outlier structure real models show (paper 003 Fig. 2): per-channel
-// biases (large in K, moderate in Q and V) with a few massive channels, token norms that drift
-// along the sequence, and an attention sink (key 0), which puts much of the softmax mass in many
-// tiny P~ values (paper §3.3). Deterministic for a seed. Host code.
+// Built-in inputs with the outlier structure real models show (SageAttention2 paper, Fig. 2):
+// per-channel biases (large in K, moderate in Q and V) with a few massive channels, token norms
+// that drift along the sequence, and an attention sink (key 0), which puts much of the softmax mass
+// in many tiny P~ values (paper §3.3). Deterministic for a seed. Host code.
 #include <algorithm>
 #include <cmath>
 #include <random>

@@ -1,5 +1,6 @@
 // Built-in test and demo inputs for the CPU reference and the `sage` tool (fp16, HND layout):
-// the outlier structure of real models' Q, K, V (paper 003 Fig. 2) plus an attention sink.
+// the outlier structure of real models' Q, K, V (SageAttention2 paper, Fig. 2) plus an attention
+// sink.
 #pragma once
 
 #include <cmath>

@@ -583,7 +583,7 @@ TEST(ApiInfo, QuantConfigPresets) {
   const sage_quant_config ex = preset(SAGE_VARIANT_EXACT);
   EXPECT_EQ(ex.qk_format, SAGE_QK_NONE);
   EXPECT_EQ(ex.pv_format, SAGE_PV_NONE);
-  const sage_quant_config f4 = preset(SAGE_VARIANT_SAGE3_FP4);  // paper 004, Algorithm 1
+  const sage_quant_config f4 = preset(SAGE_VARIANT_SAGE3_FP4);  // SageAttention3, Algorithm 1
   EXPECT_EQ(f4.qk_format, SAGE_QK_NVFP4);
   EXPECT_EQ(f4.smooth, SAGE_SMOOTH_Q | SAGE_SMOOTH_K);
   EXPECT_EQ(f4.pv_format, SAGE_PV_NVFP4);

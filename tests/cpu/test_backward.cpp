@@ -1,6 +1,7 @@
 // The CPU reference of the backward pass: float64 gradients against finite differences, the
-// SageBwd emulation against float64 (accuracy, the dO·Vᵀ ablation of paper 004 Table 1(c), K
-// smoothing), non-finite inputs, and the C entry point (validation, strides, untouched inputs).
+// SageBwd emulation against float64 (accuracy, the dO·Vᵀ ablation of the SageAttention3 paper's
+// Table 1(c), K smoothing), non-finite inputs, and the C entry point (validation, strides,
+// untouched inputs).
 #include <gtest/gtest.h>
 
 #include <cmath>

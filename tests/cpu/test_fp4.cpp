@@ -1,8 +1,9 @@
-// FP4 microscaling in the CPU reference (paper 004): the E8M0 and E2M1 codecs against oracles
-// written from bit layouts and value tables, the NVFP4/MXFP4 block scales and quantizer round
-// trips, Algorithm 1 against an independent transcription of it and against float64 attention,
-// the config checks, and paper 004 Table 1's orderings on the built-in problem. Host only.
-// (E4M3, the NVFP4 scale format, is covered code by code in test_formats.cpp.)
+// FP4 microscaling in the CPU reference (the SageAttention3 paper): the E8M0 and E2M1 codecs
+// against oracles written from bit layouts and value tables, the NVFP4/MXFP4 block scales and
+// quantizer round trips, Algorithm 1 against an independent transcription of it and against float64
+// attention, the config checks, and the orderings of the SageAttention3 paper's Table 1 on the
+// built-in problem. Host only. (E4M3, the NVFP4 scale format, is covered code by code in
+// test_formats.cpp.)
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -1,5 +1,5 @@
-// Paper 004's Algorithm 1 (FP4 microscaling attention) in the CPU emulation: against a direct
-// transcription of the algorithm written here, against float64 attention within bands, the
+// The SageAttention3 paper's Algorithm 1 (FP4 microscaling attention) in the CPU emulation: against
+// a direct transcription of the algorithm written here, against float64 attention within bands, the
 // config checks of the FP4 formats, and Table 1's orderings on the built-in outlier problem
 // (fresh seeds throughout; sizes that are not multiples of any block). Host only.
 #include <gtest/gtest.h>
@@ -35,8 +35,8 @@ struct Alg1Config {
   int64_t block_q, block_kv;
 };
 
-// Algorithm 1 of paper 004 for one head, line by line, in double with the natural exponential:
-// Q [Nq][D], K, V [Nk][D]; visible(i) = keys query i sees.
+// Algorithm 1 of the SageAttention3 paper for one head, line by line, in double with the natural
+// exponential: Q [Nq][D], K, V [Nk][D]; visible(i) = keys query i sees.
 template <typename Visible>
 std::vector<double> algorithm1(std::vector<double> Q, std::vector<double> K, std::vector<double> V,
                                int64_t Nq, int64_t Nk, int64_t D, double scale, Visible visible,
@@ -226,12 +226,12 @@ TEST(Fp4Config, InvalidCombinationsAreRejectedByName) {
   EXPECT_EQ(quant_config_error(c), "");
 }
 
-// Paper 004 Table 1 on the built-in outlier problem (the `sage accuracy` default, fresh seed):
-// NVFP4 beats MXFP4 and the two-level P~ beats the direct one. Measured before this test was
-// written (seeds 1-3, rel-L1): Q·K alone NVFP4 0.018-0.020 vs MXFP4 0.022-0.025; both products
-// NVFP4 two-level 0.061-0.073 vs MXFP4 0.085-0.093 vs NVFP4 direct 0.098-0.104. So NVFP4 with a
-// direct P~ is *worse* than MXFP4 (its E4M3 scales of P~ / 6 underflow): the format wins only
-// with the two-level P~, and that pair is not ordered here.
+// The SageAttention3 paper's Table 1 on the built-in outlier problem (the `sage accuracy` default,
+// fresh seed): NVFP4 beats MXFP4 and the two-level P~ beats the direct one. Measured before this
+// test was written (seeds 1-3, rel-L1): Q·K alone NVFP4 0.018-0.020 vs MXFP4 0.022-0.025; both
+// products NVFP4 two-level 0.061-0.073 vs MXFP4 0.085-0.093 vs NVFP4 direct 0.098-0.104. So NVFP4
+// with a direct P~ is *worse* than MXFP4 (its E4M3 scales of P~ / 6 underflow): the format wins
+// only with the two-level P~, and that pair is not ordered here.
 class Fp4Table1 : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {

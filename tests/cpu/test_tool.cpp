@@ -119,7 +119,7 @@ TEST(Tool, AccuracyReadsNpyInEveryFormAndLayout) {
     ASSERT_EQ(status, 0) << tables[form];
     EXPECT_NE(tables[form].find("\"seq_q\": 96"), std::string::npos) << tables[form];
     EXPECT_NE(tables[form].find("\"Q+K\""), std::string::npos);
-    // Paper 004's FP4 table, on the user's tensors too.
+    // The SageAttention3 paper's FP4 table, on the user's tensors too.
     EXPECT_NE(tables[form].find("\"NVFP4, P~ two-level (SageAttn3)\""),
               std::string::npos);
     EXPECT_NE(tables[form].find("\"MXFP4 (E8M0 scale / 32), P~ direct\""), std::string::npos);

@@ -1,4 +1,4 @@
-"""SageAttention3's FP4 attention from Python: `python -m sage_attn.accuracy` prints paper 004's
+"""SageAttention3's FP4 attention from Python: `python -m sage_attn.accuracy` prints its paper's
 Table 1 (CPU emulation) beside its SageAttention2 rows, and attention_numpy(quant=...) runs any
 config, the FP4 ones included. Runs without torch or GPU."""
 import json

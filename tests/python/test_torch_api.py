@@ -91,6 +91,98 @@ def test_cpu_eager_fast_path_equals_the_op(gen):
     _fast_path_checks(*(randn(gen, (1, 2, 40, 64), torch.float32, "cpu") for _ in range(3)))
 
 
+def test_call_fields_are_the_op_schema():
+    """_Call names the custom op's arguments: its fields are the op's schema, name by name and in
+    order, with the same default for the last; op_args and from_op_args are inverses."""
+    from sage_attn import _lib, _torch as T
+    schema = torch.ops.sage_attn.attention.default._schema
+    assert T._Call._fields == tuple(a.name for a in schema.arguments)
+    assert [a.name for a in schema.arguments if a.default_value is not None] == ["family"]
+    assert T._Call._field_defaults == {"family": schema.arguments[-1].default_value}
+    c = T._Call(*range(len(T._Call._fields)))
+    assert T._Call.from_op_args(c.op_args()) == c
+    assert T._Call.from_op_args(c.op_args()[:-1]).family == _lib.KERNEL_AUTO
+
+
+def test_cuda_path_builds_its_struct_from_the_call(gen, monkeypatch):
+    """The CUDA path's Python (_run_cuda, _prepare, _plan_of) on CPU tensors with the library's
+    plan and run faked: the argument struct holds the call's fields, the plan is made once a
+    shape and reused, and the drop-in's plan is the entry its run uses."""
+    import contextlib
+    from sage_attn import _lib, _torch as T
+    planned, ran = [], []
+
+    def fake_plan(a):
+        planned.append(bytes(a))
+        info = _lib.PlanInfo()
+        info.workspace_size, info.has_backward = 96, 1
+        return info
+
+    monkeypatch.setattr(_lib, "plan", fake_plan)
+    monkeypatch.setattr(_lib, "run", lambda a: ran.append(_lib.AttentionArgs.from_buffer_copy(a)))
+    monkeypatch.setattr(T, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(T, "_prepared", {})
+    q, k, v = (randn(gen, (2, 4, 16, 64), torch.float16, "cpu") for _ in range(3))
+    c = T._Call(q, k[:, :2], v[:, :2], _lib.LAYOUT_NHD, _lib.MASK_CAUSAL_TOP_LEFT, 0.5,
+                qk_bits=4, smooth_q=None, smooth_k=False, smooth_v=True, return_lse=True,
+                fallback=T._RAISE, family=_lib.KERNEL_MMA)
+    for _ in range(2):
+        o, lse = q.new_empty(q.shape), torch.empty((2, 16, 4))
+        T._run_cuda(c, o, lse)
+    assert len(planned) == 1 and len(ran) == 2
+    a = ran[-1]
+    variant, quant = _lib.quant_settings(4, None, False, True)
+    assert (a.q, a.k, a.v, a.o, a.lse) == (q.data_ptr(), c.k.data_ptr(), c.v.data_ptr(),
+                                           o.data_ptr(), lse.data_ptr())
+    assert (a.batch, a.heads_q, a.heads_kv, a.seq_q, a.seq_kv, a.head_dim) == (2, 16, 16, 4, 2, 64)
+    assert (a.layout, a.mask, a.scale, a.kernel, a.backend, a.stream, a.workspace_size) == (
+        _lib.LAYOUT_NHD, _lib.MASK_CAUSAL_TOP_LEFT, 0.5, _lib.KERNEL_MMA, _lib.BACKEND_CUDA, 1234,
+        96)
+    assert a.variant == variant and bytes(a.quant) == bytes(quant)
+    assert (a.k_strides.batch, a.k_strides.token, a.k_strides.head) == tuple(c.k.stride()[:3])
+    # The drop-in's plan: its own entry (preset, no LSE, AUTO), shared with its run.
+    q2, k2, v2 = (randn(gen, (1, 2, 8, 64), torch.float16, "cpu") for _ in range(3))
+    prep = T._plan_of(q2, k2, v2, _lib.LAYOUT_HND, _lib.MASK_NONE, 0.125)
+    assert prep.has_backward and prep.workspace == 96 and len(planned) == 2
+    a = _lib.AttentionArgs.from_buffer_copy(planned[-1])
+    assert (a.kernel, a.variant, a.lse, a.mask) == (_lib.KERNEL_AUTO, _lib.VARIANT_SAGE2_8B, None,
+                                                   _lib.MASK_NONE)
+    T._run_cuda(T._dropin_call(q2, k2, v2, _lib.LAYOUT_HND, _lib.MASK_NONE, 0.125,
+                               T._FALLBACK_SDPA_ROUTED), q2.new_empty(q2.shape), None)
+    assert len(planned) == 2 and len(ran) == 3
+
+
+def test_cpu_op_path_carries_every_argument(gen, monkeypatch):
+    """Through the custom op (inputs that require grad), sageattn hands the library each of its
+    arguments by name: what _attention receives is the call sageattn built, with return_lse
+    forced on for the backward, and the backward gets the forward's layout, mask, scale and
+    kernel family."""
+    from sage_attn import _lib, _torch as T
+    seen, seen_bwd = [], []
+    attention, backward = T._attention, T._backward
+    # (The CPU reference refuses a GPU kernel family: recorded, then run as AUTO.)
+    monkeypatch.setattr(T, "_attention", lambda c: seen.append(c) or attention(
+        c._replace(family=_lib.KERNEL_AUTO)))
+    monkeypatch.setattr(T, "_backward", lambda *a: seen_bwd.append(a) or backward(
+        *a[:-1], _lib.KERNEL_AUTO))
+    q, k, v = (randn(gen, (1, 8, 2, 64), torch.float32, "cpu").requires_grad_()
+               for _ in range(3))
+    o = sage_attn.sageattn(q, k, v, tensor_layout="NHD", is_causal=True, sm_scale=0.25,
+                           qk_bits=4, smooth_k=False, smooth_v=True, causal_align="top_left",
+                           kernel="mma")
+    (c,) = seen
+    assert (c.layout, c.mask, c.scale, c.qk_bits, c.smooth_q, c.smooth_k, c.smooth_v,
+            c.return_lse, c.fallback, c.family) == (
+        _lib.LAYOUT_NHD, _lib.MASK_CAUSAL_TOP_LEFT, 0.25, 4, None, False, True, True, T._RAISE,
+        _lib.KERNEL_MMA)
+    assert c.q is not None and c.q.shape == q.shape
+    o.sum().backward()
+    (args,) = seen_bwd
+    assert args[5:] == (_lib.LAYOUT_NHD, _lib.MASK_CAUSAL_TOP_LEFT, 0.25, _lib.KERNEL_MMA)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 def test_unknown_keyword_is_type_error(gen):
     q = randn(gen, (1, 1, 8, 64), torch.float32, "cpu")
     with pytest.raises(TypeError):

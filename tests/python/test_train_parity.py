@@ -1,13 +1,34 @@
-"""python -m sage_attn.train_parity's smoke configuration on CPU tensors (sage runs the CPU
-reference's forward and SageBwd emulation): the JSON's fields, finite losses that go down, the
-verdict's rules on hand-made runs. Skips without torch."""
+"""tools/train_parity.py's smoke configuration on CPU tensors (sage runs the CPU reference's
+forward and SageBwd emulation): the JSON's fields, finite losses that go down, the verdict's
+rules on hand-made runs; the file runs as a script. Skips without torch."""
+import importlib.util
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from sage_attn import train_parity as tp  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "train_parity.py"
+_spec = importlib.util.spec_from_file_location("train_parity", SCRIPT)
+tp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tp)
+
+
+def test_an_experiment_not_a_module_of_the_package():
+    import sage_attn
+    assert not (pathlib.Path(sage_attn.__file__).parent / "train_parity.py").exists()
+    # Runnable as `python tools/train_parity.py` from a checkout, without PYTHONPATH (it finds
+    # the checkout's python/ itself).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "--smoke" in out.stdout and "--budget-s" in out.stdout
 
 
 def test_smoke_on_cpu(tmp_path):

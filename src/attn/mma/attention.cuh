@@ -77,7 +77,8 @@ __device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, 
   }
 }
 
-// ΔS of Q smoothing (SPEC.md §2.2) for a block of 64 keys: q_mean·(k - k_mean), q_mean this
+// ΔS of Q smoothing (Q·Kᵀ = (Q - q_mean)·Kᵀ + ΔS, the term the quantized product leaves out) for
+// a block of 64 keys: q_mean·(k - k_mean), q_mean this
 // CTA's Q block's, k the caller's fp16/bf16 K. Thread i takes key i/4 of the block and the
 // 8-channel chunks ci·4 + i%4 (the quantizers' row parts, so a key's 4 threads read 64
 // consecutive bytes a chunk step); its part is an fp32 FMA chain over its channels in increasing

@@ -14,8 +14,8 @@ namespace sage::sm90 {
 // The tile's V scales and means, copied into this warpgroup's shared copy when the tile starts
 // (cp.async: nothing waits until the epilogue; the copy alternates with the tile's parity, so the
 // previous tile's epilogue may still read the other). Read from global memory in the epilogue,
-// their load latency sat exposed in every tile's epilogue: 25-30 % of the stall samples at
-// N = 1k.
+// their load latency would sit exposed at the end of every tile, with nothing left to hide it
+// under (docs/sm90-kernel.md, "Epilogue").
 template <int D>
 __device__ __forceinline__ void load_v_stats(const Params& p, float (&vst)[2][D], int64_t bhk) {
   for (int j = threadIdx.x % 128; j < 2 * D; j += 128)

@@ -45,16 +45,16 @@ __device__ __forceinline__ void qk_wgmma(int (&s)[kN / 2], uint64_t q_desc, uint
     ptx::wgmma_m64n64k32_s8_ss(s, q_desc, k_desc, /*accumulate=*/true);
 }
 
-// Every wgmma of the loop is issued unconditionally: a conditional GEMM in the loop, or a wgmma
-// in flight across the merge of an if/else, made ptxas serialize every wgmma of the kernel
-// (C7514, C7512). Hence block 0 alone before the loop (first_block), two blocks a turn of the
-// loop (the ring's stage is then a compile-time constant: descriptors, barriers and offsets fold
-// into immediates), the odd last one after it, and the last P̃·V alone (last_pv).
 // What attn::visible_keys reads of a tile's sequence.
 struct KeySight {
   int64_t seq_kv, causal_offset;
 };
 
+// Every wgmma of the loop is issued unconditionally: a conditional GEMM in the loop, or a wgmma
+// in flight across the merge of an if/else, made ptxas serialize every wgmma of the kernel
+// (C7514, C7512). Hence block 0 alone before the loop (first_block), two blocks a turn of the
+// loop (the ring's stage is then a compile-time constant: descriptors, barriers and offsets fold
+// into immediates), the odd last one after it, and the last P̃·V alone (last_pv).
 template <int D, typename OutT, bool kCausal, int kCons, bool kPacked>
 struct Consumer {
   using Tr = Traits<D, kCons>;
@@ -78,8 +78,8 @@ struct Consumer {
   int32_t seq_q, tok0_q;
   int32_t seq_kv, causal_offset;
   // The sequence's figures the loop and epilogue read: a packed batch's from the members above, a
-  // dense call's from the params (constants, no registers held across the loop: holding them cost
-  // the dense kernel 2-4 % at D = 128 non-causal on an H200).
+  // dense call's from the params (constants: holding them in registers across the loop measured
+  // slower; docs/sm90-kernel.md, "Packed variable-length batches").
   __device__ __forceinline__ int k_blocks_of() const {
     return kPacked ? k_blocks : int(p.k_blocks);
   }
@@ -98,10 +98,11 @@ struct Consumer {
   // P̃·V(kb-1) behind it) and passes it once its Q·Kᵀ has landed (or its row maxima are taken,
   // kTurnAfterMax), so the next consumer's GEMMs enter the tensor cores' queue after this one's
   // Q·Kᵀ instead of beside it. The queue takes about eight m64n128k32 wgmmas per SM before wgmma
-  // issue blocks the warp (tools/probes/wgmma_issue.cu: 16 back to back take 625 cycles to issue,
-  // 8 take 103), so with both consumers issuing their eight at once the second stalled ~500
-  // cycles. Passing the turn right after the issue (FlashAttention-3's ping-pong: the other
-  // consumer then issues into a full queue) or serializing the softmaxes was slower.
+  // issue blocks the warp (tools/probes/wgmma_issue.cu), so with both consumers issuing their
+  // eight at once the second's issue would block until the queue drained. Passing the turn right
+  // after the issue (FlashAttention-3's ping-pong: the other consumer then issues into a full
+  // queue) or serializing the softmaxes was slower (docs/sm90-kernel.md, "Turns between
+  // consumers").
   __device__ __forceinline__ static void take_turn() { ptx::turn_wait<Tr::kBarTurn, kCons>(); }
   __device__ __forceinline__ static void pass_turn() { ptx::turn_pass<Tr::kBarTurn, kCons>(); }
   // Consumer 0 issues first: the last one hands it the first turn.

@@ -246,9 +246,9 @@ struct Producer {
     const TileScheduler<kCausal, Tr::kBlockQ, kPacked, Tr::kBlockK> sched(p);
     RingPhase phase;
     TileInfo ti = sched.next(0);
-    // The first tile's Q before any K/V load: every CTA starts at once, and the ~12 MB of first Q
-    // tiles and K/V stages they ask for together made each CTA's first Q tile wait ~13.7k cycles
-    // (at N = 1k) while nothing can start without it.
+    // The first tile's Q before any K/V load: every CTA starts at once, and queued behind the
+    // whole grid's K/V stages each CTA's first Q tile would arrive last, while nothing can start
+    // without it (docs/sm90-kernel.md, "Fused Q quantization").
     if (fused_q && !ti.done) stage_q(ti);
     sh.sched.publish(0, ti);
     for (int it = 0; !ti.done; ++it) {

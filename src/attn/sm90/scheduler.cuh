@@ -58,13 +58,13 @@ __device__ __forceinline__ int64_t shift_row0(const Params& p, int64_t tok0_q, i
 // those past their sequence's queries are empty and skipped (next()), every CTA drawing from the
 // counter as causal does, so no tile count depends on cu_seqlens' contents.
 // Tiles are numbered head-major, so a head's K and V stay in L2 while the grid works on it
-// (numbered across heads, the causal tiles put ~130 heads' K and V in flight: 16k causal fell
-// from 795 to 650 TOPS); causal: each head's heaviest query blocks (most keys) first.
+// (numbered across heads, the causal tiles put over a hundred heads' K and V in flight at once,
+// more than L2 holds); causal: each head's heaviest query blocks (most keys) first.
 // Non-causal (equal tiles): CTA c takes one tile per round of gridDim.x, c in even rounds and
 // gridDim.x - 1 - c in odd ones (a snake). Causal (tiles of 1 .. Nk/128 blocks): tile c first,
 // then the next untaken tile from a global counter whenever the CTA starts a round, the order in
-// which the hardware dispatched one CTA per tile (a static snake balanced the work to 1.03x but
-// lost to that dispatch: 16k 742 vs 795 TOPS).
+// which the hardware dispatched one CTA per tile; a static snake that balanced the tiles' block
+// counts measured slower (docs/sm90-kernel.md, "Tile scheduler", has the figures).
 template <bool kCausal, int kBlockQ, bool kPacked, int kBlockKeys = kBlockK>
 struct TileScheduler {
   const Params& p;

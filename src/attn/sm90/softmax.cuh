@@ -14,7 +14,8 @@
 // exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). The softmax
 // writes P~ · 448 (the E4M3-range values P^ is packed from) over the scores, as float bits, and
 // l sums them (the epilogue's kLUnit 448). What bounds the kernel is this softmax's instruction
-// issue (without it the same loop runs > 2800 TOPS), hence about seven instructions a score.
+// issue (the loop without it runs several times faster: docs/sm90-kernel.md, "What limits it"),
+// hence about seven instructions a score.
 #pragma once
 
 #include "attn/epilogue.cuh"

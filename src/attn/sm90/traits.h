@@ -60,7 +60,8 @@ struct Traits {
     kBarFirstQ = 2 + 2 * kCons,   // the quantizing warps with every consumer warp (first Q tile)
   };
   // The CTA's first Q tile is quantized by warps 1-3 and every consumer warp: nothing can start
-  // before it (warps 1-3 alone took ~18k cycles for it at N = 1k, ~7 % of the kernel).
+  // before it, and the consumer warps have nothing else to do yet (docs/sm90-kernel.md, "Fused Q
+  // quantization").
   static constexpr int kFirstQWarps = kQuantWarps + kConsumerWarps;
 
   // Shared memory (the swizzled tiles, 1024-byte aligned): two Q tiles (the next tile's Q lands
@@ -77,11 +78,12 @@ struct Traits {
 
   // One score in kPolyEvery takes 2^x from a polynomial on the FMA pipe instead of MUFU.EX2
   // (16 results per SM per clock), at register positions i % kPolyEvery == kPolyEvery - 1 of the
-  // thread's 64 scores (0: none). At D = 128 (two warps a scheduler) the MUFU queue is a limit
-  // and one in eight measured best; at D = 64 three warps a scheduler move the limit to issue,
-  // where the polynomial's extra instructions cost more than they relieve. At D = 256 a score
-  // costs twice D = 128's tensor work for the same MUFU work, so MUFU is not the limit there:
-  // none (every 8th measured within 1.5 %, docs/sm90-kernel.md Tried 44).
+  // thread's 64 scores (0: none). At D = 128 (two warps a scheduler) the MUFU queue is a limit,
+  // and one in eight relieves it most before the polynomial's own instructions outweigh it; at
+  // D = 64 three warps a scheduler move the limit to issue, where the polynomial's extra
+  // instructions cost more than they relieve. At D = 256 a score costs twice D = 128's tensor
+  // work for the same MUFU work, so MUFU is not the limit there: none (docs/sm90-kernel.md,
+  // "Softmax" and "D = 256", has the measurements).
   static constexpr int kPolyEvery = D == 128 ? 8 : 0;
 
   // Where a consumer passes the GEMM-issue turn: once its Q·Kᵀ has landed, or (D = 128

@@ -1,10 +1,13 @@
-"""python -m sage_attn.train_parity: does a small GPT train the same with SageBwd as with torch's
+"""tools/train_parity.py: does a small GPT train the same with SageBwd as with torch's
 SDPA in bf16? (issue 18, point 5). A pre-norm GPT is pretrained from scratch with SDPA (seeds 0
 and 1) and with sage (seed 0), then fine-tuned from one shared checkpoint (the SDPA seed-0
 pretrained weights, a fresh optimizer) with SDPA (seeds 0 and 1) and with sage (seed 0).
 
-    python -m sage_attn.train_parity --out bench/results    # about 2 min on an H100 (estimated)
-    python -m sage_attn.train_parity --smoke --out /tmp/tp        # tiny, runs on CPU tensors
+    python tools/train_parity.py --out bench/results    # about 2 min on an H100 (estimated)
+    python tools/train_parity.py --smoke --out /tmp/tp  # tiny, runs on CPU tensors
+
+An experiment of the repository, not a part of the package users import: it needs sage_attn
+importable (installed, or a source checkout's python/ directory, which it falls back to).
 
 Data: the bytes (vocab 256) of the running Python's standard library `.py` files
 (sysconfig's "stdlib" path; site-packages and dist-packages excluded), each followed by a 0 byte,
@@ -60,7 +63,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import sage_attn
+try:
+    import sage_attn
+except ImportError:  # run from a source checkout: the package is python/sage_attn
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
+    import sage_attn
 
 _T0 = time.perf_counter()
 EOF_BYTE = b"\0"
