@@ -5,9 +5,9 @@
 Static checks (stdlib only, no CUDA toolkit: the ELF is read here):
 - the package's Python files and sage_attn/libsage.so, where _lib.py looks first;
 - a manylinux platform tag (auditwheel repair gave it);
-- libsage.so's NEEDED entries are the C library's (libc, libm, ...) only: no libcudart (the CUDA
-  runtime is linked in), no libcuda (the runtime loads the driver at run time), no libstdc++ or
-  libgcc_s (linked in), no torch or Python library;
+- libsage.so's NEEDED entries are the C and C++ runtimes' (libc, libm, libstdc++, libgcc_s: in
+  every manylinux policy) only: no libcudart (the CUDA runtime is linked in), no libcuda (the
+  runtime loads the driver at run time), no torch or Python library;
 - it exports the C API (sage_*) and nothing else (the static archives' symbols stay hidden);
 - its fatbin holds the machine code (SASS, not only PTX) of every architecture asked for.
 --install additionally installs the wheel into a fresh venv (timed) and runs a CPU call.
@@ -28,7 +28,7 @@ import zipfile
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LIB = "sage_attn/libsage.so"
 ALLOWED_NEEDED = {"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
-                  "ld-linux-x86-64.so.2"}
+                  "ld-linux-x86-64.so.2", "libstdc++.so.6", "libgcc_s.so.1"}
 PY_FILES = ("sage_attn/__init__.py", "sage_attn/_lib.py", "sage_attn/_numpy.py",
             "sage_attn/_torch.py")
 
@@ -147,7 +147,7 @@ def check(wheel: pathlib.Path, archs: list[str]) -> dict:
     needed = elf.needed()
     found["needed"] = needed
     bad = [n for n in needed if n not in ALLOWED_NEEDED]
-    assert not bad, f"libsage.so needs {bad} (only the C library's may be NEEDED)"
+    assert not bad, f"libsage.so needs {bad} (only the C/C++ runtimes' may be NEEDED)"
     exported = elf.exported()
     found["exported"] = len(exported)
     others = [s for s in exported if not s.startswith("sage_") and s not in ("_init", "_fini")]

@@ -1,5 +1,5 @@
 """The built wheel (scripts/wheel) holds libsage.so with the kernels of every default arch, needing
-only the C library (no libcudart, libcuda, libstdc++): the checks of check_wheel.py. Skipped where
+only the C/C++ runtimes (no libcudart, no libcuda): the checks of check_wheel.py. Skipped where
 no wheel has been built (CI does not build one: scripts/wheel compiles every kernel for every
 arch); SAGE_WHEEL names one, else the newest dist/sage_attn-*.whl."""
 import os
