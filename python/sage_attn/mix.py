@@ -28,9 +28,10 @@ text encoder) are not sites: they run whatever SDPA was before. Without a module
 index of the call within a pass ("#7"): stable for a fixed architecture; a pass is one
 calibration input, and under apply the `with` block, each `step()`/`set_step()` beginning a new
 one. **Steps** (diffusion timesteps) are the user's key: `with mix.step(t):` around a step, or
-`mix.set_step(i)` from a callback (diffusers: `callback_on_step_end=mix.diffusers_step`, with
-`mix.set_step(0)` before the call); the site is then "name#i@t". A site never seen in
-calibration runs the fast path (apply's counts call it "unplanned").
+`mix.set_step(i)` from a callback (a diffusers pipeline: `callback_on_step_end=
+mix.diffusers_step`, the first step keyless, the others their index); the site is then
+"name#i@t". A site never seen in calibration runs the fast path (apply's counts call it
+"unplanned").
 
 **Measurement.** Each calibration call runs the fast and the accurate path on the same inputs
 and compares both with full precision (torch's SDPA in float64 on the CPU, float32 on CUDA);
@@ -178,9 +179,12 @@ def step(key):
 
 
 def diffusers_step(pipe, i, t, callback_kwargs):
-    """A diffusers `callback_on_step_end`: step i + 1 begins after step i ends (call
-    `mix.set_step(0)` before the pipeline). Returns callback_kwargs unchanged."""
-    set_step(i + 1)
+    """A diffusers `callback_on_step_end` (`pipe(..., callback_on_step_end=mix.diffusers_step)`)
+    keying the pipeline's steps: step i + 1 begins when step i ends, and after the last
+    (pipe.num_timesteps) the key goes back to None, which the first step of every call has.
+    Returns callback_kwargs unchanged."""
+    last = getattr(pipe, "num_timesteps", None)
+    set_step(None if isinstance(last, int) and i + 1 >= last else i + 1)
     return callback_kwargs
 
 
