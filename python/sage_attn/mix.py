@@ -47,7 +47,10 @@ F.scaled_dot_product_attention for the block (process-wide) and keep Python stat
 them eagerly, not inside torch.compile'd graphs.
 
 Measured (CPU, tests/python/test_mix.py, a random-init 8-layer Llama-style transformers model
-with outlier channels put into the Q/K projections of layers 2 and 5): see docs/mix.md.
+whose layers 2 and 5 have peaked attention and a K outlier channel): with 4-bit fast and 8-bit
+accurate the plan (ξ = 0.25) chose exactly layers 2 and 5 and recovered 92-98 % of the logits
+error; with 8-bit against torch's SDPA it chose layers 0 and 2 (the two worst measured) and
+recovered 45-52 %. Details in docs/mix.md.
 """
 from __future__ import annotations
 

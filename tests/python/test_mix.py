@@ -244,7 +244,8 @@ def test_diffusers_flux_per_step(rng, counted):
         axes_dims_rope=[4, 4, 8]).eval()
 
     def sample():
-        return dict(hidden_states=torch.randn(1, 36, 8), encoder_hidden_states=torch.randn(1, 8, 32),
+        return dict(hidden_states=torch.randn(1, 36, 8),
+                    encoder_hidden_states=torch.randn(1, 8, 32),
                     pooled_projections=torch.randn(1, 32),
                     img_ids=torch.randint(0, 6, (36, 3)).float(), txt_ids=torch.zeros(8, 3))
 
