@@ -15,6 +15,7 @@ Context parallelism (Ulysses, ring attention, the LSE merge) on torch.distribute
 block), torch.nn.attention.activate_flash_attention_impl("sage") where torch has that registry,
 `import sage_attn.transformers` (attn_implementation="sage"), and
 `sage_attn.install_sageattention_alias()` (`import sageattention` for diffusers and ComfyUI).
+SageAttn-mix (per call site 4/8-bit or sage/SDPA from a calibration): `sage_attn.mix`.
 """
 from ._lib import (SageArgumentError, SageBwdFallbackWarning, SageError,  # noqa: F401
                    SageUnsupportedError, version)

@@ -36,10 +36,19 @@ def sdpa():
     entered from several threads at once may restore out of order. Code that bound the function
     before the block (`from torch.nn.functional import scaled_dot_product_attention`) keeps the
     original; torch.compile'd graphs traced before the block keep what they traced."""
-    saved = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _t.scaled_dot_product_attention
-    try:
+    with swapped(_t.scaled_dot_product_attention):
         yield
+
+
+@contextlib.contextmanager
+def swapped(fn):
+    """F.scaled_dot_product_attention replaced by fn for the block, whatever was there put back
+    on exit (exceptions included); yields the function replaced, which fn may call for the calls
+    it does not take. The mechanism of sdpa(), shared with sage_attn.mix (same caveats)."""
+    saved = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = fn
+    try:
+        yield saved
     finally:
         F.scaled_dot_product_attention = saved
 

@@ -760,8 +760,9 @@ def _scale(scale, head_dim, name):
     return float(scale)
 
 
-def _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
-    """Why the SDPA drop-in hands this call to torch, or None when the library takes it."""
+def _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa, cpu=False):
+    """Why the SDPA drop-in hands this call to torch, or None when the library takes it.
+    cpu=True (sage_attn.mix): CPU tensors are taken too (the CPU reference; float32 as well)."""
     for x in (query, key, value):
         if not isinstance(x, torch.Tensor):
             return "non-tensor inputs"
@@ -769,11 +770,12 @@ def _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa
         return "attn_mask is not supported (only is_causal)"
     if dropout_p != 0.0:
         return "dropout_p > 0 is not supported"
-    if not (query.is_cuda and key.is_cuda and value.is_cuda):
+    if not (query.is_cuda and key.is_cuda and value.is_cuda) and not cpu:
         return "non-CUDA tensors"
     if not (query.device == key.device == value.device):
         return "tensors on different devices"
-    if query.dtype not in _GPU_DTYPES or not (query.dtype == key.dtype == value.dtype):
+    dtypes = _GPU_DTYPES if query.is_cuda else _GPU_DTYPES + (torch.float32,)
+    if query.dtype not in dtypes or not (query.dtype == key.dtype == value.dtype):
         return f"dtype {query.dtype} (only float16 and bfloat16 with one dtype for q, k, v)"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "inputs that are not 4-D [B, H, N, D]"
