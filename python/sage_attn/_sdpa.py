@@ -158,8 +158,9 @@ def _flash_forward(keyset, query, key, value, dropout_p=0.0, is_causal=False,
     mask, s = route
     layout = _layout_of(query)
     q, k, v = _to(layout, query, key, value)
-    o, lse = _t._attention(q, k, v, layout, mask, s, None, None, None, None, True, _t._RAISE,
-                           _lib.KERNEL_AUTO)
+    o, lse = _t._attention(_t._Call(q, k, v, layout, mask, s, None, None, None, None,
+                                    return_lse=True, fallback=_t._RAISE,
+                                    family=_lib.KERNEL_AUTO))
     (o,) = _to(layout, o)
     o = _matching(o, query)
     # No dropout: the RNG state is never read; its shapes and dtypes are the op's.
@@ -185,7 +186,7 @@ def _flash_backward(keyset, grad_out, query, key, value, out, logsumexp, cum_seq
     layout = _layout_of(query)
     q, k, v, d_o = _to(layout, query, key, value, grad_out)
     dq, dk, dv, untrusted = _t._backward(q, k, v, d_o, None, layout, mask, s)
-    if (not torch.compiler.is_compiling() and _t._verdicts_readable(query.device)
+    if (not _t._traced(untrusted) and _t._verdicts_readable(query.device)
             and untrusted.item()):
         # SageBwd refused its own INT8 scores for this call: the gradients of torch's
         # 16-bit flash attention instead (its forward recomputed, for the O and LSE its
