@@ -21,6 +21,7 @@
 #include "attn/epilogue.cuh"
 #include "attn/mma/launch.h"
 #include "attn/mma/params.h"
+#include "common/fragment.cuh"
 #include "common/grid.h"
 #include "common/launch.h"
 #include "ptx/async.cuh"
@@ -298,23 +299,24 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1)
       for (int e = 0; e < 4; ++e) {
         float x = float(acc[nt][e]) * f;
         if constexpr (kSmoothQ)
-          x = fmaf(delta_s[kb % 2][nt * 8 + 2 * t + (e & 1)], p.scale_log2, x);
+          x = fmaf(delta_s[kb % 2][Frag::col(nt, e, t)], p.scale_log2, x);
         sc[nt][e] = x;
       }
     if (kb >= first_masked_block)  // CTA-uniform: only the diagonal and Nk-edge blocks
       for (int nt = 0; nt < 8; ++nt)
         for (int e = 0; e < 4; ++e)
-          if (nt * 8 + 2 * t + (e & 1) >= visible[e / 2]) sc[nt][e] = -INFINITY;
+          if (Frag::col(nt, e, t) >= visible[Frag::half(e)]) sc[nt][e] = -INFINITY;
     for (int nt = 0; nt < 8; ++nt)
-      for (int e = 0; e < 4; ++e) row_max[e / 2] = fmaxf(row_max[e / 2], sc[nt][e]);
+      for (int e = 0; e < 4; ++e)
+        row_max[Frag::half(e)] = fmaxf(row_max[Frag::half(e)], sc[nt][e]);
 
     // Online softmax: the 4 threads of a row agree on its max.
     float alpha[2], m_use[2];
     attn::online_max(row_max, m, l, alpha, m_use);
     for (int nt = 0; nt < 8; ++nt)
       for (int e = 0; e < 4; ++e) {
-        sc[nt][e] = ptx::ex2(sc[nt][e] - m_use[e / 2]);
-        l[e / 2] += sc[nt][e];
+        sc[nt][e] = ptx::ex2(sc[nt][e] - m_use[Frag::half(e)]);
+        l[Frag::half(e)] += sc[nt][e];
       }
     for (int i = 0; i < kDTiles; ++i) {
       o[i][0] *= alpha[0], o[i][1] *= alpha[0], o[i][2] *= alpha[1], o[i][3] *= alpha[1];
