@@ -1,5 +1,5 @@
-"""The torch-free half of `python -m sage_attn.bench`: the command line, the row schema of
-BENCHMARKS.md, the JSON writer, the markdown tables and the plot. Kept apart from bench.py so
+"""The torch-free half of `python -m sage_attn.bench`: the command line, the row schema
+(ROW_FIELDS), the JSON writer, the markdown tables and the plot. Kept apart from bench.py so
 that the report code is tested on machines without torch or a GPU (tests/python)."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def new_row(impl, head_dim, seq_len, batch, heads, causal):
 
 
 def flops(batch, heads, seq_len, head_dim, causal):
-    """Forward FLOPs of BENCHMARKS.md: 4·B·H·N²·D, halved for causal."""
+    """Forward FLOPs (docs/performance.md): 4·B·H·N²·D, halved for causal."""
     return 4.0 * batch * heads * seq_len * seq_len * head_dim / (2 if causal else 1)
 
 

@@ -1,12 +1,13 @@
-"""python -m sage_attn.bench: the standard grid of BENCHMARKS.md with the baselines in the same
+"""python -m sage_attn.bench: the standard grid (docs/performance.md) with the baselines in the same
 process. For every (head_dim, N, causal) and implementation: eager end-to-end TOPS (fp16 in, fp16
 out, CUDA events, median of samples), TOPS under CUDA-graph replay (the GPU's time alone: the
 figure the bar is judged on), host microseconds per eager call, sage's kernel-only TOPS (the
 attention kernel's own duration read with torch.profiler/CUPTI), cuDNN's FP8 attention on inputs
 quantized beforehand (kernel-only, the anchor), and accuracy (cos, rel-L1, RMSE, max-abs) against
-float64 on the first heads. Writes <out>/<date>-<gpu>[-tag].json (the schema of BENCHMARKS.md,
-plus host_us and the SDPA drop-in's choice) and a PNG plot (TOPS vs N per head dim and mask, the
-paper's Fig. 5); prints a table per implementation and, last, the summary the bar reads."""
+float64 on the first heads. Writes <out>/<date>-<gpu>[-tag].json (the fields of
+_bench_common.ROW_FIELDS, host_us and the SDPA drop-in's choice among them) and a PNG plot (TOPS
+vs N per head dim and mask, the paper's Fig. 5); prints a table per implementation and, last,
+the summary the bar reads."""
 from __future__ import annotations
 
 import contextlib
@@ -113,7 +114,7 @@ def make_inputs(b, h, n, d, kind, gen):
         if kind == "bias" and bias:
             x += bias * torch.randn((1, h, 1, d), generator=gen, device="cuda", dtype=torch.float16)
         return x
-    return one(4.0), one(8.0), one(8.0)  # q, k, v (BENCHMARKS.md's channel-bias inputs)
+    return one(4.0), one(8.0), one(8.0)  # q, k, v (the channel-bias inputs of docs/performance.md)
 
 
 def graph_ms(fn, target_s=0.25, est_ms=None):

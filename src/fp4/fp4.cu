@@ -41,7 +41,7 @@ __device__ __forceinline__ float load(const void* base, const sage_strides& s, i
   else
     return __bfloat162float(*p);
 }
-// An element as a float with an Inf/NaN taken as zero (its rows are poisoned: the README);
+// An element as a float with an Inf/NaN taken as zero (its rows are poisoned: docs/c-api.md);
 // *bad, when given, is set if it was one.
 template <typename T>
 __device__ __forceinline__ float load_finite(const void* base, const sage_strides& s, int64_t b,

@@ -216,8 +216,8 @@ __device__ __forceinline__ void stage_rows(const T* k, const T* v, const sage_st
 // slices are then added in order (fixed order: deterministic, no atomics). The sums run on
 // scaled_double values (x·2^-kScaleExp exactly for finite x: no fp32→fp64 conversion; the final
 // multiply by 2^kScaleExp gives the converting sum's bits). Max and min run on packed pairs in the
-// input format (exact). An Inf/NaN element counts as a zero everywhere (non-finite inputs: the
-// README), so the statistics of a head stay finite and the rows it poisons are marked instead.
+// input format (exact). An Inf/NaN element counts as a zero everywhere (docs/c-api.md,
+// "Non-finite inputs"), so the statistics of a head stay finite and the rows it poisons are marked instead.
 template <typename T, int D>
 struct ChunkStats {
   using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;

@@ -212,7 +212,7 @@ struct QPrep {
   std::vector<char> bad;          // [Nq]: the row of Q holds Inf/NaN
 };
 
-// Non-finite inputs (README, "Non-finite inputs"): every Inf/NaN element is quantized as a zero,
+// Non-finite inputs (docs/c-api.md, "Non-finite inputs"): every Inf/NaN element is quantized as a zero,
 // so it reaches no statistic, scale or score of the other rows, and the rows it touches are
 // marked afterwards (poisoned). Returns per row whether it held one.
 template <typename Real>

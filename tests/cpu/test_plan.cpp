@@ -355,11 +355,11 @@ TEST(Planner, PaddedEmulationIsTheNativeOneOnZeroChannels) {
   }
 }
 
-// ---- The workspace: the README's formula ----------------------------------------------------
+// ---- The workspace: the documented formula (docs/c-api.md) -----------------------------------
 // A call's extra device memory is its output plus the workspace; the workspace is the quantized K
 // and V with their scales and means, the quantized Q with its scales only where the pre-pass
 // quantizes Q, Q's block means only with Q smoothing, 4 bytes a query row only with the LSE, and
-// nothing proportional to Nq·Nk. The formula below is the README's ("Device memory"), written
+// nothing proportional to Nq·Nk. The formula below is docs/c-api.md's ("Device memory"), written
 // out independently of the planner's layout code.
 struct Shape {
   int64_t B, Hq, Hkv, Nq, Nk, D;
@@ -369,7 +369,7 @@ size_t up256(int64_t bytes) {
   return size_t((bytes + 255) / 256 * 256);
 }
 
-size_t readme_workspace(const Shape& s, int bits, bool prepass_q, bool smooth_q, bool lse) {
+size_t documented_workspace(const Shape& s, int bits, bool prepass_q, bool smooth_q, bool lse) {
   const int64_t nq = (s.Nq + 127) / 128 * 128, nk = (s.Nk + 63) / 64 * 64, r = s.D * bits / 8;
   const int64_t bq = s.B * s.Hq, bk = s.B * s.Hkv;
   size_t w = up256(bk * nk * r)          // K^
@@ -422,7 +422,7 @@ TEST(Workspace, OutputPlusKvAndScalesAt32k) {
   ASSERT_TRUE(p.fused_q);
   const size_t output = size_t(s.B * s.Hq * s.Nq * s.D) * 2;
   EXPECT_EQ(p.prepass.total, 256 * kMiB + 256 * 1024 + 4 * 16 * 1024 + 256 + 256);
-  EXPECT_EQ(p.prepass.total, readme_workspace(s, 8, false, false, false));
+  EXPECT_EQ(p.prepass.total, documented_workspace(s, 8, false, false, false));
   EXPECT_LE(output + p.prepass.total, 512 * kMiB + kMiB / 2);
   // With the LSE: 4 bytes a query row more (4 MiB), as the LSE itself.
   EXPECT_EQ(plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, true).prepass.total,
@@ -439,7 +439,7 @@ TEST(Workspace, OutputPlusKvAndScalesAt32k) {
   EXPECT_EQ(q4.prepass.total, sq.prepass.total - 2 * 64 * kMiB);
 }
 
-TEST(Workspace, MatchesTheReadmeFormulaOverShapesAndConfigs) {
+TEST(Workspace, MatchesTheDocumentedFormulaOverShapesAndConfigs) {
   const Shape shapes[] = {{1, 2, 2, 1, 1, 128},      {1, 2, 2, 17, 17, 64},
                           {2, 8, 2, 1000, 3000, 64}, {1, 4, 1, 1, 4097, 128},
                           {3, 6, 3, 129, 65, 64},    {2, 4, 4, 5000, 300, 128},
@@ -478,7 +478,7 @@ TEST(Workspace, MatchesTheReadmeFormulaOverShapesAndConfigs) {
         SCOPED_TRACE(c.name);
         const sage::quant::PrepassPlan& w = c.plan.prepass;
         EXPECT_EQ(w.quantize_q, c.prepass_q);
-        EXPECT_EQ(w.total, readme_workspace(s, c.bits, c.prepass_q, c.smooth_q, lse));
+        EXPECT_EQ(w.total, documented_workspace(s, c.bits, c.prepass_q, c.smooth_q, lse));
         sage_plan_info info;
         sage::api::describe(c.plan, &info);
         EXPECT_EQ(info.workspace_size, w.total);
