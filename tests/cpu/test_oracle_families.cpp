@@ -402,8 +402,10 @@ TEST(OracleFamilies, BitForBitTheInterpreterTheyReplacedOnRandomConfigs) {
                 same_bits(a.ld.data(), b.ld.data(), a.ld.size() * 8))
         << c.name;
   }
+  int families[3] = {0, 0, 0};  // sm90, fp4, mma
   for (uint64_t s = first; s < first + n; ++s) {
     const Case c = random_case(s);
+    ++families[sm90_softmax_form(c.cfg) ? 0 : pv_microscale(c.cfg.pv_format) ? 1 : 2];
     const Result a = run_new(c), b = run_legacy(c);
     const sage_quant_config& f = c.cfg;
     EXPECT_TRUE(same_bits(a.of.data(), b.of.data(), a.of.size() * 4) &&
@@ -418,6 +420,7 @@ TEST(OracleFamilies, BitForBitTheInterpreterTheyReplacedOnRandomConfigs) {
         << " | B " << c.B << " H " << c.Hq << "/" << c.Hkv << " N " << c.Nq << "x" << c.Nk << " D "
         << c.D << " mask " << c.mask << " dtype " << c.dtype;
   }
+  std::printf("random configs: %d sm90, %d fp4, %d mma\n", families[0], families[1], families[2]);
 }
 
 }  // namespace
