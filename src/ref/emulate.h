@@ -189,8 +189,8 @@ double truncate_mantissa(double x, int bits);
 // One row's P^·V^ over keys [j0, j1) (p[j - j0]; v the [Nk][D] quantized V) added into acc[D],
 // the MMA accumulator (a double holding exactly what the hardware register holds), one MMA of
 // accum_chunk keys at a time: the MMA sums its products exactly, then the accumulator takes the
-// sum rounded to fp32 (Real: pv_accum FP32), cut to accum_mantissa_bits (HW, TWO_LEVEL), or product by
-// product as the wgmma E4M3 accumulator aligns them (ALIGNED, mma_aligned_step).
+// sum rounded to fp32 (Real: pv_accum FP32), cut to accum_mantissa_bits (HW, TWO_LEVEL), or
+// product by product as the wgmma E4M3 accumulator aligns them (ALIGNED, mma_aligned_step).
 struct PvScratch {
   std::vector<double> chunk, step;
   PvScratch(int64_t D, int accum_chunk)

@@ -1,9 +1,9 @@
 // The mma.sync kernel (SageAttention2, src/attn/mma) emulated step by step: per Q block of
 // block_q rows, the key blocks of block_k keys in order, each one online-softmax step in base 2
-// (std::exp2), P~ quantized to the P·V format, P^·V^ into the MMA accumulator, flushed into the fp32 O every
-// pv_flush_interval blocks; O / l · v_scale + v_mean at the end. The knobs of this form that no
-// kernel runs (the paper's ablations: other groups and formats, per-block V scales, other
-// accumulators) are the same algorithm with one step changed. Host code.
+// (std::exp2), P~ quantized to the P·V format, P^·V^ into the MMA accumulator, flushed into the
+// fp32 O every pv_flush_interval blocks; O / l · v_scale + v_mean at the end. The knobs of this
+// form that no kernel runs (the paper's ablations: other groups and formats, per-block V scales,
+// other accumulators) are the same algorithm with one step changed. Host code.
 #include <algorithm>
 #include <cmath>
 #include <vector>

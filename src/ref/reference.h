@@ -53,9 +53,9 @@ void attention_exact(const Problem& p, const TensorView& q, const TensorView& k,
 
 // The quantized attention of `cfg` emulated step by step as the GPU kernels compute it: the
 // emulation of the kernel family the config stands for (attention_quant.cpp picks it;
-// emulate_mma.cpp, emulate_sm90.cpp, emulate_fp4.cpp). Same output conventions as attention_exact. The float version keeps
-// every unquantized value in fp32 as the GPU does; the double version applies the same
-// quantization with ideal arithmetic around it.
+// emulate_mma.cpp, emulate_sm90.cpp, emulate_fp4.cpp). Same output conventions as
+// attention_exact. The float version keeps every unquantized value in fp32 as the GPU does; the
+// double version applies the same quantization with ideal arithmetic around it.
 void attention_quant(const Problem& p, const sage_quant_config& cfg, const TensorView& q,
                      const TensorView& k, const TensorView& v, float* out, float* lse,
                      int threads = 0);
