@@ -1,5 +1,5 @@
 // SageAttention3's FP4 attention on fp16 tensor cores (sm_89+; fp4.h says what and why). Each
-// step is the CPU emulation's (src/ref/attention_quant.cpp with the SAGE3_FP4 config) with the
+// step is the CPU emulation's (src/ref/emulate_fp4.cpp with the SAGE3_FP4 config) with the
 // same float operations, in the same order where a result is quantized: the NVFP4 codecs are
 // the reference's own (common/formats.h, host and device), exp2 is taken in double and rounded
 // (the host's exp2f is within half an ulp), and no multiply-add is contracted (__f*_rn).

@@ -1,5 +1,5 @@
 // Pre-pass kernels of both attention kernels (sm_89+), each the GPU twin of a step of the CPU
-// emulation (src/ref/attention_quant.cpp), with the same float operations in the same order where
+// emulation (src/ref/prepass.cpp), with the same float operations in the same order where
 // the result is quantized. Bytes moved (B·H·N·D elements of 2 bytes each for Q, K, V):
 //   kv_prepass   (sm_90+, a KV head of at most 8 chunks: PrepassPlan::kv_cluster) reads K and V
 //                once (2+2 B/elem), writes the chunk statistics, INT8/INT4 K + scales and E4M3

@@ -51,10 +51,11 @@ void store_element(void* data, sage_dtype dtype, int64_t offset, double x);
 void attention_exact(const Problem& p, const TensorView& q, const TensorView& k,
                      const TensorView& v, double* out, double* lse, int threads = 0);
 
-// The quantized attention of `cfg` emulated step by step as the GPU kernels compute it (see
-// attention_quant.cpp). Same output conventions as attention_exact. The float version keeps
-// every unquantized value in fp32 as the GPU does; the double version applies the same
-// quantization with ideal arithmetic around it.
+// The quantized attention of `cfg` emulated step by step as the GPU kernels compute it: the
+// emulation of the kernel family the config stands for (attention_quant.cpp picks it;
+// emulate_mma.cpp, emulate_sm90.cpp, emulate_fp4.cpp). Same output conventions as
+// attention_exact. The float version keeps every unquantized value in fp32 as the GPU does; the
+// double version applies the same quantization with ideal arithmetic around it.
 void attention_quant(const Problem& p, const sage_quant_config& cfg, const TensorView& q,
                      const TensorView& k, const TensorView& v, float* out, float* lse,
                      int threads = 0);
@@ -66,7 +67,7 @@ void attention_quant(const Problem& p, const sage_quant_config& cfg, const Tenso
 sage_quant_config quant_preset(sage_variant variant);
 // Empty when `cfg` is usable, else a message naming the bad field and its value.
 std::string quant_config_error(const sage_quant_config& cfg);
-// Whether `cfg` asks for the sm90 (wgmma) kernel's softmax form (attention_quant.cpp): softmax
+// Whether `cfg` asks for the sm90 (wgmma) kernel's softmax form (emulate_sm90.cpp): softmax
 // blocks over several K blocks, the polynomial 2^x, or the wgmma kernel's own groups with its
 // accumulator (granularity PER_THREAD_WGMMA with pv_accum ALIGNED: the kernel at D = 256, whose
 // softmax block is its 64-key K block).

@@ -84,7 +84,7 @@ __device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, 
 // 8-channel chunks ci·4 + i%4 (the quantizers' row parts, so a key's 4 threads read 64
 // consecutive bytes a chunk step); its part is an fp32 FMA chain over its channels in increasing
 // order, fma(q_mean, k - k_mean, acc) with k - k_mean rounded first, and the 4 parts are added as
-// (p0 + p1) + (p2 + p3). The CPU emulation (ref/attention_quant.cpp) sums in exactly this order,
+// (p0 + p1) + (p2 + p3). The CPU emulation (ref/prepass.cpp, delta_s) sums in exactly this order,
 // so the two agree bit for bit; against the exact dot product of the same fp32 factors the error
 // is at most (D/4 + 2)·2^-24 of Σ|q_mean·(k - k_mean)| (to first order: 2e-6 at D = 128), far
 // below the INT8/INT4 error of the scores it corrects. An Inf/NaN in K (which the pre-pass counts
