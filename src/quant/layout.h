@@ -143,6 +143,11 @@ struct PrepassPlan {
   // three-launch path (kv_stats, kv_finalize, quant_kv), for heads of more chunks than a cluster
   // holds and GPUs without clusters.
   int kv_cluster = 0;
+  // The width of the kernels' loads of the caller's rows (their kVec): 16 bytes (cp.async where a
+  // chunk is staged) where every row of the tensor starts 16-byte aligned (rows_aligned16), else
+  // 2 bytes. vec_kv: K and V both; vec_q: Q (quant_q). The planner sets them from the call's
+  // pointers and strides (make_prepass_plan leaves them false); they change no product, no size.
+  bool vec_kv = false, vec_q = false;
   // Grid extents: a packed batch's from its longest sequences (a CTA past its own sequence's
   // end exits), so no launch depends on cu_seqlens' contents.
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;

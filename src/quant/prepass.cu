@@ -23,7 +23,7 @@
 // Throughput notes (the kernels are memory-bound only if nothing else is slower):
 // - A thread issues every load of its rows before it uses any (kv_stats, kv_prepass: a whole
 //   chunk staged by cp.async), as 16-byte loads when every row of the tensor is 16-byte aligned,
-//   decided once on the host: kVec.
+//   decided once on the host by the planner: kVec (PrepassPlan::vec_kv, vec_q).
 // - No fp32→fp64 conversion instruction on the hot paths (F2F.F64 issues at a small fraction of
 //   the FP64 rate). The sums of kv_stats and the LSE dot product of quant_q need each fp16/bf16
 //   value x as a double: its sign, exponent and mantissa bits placed in a double's fields give
@@ -865,8 +865,6 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
   KvStat* stats = reinterpret_cast<KvStat*>(ws + p.kv_stats);
   unsigned* tile_counter = reinterpret_cast<unsigned*>(ws + p.tile_counter);
   auto* kv_bad = reinterpret_cast<unsigned long long*>(ws + p.kv_bad);
-  const bool vec_kv = rows_aligned16(k, in.k_strides) && rows_aligned16(v, in.v_strides);
-  const bool vec_q = rows_aligned16(q, in.q_strides);
 
   cudaError_t err = cudaSuccess;
   auto check = [&](cudaError_t e) {
@@ -918,11 +916,12 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
                      p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
   };
   auto with_vec = [&](auto bits) {
-    if (vec_kv && vec_q)
+    // The loads' width, as planned (PrepassPlan::vec_kv, vec_q).
+    if (p.vec_kv && p.vec_q)
       quant(bits, std::true_type{}, std::true_type{});
-    else if (vec_kv)
+    else if (p.vec_kv)
       quant(bits, std::true_type{}, std::false_type{});
-    else if (vec_q)
+    else if (p.vec_q)
       quant(bits, std::false_type{}, std::true_type{});
     else
       quant(bits, std::false_type{}, std::false_type{});

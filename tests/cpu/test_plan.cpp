@@ -128,6 +128,34 @@ TEST(Planner, KvPrepassOneLaunchWhereAClusterHoldsTheHead) {
   EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).launches, 5);  // 3 K/V, quant_q, attention
 }
 
+// The pre-pass's loads are 16 bytes wide (its kVec instantiations) where every row of the tensor
+// starts 16-byte aligned, else 2 bytes: the plan decides, from the call's pointers and strides, for
+// K and V together and for Q; the workspace is the same either way.
+TEST(Planner, PrepassLoadWidthFromRowAlignment) {
+  for (const Device& dev : {kH100, kAda}) {
+    const Plan aligned = must_plan(Call(700, 900, 128), dev);
+    EXPECT_TRUE(aligned.prepass.vec_kv);
+    EXPECT_TRUE(aligned.prepass.vec_q);
+    Call k_odd(700, 900, 128);
+    k_odd.a.k = k_odd.k.data() + 1;  // K's rows 2-byte aligned only: K and V both narrow
+    const Plan pk = must_plan(k_odd, dev);
+    EXPECT_FALSE(pk.prepass.vec_kv);
+    EXPECT_TRUE(pk.prepass.vec_q);
+    EXPECT_EQ(pk.prepass.total, aligned.prepass.total);
+    Call v_odd(700, 900, 128);
+    v_odd.a.v = v_odd.v.data() + 4;  // 8 bytes
+    EXPECT_FALSE(must_plan(v_odd, dev).prepass.vec_kv);
+    Call v_16(700, 900, 128);
+    v_16.a.v = v_16.v.data() + 8;  // 16 bytes: still aligned
+    EXPECT_TRUE(must_plan(v_16, dev).prepass.vec_kv);
+    Call q_odd(700, 900, 128);
+    q_odd.a.q = q_odd.q.data() + 1;
+    const Plan pq = must_plan(q_odd, dev);
+    EXPECT_TRUE(pq.prepass.vec_kv);
+    EXPECT_FALSE(pq.prepass.vec_q);
+  }
+}
+
 TEST(Planner, EmulationConfigIsWhatRuns) {
   // D = 256: 64-key blocks, each its own softmax block, the wgmma groups with the aligned
   // accumulator selecting the kernel's softmax form; no polynomial.
