@@ -216,7 +216,10 @@ using KPrepParams = ParamsOf<Shape, Inputs, Quantized>;
 using QPrepParams = ParamsOf<Shape, Inputs, Quantized, DqAccum>;
 using StatsParams = ParamsOf<Shape, LseGrad, Quantized, RowStats, Scaling>;
 using JudgeParams = ParamsOf<Shape, RowStats, Verdict>;
-using MainParams = ParamsOf<Shape, Grads, Quantized, RowStats, DqAccum, Verdict, Scaling>;
+// (The main kernels' parts with the pointers before the sizes, as the single Params had them:
+// ptxas schedules the mma.sync kernel after its parameters' layout, and this order keeps the
+// schedule the kernel was tuned with.)
+using MainParams = ParamsOf<Grads, Quantized, RowStats, DqAccum, Verdict, Shape, Scaling>;
 using DqStoreParams = ParamsOf<Shape, LseGrad, Grads, Quantized, DqAccum, Verdict, Scaling>;
 using PoisonParams = ParamsOf<Shape, Grads, Verdict>;
 
