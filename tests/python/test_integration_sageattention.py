@@ -56,7 +56,7 @@ def test_official_functions(rng, layout, fn):
     assert o.shape == q.shape and lse.shape == (2, 4, 24)
     got = _hnd(o, layout).double().numpy()
     assert np.abs(got - ref_o).sum() / np.abs(ref_o).sum() < 0.06
-    assert np.abs(lse.double().numpy() - ref_lse).max() < 0.02
+    assert np.abs(lse.double().numpy() - ref_lse).max() < 0.05  # (the INT8 scores: as test_torch_api)
 
 
 def test_diffusers_and_comfyui_call_forms(rng):

@@ -88,7 +88,7 @@ def test_flash_forward_contract(rng, cpu_kernels, bnhd, causal):
     o64 = o.double().numpy()
     rel = np.abs(o64 - ref_o).sum() / np.abs(ref_o).sum()
     assert rel < 0.06, rel  # (sage-8b on N(0,1): rel-L1 ~0.035, docs/performance.md)
-    assert np.abs(lse.double().numpy() - ref_lse).max() < 0.02
+    assert np.abs(lse.double().numpy() - ref_lse).max() < 0.05  # (the INT8 scores: as test_torch_api)
     for x, y in zip((q, k, v), before):
         assert torch.equal(x, y)
 
