@@ -30,6 +30,13 @@ constexpr Real neg_inf() {
   return -std::numeric_limits<Real>::infinity();
 }
 
+// A row's LSE (natural log) from its running max m (log2 units) and sum l, in double as the
+// mma.sync and FP4 kernels' epilogues form it, plus the row's smoothing shift.
+template <typename Real>
+Real row_lse(Real m, Real l, Real shift) {
+  return Real((double(m) + std::log2(double(l))) * kLn2) + shift;
+}
+
 // Dot product with independent partial sums (vectorizes without reassociation flags). With
 // Acc = float it is exact for INT8/INT4 operands (every partial sum < 2^24 for head_dim <= 256),
 // which is what the integer MMA computes.

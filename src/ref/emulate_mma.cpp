@@ -96,9 +96,7 @@ void emulate_mma(const Problem& p, const sage_quant_config& cfg, const TensorVie
         dst[d] = o * (vs / denom) + kp.v_mean[size_t(d)];
       }
       if (lse)
-        lse[t.bh * Nq + i] =
-            Real((double(m[size_t(r)]) + std::log2(double(l[size_t(r)]))) * kLn2) +
-            t.q.lse_shift[size_t(i)];
+        lse[t.bh * Nq + i] = row_lse(m[size_t(r)], l[size_t(r)], t.q.lse_shift[size_t(i)]);
     }
   });
 }
