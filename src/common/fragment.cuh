@@ -30,8 +30,18 @@ struct Frag {
   __device__ __forceinline__ static constexpr int col(int n, int e, int t) {
     return n * 8 + 2 * t + (e & 1);
   }
-  // The first of the thread's two adjacent columns in tile n (a float2 / two-value store).
+  // The first of the thread's two adjacent columns in tile n (a float2 / two-value store), and
+  // that element of a row at `row` (added in this order, as address arithmetic is scheduled).
   __device__ __forceinline__ static constexpr int pair(int n, int t) { return n * 8 + 2 * t; }
+  template <typename Ptr>
+  __device__ __forceinline__ static Ptr at_pair(Ptr row, int n, int t) {
+    return row + n * 8 + 2 * t;
+  }
+  // Value (n, e)'s column counted from `first` (a key or channel index; the same order).
+  template <typename Int>
+  __device__ __forceinline__ static Int at_col(Int first, int n, int e, int t) {
+    return first + n * 8 + 2 * t + (e & 1);
+  }
   // The j-th register of half r in column order (j < N/4): tile j / 2, column 2t + (j & 1).
   __device__ __forceinline__ static constexpr int of_half(int r, int j) {
     return 4 * (j / 2) + 2 * r + (j & 1);

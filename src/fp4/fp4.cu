@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(128) attention_kernel(Params p) {
     for (int nt = 0; nt < 8; ++nt)
       for (int e = 0; e < 4; ++e) {
         const int r = Frag::half(e);
-        const int64_t key = j0 + Frag::col(nt, e, t);
+        const int64_t key = Frag::at_col(j0, nt, e, t);
         const float x = __fmul_rn(__fadd_rn(s[nt][e], ds[key - j0]), scale_log2);
         s[nt][e] = key < n_row[r] ? x : -INFINITY;
         row_max[r] = fmaxf(row_max[r], s[nt][e]);

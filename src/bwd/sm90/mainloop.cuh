@@ -199,7 +199,7 @@ struct Mainloop {
     halve_max<2, 2>(m, g);
     const int n = 4 * (g & 1) + 2 * ((g >> 1) & 1) + (g >> 2);
     float* qmax_s = reinterpret_cast<float*>(smem + S::kQmax);
-    *reinterpret_cast<float2*>(qmax_s + warp * kBlockQ + Frag::pair(n, t)) =
+    *reinterpret_cast<float2*>(Frag::at_pair(qmax_s + warp * kBlockQ, n, t)) =
         make_float2(m[0], m[1]);
   }
 
