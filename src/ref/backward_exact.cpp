@@ -13,15 +13,6 @@
 namespace sage::ref {
 namespace {
 
-double dot64(const double* a, const double* b, int64_t n) {
-  double acc[4] = {0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4)
-    for (int l = 0; l < 4; ++l) acc[l] += a[i + l] * b[i + l];
-  for (; i < n; ++i) acc[0] += a[i] * b[i];
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
-
 std::vector<double> to_f64(const std::vector<float>& f) {
   return std::vector<double>(f.begin(), f.end());
 }
@@ -44,7 +35,7 @@ void attention_backward_exact(const Problem& p, const TensorView& q, const Tenso
     dos[size_t(bh)] = to_f64(load_matrix(d_o, b, h, Nq, D));
     for (int64_t i = 0; i < Nq; ++i)
       delta[size_t(bh * Nq + i)] =
-          dot64(dos[size_t(bh)].data() + i * D, o + (bh * Nq + i) * D, D) -
+          dot_f64(dos[size_t(bh)].data() + i * D, o + (bh * Nq + i) * D, D) -
           (d_lse ? d_lse[bh * Nq + i] : 0.0);
   });
   parallel_for(int64_t(ks.size()), threads, [&](int64_t bh) {
@@ -59,9 +50,10 @@ void attention_backward_exact(const Problem& p, const TensorView& q, const Tenso
       *p_out = 0.0;
       return 0.0;
     }
-    const double s = p.scale * dot64(qs[size_t(bh)].data() + i * D, ks[size_t(kv)].data() + j * D, D);
+    const double s =
+        p.scale * dot_f64(qs[size_t(bh)].data() + i * D, ks[size_t(kv)].data() + j * D, D);
     const double pij = std::exp(s - L);
-    const double dp = dot64(dos[size_t(bh)].data() + i * D, vs[size_t(kv)].data() + j * D, D);
+    const double dp = dot_f64(dos[size_t(bh)].data() + i * D, vs[size_t(kv)].data() + j * D, D);
     *p_out = pij;
     return pij * (dp - delta[size_t(bh * Nq + i)]);
   };

@@ -42,6 +42,9 @@ sage_strides contiguous_strides(sage_layout layout, int64_t heads, int64_t seq, 
 std::vector<float> load_matrix(const TensorView& t, int64_t b, int64_t h, int64_t rows,
                                int64_t dim);
 float load_element(const void* data, sage_dtype dtype, int64_t offset);
+// The float64 references' dot product (four partial sums in a fixed order: the same bits on every
+// run and machine).
+double dot_f64(const double* a, const double* b, int64_t n);
 // Writes x rounded to dtype (round to nearest even) at data + offset.
 void store_element(void* data, sage_dtype dtype, int64_t offset, double x);
 
