@@ -33,6 +33,19 @@ def flops(batch, heads, seq_len, head_dim, causal):
     return 4.0 * batch * heads * seq_len * seq_len * head_dim / (2 if causal else 1)
 
 
+def cuda_missing(prog, torch):
+    """Why `python -m prog` cannot benchmark here (printed to stderr), or None: it needs torch
+    (the module passes its import, None when that failed) and a CUDA device."""
+    if torch is None:
+        reason = f"python -m {prog} needs PyTorch (import torch failed)"
+    elif not torch.cuda.is_available():
+        reason = "no CUDA device: nothing to benchmark"
+    else:
+        return None
+    print(reason, file=sys.stderr)
+    return reason
+
+
 def gpu_slug(name):
     """The GPU's short name in result file names: "NVIDIA H100 80GB HBM3" -> "h100"; no name
     (a CPU run) -> "cpu"."""

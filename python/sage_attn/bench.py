@@ -22,8 +22,8 @@ import warnings
 
 import sage_attn
 
-from ._bench_common import (IMPLS, flops, gpu_slug, impl_table, new_row, parse_args, plot,
-                            summary_table, tops, write_json)
+from ._bench_common import (IMPLS, cuda_missing, flops, gpu_slug, impl_table, new_row,
+                            parse_args, plot, summary_table, tops, write_json)
 
 try:
     import torch
@@ -287,11 +287,7 @@ def _measure(impl, row, label, q, causal, ref, args):
 
 def main(argv=None):
     args = parse_args(argv, __doc__)
-    if torch is None:
-        print("python -m sage_attn.bench needs PyTorch (import torch failed)", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to benchmark", file=sys.stderr)
+    if cuda_missing("sage_attn.bench", torch):
         return 2
     commit = args.commit
     if commit is None:

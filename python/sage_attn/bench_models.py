@@ -19,7 +19,7 @@ import sys
 
 import sage_attn
 
-from ._bench_common import gpu_slug
+from ._bench_common import cuda_missing, gpu_slug
 
 try:
     import torch
@@ -110,12 +110,7 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=0.25, help="timing target per figure")
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args(argv)
-    if torch is None:
-        print("python -m sage_attn.bench_models needs PyTorch (import torch failed)",
-              file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to benchmark", file=sys.stderr)
+    if cuda_missing("sage_attn.bench_models", torch):
         return 2
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16

@@ -14,10 +14,11 @@ import datetime
 import json
 import pathlib
 import statistics
-
 import sys
 
 import sage_attn
+
+from ._bench_common import cuda_missing
 
 try:
     import torch
@@ -68,12 +69,7 @@ def main(argv=None):
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
-    if torch is None:
-        print("python -m sage_attn.bench_train needs PyTorch (import torch failed)",
-              file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to benchmark", file=sys.stderr)
+    if cuda_missing("sage_attn.bench_train", torch):
         return 2
     dims = [int(x) for x in a.dims.split(",")]
     seqs = [int(x) for x in a.seqs.split(",")]
