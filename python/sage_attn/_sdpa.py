@@ -186,12 +186,10 @@ def _flash_backward(keyset, grad_out, query, key, value, out, logsumexp, cum_seq
     layout = _layout_of(query)
     q, k, v, d_o = _to(layout, query, key, value, grad_out)
     dq, dk, dv, untrusted = _t._backward(q, k, v, d_o, None, layout, mask, s)
-    if (not _t._traced(untrusted) and _t._verdicts_readable(query.device)
-            and untrusted.item()):
+    if _t._refused(untrusted):
         # SageBwd refused its own INT8 scores for this call: the gradients of torch's
         # 16-bit flash attention instead (its forward recomputed, for the O and LSE its
         # backward reads).
-        _t._note_fallback()
         if query.is_cuda:
             fwd = _state.fwd.call_boxed(keyset, query, key, value, 0.0, is_causal, False,
                                         scale=scale)

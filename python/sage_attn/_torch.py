@@ -364,9 +364,12 @@ def _launch_backward(q, k, v, d_o, d_lse, layout, mask, scale, family, out, untr
     return workspace
 
 
-def _verdicts_readable(device):
-    """Whether the check's verdicts can be read now (not under CUDA-graph capture)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+def _verdicts_readable(untrusted):
+    """Whether the check's verdicts (untrusted, the backward's int32 flags) can be read now: not
+    while a tracer stands in for them, not under CUDA-graph capture."""
+    if _traced(untrusted):
+        return False
+    if untrusted.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         if "capture" not in _warned:
             _warned.add("capture")
             warnings.warn("sage_attn: under CUDA-graph capture SageBwd's accuracy check cannot hand "
@@ -376,13 +379,22 @@ def _verdicts_readable(device):
     return True
 
 
-def _note_fallback(calls=1):
+def _refused(untrusted):
+    """Whether SageBwd refused this call (one host synchronization reads its verdict, where it can
+    be read); a refusal is counted and warned about, and the caller recomputes the gradients."""
+    if _verdicts_readable(untrusted) and untrusted.item():
+        _note_fallback(stacklevel=4)  # (the warning points where the backward was called)
+        return True
+    return False
+
+
+def _note_fallback(calls=1, stacklevel=3):
     global _fallbacks
     _fallbacks += calls
     warnings.warn("sage_attn: SageBwd's accuracy check estimated the INT8 scores of this call too "
                   "coarse for its gradients (outlier channels or peaked rows): they were computed "
                   "in 16 bits by torch instead (sage_attn.backward_fallbacks() counts these)",
-                  SageBwdFallbackWarning, stacklevel=3)
+                  SageBwdFallbackWarning, stacklevel=stacklevel)
 
 
 def _backward(q, k, v, d_o, d_lse, layout, mask, scale, family=0):
@@ -449,8 +461,7 @@ def _attention_grad(ctx, d_o, d_lse):
     # says so, and this call's gradients are computed in 16 bits by torch instead, here where
     # autograd records (one host synchronization a call reads the verdict). Under CUDA-graph
     # capture or while compiling nothing can be read: the NaN stays.
-    if not _traced(untrusted) and _verdicts_readable(q.device) and untrusted.item():
-        _note_fallback()
+    if _refused(untrusted):
         dq, dk, dv = _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale)
     return (dq, dk, dv, *nones)
 
@@ -738,7 +749,7 @@ class _VarlenAttention(torch.autograd.Function):
             ws = _launch_backward(*views, dl, _lib.LAYOUT_NHD, mask, scale, family, out,
                                   untrusted[b:b + 1], ws)
             runs.append((b, views, dl, out))
-        if runs and _verdicts_readable(q.device):
+        if runs and _verdicts_readable(untrusted):
             flags = untrusted.tolist()
             refused = [r for r in runs if flags[r[0]]]
             for _, views, dl, out in refused:
