@@ -88,11 +88,6 @@ __device__ __forceinline__ void load_stage(uint8_t* st, const MainParams& p, int
   }
 }
 
-// The max over the 4 lanes of a quad (the threads sharing accumulator rows g, g+8).
-__device__ __forceinline__ float quad_max(float x) {
-  return Frag::quad_max(x);
-}
-
 // A 64-key x 64-query fragment (Pᵀ, dSᵀ) as the INT8 A operand of the two k32 steps of a product
 // over the queries: q8(n, e) is value (n, e)'s ψ-quantized bits (the low byte).
 template <typename Q8>
@@ -195,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams 
       }
     // dV += P^ᵀ·dO^: P^ᵀ per key (ψ over the key's 64 queries).
     {
-      const Psi pa = psi_scale(quad_max(pmax[0])), pb = psi_scale(quad_max(pmax[1]));
+      const Psi pa = psi_scale(Frag::quad_max(pmax[0])), pb = psi_scale(Frag::quad_max(pmax[1]));
       uint32_t pf[2][4];
       pack_a8(pf, [&](int n, int e) {
         return quant::quantize_bits(P[n][e], Frag::half(e) ? pb.inv : pa.inv, 127.0f);
@@ -245,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams 
       }
     // dK += dS^ᵀ·Q^ (per-key ψ).
     {
-      const Psi da = psi_scale(quad_max(kmax[0])), db = psi_scale(quad_max(kmax[1]));
+      const Psi da = psi_scale(Frag::quad_max(kmax[0])), db = psi_scale(Frag::quad_max(kmax[1]));
       uint32_t af[2][4];
       pack_a8(af, [&](int n, int e) {
         return quant::quantize_bits(dS[n][e], Frag::half(e) ? db.inv : da.inv, 127.0f);

@@ -61,7 +61,8 @@ struct StatsSmem {
 
 // cp.async of key block kb of KV head bkv into a stage.
 template <int D>
-__device__ __forceinline__ void load_keys(uint8_t* st, const StatsParams& p, int64_t bkv, int64_t kb) {
+__device__ __forceinline__ void load_keys(uint8_t* st, const StatsParams& p, int64_t bkv,
+                                          int64_t kb) {
   using S = StatsSmem<D>;
   const int64_t j0 = kb * kBlockK;
   const uint8_t* khat = reinterpret_cast<const uint8_t*>(p.khat) + (bkv * p.nk_pad + j0) * D;
@@ -195,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
       }
     float alpha[2];  // the old sums' rescale (the first block: nothing to rescale)
     for (int r = 0; r < 2; ++r) {
-      mx[r] = quad_max(mx[r]);
+      mx[r] = Frag::quad_max(mx[r]);
       alpha[r] = m[r] == -INFINITY ? 0.0f : ptx::ex2(m[r] - mx[r]);
       m[r] = mx[r];
     }

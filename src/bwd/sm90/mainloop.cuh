@@ -14,7 +14,7 @@
 
 #include <type_traits>
 
-#include "bwd/kernel.cuh"  // Psi, psi_scale, pack_a8, quad_max
+#include "bwd/kernel.cuh"  // Psi, psi_scale, pack_a8
 #include "bwd/params.h"
 #include "bwd/sm90/scheduler.cuh"
 #include "bwd/sm90/smem.h"
@@ -173,8 +173,8 @@ struct Mainloop {
       P[i] = qi >= first[Frag::half(i)] ? ptx::ex2(float(s[i]) * c - lse_s[qi]) : 0.0f;
       pmax[Frag::half(i)] = ptx::max_nan(pmax[Frag::half(i)], P[i]);
     }
-    b.pa = psi_scale(quad_max(pmax[0]));
-    b.pb = psi_scale(quad_max(pmax[1]));
+    b.pa = psi_scale(Frag::quad_max(pmax[0]));
+    b.pb = psi_scale(Frag::quad_max(pmax[1]));
     pack_a(b.pf, P, b.pa.inv, b.pb.inv);
     // dSᵀ = Pᵀ∘(dPᵀ - D) in place; per-key ψ into A fragments; per-query partial maxima.
     float kmax[2] = {0.0f, 0.0f};
@@ -184,8 +184,8 @@ struct Mainloop {
       kmax[Frag::half(i)] = ptx::max_nan(kmax[Frag::half(i)], fabsf(P[i]));
     }
     const float(&dS)[32] = b.ds;
-    b.da = psi_scale(quad_max(kmax[0]));
-    b.db = psi_scale(quad_max(kmax[1]));
+    b.da = psi_scale(Frag::quad_max(kmax[0]));
+    b.db = psi_scale(Frag::quad_max(kmax[1]));
     pack_a(b.sf, dS, b.da.inv, b.db.inv);
     // Each of the thread's 16 queries (n, e) over the warp's 16 keys: a halving butterfly over
     // the 8 lanes of a column (14 shuffles, not 48), after which lane g holds query
