@@ -499,7 +499,11 @@ def plot(runs, path, log=print):
     except ImportError:
         log("matplotlib is not installed: no plot")
         return
-    colors = {("sdpa", 0): "tab:blue", ("sdpa", 1): "tab:green", ("sage", 0): "tab:red"}
+    # One colour a run: sage red, the SDPA seeds the rest of the tab10 cycle (any number of them).
+    cycle = [c for c in plt.rcParams["axes.prop_cycle"].by_key()["color"] if c != "#d62728"]
+    sdpa_seeds = sorted({r["seed"] for r in runs if r["attention"] == "sdpa"})
+    colors = {("sdpa", s): cycle[i % len(cycle)] for i, s in enumerate(sdpa_seeds)}
+    colors.update({("sage", r["seed"]): "#d62728" for r in runs if r["attention"] == "sage"})
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), gridspec_kw={"height_ratios": (1, 1.2)})
     for col, phase in enumerate(("pretrain", "finetune")):
         full, zoom = axes[0][col], axes[1][col]

@@ -358,7 +358,11 @@ def test_gpu_llama_real_size(rng, paths):
         assert (plan.fast, plan.accurate) == (paths or mix.default_paths("cuda"))
         assert _layers(plan.accurate_sites) == sorted(sorted(acc, key=acc.get)[:2])
         if plan.fast == "sage4":
-            assert _layers(plan.accurate_sites) == list(BAD)
+            # The outlier layers are worse than every clean layer but 0, whose output (the
+            # average of uncorrelated embedding rows) is small beside its 4-bit error: at this
+            # size it can rank between them, so the plan holds outlier layers and at most layer 0.
+            assert max(acc[i] for i in BAD) < min(acc[i] for i in range(1, 8) if i not in BAD)
+            assert set(_layers(plan.accurate_sites)) <= {0, *BAD}
         (x,) = _ids(rng, 1, seq=1024, device="cuda")
         with torch.no_grad():
             ref = model.float()(x).logits.double()  # float32 model: the full-precision logits

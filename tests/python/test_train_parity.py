@@ -87,6 +87,20 @@ def _run(phase, attn, seed, vals):
             "val": [[i * 10, v] for i, v in enumerate(vals)], "final_val_loss": vals[-1]}
 
 
+def test_plot_any_number_of_seeds(tmp_path):
+    # Four SDPA seeds (the default) and one sage run per phase: one colour a run, a PNG written.
+    pytest.importorskip("matplotlib")
+    runs = []
+    for phase in ("pretrain", "finetune"):
+        for attn, seed in [("sdpa", s) for s in range(4)] + [("sage", 0)]:
+            r = _run(phase, attn, seed, [5.5, 2.0 + 0.01 * seed, 1.5])
+            r["train_loss"] = [5.5 - 0.1 * i + 0.01 * seed for i in range(30)]
+            runs.append(r)
+    lines = []
+    tp.plot(runs, tmp_path / "p.png", log=lines.append)
+    assert (tmp_path / "p.png").stat().st_size > 1000 and lines == [f"wrote {tmp_path / 'p.png'}"]
+
+
 def test_verdict_rules():
     runs = [_run("pretrain", "sdpa", 0, [5.5, 2.0, 1.50]),
             _run("pretrain", "sdpa", 1, [5.5, 2.1, 1.52]),
