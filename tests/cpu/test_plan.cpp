@@ -23,7 +23,8 @@ using sage::api::Device;
 using sage::api::Family;
 using sage::api::Plan;
 
-constexpr Device kH100{0, 90, 132, 8}, kAda{0, 89, 128}, kBlackwell{0, 120, 84}, kAmpere{0, 86, 84};
+using sage::api::CallShape;
+constexpr Device kH100{0, 90, 132, 8, 5120}, kAda{0, 89, 128}, kBlackwell{0, 120, 84}, kAmpere{0, 86, 84};
 
 // Host buffers standing in for device tensors (the planner reads shapes, strides and pointer
 // alignment only).
@@ -280,25 +281,26 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
     EXPECT_FALSE(po.fused_q);
     EXPECT_TRUE(po.prepass.quantize_q);
   }
-  // The crossover of a padded head dim is its kernel's: the same work at any D <= Dk.
-  EXPECT_TRUE(must_plan(Call(2048, 2048, 80), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(4096, 4096, 96), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 48, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  // D = 256 (and 144..240, padded to it) on sm_90: its own row, measured on the wgmma kernel.
-  EXPECT_TRUE(must_plan(Call(2048, 2048, 256), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(4096, 4096, 192), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 160, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(8192, 8192, 256, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  // Multiples of 8 that are not of 16 take their kernel head dim's row too (SD 1.x's 40 and 160,
-  // DiT's 72).
-  EXPECT_TRUE(must_plan(Call(2048, 2048, 40), kH100).prefer_sdpa);
-  // (B·H = 8 at 4k: too few tiles for the D = 64 kernel's row; at 8k the length alone decides.)
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 40), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(8192, 8192, 40), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 72, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(8192, 8192, 72, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(4096, 4096, 200), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(2048, 2048, 8), kH100).prefer_sdpa);
+  // The crossover of a padded head dim is its kernel's model (cuDNN pads too: D 72-96 measured
+  // what D 128 costs), from D = 8 up to 256.
+  for (const int64_t n : {1024, 4096, 8192, 16384})
+    for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT})
+      for (const auto& [d, dk] : {std::pair<int64_t, int64_t>{8, 64}, {40, 64}, {72, 128},
+                                  {96, 128}, {160, 256}, {200, 256}}) {
+        Call padded(n, n, d, mask), native(n, n, dk, mask);
+        padded.a.heads_q = native.a.heads_q = 32;
+        padded.a.heads_kv = native.a.heads_kv = 32;
+        padded.q.resize(size_t(2 * 32 * n * d)), padded.o.resize(padded.q.size());
+        padded.k.resize(padded.q.size()), padded.v.resize(padded.q.size());
+        native.q.resize(size_t(2 * 32 * n * dk)), native.o.resize(native.q.size());
+        native.k.resize(native.q.size()), native.v.resize(native.q.size());
+        padded.a.q = padded.q.data(), padded.a.k = padded.k.data(), padded.a.v = padded.v.data();
+        padded.a.o = padded.o.data();
+        native.a.q = native.q.data(), native.a.k = native.k.data(), native.a.v = native.v.data();
+        native.a.o = native.o.data();
+        EXPECT_EQ(must_plan(padded, kH100).prefer_sdpa, must_plan(native, kH100).prefer_sdpa)
+            << "D " << d << " N " << n;
+      }
   // Not a multiple of 8: refused on every GPU, naming head_dim and the set.
   Plan p;
   // The FP4 kernel has no padded head dims and no D = 256: refused, never run at its template
@@ -519,32 +521,74 @@ TEST(Workspace, MatchesTheDocumentedFormulaOverShapesAndConfigs) {
   }
 }
 
-TEST(Planner, CrossoverTable) {
-  // Measured on the H100: sage from 4k (8k causal), both lengths.
-  EXPECT_TRUE(must_plan(Call(2048, 2048, 128), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(4096, 4096, 128), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(1, 8192, 128), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(8192, 77, 128), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(8192, 8192, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(8192, 8192, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT), kH100).prefer_sdpa);
-  // Unmeasured architectures keep sage.
+// Every point measured behind the crossover model (tools/crossover.py sweeps on an H100),
+// replayed through the planner's model: it makes the fit's choice (the two implementations of
+// the features agree), and no point it sends to sage measured more than 2 % slower than cuDNN.
+struct MeasuredPoint {
+  int cc, sms, bus;
+  int64_t batch, heads_q, heads_kv, seq_q, seq_k, head_dim;
+  bool causal;
+  int block_q;
+  double sage_ms, cudnn_ms, predicted_over_threshold;
+  bool sage;
+};
+constexpr MeasuredPoint kMeasured[] = {
+#include "crossover_points.inc"
+};
+
+TEST(Planner, CrossoverModelReplaysItsMeasurements) {
+  int to_sage = 0, sage_faster = 0;
+  double sdpa_ms = 0, dropin_ms = 0;
+  for (const MeasuredPoint& m : kMeasured) {
+    const Device dev{0, m.cc, m.sms, 8, m.bus};
+    const int64_t dk = m.head_dim <= 64 ? 64 : m.head_dim <= 128 ? 128 : 256;
+    const bool sdpa = sage::api::prefer_sdpa(
+        dev, dk, m.causal ? SAGE_MASK_CAUSAL_BOTTOM_RIGHT : SAGE_MASK_NONE, m.seq_q, m.seq_k,
+        false, {m.batch, m.heads_q, m.heads_kv, m.block_q});
+    // (A point within rounding of its threshold may fall either way.)
+    if (std::abs(m.predicted_over_threshold - 1.0) > 1e-5) {
+      EXPECT_EQ(!sdpa, m.sage) << "H " << m.heads_q << "/" << m.heads_kv << " N " << m.seq_q
+                               << " D " << m.head_dim << " causal " << m.causal;
+    }
+    if (!sdpa) {
+      EXPECT_GE(m.cudnn_ms / m.sage_ms, 0.98) << "H " << m.heads_q << " N " << m.seq_q << " D "
+                                              << m.head_dim << " causal " << m.causal;
+      ++to_sage;
+    }
+    sage_faster += m.cudnn_ms > m.sage_ms;
+    sdpa_ms += m.cudnn_ms;
+    dropin_ms += sdpa ? m.cudnn_ms : m.sage_ms;
+  }
+  // The model is not "SDPA everywhere": it takes most of the time sage can save.
+  EXPECT_GT(to_sage, sage_faster / 2);
+  EXPECT_LT(dropin_ms, 0.9 * sdpa_ms);
+}
+
+TEST(Planner, CrossoverModelBounds) {
+  // Lengths below the least measured one routed to sage: SDPA (decoding, a query against a long
+  // cache; cross-attention to 77 text tokens).
+  EXPECT_TRUE(must_plan(Call(1, 32768, 128), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(32768, 77, 128), kH100).prefer_sdpa);
+  // Few heads at 4k (B·H = 8, as Call's): SDPA; a video model's 40 heads at 32k: sage.
+  EXPECT_TRUE(must_plan(Call(4096, 4096, 128), kH100).prefer_sdpa);
+  const CallShape wan{1, 40, 40, 128};
+  EXPECT_FALSE(sage::api::prefer_sdpa(kH100, 128, SAGE_MASK_NONE, 32760, 32760, false, wan));
+  EXPECT_FALSE(sage::api::prefer_sdpa(kH100, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, 32768, 32768,
+                                      false, {1, 32, 8, 128}));
+  // A GPU of a measured architecture that no sweep ran on (here an H200's wider memory bus)
+  // takes the narrowest-memory GPU's rows: with the same SMs, the same choices as the H100's.
+  const Device other{0, 90, 132, 8, 6144};
+  for (const int64_t n : {2048, 4096, 8192, 16384})
+    for (const int64_t h : {8, 32, 128})
+      EXPECT_EQ(sage::api::prefer_sdpa(other, 128, SAGE_MASK_NONE, n, n, false, {1, h, h, 128}),
+                sage::api::prefer_sdpa(kH100, 128, SAGE_MASK_NONE, n, n, false, {1, h, h, 128}));
+  // Unmeasured architectures keep sage for inference.
   EXPECT_FALSE(must_plan(Call(1024, 1024, 128), kAda).prefer_sdpa);
-  EXPECT_FALSE(sage::api::prefer_sdpa(120, 128, SAGE_MASK_NONE, 512, 512));
-  // Few tiles: D = 64 non-causal below 8k needs 4 tiles an SM (SDXL 1024²'s first level has
-  // 440 on 132 SMs), the length alone past it; D = 128 has no bound.
-  EXPECT_TRUE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 4096, 4096, false, {440, 132}));
-  EXPECT_FALSE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 4096, 4096, false, {2816, 132}));
-  EXPECT_FALSE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 8192, 8192, false, {43, 132}));
-  EXPECT_FALSE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 4096, 4096, false, {440, 0}));
-  EXPECT_FALSE(sage::api::prefer_sdpa(90, 128, SAGE_MASK_NONE, 4608, 4608, false, {864, 132}));
-  EXPECT_FALSE(sage::api::prefer_sdpa(90, 128, SAGE_MASK_NONE, 4096, 4096, false, {32, 132}));
-  // Training (forward + SageBwd): the table has no row, so torch trains every shape and GPU.
+  EXPECT_FALSE(sage::api::prefer_sdpa(kBlackwell, 128, SAGE_MASK_NONE, 512, 512));
+  // Training (forward + SageBwd): no model, so torch trains every shape and GPU.
   EXPECT_TRUE(must_plan(Call(32768, 32768, 128), kH100).prefer_sdpa_training);
-  EXPECT_FALSE(must_plan(Call(32768, 32768, 128), kH100).prefer_sdpa);
-  for (const int cc : {89, 90, 120})
-    EXPECT_TRUE(sage::api::prefer_sdpa(cc, 64, SAGE_MASK_CAUSAL_TOP_LEFT, 16384, 16384, true));
+  for (const Device& dev : {kAda, kH100, kBlackwell})
+    EXPECT_TRUE(sage::api::prefer_sdpa(dev, 64, SAGE_MASK_CAUSAL_TOP_LEFT, 16384, 16384, true));
 }
 
 TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {
