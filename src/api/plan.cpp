@@ -77,8 +77,10 @@ bool prefer_sdpa(const Device& dev, int64_t head_dim, sage_mask mask, int64_t se
     int cc, sms, bus;
     int64_t head_dim;
     bool causal;
-    double sage[5];   // ms per: call, K/V element·D, Q element·D, tera-MAC·D, critical-path G·D
-    double cudnn[4];  // ms per: call, Q element·D, tera-MAC·D, critical-path G·D
+    // ms per: call, K/V element·D, Q element·D, tera-MAC·D, critical-path G·D, tera-MAC·D at
+    // lengths that are not multiples of 128
+    double sage[6];
+    double cudnn[5];  // the same but K/V
     double margin;
     int64_t min_seq;
   };
@@ -114,12 +116,12 @@ bool prefer_sdpa(const Device& dev, int64_t head_dim, sage_mask mask, int64_t se
     return static_cast<double>((tiles + sms - 1) / sms) * b * nk * dk * 1e-9;
   };
   const double q_elems = bh * nq * dk * 1e-9;
-  const double t_sage = m->sage[0] +
-                        m->sage[1] * static_cast<double>(shape.batch * shape.heads_kv) * nk * dk *
-                            1e-9 +
-                        m->sage[2] * q_elems + m->sage[3] * work + m->sage[4] * tail(shape.block_q);
-  const double t_cudnn =
-      m->cudnn[0] + m->cudnn[1] * q_elems + m->cudnn[2] * work + m->cudnn[3] * tail(128);
+  const double ragged = seq_q % 128 != 0 || seq_kv % 128 != 0 ? work : 0.0;
+  const double kv_elems = static_cast<double>(shape.batch * shape.heads_kv) * nk * dk * 1e-9;
+  const double t_sage = m->sage[0] + m->sage[1] * kv_elems + m->sage[2] * q_elems +
+                        m->sage[3] * work + m->sage[4] * tail(shape.block_q) + m->sage[5] * ragged;
+  const double t_cudnn = m->cudnn[0] + m->cudnn[1] * q_elems + m->cudnn[2] * work +
+                         m->cudnn[3] * tail(128) + m->cudnn[4] * ragged;
   return !(t_cudnn > t_sage * (1.0 + m->margin));
 }
 
