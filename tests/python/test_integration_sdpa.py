@@ -124,7 +124,7 @@ def test_gpu_flash_impl_runs_sage_and_falls_back(rng):
     def make(shape):
         return torch.randn(shape, generator=g).to("cuda", torch.float16)
 
-    long = [make((1, 8, 8192, 128)) for _ in range(3)]    # sage's side of the crossover
+    long = [make((1, 16, 16384, 128)) for _ in range(3)]  # sage's side of the crossover
     short = [make((1, 8, 512, 128)) for _ in range(3)]    # torch's side
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         torch_short = F.scaled_dot_product_attention(*short, is_causal=True)
