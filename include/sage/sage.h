@@ -270,9 +270,10 @@ typedef struct sage_plan_info {
   int32_t block_k;         /* keys per streamed block */
   int32_t fused_q;         /* 1: the kernel quantizes Q itself (no pre-pass for Q) */
   int32_t launches;        /* kernels launched per call */
-  int32_t prefer_sdpa;     /* 1: on this GPU a dense fp16 SDPA (cuDNN) measured faster for this
-                              head dim, mask and length (the crossover table, src/api/plan.cpp):
-                              the SDPA drop-in hands such calls to torch; sage_attention() still
+  int32_t prefer_sdpa;     /* 1: on this GPU a dense fp16 SDPA (cuDNN) is predicted faster for
+                              this call's batch, heads, lengths, head dim and mask (the
+                              crossover model fitted to measurements, src/api/plan.cpp): the
+                              SDPA drop-in hands such calls to torch; sage_attention() still
                               runs them */
   size_t workspace_size;   /* bytes of device workspace (sage_attention_workspace_size) */
   sage_quant_config emulation; /* the config whose CPU emulation (SAGE_VARIANT_CUSTOM on host

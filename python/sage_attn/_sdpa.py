@@ -6,7 +6,7 @@ a `with` block. `register_flash_impl()` (run on `import sage_attn`) makes "sage"
 torch.nn.attention.list_flash_attention_impls(); `activate_flash_attention_impl("sage")` then
 points SDPA's flash kernel (aten::_scaled_dot_product_flash_attention and its backward, CUDA) at
 sage. Both keep the drop-in's routing: sage runs a call only where the library has a kernel for it
-and its crossover table does not say torch's SDPA is faster on this GPU; every other call runs
+and its crossover model does not say torch's SDPA is faster on this GPU; every other call runs
 what it ran before (the drop-in: torch's SDPA; the flash impl: torch's own flash kernel, fetched
 with torch.library.get_kernel before sage takes its place).
 """

@@ -93,7 +93,7 @@ def _build_args(c: _Call, o, lse):
 
 class _Prepared:
     """A CUDA call's shape, planned once: the argument struct without its pointers, the
-    workspace size, whether the library's crossover table prefers torch's SDPA, and whether the
+    workspace size, whether the library's crossover model prefers torch's SDPA, and whether the
     library has the call's backward."""
     __slots__ = ("args", "workspace", "prefer_sdpa", "prefer_sdpa_training", "has_backward")
 
@@ -810,7 +810,7 @@ _use_crossover = True
 
 
 def set_dropin_crossover(enabled: bool) -> None:
-    """The SDPA drop-in hands shapes where the library's crossover table (measured per GPU
+    """The SDPA drop-in hands shapes where the library's crossover model (fitted per GPU
     architecture, head dim and mask) says torch's own SDPA is faster to torch (the default).
     set_dropin_crossover(False): the drop-in runs sage wherever it can."""
     global _use_crossover
@@ -835,7 +835,7 @@ def _dropin_args(query, key, value):
 
 def _dropin_route(q, k, v, mask, scale, training=False):
     """None: the drop-in runs sage; else it hands the call to torch's SDPA, with this reason to
-    warn about ("": the crossover table, silently). training: the inputs require grad, so the
+    warn about ("": the crossover model, silently). training: the inputs require grad, so the
     library must have the backward too (its plan says)."""
     try:
         prep = _plan_of(q, k, v, _lib.LAYOUT_HND, mask, scale)
@@ -856,7 +856,7 @@ def dropin_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                    enable_gqa=False) -> str:
     """What scaled_dot_product_attention would run for these arguments: "sage" or "sdpa"
     (torch's own, for arguments the library does not take, training calls whose backward it
-    does not have or, by its crossover table, shapes where torch's SDPA measured faster on this
+    does not have or, by its crossover model, shapes where torch's SDPA is predicted faster on this
     GPU)."""
     if _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa) is not None:
         return "sdpa"
@@ -878,7 +878,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     top-left aligned; scale defaults to 1/sqrt(E); GQA only with enable_gqa), computed by
     SageAttn2-8b where it can and is faster, by torch's SDPA otherwise: arguments the library
     does not take (a one-time warning per reason; a training call whose backward the library
-    does not have is one), and shapes where the library's crossover table says torch's SDPA is
+    does not have is one), and shapes where the library's crossover model says torch's SDPA is
     faster on this GPU (silently; set_dropin_crossover(False) turns that off; under
     torch.compile the same choice is made inside the op). So
     `F.scaled_dot_product_attention = sage_attn.scaled_dot_product_attention` is safe anywhere
