@@ -84,6 +84,9 @@ def build_parser(doc=None):
     ap.add_argument("--commit", default=None)
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--models", action="store_true",
+                    help="the real-model table instead of the grid (python -m "
+                         "sage_attn.bench_models: --out, --seconds and --commit apply)")
     return ap
 
 

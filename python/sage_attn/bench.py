@@ -287,6 +287,10 @@ def _measure(impl, row, label, q, causal, ref, args):
 
 def main(argv=None):
     args = parse_args(argv, __doc__)
+    if args.models:  # the attention calls of real models (image, video, LLM prefill, encoders)
+        from . import bench_models
+        return bench_models.main(["--out", args.out, "--seconds", str(args.seconds),
+                                  "--commit", args.commit or "unknown"])
     if cuda_missing("sage_attn.bench", torch):
         return 2
     commit = args.commit

@@ -1,10 +1,11 @@
 """python -m sage_attn.bench_models: the attention calls of real models, from their public configs
 (image and video diffusion transformers and UNets, LLM prefill, vision and text encoders), timed
 in one process: sage (SageAttn2-8b), torch's SDPA with the cuDNN and the flash backends, and the
-SDPA drop-in (sage_attn.scaled_dot_product_attention) with its choice. GPU time under CUDA-graph
-replay (median), fp16 or bf16 N(0,1) inputs. The drop-in's figure is the one the "never slower"
-rule reads: it must not lose to the faster of torch's two. Writes <out>/<date>-<gpu>-models.json
-and prints a markdown table.
+SDPA drop-in (sage_attn.scaled_dot_product_attention) with its choice, and torch's SDPA with its
+own backend choice (what a user had before the drop-in). GPU time under CUDA-graph replay
+(median), fp16 or bf16 N(0,1) inputs. The drop-in's figure is the one the "never slower" rule
+reads, against the faster of torch's two backends and against torch's own choice. Writes
+<out>/<date>-<gpu>-models.json and prints a markdown table.
 
     python -m sage_attn.bench_models --out bench/results
     python -m sage_attn.bench_models --only flux,sdxl --dtype bf16
@@ -96,6 +97,10 @@ def _impls(q, k, v, causal, hq, hkv):
         "sage-8b": lambda: sage_attn.sageattn(q, k, v, is_causal=causal),
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        # What the user had before the drop-in: torch's own choice of backend, GQA as the
+        # drop-in passes it (enable_gqa) when it hands the call over.
+        "sdpa-default": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                               enable_gqa=hq != hkv),
         "sdpa-dropin": lambda: sage_attn.scaled_dot_product_attention(
             q, k, v, is_causal=causal, enable_gqa=hq != hkv),
     }
@@ -139,6 +144,9 @@ def main(argv=None):
         row["sage_vs_sdpa"] = best / row["sage-8b_ms"] if best and row["sage-8b_ms"] else None
         row["dropin_vs_sdpa"] = (best / row["sdpa-dropin_ms"] if best and row["sdpa-dropin_ms"]
                                  else None)
+        dflt = row["sdpa-default_ms"]
+        row["dropin_vs_default"] = (dflt / row["sdpa-dropin_ms"] if dflt and row["sdpa-dropin_ms"]
+                                    else None)
         row["tops_sage"] = _flops(b, hq, n, d, causal) / row["sage-8b_ms"] / 1e9 \
             if row["sage-8b_ms"] else None
         rows.append(row)
@@ -147,9 +155,9 @@ def main(argv=None):
               f"flash {row['sdpa-flash_ms']}, drop-in {row['sdpa-dropin_ms']} ({row['choice']})",
               flush=True)
         del q, k, v
-    print("\n| call | B | Hq/Hkv | N | D | causal | sage ms | cuDNN ms | flash ms | sage vs best SDPA "
-          "| drop-in | drop-in vs best SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| call | B | Hq/Hkv | N | D | causal | sage ms | cuDNN ms | flash ms | SDPA ms | "
+          "sage vs best SDPA | drop-in | drop-in vs best SDPA | drop-in vs SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(x, fmt="{:.3f}"):
         return "-" if x is None else fmt.format(x)
@@ -157,9 +165,9 @@ def main(argv=None):
     for r in rows:
         print(f"| {r['call']} | {r['batch']} | {r['heads_q']}/{r['heads_kv']} | {r['seq_len']} | "
               f"{r['head_dim']} | {'yes' if r['causal'] else 'no'} | {f(r['sage-8b_ms'])} | "
-              f"{f(r['sdpa-cudnn_ms'])} | {f(r['sdpa-flash_ms'])} | "
+              f"{f(r['sdpa-cudnn_ms'])} | {f(r['sdpa-flash_ms'])} | {f(r['sdpa-default_ms'])} | "
               f"{f(r['sage_vs_sdpa'], '{:.2f}x')} | {r['choice']} | "
-              f"{f(r['dropin_vs_sdpa'], '{:.2f}x')} |")
+              f"{f(r['dropin_vs_sdpa'], '{:.2f}x')} | {f(r['dropin_vs_default'], '{:.2f}x')} |")
     from .bench import gpu_info
     name, driver = gpu_info()
     meta = {"bench": "models", "gpu": name, "driver": driver, "torch": torch.__version__,
