@@ -82,7 +82,8 @@ def sweep(argv):
     ap.add_argument("--padded-dims", default="40,72,80,96",
                     help="head dims zero-padded to a kernel's, on a smaller grid")
     ap.add_argument("--heads", default="4,8,12,16,24,32,48,64,96,128", help="B·H (B = 1)")
-    ap.add_argument("--seqs", default="512,1024,1536,2048,3072,4096,5120,6144,8192,12288,16384")
+    ap.add_argument("--seqs", default="512,1024,1536,2048,3072,4096,4608,5120,6144,7168,8192,"
+                                      "12288,16384")
     ap.add_argument("--groups", default="1,4", help="GQA groups (Hq / Hkv), D 128 only")
     ap.add_argument("--seconds", type=float, default=0.04, help="timing target per figure")
     ap.add_argument("--max-ms", type=float, default=40.0, help="skip shapes slower than this")
