@@ -5,8 +5,8 @@
 
 `sweep` times sage (SageAttn2-8b, sage_attn.sageattn) and torch's SDPA with the cuDNN backend
 (the faster of torch's on Hopper at every shape measured) on a grid of (B·H, N, D, mask, GQA
-group) under CUDA-graph replay (GPU time alone: the figure the "never slower" rule reads), fp16
-N(0,1) inputs, B = 1. It writes <out>/<date>-<gpu>-crossover.json.
+group) under CUDA-graph replay (GPU time alone: the figure the "never slower" rule reads; the two
+graphs replayed in turn over --rounds rounds, median), fp16 N(0,1) inputs, B = 1. It writes <out>/<date>-<gpu>-crossover.json.
 
 `fit` fits, for each (kernel head dim, mask), one cost model per implementation by least squares
 on relative error (every coefficient non-negative: a feature that would take a negative one is
@@ -87,6 +87,8 @@ def sweep(argv):
     ap.add_argument("--groups", default="1,4", help="GQA groups (Hq / Hkv), D 128 only")
     ap.add_argument("--seconds", type=float, default=0.04, help="timing target per figure")
     ap.add_argument("--max-ms", type=float, default=40.0, help="skip shapes slower than this")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds sage's and cuDNN's graphs are replayed in turn (median)")
     ap.add_argument("--commit", default="unknown")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "python"))
@@ -96,7 +98,7 @@ def sweep(argv):
 
     import sage_attn
     from sage_attn._bench_common import gpu_slug
-    from sage_attn.bench import gpu_info, graph_ms, time_ms
+    from sage_attn.bench import gpu_info, interleaved_ms
 
     def ints(s):
         return [int(x) for x in s.split(",") if x]
@@ -130,14 +132,10 @@ def sweep(argv):
 
         row = {"heads_q": hq, "heads_kv": hkv, "seq_q": n, "seq_k": n, "head_dim": d,
                "causal": causal, "batch": 1}
-        for name, fn in (("sage", lambda: sage_attn.sageattn(q, k, v, is_causal=causal)),
-                         ("cudnn", cudnn)):
-            try:
-                e = time_ms(fn, target_s=0.01, samples=2)
-                row[name + "_ms"] = graph_ms(fn, a.seconds, est_ms=e)
-            except Exception as exc:  # a report, not a reason to stop
-                print(f"{row}: {name} failed ({type(exc).__name__}: {exc})", flush=True)
-                row[name + "_ms"] = None
+        times = interleaved_ms({"sage": lambda: sage_attn.sageattn(q, k, v, is_causal=causal),
+                                "cudnn": cudnn}, a.seconds, a.rounds,
+                               lambda msg: print(f"{row}: {msg}", flush=True))
+        row.update({name + "_ms": ms for name, ms in times.items()})
         rows.append(row)
         if i % 20 == 0 or n >= 8192 and hq >= 96:
             print(f"[{i + 1}/{len(shapes)}] H={hq}/{hkv} N={n} D={d} causal={causal}: sage "

@@ -117,10 +117,9 @@ def make_inputs(b, h, n, d, kind, gen):
     return one(4.0), one(8.0), one(8.0)  # q, k, v (the channel-bias inputs of docs/performance.md)
 
 
-def graph_ms(fn, target_s=0.25, est_ms=None):
-    """Median GPU milliseconds per call under CUDA-graph replay: warm-up on a side stream (as
-    torch documents for capture), a few calls captured into one graph (enough for about 2 ms of
-    work per replay), replays timed with time_ms."""
+def capture_graph(fn, est_ms=None):
+    """(graph, calls): warm-up on a side stream (as torch documents for capture), then a few
+    calls captured into one CUDA graph (enough for about 2 ms of work per replay)."""
     calls = 1 if not est_ms else max(1, min(10, int(2.0 / est_ms)))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -129,13 +128,38 @@ def graph_ms(fn, target_s=0.25, est_ms=None):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph, calls
+
+
+def graph_ms(fn, target_s=0.25, est_ms=None):
+    """Median GPU milliseconds per call under CUDA-graph replay (capture_graph), replays timed
+    with time_ms."""
+    graph, calls = capture_graph(fn, est_ms)
     try:
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
         return time_ms(graph.replay, target_s) / calls
     finally:
         del graph
+
+
+def interleaved_ms(fns, target_s, rounds, report):
+    """name -> median GPU ms per call under CUDA-graph replay, the implementations' graphs
+    replayed in turn for `rounds` rounds (target_s split over them), so that a drift of the GPU's
+    clocks during a row weighs on every implementation alike; None for one that failed."""
+    graphs = {}
+    for name, fn in fns.items():
+        try:
+            graphs[name] = capture_graph(fn, time_ms(fn, target_s=0.02, samples=2))
+        except Exception as e:  # a report, not a reason to stop
+            report(f"{name} failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+    times = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, (graph, calls) in graphs.items():
+            times[name].append(time_ms(graph.replay, target_s / rounds) / calls)
+    del graphs
+    return {name: statistics.median(times[name]) if name in times else None for name in fns}
 
 
 def host_us(fn, est_ms, calls=20, samples=5):

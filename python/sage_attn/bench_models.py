@@ -2,10 +2,11 @@
 (image and video diffusion transformers and UNets, LLM prefill, vision and text encoders), timed
 in one process: sage (SageAttn2-8b), torch's SDPA with the cuDNN and the flash backends, and the
 SDPA drop-in (sage_attn.scaled_dot_product_attention) with its choice, and torch's SDPA with its
-own backend choice (what a user had before the drop-in). GPU time under CUDA-graph replay
-(median), fp16 or bf16 N(0,1) inputs. The drop-in's figure is the one the "never slower" rule
-reads, against the faster of torch's two backends and against torch's own choice. Writes
-<out>/<date>-<gpu>-models.json and prints a markdown table.
+own backend choice (what a user had before the drop-in). GPU time under CUDA-graph replay, the
+implementations' graphs replayed in turn over --rounds rounds (median), fp16 or bf16 N(0,1)
+inputs. The drop-in's figure is the one the "never slower" rule reads, against the faster of
+torch's two backends and against torch's own choice. Writes <out>/<date>-<gpu>-models.json and
+prints a markdown table.
 
     python -m sage_attn.bench_models --out bench/results
     python -m sage_attn.bench_models --only flux,sdxl --dtype bf16
@@ -76,12 +77,6 @@ def _flops(b, h, n, d, causal):
     return 4.0 * b * h * n * n * d / (2 if causal else 1)
 
 
-def _graph_ms(fn, target_s):
-    from .bench import graph_ms, time_ms
-    est = time_ms(fn, target_s=0.02, samples=2)
-    return graph_ms(fn, target_s, est_ms=est)
-
-
 def _impls(q, k, v, causal, hq, hkv):
     """name -> callable; SDPA gets K and V repeated over the group (enable_gqa is flash-only)."""
     kk = k.repeat_interleave(hq // hkv, 1) if hq != hkv else k
@@ -113,10 +108,13 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="comma list of model names (default: all)")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--seconds", type=float, default=0.25, help="timing target per figure")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds the implementations' graphs are replayed in turn (median)")
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args(argv)
     if cuda_missing("sage_attn.bench_models", torch):
         return 2
+    from .bench import interleaved_ms
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -131,13 +129,9 @@ def main(argv=None):
                "seq_len": n, "head_dim": d, "causal": causal,
                "choice": sage_attn.dropin_backend(q, k, v, is_causal=causal,
                                                   enable_gqa=hq != hkv)}
-        for name, fn in _impls(q, k, v, causal, hq, hkv).items():
-            try:
-                ms = _graph_ms(fn, args.seconds)
-            except Exception as e:  # a report, not a reason to stop
-                print(f"{call}: {name} failed ({type(e).__name__}: {str(e).splitlines()[0]})",
-                      flush=True)
-                ms = None
+        times = interleaved_ms(_impls(q, k, v, causal, hq, hkv), args.seconds, args.rounds,
+                                lambda msg: print(f"{call}: {msg}", flush=True))
+        for name, ms in times.items():
             row[name + "_ms"] = ms
         sdpa = [x for x in (row["sdpa-cudnn_ms"], row["sdpa-flash_ms"]) if x is not None]
         best = min(sdpa) if sdpa else None

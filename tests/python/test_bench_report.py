@@ -1,6 +1,7 @@
 """The benchmark's report code (sage_attn._bench_common): command line, JSON rows, the tables
 the bar is read from, the plot. No torch or GPU needed: synthetic rows."""
 import json
+import types
 
 import pytest
 
@@ -144,3 +145,36 @@ def test_bench_models_table_is_well_formed():
         assert b >= 1 and n >= 1 and hq % hkv == 0, call
         assert d % 8 == 0 and 8 <= d <= 256, call
         assert isinstance(causal, bool), call
+
+
+def test_interleaved_ms_alternates_and_takes_medians(monkeypatch):
+    """The implementations' graphs are replayed in turn, round after round; each gets the
+    median of its rounds (per call: a replay's time over the calls in the graph); one whose
+    capture fails is reported and gets None, the others still run."""
+    pytest.importorskip("torch")
+    from sage_attn import bench
+    order = []
+    times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([10.0, 30.0, 20.0])}
+
+    def capture(fn, est_ms=None):
+        name = fn()
+        if name == "bad":
+            raise RuntimeError("capture failed\nmore")
+        return types.SimpleNamespace(replay=lambda: name), 2  # 2 calls a replay
+
+    def time_ms(fn, target_s=0.25, samples=5):
+        name = fn()
+        if target_s == 0.02:  # the estimate before capture
+            return 1.0
+        order.append(name)
+        assert target_s == pytest.approx(0.3 / 3)
+        return times[name].__next__()
+
+    monkeypatch.setattr(bench, "capture_graph", lambda fn, est: capture(fn, est))
+    monkeypatch.setattr(bench, "time_ms", time_ms)
+    reports = []
+    got = bench.interleaved_ms({"a": lambda: "a", "bad": lambda: "bad", "b": lambda: "b"}, 0.3, 3,
+                               reports.append)
+    assert order == ["a", "b"] * 3
+    assert got == {"a": 1.0, "bad": None, "b": 10.0}  # medians 2 and 20, over 2 calls a replay
+    assert reports == ["bad failed (RuntimeError: capture failed)"]
