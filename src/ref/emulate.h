@@ -216,6 +216,45 @@ inline bool flush_due(const sage_quant_config& cfg, int& pending) {
   return true;
 }
 
+// A tile's P·V state per row, as every kernel family keeps it: the fp32 output O, the MMA
+// accumulator R (a double holding exactly what the register holds), and the key blocks in R since
+// its last flush.
+template <typename Real>
+struct RowAccumulators {
+  int64_t D;
+  std::vector<Real> O;
+  std::vector<double> R;
+  std::vector<int> pending;
+  PvScratch scratch;
+  RowAccumulators(int64_t rows, int64_t D, int accum_chunk)
+      : D(D), O(size_t(rows * D), Real(0)), R(size_t(rows * D), 0.0), pending(size_t(rows), 0),
+        scratch(D, accum_chunk) {}
+  Real* o(int64_t r) { return &O[size_t(r * D)]; }
+  double* acc(int64_t r) { return &R[size_t(r * D)]; }
+  // The online softmax's rescale by alpha = 2^(m_old - m): O, and the accumulator as the fp32
+  // value its register holds.
+  void rescale(int64_t r, Real alpha) {
+    Real* out = o(r);
+    double* a = acc(r);
+    for (int64_t d = 0; d < D; ++d) {
+      out[d] *= alpha;
+      a[d] = double(Real(a[d]) * alpha);
+    }
+  }
+  // After a key block (flush_due): the accumulator into O, channel d's value mapped by
+  // scaled(d, value) (a family's V or P scale), and cleared.
+  template <typename Scaled>
+  void flush_if_due(const sage_quant_config& cfg, int64_t r, Scaled scaled) {
+    if (!flush_due(cfg, pending[size_t(r)])) return;
+    Real* out = o(r);
+    double* a = acc(r);
+    for (int64_t d = 0; d < D; ++d) {
+      out[d] += scaled(d, Real(a[d]));
+      a[d] = 0.0;
+    }
+  }
+};
+
 // ---- The epilogue
 
 // Writes row i of (batch, q head) bh where it is special and returns true: a row that sees keys

@@ -49,14 +49,10 @@ void emulate_fp4(const Problem& p, const sage_quant_config& cfg, const TensorVie
   parallel_for(p.batch * p.heads_q * q_blocks, threads, [&](int64_t item) {
     const Tile<Real> t = pre.tile(p, bq, item);
     const std::vector<Real> ds = delta_s(p, cfg, t);
-    // Per row: running max m (base 2), sum l, output O, the MMA accumulator R, and the key
-    // blocks in R since its last flush.
+    // Per row: running max m (base 2), sum l, and the P·V state.
     std::vector<Real> m(size_t(t.rows), neg_inf<Real>()), l(size_t(t.rows), Real(0));
-    std::vector<Real> O(size_t(t.rows * D), Real(0));
-    std::vector<double> R(size_t(t.rows * D), 0.0);
-    std::vector<int> pending(size_t(t.rows), 0);
+    RowAccumulators<Real> ra(t.rows, D, cfg.accum_chunk);
     std::vector<Real> s(static_cast<size_t>(bk)), phat(static_cast<size_t>(bk));
-    PvScratch scratch(D, cfg.accum_chunk);
 
     for (int64_t j0 = 0; j0 < t.visible_max; j0 += bk) {
       const int64_t j1 = std::min(p.seq_kv, j0 + bk);
@@ -79,19 +75,10 @@ void emulate_fp4(const Problem& p, const sage_quant_config& cfg, const TensorVie
         // P^ and s_P1 (line 10).
         const Real s_p1 = quantize_p_fp4(pv, phat.data(), j1 - j0, row_max - m_new);
         m[size_t(r)] = m_new;
-        Real* o = &O[size_t(r * D)];
-        double* acc = &R[size_t(r * D)];
-        for (int64_t d = 0; d < D; ++d) {
-          o[d] *= alpha;
-          acc[d] = double(Real(acc[d]) * alpha);
-        }
+        ra.rescale(r, alpha);
         // P^·V^ into the accumulator, times s_P1 into O (line 11).
-        accumulate_pv(cfg, phat.data(), t.kv.v.data(), j0, j1, D, acc, scratch);
-        if (flush_due(cfg, pending[size_t(r)]))
-          for (int64_t d = 0; d < D; ++d) {
-            o[d] += Real(acc[d]) * s_p1;
-            acc[d] = 0.0;
-          }
+        accumulate_pv(cfg, phat.data(), t.kv.v.data(), j0, j1, D, ra.acc(r), ra.scratch);
+        ra.flush_if_due(cfg, r, [&](int64_t, Real a) { return a * s_p1; });
       }
     }
 
@@ -101,7 +88,7 @@ void emulate_fp4(const Problem& p, const sage_quant_config& cfg, const TensorVie
       if (special_row(p, t, i, out, lse)) continue;
       Real* dst = out + (t.bh * Nq + i) * D;
       for (int64_t d = 0; d < D; ++d) {
-        const Real o = O[size_t(r * D + d)] + Real(R[size_t(r * D + d)]);
+        const Real o = ra.O[size_t(r * D + d)] + Real(ra.R[size_t(r * D + d)]);
         dst[d] = o * (Real(1) / l[size_t(r)]) + t.kv.v_mean[size_t(d)];
       }
       if (lse)

@@ -33,14 +33,10 @@ void emulate_mma(const Problem& p, const sage_quant_config& cfg, const TensorVie
     const Tile<Real> t = pre.tile(p, bq, item);
     const KvPrep<Real>& kp = t.kv;
     const std::vector<Real> ds = delta_s(p, cfg, t);
-    // Per row: running max m (base 2), sum l, output O, the MMA accumulator R, and the key
-    // blocks in R since its last flush.
+    // Per row: running max m (base 2), sum l, and the P·V state.
     std::vector<Real> m(size_t(t.rows), neg_inf<Real>()), l(size_t(t.rows), Real(0));
-    std::vector<Real> O(size_t(t.rows * D), Real(0));
-    std::vector<double> R(size_t(t.rows * D), 0.0);
-    std::vector<int> pending(size_t(t.rows), 0);
+    RowAccumulators<Real> ra(t.rows, D, cfg.accum_chunk);
     std::vector<Real> s(static_cast<size_t>(bk)), phat(static_cast<size_t>(bk));
-    PvScratch scratch(D, cfg.accum_chunk);
 
     for (int64_t j0 = 0; j0 < t.visible_max; j0 += bk) {
       const int64_t j1 = std::min(p.seq_kv, j0 + bk);
@@ -66,19 +62,12 @@ void emulate_mma(const Problem& p, const sage_quant_config& cfg, const TensorVie
         }
         l[size_t(r)] = l[size_t(r)] * alpha + row_sum * sum_scale;
         m[size_t(r)] = m_new;
-        Real* o = &O[size_t(r * D)];
-        double* acc = &R[size_t(r * D)];
-        for (int64_t d = 0; d < D; ++d) {
-          o[d] *= alpha;
-          acc[d] = double(Real(acc[d]) * alpha);
-        }
+        ra.rescale(r, alpha);
         // P^·V^ into the accumulator, flushed into O (with the block's V scales).
-        accumulate_pv(cfg, phat.data(), kp.v.data(), j0, j1, D, acc, scratch);
-        if (flush_due(cfg, pending[size_t(r)]))
-          for (int64_t d = 0; d < D; ++d) {
-            o[d] += flush_scale ? Real(acc[d]) * flush_scale[d] : Real(acc[d]);
-            acc[d] = 0.0;
-          }
+        accumulate_pv(cfg, phat.data(), kp.v.data(), j0, j1, D, ra.acc(r), ra.scratch);
+        ra.flush_if_due(cfg, r, [&](int64_t d, Real a) {
+          return flush_scale ? a * flush_scale[d] : a;
+        });
       }
     }
 
@@ -90,8 +79,8 @@ void emulate_mma(const Problem& p, const sage_quant_config& cfg, const TensorVie
       const Real* flush_scale = block_v_scale ? &kp.v_scale[size_t((n - 1) / bk * D)] : nullptr;
       const Real denom = l[size_t(r)] * Real(pv.p_scale);
       for (int64_t d = 0; d < D; ++d) {
-        const Real acc = Real(R[size_t(r * D + d)]);
-        const Real o = O[size_t(r * D + d)] + (flush_scale ? acc * flush_scale[d] : acc);
+        const Real acc = Real(ra.R[size_t(r * D + d)]);
+        const Real o = ra.O[size_t(r * D + d)] + (flush_scale ? acc * flush_scale[d] : acc);
         const Real vs = block_v_scale || pow2_v_scale ? Real(1) : kp.v_scale[size_t(d)];
         dst[d] = o * (vs / denom) + kp.v_mean[size_t(d)];
       }

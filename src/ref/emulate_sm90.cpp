@@ -65,14 +65,11 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
     const Tile<Real> t = pre.tile(p, bq, item);
     const std::vector<Real> ds = delta_s(p, cfg, t);
     // Per row: running max m (base 2), the sums of the row's four threads t (t holds keys
-    // {8a + 2t, 8a + 2t + 1}) in units of P~·p_scale, output O, the wgmma accumulator R, and the
-    // blocks in R since its last flush.
+    // {8a + 2t, 8a + 2t + 1}) in units of P~·p_scale, and the P·V state (R: the wgmma
+    // accumulator).
     std::vector<Real> m(size_t(t.rows), neg_inf<Real>()), l4(size_t(t.rows * 4), Real(0));
-    std::vector<Real> O(size_t(t.rows * D), Real(0));
-    std::vector<double> R(size_t(t.rows * D), 0.0);
-    std::vector<int> pending(size_t(t.rows), 0);
+    RowAccumulators<Real> ra(t.rows, D, cfg.accum_chunk);
     std::vector<Real> s(static_cast<size_t>(sbk)), phat(s.size()), qk(s.size()), fk(s.size());
-    PvScratch scratch(D, cfg.accum_chunk);
     // A cut of the accumulator without products: a wgmma step whose keys the row does not see
     // still aligns the held value to its own grid.
     auto idle_step = [&](double* acc) {
@@ -88,7 +85,7 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
       const bool full_block = j0 + sbk <= tile_visible;
       for (int64_t r = 0; r < t.rows; ++r) {
         const int64_t i = t.r0 + r, n = p.visible_keys(i);
-        double* acc = &R[size_t(r * D)];
+        double* acc = ra.acc(r);
         if (j0 >= n) {
           // Fully masked for this row: the wgmma still adds its zero products (alpha = 1,
           // nothing added to l).
@@ -143,21 +140,13 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
           lt[th] += (part[th][0] + part[th][1]) + (part[th][2] + part[th][3]);
         }
         m[size_t(r)] = m_new;
-        Real* o = &O[size_t(r * D)];
-        for (int64_t d = 0; d < D; ++d) {
-          o[d] *= alpha;
-          acc[d] = double(Real(acc[d]) * alpha);
-        }
+        ra.rescale(r, alpha);
         // P^·V^ into the accumulator. The kernel runs all sbk / accum_chunk steps of a block;
         // those past Nk add zero products (the held value cut to its own grid).
-        accumulate_pv(cfg, phat.data(), t.kv.v.data(), j0, j1, D, acc, scratch);
+        accumulate_pv(cfg, phat.data(), t.kv.v.data(), j0, j1, D, acc, ra.scratch);
         const int64_t steps_run = (j1 - j0 + cfg.accum_chunk - 1) / cfg.accum_chunk;
         if (aligned && steps_run * cfg.accum_chunk < sbk) idle_step(acc);
-        if (flush_due(cfg, pending[size_t(r)]))
-          for (int64_t d = 0; d < D; ++d) {
-            o[d] += Real(acc[d]);
-            acc[d] = 0.0;
-          }
+        ra.flush_if_due(cfg, r, [](int64_t, Real a) { return a; });
       }
     }
 
@@ -171,7 +160,7 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
       const Real lsum = (lt[0] + lt[1]) + (lt[2] + lt[3]);
       const Real inv = Real(1) / lsum;
       for (int64_t d = 0; d < D; ++d) {
-        const Real o = O[size_t(r * D + d)] + Real(R[size_t(r * D + d)]);
+        const Real o = ra.O[size_t(r * D + d)] + Real(ra.R[size_t(r * D + d)]);
         dst[d] = o * (t.kv.v_scale[size_t(d)] * inv) + t.kv.v_mean[size_t(d)];
       }
       if (lse)
