@@ -2,7 +2,6 @@
 test's measured points (tests/cpu/crossover_points.inc) are what `fit` makes of the committed
 sweeps, so neither is edited by hand or left behind a new sweep; the fit's rule on hand-made
 measurements."""
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -12,11 +11,11 @@ import pytest
 
 np = pytest.importorskip("numpy")
 
+from conftest import load_tool  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "crossover.py"
-_spec = importlib.util.spec_from_file_location("crossover", SCRIPT)
-cx = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cx)
+cx = load_tool("crossover")
 
 
 def test_generated_files_match_the_committed_sweeps(tmp_path):

@@ -1,13 +1,9 @@
 """tools/sass_diff.py's comparison on hand-written cuobjdump output: what it normalizes away
 (addresses, encodings, parameter offsets, branch targets, padding, the anonymous-namespace hash,
 parameter types) and what it must still see (an opcode, a register, an extra instruction)."""
-import importlib.util
-import pathlib
+from conftest import load_tool
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("sass_diff", ROOT / "tools" / "sass_diff.py")
-sd = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sd)
+sd = load_tool("sass_diff")
 
 
 def dump(kernel, body, arch="sm_90a"):

@@ -1,7 +1,6 @@
 """tools/train_parity.py's smoke configuration on CPU tensors (sage runs the CPU reference's
 forward and SageBwd emulation): the JSON's fields, finite losses that go down, the verdict's
 rules on hand-made runs; the file runs as a script. Skips without torch."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -12,11 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import load_tool  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "train_parity.py"
-_spec = importlib.util.spec_from_file_location("train_parity", SCRIPT)
-tp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tp)
+tp = load_tool("train_parity")
 
 
 def test_an_experiment_not_a_module_of_the_package():
