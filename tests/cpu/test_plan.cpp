@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -39,6 +41,14 @@ struct Call {
     a.batch = 2, a.heads_q = 4, a.heads_kv = 2, a.seq_q = nq, a.seq_kv = nk, a.head_dim = d;
     a.mask = mask;
     a.variant = variant;
+  }
+  // Other head counts (the buffers resized, zero again).
+  Call& with_heads(int64_t hq, int64_t hkv) {
+    q.assign(size_t(2 * hq * a.seq_q * a.head_dim), 0), o.assign(q.size(), 0);
+    k.assign(size_t(2 * hkv * a.seq_kv * a.head_dim), 0), v.assign(k.size(), 0);
+    a.q = q.data(), a.k = k.data(), a.v = v.data(), a.o = o.data();
+    a.heads_q = hq, a.heads_kv = hkv;
+    return *this;
   }
   sage_status plan(const Device& dev, Plan* p) const {
     // Validated as host pointers (the CPU backend, which refuses a forced kernel), then planned
@@ -288,17 +298,8 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
       for (const auto& [d, dk] : {std::pair<int64_t, int64_t>{8, 64}, {40, 64}, {72, 128},
                                   {96, 128}, {160, 256}, {200, 256}}) {
         Call padded(n, n, d, mask), native(n, n, dk, mask);
-        padded.a.heads_q = native.a.heads_q = 32;
-        padded.a.heads_kv = native.a.heads_kv = 32;
-        padded.q.resize(size_t(2 * 32 * n * d)), padded.o.resize(padded.q.size());
-        padded.k.resize(padded.q.size()), padded.v.resize(padded.q.size());
-        native.q.resize(size_t(2 * 32 * n * dk)), native.o.resize(native.q.size());
-        native.k.resize(native.q.size()), native.v.resize(native.q.size());
-        padded.a.q = padded.q.data(), padded.a.k = padded.k.data(), padded.a.v = padded.v.data();
-        padded.a.o = padded.o.data();
-        native.a.q = native.q.data(), native.a.k = native.k.data(), native.a.v = native.v.data();
-        native.a.o = native.o.data();
-        EXPECT_EQ(must_plan(padded, kH100).prefer_sdpa, must_plan(native, kH100).prefer_sdpa)
+        EXPECT_EQ(must_plan(padded.with_heads(32, 32), kH100).prefer_sdpa,
+                  must_plan(native.with_heads(32, 32), kH100).prefer_sdpa)
             << "D " << d << " N " << n;
       }
   // Not a multiple of 8: refused on every GPU, naming head_dim and the set.
@@ -562,6 +563,16 @@ TEST(Planner, CrossoverModelReplaysItsMeasurements) {
   // The model is not "SDPA everywhere": it takes most of the time sage can save.
   EXPECT_GT(to_sage, sage_faster / 2);
   EXPECT_LT(dropin_ms, 0.9 * sdpa_ms);
+  // The fit took each point's query tile from tools/crossover.py's copy of the plan's rule: the
+  // plan's own (lengths to 4096 cover both sides of its 2048 threshold).
+  std::set<std::tuple<int64_t, int64_t, bool>> seen;
+  for (const MeasuredPoint& m : kMeasured)
+    if (m.seq_q <= 4096 && seen.insert({m.seq_q, m.head_dim, m.causal}).second) {
+      const Call c(m.seq_q, m.seq_k, m.head_dim,
+                   m.causal ? SAGE_MASK_CAUSAL_BOTTOM_RIGHT : SAGE_MASK_NONE);
+      EXPECT_EQ(must_plan(c, kH100).block_q, m.block_q)
+          << "N " << m.seq_q << " D " << m.head_dim << " causal " << m.causal;
+    }
 }
 
 TEST(Planner, CrossoverModelBounds) {
