@@ -84,6 +84,15 @@ def build_parser(doc=None):
     ap.add_argument("--commit", default=None)
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--host-time", action="store_true",
+                    help="instead of the grid: the host microseconds per eager call of torch's "
+                         "SDPA, sageattn and the SDPA drop-in (as it routes, and with its "
+                         "crossover off) at ViT-L, DiT-XL/2 and Flux shapes, each paired with "
+                         "SDPA round by round (--out, --tag, --seed apply)")
+    ap.add_argument("--host-rounds", type=int, default=200,
+                    help="--host-time: rounds, median (default 200)")
+    ap.add_argument("--host-calls", type=int, default=5,
+                    help="--host-time: calls of each function a round (default 5)")
     ap.add_argument("--models", action="store_true",
                     help="the real-model table instead of the grid (python -m "
                          "sage_attn.bench_models: --out, --seconds and --commit apply)")
@@ -105,6 +114,8 @@ def parse_args(argv=None, doc=None):
         ap.error("--batch and --heads must be positive")
     if not args.seconds > 0:
         ap.error("--seconds must be positive")
+    if args.host_rounds <= 0 or args.host_calls <= 0:
+        ap.error("--host-rounds and --host-calls must be positive")
     args.causals = {"both": [False, True], "0": [False], "1": [True]}[args.causal]
     return args
 

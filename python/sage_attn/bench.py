@@ -178,6 +178,131 @@ def host_us(fn, est_ms, calls=20, samples=5):
     return statistics.median(per_call)
 
 
+def paired_host_us(fns, rounds, calls, hold, sync, clock=time.perf_counter):
+    """name -> the host microseconds per call of each round (a list, one a round) of each eager
+    function in fns. A round: hold() (a GPU sleep longer than the round's host work: every
+    launch queues behind it, so none waits for the GPU and none finds it idle), then `calls`
+    calls of each function timed as one batch, the functions' order rotated by round so that a
+    drift of the machine weighs on all alike, then sync(). Few calls a batch keep the launch
+    queue far from full."""
+    names = list(fns)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        hold()
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
+            t0 = clock()
+            for _ in range(calls):
+                fn()
+            times[name].append((clock() - t0) / calls * 1e6)
+        sync()
+    return times
+
+
+def paired_summary(times, name, base):
+    """(median µs of name, median of its per-round difference to base, that difference's 10th
+    and 90th percentiles): each round's pair ran back to back, so the difference is read per
+    round rather than between medians."""
+    d = sorted(x - y for x, y in zip(times[name], times[base]))
+    return (statistics.median(times[name]), statistics.median(d), d[len(d) // 10],
+            d[(9 * len(d)) // 10])
+
+
+# (call, B, H, N, D) of --host-time: ViT-L/14 at 224² (257 tokens, 16 heads of 64), DiT-XL/2 at
+# 256² (256 patches, 16 heads of 72), Flux.1 at 1024² (4096 image + 512 text tokens, 24 of 128).
+HOST_SHAPES = (("vit-l/14 224²", 1, 16, 257, 64), ("vit-l/14 224²", 2, 16, 257, 64),
+               ("vit-l/14 224²", 4, 16, 257, 64), ("vit-l/14 224²", 8, 16, 257, 64),
+               ("dit-xl/2 256²", 1, 16, 256, 72), ("dit-xl/2 256²", 2, 16, 256, 72),
+               ("flux.1 1024²", 1, 24, 4608, 128))
+
+
+def _sleep_cycles_per_ms():
+    """torch.cuda._sleep's cycles per millisecond on this GPU (its clock, timed once)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    return 1_000_000 / max(start.elapsed_time(end), 1e-3)
+
+
+def host_time(args, gpu, commit):
+    """--host-time: the eager host time per call of torch's SDPA, sageattn and the SDPA drop-in
+    (as it routes, and with the crossover off: sage wherever it can) at HOST_SHAPES, non-causal
+    fp16, each paired with SDPA round by round (paired_host_us). Prints a table, writes
+    <out>/<date>-<gpu>[-tag]-host.json."""
+    import json
+    dtype = torch.float16
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(args.seed if args.seed is not None else 0)
+    cycles_per_ms = _sleep_cycles_per_ms()
+    sdpa = F.scaled_dot_product_attention
+    if getattr(sdpa, "__module__", "").startswith("sage_attn"):
+        sdpa = torch._C._nn.scaled_dot_product_attention  # (torch's own, not a patched one)
+    dropin = sage_attn.scaled_dot_product_attention
+    rows = []
+    print("| call | B | H | N | D | SDPA µs | sageattn µs | drop-in route | drop-in µs | "
+          "drop-in − SDPA µs [10-90 %] | drop-in, crossover off µs | "
+          "its − SDPA µs [10-90 %] |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for call, b, h, n, d in HOST_SHAPES:
+        q, k, v = (torch.randn((b, h, n, d), generator=gen, device="cuda", dtype=dtype)
+                   for _ in range(3))
+        fns = {"sdpa": lambda: sdpa(q, k, v), "sageattn": lambda: sage_attn.sageattn(q, k, v),
+               "dropin": lambda: dropin(q, k, v)}
+        # The round's host work, timed once unheld (every call warm), sets the sleep: thrice it.
+        for fn in fns.values():
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for fn in fns.values():
+            for _ in range(args.host_calls):
+                fn()
+        round_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        cycles = int(cycles_per_ms * max(1.0, 3 * round_ms))
+
+        def measure(fns):
+            return paired_host_us(fns, args.host_rounds, args.host_calls,
+                                  lambda: torch.cuda._sleep(cycles), torch.cuda.synchronize)
+
+        row = {"call": call, "batch": b, "heads": h, "seq_len": n, "head_dim": d,
+               "choice": sage_attn.dropin_backend(q, k, v)}
+        times = measure(fns)
+        row["sdpa_us"] = round(statistics.median(times["sdpa"]), 2)
+        row["sageattn_us"] = round(statistics.median(times["sageattn"]), 2)
+        us, *diff = (round(x, 2) for x in paired_summary(times, "dropin", "sdpa"))
+        row.update(dropin_us=us, dropin_minus_sdpa_us=diff)
+        sage_attn.set_dropin_crossover(False)
+        try:
+            row["choice_crossover_off"] = sage_attn.dropin_backend(q, k, v)
+            times = measure({"sdpa": fns["sdpa"], "dropin": fns["dropin"]})
+        finally:
+            sage_attn.set_dropin_crossover(True)
+        us, *diff = (round(x, 2) for x in paired_summary(times, "dropin", "sdpa"))
+        row.update(dropin_off_us=us, dropin_off_minus_sdpa_us=diff)
+        rows.append(row)
+        spread = lambda x: f"{x[0]:+.1f} [{x[1]:+.1f}, {x[2]:+.1f}]"  # noqa: E731
+        print(f"| {call} | {b} | {h} | {n} | {d} | {row['sdpa_us']:.1f} | "
+              f"{row['sageattn_us']:.1f} | {row['choice']} | {row['dropin_us']:.1f} | "
+              f"{spread(row['dropin_minus_sdpa_us'])} | {row['dropin_off_us']:.1f} "
+              f"({row['choice_crossover_off']}) | {spread(row['dropin_off_minus_sdpa_us'])} |",
+              flush=True)
+    date = datetime.date.today().isoformat()
+    meta = {"bench": "host-time", "gpu": gpu[0], "driver": gpu[1], "cuda": torch.version.cuda,
+            "torch": torch.__version__, "commit": commit, "date": date, "dtype": "fp16",
+            "rounds": args.host_rounds, "calls": args.host_calls,
+            "timing": "host µs per eager call, GPU held by a sleep, paired with SDPA by round"}
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / (f"{date}-{gpu_slug(gpu[0])}" + (f"-{args.tag}" if args.tag else "")
+                      + "-host.json")
+    path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
 class Impl:
     """What the bench runs for one row: `fn` (the timed call), `output()` (the result of the last
     call, for accuracy), the drop-in's choice, and a context every call of the row runs in (SDPA's
@@ -327,6 +452,11 @@ def main(argv=None):
     gen = torch.Generator(device="cuda")
     gen.manual_seed(args.seed if args.seed is not None else torch.seed() % 2**31)
     name, driver = gpu_info()
+    if args.host_time:
+        print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+              f"sage {sage_attn.version()}, commit {commit}; host time per eager call",
+              flush=True)
+        return host_time(args, (name, driver), commit)
     b, h = args.batch, args.heads
     cudnn_version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {cudnn_version}, "
