@@ -1,6 +1,6 @@
 // Host side of SageBwd's kernels: the launch sequence of one backward call on the caller's stream
-// (pre-pass, stats pass, verdict, main kernel: mma.sync or wgmma, dQ store, NaN on a refused
-// call), instantiated per head dim in backward_d*.cu.
+// (pre-pass, stats pass and main kernel: both mma.sync or both wgmma, verdict, dQ store, NaN on
+// a refused call), instantiated per head dim in backward_d*.cu.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +11,7 @@
 #include "bwd/launch.h"
 #include "bwd/prepass.cuh"
 #include "bwd/sm90/kernel.cuh"
+#include "bwd/sm90/stats.cuh"
 #include "bwd/stats.cuh"
 #include "common/grid.h"
 #include "common/launch.h"
@@ -41,10 +42,18 @@ cudaError_t run_typed(const Params& p, bool sm90, int device, cudaStream_t strea
   const dim3 q_grid = outer_dims(p.q_blocks, bq), k_grid = outer_dims(p.k_blocks, bk);
   k_prep_kernel<T, D><<<k_grid, kThreads, k_smem, stream>>>(KPrepParams(p));
   q_prep_kernel<T, D><<<q_grid, kThreads, q_smem, stream>>>(QPrepParams(p));
-  constexpr int kStatsSmem = StatsSmem<D>::kBytes;
+  // The stats pass in the main kernel's family: wgmma where that is (sm_90a), else mma.sync.
   const StatsParams sp(p);
-  e = p.causal ? launch_smem<stats_kernel<T, D, true>>(sp, q_grid, kStatsSmem, device, stream)
-               : launch_smem<stats_kernel<T, D, false>>(sp, q_grid, kStatsSmem, device, stream);
+  if (sm90) {
+    constexpr int kSmem = sm90::StatsSmem<D>::kBytes;
+    e = p.causal
+            ? launch_smem<sm90::stats_kernel<T, D, true>>(sp, q_grid, kSmem, device, stream)
+            : launch_smem<sm90::stats_kernel<T, D, false>>(sp, q_grid, kSmem, device, stream);
+  } else {
+    constexpr int kSmem = StatsSmem<D>::kBytes;
+    e = p.causal ? launch_smem<stats_kernel<T, D, true>>(sp, q_grid, kSmem, device, stream)
+                 : launch_smem<stats_kernel<T, D, false>>(sp, q_grid, kSmem, device, stream);
+  }
   if (e != cudaSuccess) return e;
   judge_kernel<D><<<unsigned((bq + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       JudgeParams(p));

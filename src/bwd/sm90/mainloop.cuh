@@ -24,15 +24,6 @@
 
 namespace sage::bwd::sm90 {
 
-template <int D>
-__device__ __forceinline__ uint64_t desc8(const uint8_t* tile, int k_byte) {
-  return ptx::wgmma_desc<D>(tile + k_byte);
-}
-// The 16-bit operand's descriptor at k-step ks (16 channels): panel ks / 4, 32 bytes a step.
-template <int D>
-__device__ __forceinline__ uint64_t desc16(const uint8_t* tile, int ks) {
-  return ptx::wgmma_desc<128>(tile + (ks / 4) * Smem<D>::kPanel + (ks % 4) * 32);
-}
 // quant::quantize_bits for |x·inv| <= 127 (x bounded by the max its scale came from): the
 // clamp and the NaN test drop out (a NaN makes its ψ scale NaN, which reaches the result anyway).
 __device__ __forceinline__ uint32_t q8_bounded(float x, float inv) {

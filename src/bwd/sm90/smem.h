@@ -3,6 +3,7 @@
 #pragma once
 
 #include "bwd/params.h"
+#include "ptx/wgmma.cuh"
 
 namespace sage::bwd::sm90 {
 
@@ -43,6 +44,17 @@ __device__ __forceinline__ int swz(int r, int b) {
     return r * 128 + ((((b >> 4) ^ r) & 7) << 4) + (b & 15);
   else
     return r * 64 + ((((b >> 4) ^ (r >> 1)) & 3) << 4) + (b & 15);
+}
+
+// The descriptor of an 8-bit K-major tile of D-byte rows at byte k_byte of its rows.
+template <int D>
+__device__ __forceinline__ uint64_t desc8(const uint8_t* tile, int k_byte) {
+  return ptx::wgmma_desc<D>(tile + k_byte);
+}
+// The 16-bit operand's descriptor at k-step ks (16 channels): panel ks / 4, 32 bytes a step.
+template <int D>
+__device__ __forceinline__ uint64_t desc16(const uint8_t* tile, int ks) {
+  return ptx::wgmma_desc<128>(tile + (ks / 4) * Smem<D>::kPanel + (ks % 4) * 32);
 }
 
 }  // namespace sage::bwd::sm90
