@@ -179,6 +179,8 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
     __syncthreads();  // this stage is free for block kb + 2
   }
 
+  ptx::cp_async_wait<0>();  // (no key block: Q^ and dO were still landing)
+
   // The rows' outputs (one lane a quad writes), and the CTA's Σ σ² into the head's err2.
   const float c_err = p.scale * p.scale / 12.0f;
   float err = 0.0f;
