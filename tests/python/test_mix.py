@@ -155,11 +155,14 @@ def test_apply_routes_the_plan_and_recovers_accuracy(rng, counted, paths):
     print(f"logits rel-L2 vs float64: all {plan.fast} {errors['fast']:.4f}, mix (layers "
           f"{chosen} on {plan.accurate}) {errors['mix']:.4f}, all {plan.accurate} "
           f"{errors['accurate']:.2e}; recovered {recovered:.0%}")
-    assert errors["accurate"] < errors["mix"] < errors["fast"]
+    assert errors["mix"] < errors["fast"]
     if paths:
-        # Two of eight layers on 8-bit recover nearly all that 8-bit everywhere would.
+        # Two of eight layers on 8-bit recover nearly all that 8-bit everywhere would; 8-bit's
+        # own error on the other six is of the size of the noise, so the mix may come out ahead
+        # of 8-bit everywhere (recovered over 100 %).
         assert recovered > 0.75, errors
     else:
+        assert errors["accurate"] < errors["mix"]
         assert errors["accurate"] < 1e-4  # (torch's SDPA in float32 against float64)
         assert recovered > 0.2, errors  # (2 of 8 layers: more than a 1/4 share is not owed)
 
