@@ -122,26 +122,7 @@ struct Mainloop {
     // Sᵀ = K^·Q^ᵀ and dPᵀ = V·dOᵀ: 64 keys x 64 queries each.
     int s[32];
     float dp[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = 0, dp[i] = 0.0f;
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 32; ++ks)
-      ptx::wgmma_m64n64k32_s8_ss(s, desc8<D>(smem + S::kK, ks * 32),
-                                 desc8<D>(smem + S::kQ, ks * 32), ks > 0);
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      if constexpr (kBf16)
-        ptx::wgmma_m64n64k16_bf16_ss(dp, desc16<D>(smem + S::kV, ks), desc16<D>(smem + S::kDo, ks),
-                                     ks > 0);
-      else
-        ptx::wgmma_m64n64k16_f16_ss(dp, desc16<D>(smem + S::kV, ks), desc16<D>(smem + S::kDo, ks),
-                                    ks > 0);
-    }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::wgmma_fence_regs(s);
-    ptx::wgmma_fence_regs(dp);
+    s_and_dp<kBf16, D>(s, dp, smem + S::kK, smem + S::kQ, smem + S::kV, smem + S::kDo);
 
     // Pᵀ = 2^(Sᵀ·s_Q·s_K·scale·log2 e - L'), masked, and its per-key ψ into A fragments.
     const float* lse_s = reinterpret_cast<const float*>(smem + S::kLse);

@@ -107,26 +107,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
     // S = Q^·K^ᵀ (s8) and dP = dO·Vᵀ (fp16/bf16): 64 queries x 64 keys each, one batch.
     int s[32];
     float dp[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = 0, dp[i] = 0.0f;
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 32; ++ks)
-      ptx::wgmma_m64n64k32_s8_ss(s, desc8<D>(smem + S::kQ, ks * 32), desc8<D>(st + S::kK, ks * 32),
-                                 ks > 0);
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      if constexpr (kBf16)
-        ptx::wgmma_m64n64k16_bf16_ss(dp, desc16<D>(smem + S::kDo, ks), desc16<D>(st + S::kV, ks),
-                                     ks > 0);
-      else
-        ptx::wgmma_m64n64k16_f16_ss(dp, desc16<D>(smem + S::kDo, ks), desc16<D>(st + S::kV, ks),
-                                    ks > 0);
-    }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::wgmma_fence_regs(s);
-    ptx::wgmma_fence_regs(dp);
+    s_and_dp<kBf16, D>(s, dp, smem + S::kQ, st + S::kK, smem + S::kDo, st + S::kV);
 
     // x = float(s)·c, c in the main kernels' order, the product rounded on its own so that the
     // max and the sums see one x; keys a row does not see (padding keys too, though K^ is zero
