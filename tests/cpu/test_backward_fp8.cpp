@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../common/test_util.h"
+#include "../common/training_util.h"
 #include "common/error.h"
 #include "common/formats.h"
 #include "ref/reference.h"
@@ -23,7 +24,11 @@ namespace sage {
 namespace {
 
 using ref::TrainingClass;
+using test::cosine;
+using test::exact_grads;
+using test::Exact;
 using test::fresh_seed;
+using test::problem_of;
 
 constexpr uint32_t kAllFp8 = SAGE_BWD_INT8_PDO | SAGE_BWD_INT8_DSK | SAGE_BWD_INT8_DSQ;
 
@@ -31,27 +36,6 @@ struct Grads {
   std::vector<float> dq, dk, dv;
   ref::BackwardCheck check;
 };
-struct Exact {
-  std::vector<double> dq, dk, dv;
-};
-
-ref::Problem problem_of(const ref::TrainingSpec& s, sage_mask mask) {
-  return ref::Problem{s.batch,   s.heads_q, s.heads_kv, s.seq_q, s.seq_kv, s.head_dim,
-                      1.0 / std::sqrt(double(s.head_dim)), mask};
-}
-
-Exact exact_grads(const ref::Problem& p, const ref::TrainingInputs& in) {
-  std::vector<double> o(size_t(p.out_elems())), lse(size_t(p.lse_elems()));
-  ref::attention_exact(p, in.q_view(), in.k_view(), in.v_view(), o.data(), lse.data(), 2);
-  Exact g;
-  g.dq.resize(o.size());
-  g.dk.resize(in.k.size());
-  g.dv.resize(in.k.size());
-  ref::attention_backward_exact(p, in.q_view(), in.k_view(), in.v_view(), o.data(), lse.data(),
-                                in.d_o_view(), g.dq.data(), g.dk.data(), g.dv.data(), 2);
-  return g;
-}
-
 Grads quant_grads(const ref::Problem& p, const ref::TrainingInputs& in, uint32_t fp8,
                   const ref::TensorView* d_o = nullptr) {
   Grads g;
@@ -62,10 +46,6 @@ Grads quant_grads(const ref::Problem& p, const ref::TrainingInputs& in, uint32_t
                                 d_o ? *d_o : in.d_o_view(), g.dq.data(), g.dk.data(),
                                 g.dv.data(), 2, nullptr, &g.check, fp8);
   return g;
-}
-
-double cosine(const std::vector<double>& t, const std::vector<float>& x) {
-  return ref::compare(t.data(), x.data(), int64_t(x.size())).cos;
 }
 
 ref::TrainingSpec spec(TrainingClass kind, float strength, int64_t n, int64_t d, bool gqa,
