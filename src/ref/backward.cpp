@@ -201,12 +201,24 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     KSide& s = kside[size_t(bkv)];
     s.k = load_matrix(k, bkv / p.heads_kv, bkv % p.heads_kv, Nk, D);
     s.v = load_matrix(v, bkv / p.heads_kv, bkv % p.heads_kv, Nk, D);
+    // k̄ exactly as the GPU pre-pass forms it (kBwdKSumChunk): an fp32 sum per chunk of keys in
+    // key order, the chunks' sums added in order, then / Nk in fp32. Not a more accurate mean: one
+    // ulp of k̄ can move a K - k̄ that sits near a rounding tie of ψ to the other INT8 value, and
+    // that one element shifts key j's score by Q^_i,d·c on every query row of the KV head (the
+    // same sign on all of them where Q has a channel bias), so the key's whole column of P and
+    // dS, and through each row's normalizer every other key's, move together: on a key that
+    // draws much of the attention, far more than all the GPU's other differences from its
+    // emulation in dK and dV. Formed the same way, K^ and its scales are the GPU's bit for bit.
     s.k_mean.assign(dims, 0.0f);
     if (smooth_k) {
-      std::vector<double> sum(dims, 0.0);
-      for (int64_t j = 0; j < Nk; ++j)
-        for (int64_t d = 0; d < D; ++d) sum[size_t(d)] += s.k[size_t(j * D + d)];
-      for (int64_t d = 0; d < D; ++d) s.k_mean[size_t(d)] = float(sum[size_t(d)] / double(Nk));
+      std::vector<float> part(dims);
+      for (int64_t c0 = 0; c0 < Nk; c0 += kBwdKSumChunk) {
+        std::fill(part.begin(), part.end(), 0.0f);
+        for (int64_t j = c0; j < std::min(Nk, c0 + kBwdKSumChunk); ++j)
+          for (int64_t d = 0; d < D; ++d) part[size_t(d)] += s.k[size_t(j * D + d)];
+        for (int64_t d = 0; d < D; ++d) s.k_mean[size_t(d)] += part[size_t(d)];
+      }
+      for (int64_t d = 0; d < D; ++d) s.k_mean[size_t(d)] /= float(Nk);
     }
     std::vector<float> ks(s.k.size());
     s.norm2.assign(size_t(Nk), 0.0);
