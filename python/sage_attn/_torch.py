@@ -16,7 +16,9 @@ drop-in) and the argument struct with everything but the pointers are kept per s
 (_prepared), so a repeated shape costs a struct copy, the output and workspace allocations and
 sage_attention() itself, which validates and plans once. The SDPA drop-in keeps its whole answer
 (its argument checks, torch's SDPA or sage, and sage's plan) per call signature (_routes), so a
-repeated call adds one lookup to what it runs.
+repeated call adds one lookup to what it runs; an eager call on plain tensors that sage runs is
+launched by the drop-in itself (_Route.direct: what _call, _attention and _run_cuda would do, less
+what its route knows already).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ if getattr(_torch_sdpa, "__module__", "").startswith("sage_attn"):
     _torch_sdpa = torch._C._nn.scaled_dot_product_attention
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
+_UINT8 = torch.uint8
+_AttentionArgs = _lib.AttentionArgs
 _DTYPE_CODES = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16,
                 torch.float32: _lib.DTYPE_FP32}
 # The op's fallback argument: what to do when the library has no kernel for valid arguments
@@ -97,11 +101,14 @@ class _Prepared:
     """A CUDA call's shape, planned once: the argument struct without its pointers, the
     workspace size, whether the library's crossover model prefers torch's SDPA, and whether the
     library has the call's backward."""
-    __slots__ = ("args", "workspace", "prefer_sdpa", "prefer_sdpa_training", "has_backward")
+    __slots__ = ("args", "workspace", "workspace_alloc", "prefer_sdpa", "prefer_sdpa_training",
+                 "has_backward")
 
     def __init__(self, args, info):
+        args.workspace_size = info.workspace_size
         self.args = bytes(args)
         self.workspace = info.workspace_size
+        self.workspace_alloc = max(info.workspace_size, 1)  # (bytes allocated: never none)
         self.prefer_sdpa = bool(info.prefer_sdpa)
         self.prefer_sdpa_training = bool(info.prefer_sdpa_training)
         self.has_backward = bool(info.has_backward)
@@ -182,7 +189,9 @@ def _attention(c: _Call, prep=None):
         # not have: decided here, inside the op, so that compiled graphs decide alike.
         return _torch_sdpa(q, k, v, is_causal=mask != _lib.MASK_NONE, scale=scale,
                            enable_gqa=q.shape[1] != k.shape[1]), None
-    o = q.new_empty(q.shape)  # (new_empty: fewer arguments to parse than torch.empty)
+    # (new_empty with the sizes as separate ints: torch parses a torch.Size argument, or a
+    # tuple, at about twice the host time.)
+    o = q.new_empty(*q.shape)
     lse = None
     if c.return_lse:
         hi, ni = (1, 2) if layout == _lib.LAYOUT_HND else (2, 1)
@@ -202,29 +211,42 @@ def _attention(c: _Call, prep=None):
     except _lib.SageUnsupportedError as e:
         if c.fallback == _RAISE:
             raise
-        # Only reached from the SDPA drop-in, which asks for top-left causal in HND, no LSE.
-        _warn_once(f"no kernel for this call ({e})")
-        o.copy_(_torch_sdpa(q, k, v, is_causal=mask != _lib.MASK_NONE, scale=scale,
-                            enable_gqa=q.shape[1] != k.shape[1]))
+        _sdpa_into(o, q, k, v, mask, scale, e)
         lse = None  # (no LSE from SDPA: a backward then takes SDPA's gradient)
     return o, lse
 
 
+def _sdpa_into(o, q, k, v, mask, scale, error):
+    # Only reached from the SDPA drop-in, which asks for top-left causal in HND, no LSE.
+    _warn_once(f"no kernel for this call ({error})")
+    o.copy_(_torch_sdpa(q, k, v, is_causal=mask != _lib.MASK_NONE, scale=scale,
+                        enable_gqa=q.shape[1] != k.shape[1]))
+
+
 def _run_cuda(c: _Call, o, lse, prep=None):
     q = c.q
-    stream = _current_stream(q.device)
+    device = q.device
     if prep is None:
         key = _key(c)
         prep = _prepared.get(key)
         if prep is None:
-            prep = _prepare(key, c, o, lse, stream)
+            prep = _prepare(key, c, o, lse, _current_stream(device))
         prep = _planned(prep)
-    a = _lib.AttentionArgs.from_buffer_copy(prep.args)
-    a.q, a.k, a.v, a.o = q.data_ptr(), c.k.data_ptr(), c.v.data_ptr(), o.data_ptr()
-    a.lse = lse.data_ptr() if lse is not None else None
-    a.stream = stream
-    ws = q.new_empty((max(prep.workspace, 1),), dtype=torch.uint8)
-    a.workspace, a.workspace_size = ws.data_ptr(), prep.workspace
+    _launch(q, c.k, c.v, o, lse, prep, device)
+
+
+def _launch(q, k, v, o, lse, prep, device):
+    """The library's run of a planned CUDA call: the plan's struct with this call's pointers and
+    stream, a workspace from torch's allocator."""
+    a = _AttentionArgs.from_buffer_copy(prep.args)  # (workspace_size is the plan's already)
+    a.q, a.k, a.v, a.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    if lse is not None:  # (else None already: the plan's struct has the LSE of its return_lse)
+        a.lse = lse.data_ptr()
+    a.stream = _current_stream(device)
+    # (An int size, not a tuple: half the argument parsing. The tensor lives until the launch is
+    # queued; freed after, its memory goes only to work queued after it on this stream.)
+    ws = q.new_empty(prep.workspace_alloc, dtype=_UINT8)
+    a.workspace = ws.data_ptr()
     _lib.run(a)
 
 
@@ -869,11 +891,16 @@ class _Route:
     copy saying whether an input needs a contiguous head dim first, and prep the plan of the
     run (None where an input is copied: the copy's alignment is its allocation's, which the
     signature does not record, so its run looks the plan up). Else torch's SDPA runs it, with
-    reason to warn about ("": the crossover model's choice, silent)."""
-    __slots__ = ("reason", "mask", "scale", "copy", "prep")
+    reason to warn about ("": the crossover model's choice, silent). direct: sage runs the
+    inputs as given, planned (prep), and nothing needs to see the op (plain tensors, no
+    gradient wanted; dispatch and function modes are asked each call): the drop-in launches it
+    itself, on an output of `shape` (the query's) on `device` (the query's)."""
+    __slots__ = ("reason", "mask", "scale", "copy", "prep", "direct", "shape", "device")
 
-    def __init__(self, reason, mask=None, scale=None, copy=False, prep=None):
+    def __init__(self, reason, mask=None, scale=None, copy=False, prep=None, direct=False,
+                 shape=None, device=None):
         self.reason, self.mask, self.scale, self.copy, self.prep = reason, mask, scale, copy, prep
+        self.direct, self.shape, self.device = direct, shape, device
 
 
 def _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -884,9 +911,15 @@ def _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     q, k, v = _dropin_args(query, key, value)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
-    reason, prep = _dropin_plan(q, k, v, mask, s, _training(query, key, value))
+    training = _training(query, key, value)
+    reason, prep = _dropin_plan(q, k, v, mask, s, training)
     copy = q is not query or k is not key or v is not value
-    return _Route(reason, mask, s, copy, None if copy else prep)
+    if copy:
+        prep = None
+    t = torch.Tensor
+    direct = (prep is not None and not training and type(query) is t and type(key) is t
+              and type(value) is t)
+    return _Route(reason, mask, s, copy, prep, direct, tuple(query.shape), query.device)
 
 
 # Decided drop-in calls by signature (_dropin_route_of), so that a repeated call pays one tuple
@@ -972,6 +1005,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             _warn_once(route.reason)
         return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                            enable_gqa=enable_gqa)
+    if (route.direct and (_dispatch_stack_len is None or _dispatch_stack_len() == 0)
+            and (_function_mode_on is None or not _function_mode_on())):
+        # What _call -> _attention -> _run_cuda do for this call, with what the route knows.
+        o = query.new_empty(*route.shape)
+        device = route.device
+        try:
+            if device.index != torch.cuda.current_device():
+                with torch.cuda.device(device):
+                    _launch(query, key, value, o, None, route.prep, device)
+            else:
+                _launch(query, key, value, o, None, route.prep, device)
+        except _lib.SageUnsupportedError as e:
+            _sdpa_into(o, query, key, value, route.mask, route.scale, e)
+        return o
     q, k, v = _dropin_args(query, key, value) if route.copy else (query, key, value)
     o, _ = _call(_dropin_call(q, k, v, _lib.LAYOUT_HND, route.mask, route.scale,
                               _FALLBACK_SDPA_ROUTED), route.prep)

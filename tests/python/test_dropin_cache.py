@@ -273,13 +273,130 @@ def test_compiling_reads_no_cache(monkeypatch):
     seen = []
     monkeypatch.setattr(T, "_call", lambda c, prep=None: seen.append((c.fallback, prep)) or (
         c.q, None))
-    with host.cuda_stand_in():
+    with host.cuda_stand_in() as stand:
         q, k, v = qkv()
         sage_attn.scaled_dot_product_attention(q, k, v)
         assert len(T._routes) == 1
+        assert stand.runs == 1 and seen == []  # (eager: launched by the drop-in itself)
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         T._routes.clear()
         sage_attn.scaled_dot_product_attention(q, k, v)
         assert T._routes == {}
-    assert seen[0][0] == T._FALLBACK_SDPA_ROUTED and seen[0][1] is not None
-    assert seen[1] == (T._FALLBACK_SDPA, None)
+    assert seen == [(T._FALLBACK_SDPA, None)]
+
+
+POINTERS = ("q", "k", "v", "o", "workspace")
+
+
+def fields(a):
+    """The argument struct's fields but its pointers (the call's tensors and allocations)."""
+    b = T._AttentionArgs.from_buffer_copy(a)
+    for name in POINTERS:
+        setattr(b, name, None)
+    return bytes(b)
+
+
+class Recorded(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def through_call(monkeypatch):
+    """The routed calls that go through _call (the op's way), recorded."""
+    seen = []
+    call = T._call
+
+    def recording(c, prep=None):
+        seen.append(c)
+        return call(c, prep)
+
+    monkeypatch.setattr(T, "_call", recording)
+    return seen
+
+
+def test_direct_launch_is_the_op_paths_call(through_call):
+    """An eager call on plain tensors that sage runs is launched by the drop-in itself, with
+    the struct, output and workspace the op's path (_call -> _attention -> _run_cuda) gives the
+    same call; a function or dispatch mode sends it through the op's path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dispatched(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for shape, kw in (((1, 4, 96, 64), {}), ((2, 4, 50, 64), {"is_causal": True}),
+                      ((1, 4, 96, 64), {"scale": 0.3})):
+        for make in (lambda x: x, nhd):
+            q, k, v = (make(x) for x in qkv(shape))
+            with host.cuda_stand_in() as stand:
+                o = sage_attn.scaled_dot_product_attention(q, k, v, **kw)
+                assert stand.runs == 1 and through_call == []
+                direct = stand.last_run
+                assert (direct.q, direct.k, direct.v, direct.o) == (
+                    q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr())
+                assert o.shape == q.shape and o.is_contiguous() and o.dtype == q.dtype
+                for mode in (Recorded, Dispatched):
+                    with mode():
+                        o2 = sage_attn.scaled_dot_product_attention(q, k, v, **kw)
+                    assert len(through_call) == 1 and stand.runs == 2
+                    assert fields(stand.last_run) == fields(direct)
+                    assert o2.shape == o.shape and o2.stride() == o.stride()
+                    through_call.clear()
+                    stand.runs = 1
+
+
+def test_direct_launch_only_where_nothing_needs_the_op(through_call):
+    """Not launched directly: a training call (the op, for its backward), inputs copied to a
+    contiguous head dim (their plan is looked up), a tensor subclass (never cached)."""
+    class Sub(torch.Tensor):
+        pass
+
+    q, k, v = qkv()
+    grad = [x.clone().requires_grad_() for x in (q, k, v)]
+    copied = [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v)]
+    sub = [x.as_subclass(Sub) for x in (q, k, v)]
+    with host.cuda_stand_in(prefer_sdpa_training=False) as stand:
+        for args in (grad, copied, sub):
+            for _ in range(2):
+                sage_attn.scaled_dot_product_attention(*args)
+            route = T._dropin_decide(*args, None, 0.0, False, None, False)
+            assert route.reason is None and not route.direct
+        assert stand.runs == 6 and len(through_call) == 6
+        sage_attn.scaled_dot_product_attention(q, k, v)
+        assert stand.runs == 7 and len(through_call) == 6
+
+
+def test_direct_launch_on_another_device_sets_it():
+    """The direct launch makes the query's device current for the library's call where another
+    one is (as _attention does)."""
+    import contextlib
+    entered = []
+    with host.cuda_stand_in() as stand:  # (which puts back what it and this test replace)
+        q, k, v = qkv()
+        sage_attn.scaled_dot_product_attention(q, k, v)  # (the route: its plan sets the device)
+        torch.cuda.device = lambda d: entered.append(d) or contextlib.nullcontext()
+        sage_attn.scaled_dot_product_attention(q, k, v)
+        assert entered == [] and stand.runs == 2
+        torch.cuda.current_device = lambda: 1
+        sage_attn.scaled_dot_product_attention(q, k, v)
+        assert entered == [q.device] and stand.runs == 3
+
+
+def test_direct_launch_without_a_kernel_runs_sdpa(monkeypatch):
+    """A direct launch the library refuses runs torch's SDPA into the output, warning once."""
+    monkeypatch.setattr(T, "_warned", set())
+    with host.cuda_stand_in() as stand:
+        def refuse(a):
+            stand.runs += 1
+            raise _lib.SageUnsupportedError(_lib.UNSUPPORTED, "refused")
+
+        _lib.run = refuse  # (put back by the stand-in)
+        q, k, v = qkv()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                o = sage_attn.scaled_dot_product_attention(q, k, v)
+                assert torch.equal(o, q)  # (the stand-in SDPA answers its query)
+        assert len(w) == 1 and "refused" in str(w[0].message)
+        assert stand.runs == 2 and stand.sdpa == 2
