@@ -229,6 +229,15 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       // A packed batch: p.seq_q, p.seq_kv are the longest sequences (the grids' extents), the
       // workspace rows come from the totals (quant/layout.h, SeqRows).
       r.cu_seqlens_q, r.cu_seqlens_k, r.total_q, r.total_k);
+  // The pre-pass's loads: 16 bytes wide where every row of the tensor is 16-byte aligned (the
+  // kernels' kVec instantiations), read with a packed batch's batch stride as 0, as the backend
+  // passes it.
+  auto rows16 = [&](const void* base, sage_strides s) {
+    if (r.packed()) s.batch = 0;
+    return quant::rows_aligned16(base, s);
+  };
+  plan.prepass.vec_kv = rows16(a.k, r.k) && rows16(a.v, r.v);
+  plan.prepass.vec_q = rows16(a.q, r.q);
   plan.launches = (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + 1;
   // A padded head dim looks up its kernel's row: it does Dk's work while SDPA does D's, so Dk's
   // crossover is the least length from which it could win (not measured at the padded dims).

@@ -27,7 +27,7 @@ constexpr int kStatTokens = 128;  // tokens per K/V statistics chunk (fixed-orde
 constexpr unsigned long long kKvBadNone = ~0ull;
 
 // The key order of one 32-key chunk of Vᵀ: position kappa holds key perm(kappa), so that the
-// S accumulator a thread holds is directly the A operand of the P·V MMA (see prepass.cu).
+// S accumulator a thread holds is directly the A operand of the P·V MMA (see prepass/kv_block.cuh).
 SAGE_HOST_DEVICE inline int v_key_of_position(int kappa) {
   const int half = kappa / 16, r = kappa % 16, t = r / 4, j = r % 4;
   return half * 16 + (j < 2 ? 2 * t + j : 8 + 2 * t + (j - 2));
@@ -143,6 +143,11 @@ struct PrepassPlan {
   // three-launch path (kv_stats, kv_finalize, quant_kv), for heads of more chunks than a cluster
   // holds and GPUs without clusters.
   int kv_cluster = 0;
+  // The width of the kernels' loads of the caller's rows (their kVec): 16 bytes (cp.async where a
+  // chunk is staged) where every row of the tensor starts 16-byte aligned (rows_aligned16), else
+  // 2 bytes. vec_kv: K and V both; vec_q: Q (quant_q). The planner sets them from the call's
+  // pointers and strides (make_prepass_plan leaves them false); they change no product, no size.
+  bool vec_kv = false, vec_q = false;
   // Grid extents: a packed batch's from its longest sequences (a CTA past its own sequence's
   // end exits), so no launch depends on cu_seqlens' contents.
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;

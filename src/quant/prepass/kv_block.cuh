@@ -1,0 +1,248 @@
+// K/V quantization of 64-key blocks: INT8/INT4 K̂ with per-thread scales (k_mean subtracted) and
+// E4M3 Vᵀ of (V - v_mean) / v_scale in the key order the P·V MMA wants. A block is loaded from
+// global memory (the three-launch path's quant_kv, here) or from a staged chunk (kv_prepass:
+// kv_cluster.cuh), then quantized the same way.
+#pragma once
+
+#include <cstdint>
+
+#include "common/formats.h"
+#include "common/grid.h"
+#include "ptx/cvt.cuh"
+#include "quant/elements.cuh"
+#include "quant/layout.h"
+#include "quant/prepass/common.cuh"
+#include "quant/prepass/params.h"
+#include "quant/prepass/stage.cuh"
+
+namespace sage::quant::prepass {
+
+// ---- K/V quantization of a 64-key block ------------------------------------------------------
+// 256 threads a block. K: 4 threads a key (part p holds 8-channel chunks p, p+4, ...), kept in
+// registers between the max pass and the quantize pass; the 4 groups are keys {8i+2t, 8i+2t+1}.
+// V: E4M3 of (V - v_mean) / v_scale, written transposed ([channel][key]) with the keys of each
+// 32-chunk in MMA operand order (v_position_of_key): positions 4g..4g+3 of a block hold keys
+// 16(g/4) + 2(g%4) + {0, 1, 8, 9}, so a thread takes such a 4-key group for a slice of W = D/16
+// channels and stores one 4-byte word per channel; the 16 groups of a slice are 16 lanes of a
+// warp, whose words make the channel's 64-byte row.
+template <int D>
+struct KvBlock {
+  static constexpr int kChunks = D / 32, kW = D / 16;
+  uint4 kr[kChunks];
+  uint32_t vr[4][kW / 2];  // rows vkey0 + {0, 1, 8, 9}, kW elements each
+  uint32_t vkeep = 0u;     // byte u: 0xFF when key vkey0 + {0, 1, 8, 9}[u] exists
+  __device__ static int key() { return threadIdx.x / 4; }
+  __device__ static int part() { return threadIdx.x % 4; }
+  __device__ static int group() { return threadIdx.x % 16; }                       // V: g
+  __device__ static int slice() { return threadIdx.x / 32 * 2 + threadIdx.x % 32 / 16; }  // V: sl
+  __device__ static int vkey(int u) {  // V row u of the thread's group, in the block
+    const int g = group();
+    return 16 * (g / 4) + 2 * (g % 4) + (u % 2) + 8 * (u / 2);
+  }
+  // Zeroes the thread's Inf/NaN elements (they count as zeros, as in the statistics) and lowers
+  // the head's first bad key (*kv_bad, kKvBadNone when there is none) to the first key that held
+  // one: quant_q and the sm90 kernel's Q quantization mark the rows that see it.
+  template <typename T>
+  __device__ void zero_special_keys(int64_t key0, unsigned long long* kv_bad) {
+    unsigned long long first = kKvBadNone;
+    if (zero_special<T>(kr) != 0u) first = static_cast<unsigned long long>(key0 + key());
+    uint32_t v_bad = 0u;
+    for (int u = 0; u < 4; ++u)
+      for (int i = 0; i < kW / 2; ++i) v_bad |= special2<T>(vr[u][i]);
+    if (v_bad != 0u)  // rare: which rows, and their zeroing
+      for (int u = 0; u < 4; ++u) {
+        uint32_t bad = 0u;
+        for (int i = 0; i < kW / 2; ++i) {
+          bad |= special2<T>(vr[u][i]);
+          vr[u][i] = zero_special2<T>(vr[u][i]);
+        }
+        const auto n = static_cast<unsigned long long>(key0 + vkey(u));
+        if (bad != 0u && n < first) first = n;
+      }
+    if (first != kKvBadNone) atomicMin(kv_bad, first);
+  }
+};
+
+// Loads block kb (keys from the sequence's start, token tok0 of the caller's tensors) from global
+// memory (quant_kv): every load of the thread is issued first. Channels from in.dim (the
+// caller's head dim, a multiple of 8) to D are zeros: a K chunk (8 channels) and a V slice of
+// D/16 = 4 or 8 channels lie wholly inside dim or wholly past it; D = 256's slice of 16 straddles
+// dim where dim % 16 == 8 (136, 200, ...), so it is read as two pieces of 8, each only if inside.
+template <typename T, int D, bool kVec>
+__device__ __forceinline__ KvBlock<D> load_block_global(const KvInput& in, int b, int h,
+                                                        int64_t tok0, int64_t kb,
+                                                        int64_t seq_kv) {
+  using B = KvBlock<D>;
+  const T* k = static_cast<const T*>(in.k);
+  const T* v = static_cast<const T*>(in.v);
+  B x;
+  const int64_t key = kb * kBlockK + B::key();
+  for (int ci = 0; ci < B::kChunks; ++ci) {
+    const int d0 = (ci * 4 + B::part()) * 8;
+    x.kr[ci] = make_uint4(0u, 0u, 0u, 0u);
+    if (key < seq_kv && d0 < in.dim)
+      x.kr[ci] = load_raw8<kVec>(row_ptr(k, in.ks, b, h, tok0 + key) + d0);
+  }
+  const int v0 = B::slice() * B::kW;  // the slice's first channel
+  for (int u = 0; u < 4; ++u) {
+    const int64_t n = kb * kBlockK + B::vkey(u);
+    for (int i = 0; i < B::kW / 2; ++i) x.vr[u][i] = 0u;
+    if (n < seq_kv) {
+      const T* vrow = row_ptr(v, in.vs, b, h, tok0 + n) + v0;
+      if constexpr (B::kW <= 8) {
+        if (v0 < in.dim) load_raw<kVec, B::kW>(vrow, x.vr[u]);
+      } else {
+        for (int i = 0; i < B::kW / 8; ++i)
+          if (v0 + 8 * i < in.dim) {
+            const uint4 w = load_raw8<kVec>(vrow + 8 * i);
+            x.vr[u][4 * i] = w.x, x.vr[u][4 * i + 1] = w.y;
+            x.vr[u][4 * i + 2] = w.z, x.vr[u][4 * i + 3] = w.w;
+          }
+      }
+      x.vkeep |= 0xFFu << (8 * u);
+    }
+  }
+  return x;
+}
+
+// Loads the block at stage row r0 (kv_prepass: rows past the sequence were zero-filled).
+template <int D>
+__device__ __forceinline__ KvBlock<D> load_block_staged(const uint8_t* smem, int r0, int64_t key0,
+                                                        int64_t seq_kv) {
+  using B = KvBlock<D>;
+  B x;
+  const uint8_t* krow = smem + (r0 + B::key()) * Stage<D>::kPitch;
+  for (int ci = 0; ci < B::kChunks; ++ci)
+    x.kr[ci] = *reinterpret_cast<const uint4*>(krow + (ci * 4 + B::part()) * 16);
+  for (int u = 0; u < 4; ++u) {
+    const uint8_t* vrow = smem + Stage<D>::kV + (r0 + B::vkey(u)) * Stage<D>::kPitch +
+                          B::slice() * B::kW * 2;
+    if constexpr (B::kW >= 8) {
+      for (int i = 0; i < B::kW / 8; ++i) {
+        const uint4 w = *reinterpret_cast<const uint4*>(vrow + 16 * i);
+        x.vr[u][4 * i] = w.x, x.vr[u][4 * i + 1] = w.y;
+        x.vr[u][4 * i + 2] = w.z, x.vr[u][4 * i + 3] = w.w;
+      }
+    } else {
+      const uint2 w = *reinterpret_cast<const uint2*>(vrow);
+      x.vr[u][0] = w.x, x.vr[u][1] = w.y;
+    }
+    if (key0 + B::vkey(u) < seq_kv) x.vkeep |= 0xFFu << (8 * u);
+  }
+  return x;
+}
+
+// Quantizes and stores block kb of the (sequence, KV head) whose K̂ rows start at row krow0 and
+// whose Vᵀ at byte vcol0 (channel pitch `pitch`: quant/layout.h, SeqRows). km, vm, vi: the head's
+// k_mean, v_mean and 1/v_scale in shared memory; group_max: [8][4] floats of shared memory (one
+// __syncthreads inside: a caller that loops over blocks alternates two). x holds no Inf/NaN
+// (KvBlock::zero_special_keys), and k_mean is finite, so K's max is taken on the bits of
+// |k - k_mean| (non-negative floats order as their bits), and with a finite group amax and inv
+// quantize_bits' clamp and NaN test cannot act (see quant_q) and are skipped.
+template <typename T, int D, int kBits>
+__device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, int64_t krow0,
+                                               int64_t vcol0, int64_t pitch, const float* km,
+                                               const float* vm, const float* vi,
+                                               float (*group_max)[4], int64_t seq_kv,
+                                               const KvQuantOut& out) {
+  using B = KvBlock<D>;
+  constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
+  const int j = B::key(), part = B::part(), warp = threadIdx.x / 32;
+  const int64_t key = kb * kBlockK + j;
+  const bool valid = key < seq_kv;
+
+  // K: max |k - k_mean| of the part, then over the 4 parts of a key and its pair key (j ^ 1 is
+  // 4 lanes away): one group in this warp.
+  uint32_t abits = 0u;
+  for (int ci = 0; ci < B::kChunks; ++ci) {
+    const float4 m0 = *reinterpret_cast<const float4*>(&km[(ci * 4 + part) * 8]);
+    const float4 m1 = *reinterpret_cast<const float4*>(&km[(ci * 4 + part) * 8 + 4]);
+    const float mk[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
+    for (int e = 0; e < 8; ++e)
+      abits = max(abits, __float_as_uint(fabsf(__fsub_rn(elem_float<T>(x.kr[ci], e), mk[e]))));
+  }
+  float amax = valid ? __uint_as_float(abits) : 0.0f;
+  for (int m : {1, 2, 4}) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  const int t = (j % 8) / 2;
+  if (threadIdx.x % 8 == 0) group_max[warp][t] = amax;
+
+  // V: E4M3 pairs (keys vkey0, vkey0 + 1) and (vkey0 + 8, vkey0 + 9) of each channel, one word.
+  {
+    const int sl = B::slice();
+    uint8_t* vdst = out.vq + vcol0 + int64_t(sl * B::kW) * pitch + kb * kBlockK + 4 * B::group();
+    for (int e = 0; e < B::kW; ++e) {
+      const int c = sl * B::kW + e;
+      const float m = vm[c], s = vi[c];
+      auto val = [&](int u) {
+        const uint32_t bits = (e % 2) ? x.vr[u][e / 2] >> 16 : x.vr[u][e / 2] & 0xFFFFu;
+        return __fmul_rn(__fsub_rn(Bits<T>::to_float(bits), m), s);
+      };
+      const uint32_t lo = ptx::cvt_e4m3x2(val(0), val(1)), hi = ptx::cvt_e4m3x2(val(2), val(3));
+      *reinterpret_cast<uint32_t*>(vdst + int64_t(e) * pitch) =
+          __byte_perm(lo, hi, 0x5410) & x.vkeep;
+    }
+  }
+  __syncthreads();
+
+  amax = 0.0f;
+  for (int w = 0; w < 8; ++w) amax = fmaxf(amax, group_max[w][t]);
+  const QuantScale s = make_quant_scale(amax, qmax);
+  if (threadIdx.x < 32 && threadIdx.x % 8 == 0)
+    out.k_scale[(krow0 / kBlockK + kb) * kKGroups + t] = s.scale;
+  const bool fast = finite_scale(amax, s.inv);
+  const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
+  quantize_store_row_part<T, D, kBits>(
+      out.kq + (krow0 + key) * (D * kBits / 8), x.kr,
+      [&](float y, int c) { return __fsub_rn(y, km[c]); }, part, s.inv, qmax, fast, keep);
+}
+
+// A packed batch's sequence whose keys end in the first half of a 128-key block (kb, its last
+// 64-key block, even): the sm90 kernel's TMA reads Vᵀ in 128-key blocks, so the second half's
+// columns, the sequence's own padding that nothing else writes, are zeroed. A masked key's P̃ is
+// 0, but 0·NaN of stale workspace bytes would not be. (Its K̂ rows there may hold anything: their
+// scores are masked, and their scale group is never read.) A dense call's Vᵀ ends at nk_pad,
+// where TMA reads zeros past the tensor.
+template <int D>
+__device__ __forceinline__ void zero_v_tail(const SeqRows& rows, int64_t kb, int64_t k_blocks,
+                                            int64_t vcol0, uint8_t* vq) {
+  if (!rows.packed() || kb != k_blocks - 1 || kb % 2 != 0) return;
+  const int64_t col0 = (kb + 1) * kBlockK;
+  for (int i = threadIdx.x; i < D * (kBlockK / 16); i += blockDim.x) {
+    const int c = i / (kBlockK / 16), part = i % (kBlockK / 16);
+    *reinterpret_cast<uint4*>(vq + vcol0 + c * rows.pitch + col0 + part * 16) =
+        make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// ---- quant_kv: the three-launch path's quantization ------------------------------------------
+// One CTA (256 threads) per 64-key block, K and V loaded together (the loads of both in flight at
+// once) before the head's means and scales.
+template <typename T, int D, int kBits, bool kVec>
+__device__ __forceinline__ void quant_kv(const QuantKvParams& p) {
+  __shared__ float group_max[8][4];
+  __shared__ __align__(16) float km[D];
+  __shared__ __align__(16) float vm[D];
+  __shared__ __align__(16) float vi[D];
+  const int64_t bh = cta_outer_index();
+  if (bh >= p.bk) return;
+  const BatchHead bhd = batch_head(bh, p.heads_kv);
+  const int b = int(bhd.b), h = int(bhd.h);
+  const SeqSpan sp = p.kv_rows.span(b);
+  const int64_t kb = blockIdx.x, seq_kv = sp.len;
+  if (kb * kBlockK >= seq_kv) return;  // past this sequence's keys (a packed batch)
+  KvBlock<D> x = load_block_global<T, D, kVec>(p, b, h, sp.tok0, kb, seq_kv);
+  x.template zero_special_keys<T>(kb * kBlockK, p.kv_bad + bh);
+  if (threadIdx.x < D) {
+    const int c = threadIdx.x;
+    km[c] = p.k_mean[int64_t(bh) * D + c];
+    vm[c] = p.v_mean[int64_t(bh) * D + c];
+    vi[c] = p.v_inv[int64_t(bh) * D + c];
+  }
+  __syncthreads();
+  const int64_t vcol0 = v_base(p.kv_rows, b, h, sp, D);
+  quant_kv_block<T, D, kBits>(x, kb, p.kv_rows.row0(b, h, sp), vcol0, p.kv_rows.pitch, km, vm,
+                              vi, group_max, seq_kv, p);
+  zero_v_tail<D>(p.kv_rows, kb, (seq_kv + kBlockK - 1) / kBlockK, vcol0, p.vq);
+}
+
+}  // namespace sage::quant::prepass

@@ -1,0 +1,217 @@
+// The pre-pass launcher: carries out the steps the plan chose (PrepassPlan, made by the planner in
+// src/api/plan.cpp): K/V in one cluster launch (kv_cluster > 0) or three (statistics, finalize,
+// quantization), Q's quantization or none (quantize_q), the loads' width (vec_kv, vec_q), K's bits
+// and Q smoothing. It decides nothing: it builds each kernel's Params from the plan, the caller's
+// tensors and the workspace, and launches the instantiation the plan names.
+//
+// Bytes moved (B·H·N·D elements of 2 bytes each for Q, K, V):
+//   kv_prepass   (sm_90+, a KV head of at most 8 chunks: PrepassPlan::kv_cluster) reads K and V
+//                once (2+2 B/elem), writes the chunk statistics, INT8/INT4 K + scales and E4M3
+//                Vᵀ as the next three do, in one launch
+//   kv_stats     reads V (2 B/elem) and every k_mean_stride-th row of K (the smoothing mean
+//                of K from a sample: ~256 rows a head with the presets), writes 24 B per (head,
+//                128-token chunk, channel), in the bytes the head's Vᵀ later takes
+//   kv_finalize  reads those statistics, writes 16 B per (head, channel)
+//   quant_kv     reads K and V (2+2 B/elem, kept in registers), writes INT8 (1 B) or INT4
+//                (0.5 B) K + 4 scales per 64 keys, and E4M3 Vᵀ (1 B)
+//   quant_q      reads Q (2 B/elem; again from L2 for the mean with Q smoothing), writes
+//                INT8/INT4 Q + scales (+ the block means with Q smoothing) and the LSE
+//                correction (4 B/row, NaN for a poisoned row); skipped when the sm90 kernel
+//                quantizes Q itself (PrepassPlan::quantize_q false: attn/sm90 producer)
+// (ΔS of Q smoothing is no pre-pass product: the mma kernel forms it from the caller's K.)
+// Per call: Q 2 B read, K 2 B and V 4 B read (2 B with kv_prepass), ~1 + 1 + 1 (+0.5) B written
+// per element. In three launches V is read twice (its exact channel mean and range, then
+// quantize): the sm90 kernel's wgmma accumulator needs V - v_mean to sum to zero
+// (docs/sm90-kernel.md, Tried and rejected).
+//
+// Each kernel is the GPU twin of a step of the CPU emulation (src/ref/attention_quant.cpp), with
+// the same float operations in the same order where the result is quantized. Throughput notes
+// (the kernels are memory-bound only if nothing else is slower):
+// - A thread issues every load of its rows before it uses any (kv_stats, kv_prepass: a whole
+//   chunk staged by cp.async), as 16-byte loads when every row of the tensor is 16-byte aligned,
+//   decided once on the host by the plan: kVec.
+// - No fp32→fp64 conversion instruction on the hot paths (F2F.F64 issues at a small fraction of
+//   the FP64 rate). The sums of kv_stats and the LSE dot product of quant_q need each fp16/bf16
+//   value x as a double: its sign, exponent and mantissa bits placed in a double's fields give
+//   exactly x·2^-kScaleExp (subnormals included), a power-of-two multiply (or, for sums, the
+//   scale invariance of the rounding) gives x itself. Inf/NaN inputs break that and take the
+//   original converting path (detected per slice or per thread).
+// - Integer quantization rounds with the 1.5·2^23 addition instead of FRND + F2I, and drops the
+//   clamp and NaN test where they cannot act (no NaN, finite group amax and inv); no per-element
+//   branches (rows past the sequence are zeroed by a mask on the packed word).
+// - Max/min that need no float rounding run on the packed 16-bit inputs (kv_stats' V range,
+//   quant_q's max |q| without smoothing).
+// - Grids are (blocks, batch·heads spread over y and z: common/grid.h), so any count of heads
+//   launches; a CTA decodes its (b, h) once in its prologue (one division), none in a loop.
+// - Every kernel is PDL-launched (launch_pdl) and waits in its prologue (pdl_enter).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "common/grid.h"
+#include "common/launch.h"
+#include "quant/prepass.h"
+#include "quant/prepass/kernels.cuh"
+
+namespace sage::quant {
+namespace {
+
+using namespace prepass;
+
+// The parts the kernels' Params are made of, from the plan, the caller's tensors and the
+// workspace (the offsets of layout.h).
+struct Parts {
+  KvInput kv_in;
+  KvHeads heads;
+  KMeanSampling sampling;
+  Smoothing smoothing;
+  ChunkStatsOut stats;
+  HeadFinalOut final_out;
+  HeadFinalIn final_in;
+  KvQuantOut kv_out;
+};
+
+Parts parts_of(const PrepassPlan& p, const PrepassInputs& in, uint8_t* ws) {
+  auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
+  auto* kv_bad = reinterpret_cast<unsigned long long*>(ws + p.kv_bad);
+  Parts x{};
+  // The caller's channels (<= D, a multiple of 8): the kernels read these and write the rest of
+  // D as zero channels (layout.h, PrepassPlan::channels).
+  x.kv_in = {in.k, in.v, in.k_strides, in.v_strides, int(p.channels)};
+  x.heads = {p.heads_kv, p.batch * p.heads_kv, p.kv_rows};
+  x.sampling = {p.k_mean_tokens};
+  x.smoothing = {p.smooth_k, p.smooth_v};
+  x.stats = {reinterpret_cast<KvStat*>(ws + p.kv_stats)};
+  x.final_out = {f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv),
+                 reinterpret_cast<unsigned*>(ws + p.tile_counter), kv_bad};
+  x.final_in = {f32(p.k_mean), f32(p.v_mean), f32(p.v_inv), kv_bad};
+  x.kv_out = {ws + p.k, f32(p.k_scale), ws + p.v};
+  return x;
+}
+
+QuantQParams quant_q_params(const PrepassPlan& p, const PrepassInputs& in, uint8_t* ws) {
+  auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
+  QuantQParams q{};
+  q.q = in.q, q.qs = in.q_strides, q.dim = int(p.channels);
+  q.heads_kv = int(p.heads_kv), q.group_ratio = int(p.heads_q) / int(p.heads_kv);
+  q.bq = p.batch * p.heads_q;
+  q.q_rows = p.q_rows, q.kv_rows = p.kv_rows, q.shift_rows = p.shift_rows;
+  q.scale = in.scale;
+  q.k_mean = f32(p.k_mean);
+  q.kv_bad = reinterpret_cast<const unsigned long long*>(ws + p.kv_bad);
+  q.sight = in.sight, q.bottom_right = in.bottom_right;
+  q.qq = ws + p.q, q.q_scale = f32(p.q_scale);
+  q.q_mean = p.smooth_q ? f32(p.q_mean) : nullptr;
+  q.lse_shift = f32(p.lse_shift);
+  return q;
+}
+
+template <typename T, int D>
+cudaError_t launch_dim(const PrepassPlan& p, const PrepassInputs& in, uint8_t* ws, int device,
+                       cudaStream_t st) {
+  const Parts x = parts_of(p, in, ws);
+  // (blocks, batch·heads over y and z: common/grid.h).
+  auto kv_grid = [&](int64_t blocks) { return outer_dims(blocks, x.heads.bk); };
+  cudaError_t err = cudaSuccess;
+  auto check = [&](cudaError_t e) {
+    if (err == cudaSuccess) err = e;
+  };
+  auto kv = [&](auto bits, auto vec) {
+    constexpr int kBits = decltype(bits)::value;
+    constexpr bool kVec = decltype(vec)::value;
+    if (p.kv_cluster > 0) {  // one launch, a cluster per KV head
+      if constexpr (Stage<D>::kRows == kStatTokens) {
+        constexpr auto kernel = kv_prepass_kernel<T, D, kBits, kVec>;
+        check(set_max_dynamic_smem_once<kernel>(device, Stage<D>::kBytes));
+        LaunchShape shape{kv_grid(p.stat_chunks), dim3(kKvThreads), size_t(Stage<D>::kBytes)};
+        shape.cluster = unsigned(p.kv_cluster);
+        check(launch_pdl(kernel, shape, st,
+                         KvPrepassParams{x.kv_in, x.heads, x.sampling, x.smoothing, x.stats,
+                                         x.final_out, x.kv_out}));
+      } else {
+        check(cudaErrorInvalidConfiguration);  // a chunk is not staged whole: planned at D <= 128
+      }
+      return;
+    }
+    constexpr auto stats_kernel = kv_stats_kernel<T, D, kVec>;
+    check(set_max_dynamic_smem_once<stats_kernel>(device, Stage<D>::kBytes));
+    check(launch_pdl(stats_kernel,
+                     {kv_grid(p.stat_chunks), dim3(kKvThreads), size_t(Stage<D>::kBytes)}, st,
+                     KvStatsParams{x.kv_in, x.heads, x.sampling, x.stats}));
+    if (err != cudaSuccess) return;
+    // One CTA per (sequence, KV head) along x (up to 2^31 - 1: the backend refuses more).
+    check(launch_pdl(kv_finalize_kernel<D>,
+                     {dim3(unsigned(x.heads.bk)), dim3(finalize_threads(D))}, st,
+                     KvFinalizeParams{x.stats, x.heads, x.sampling, x.smoothing, x.final_out}));
+    if (err != cudaSuccess) return;
+    check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(kKvThreads)},
+                     st, QuantKvParams{x.kv_in, x.heads, x.final_in, x.kv_out}));
+  };
+  auto quant = [&](auto bits, auto vkv, auto vq) {
+    constexpr int kBits = decltype(bits)::value;
+    kv(bits, vkv);
+    if (err != cudaSuccess || !p.quantize_q) return;  // the sm90 kernel quantizes Q itself
+    auto qk = p.smooth_q ? quant_q_kernel<T, D, kBits, decltype(vq)::value, true>
+                         : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
+    check(launch_pdl(qk, {outer_dims(p.q_blocks, p.batch * p.heads_q), dim3(kQThreads)}, st,
+                     quant_q_params(p, in, ws)));
+  };
+  auto with_vec = [&](auto bits) {
+    if (p.vec_kv && p.vec_q)
+      quant(bits, std::true_type{}, std::true_type{});
+    else if (p.vec_kv)
+      quant(bits, std::true_type{}, std::false_type{});
+    else if (p.vec_q)
+      quant(bits, std::false_type{}, std::true_type{});
+    else
+      quant(bits, std::false_type{}, std::false_type{});
+  };
+  if (p.bits == 8)
+    with_vec(std::integral_constant<int, 8>{});
+  else
+    with_vec(std::integral_constant<int, 4>{});
+  return err;
+}
+
+template <typename T>
+cudaError_t launch_all(const PrepassPlan& p, const PrepassInputs& in, uint8_t* ws, int device,
+                       cudaStream_t st) {
+  const cudaError_t e = p.head_dim == 64    ? launch_dim<T, 64>(p, in, ws, device, st)
+                        : p.head_dim == 128 ? launch_dim<T, 128>(p, in, ws, device, st)
+                                            : launch_dim<T, 256>(p, in, ws, device, st);
+  const cudaError_t last = cudaGetLastError();  // also clears a launch error just returned
+  return e != cudaSuccess ? e : last;
+}
+
+}  // namespace
+
+int max_kv_cluster(int device) {
+  // Portable clusters only: 16-CTA clusters (non-portable on the H100) measured slower than the
+  // three launches at N = 2048 (docs/sm90-kernel.md, Tried 41). The largest instantiation
+  // (D = 128: 70 KB of staged rows a CTA) decides for all.
+  constexpr int kCluster = 8;
+  constexpr auto kernel = kv_prepass_kernel<__half, 128, 8, true>;
+  if (set_max_dynamic_smem_once<kernel>(device, Stage<128>::kBytes) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  LaunchShape shape{dim3(unsigned(kCluster)), dim3(kKvThreads), size_t(Stage<128>::kBytes)};
+  shape.cluster = unsigned(kCluster);
+  cudaLaunchAttribute attr[2];
+  const cudaLaunchConfig_t cfg = launch_config(shape, nullptr, attr);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0)
+    return kCluster;
+  cudaGetLastError();
+  return 0;
+}
+
+cudaError_t run_prepass(const PrepassPlan& plan, const PrepassInputs& in, uint8_t* workspace,
+                        int device, cudaStream_t stream) {
+  return in.dtype == SAGE_DTYPE_BF16
+             ? launch_all<__nv_bfloat16>(plan, in, workspace, device, stream)
+             : launch_all<__half>(plan, in, workspace, device, stream);
+}
+
+}  // namespace sage::quant

@@ -1,0 +1,76 @@
+// Staging a chunk of K/V rows in shared memory (kv_stats, and the one-launch kv_prepass, which
+// keeps the chunk staged through the statistics and the quantization).
+#pragma once
+
+#include <cstdint>
+
+#include "ptx/async.cuh"
+#include "quant/layout.h"
+#include "quant/prepass/common.cuh"
+#include "quant/prepass/params.h"
+
+namespace sage::quant::prepass {
+
+// Rows of a chunk sit at a pitch of 2·D + 16 bytes (the 16 spread the rows that quant_kv_block's
+// V groups read together over the banks: at most two-way conflicts), K rows then V rows. At
+// D = 256 a stage holds half a chunk (66 KB; a whole one, 132 KB, exceeds the 99 KB a CTA may
+// have on sm_89 and sm_120): kv_stats stages and sums a chunk in two parts, and the one-launch
+// kv_prepass, which keeps a whole chunk staged, is planned for D <= 128 only.
+template <int D>
+struct Stage {
+  static constexpr int kPitch = 2 * D + 16;
+  static constexpr int kRows = D <= 128 ? kStatTokens : kStatTokens / 2;  // rows a stage holds
+  static constexpr int kV = kRows * kPitch;           // V's offset
+  static constexpr int kBytes = 2 * kV;               // K and V: 70 KB at D = 128
+};
+
+// 16 bytes from global to shared memory: cp.async (in flight with every other copy of the
+// thread until stage_rows' wait) when every row is 16-byte aligned, else eight 2-byte loads.
+template <bool kVec, typename T>
+__device__ __forceinline__ void copy16(uint8_t* dst, const T* src) {
+  if constexpr (kVec)
+    ptx::cp_async_16(dst, src);
+  else
+    *reinterpret_cast<uint4*>(dst) = load_raw8<false>(src);
+}
+
+// Stages the chunk's rows n0 + r (r < kStatTokens) of K and V: V's every row, K's every row when
+// all_k, else only the rows the K mean samples (n % k_stride == 0); rows past `rows` (the
+// sequence's end) are zero-filled, and so are the channels from in.dim (the caller's head dim) to
+// D. 256 threads: D/8 lanes a row, each a 16-byte piece (wholly inside dim: a multiple of 8).
+template <typename T, int D, bool kVec>
+__device__ __forceinline__ void stage_rows(const KvInput& in, int b, int h, int64_t tok0,
+                                           int64_t n0, int rows, uint32_t k_stride, bool all_k,
+                                           uint8_t* smem) {
+  constexpr int kPieces = D / 8, kRowStep = 256 / kPieces;
+  const int piece = threadIdx.x % kPieces;
+  const bool real = piece * 8 < in.dim;  // a piece of the caller's channels, not zero padding
+  int r = threadIdx.x / kPieces;
+  // (Pointers to rows past the sequence are formed, never read.)
+  const T* k_row = row_ptr(static_cast<const T*>(in.k), in.ks, b, h, tok0 + n0 + r) + piece * 8;
+  const T* v_row = row_ptr(static_cast<const T*>(in.v), in.vs, b, h, tok0 + n0 + r) + piece * 8;
+  const int64_t k_step = int64_t(kRowStep) * in.ks.token, v_step = int64_t(kRowStep) * in.vs.token;
+  // Whether K's mean samples row n0 + r, as a running residue (no division per row).
+  uint32_t residue = uint32_t((n0 + r) % int64_t(k_stride));
+  const uint32_t residue_step = uint32_t(kRowStep) % k_stride;
+  for (; r < Stage<D>::kRows; r += kRowStep) {
+    uint8_t* kd = smem + r * Stage<D>::kPitch + piece * 16;
+    uint8_t* vd = kd + Stage<D>::kV;
+    if (r < rows && real) {
+      copy16<kVec>(vd, v_row);
+      if (all_k || residue == 0u) copy16<kVec>(kd, k_row);
+    } else {
+      *reinterpret_cast<uint4*>(vd) = *reinterpret_cast<uint4*>(kd) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    k_row += k_step, v_row += v_step;
+    residue += residue_step;
+    if (residue >= k_stride) residue -= k_stride;
+  }
+  if constexpr (kVec) {
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
+}  // namespace sage::quant::prepass
