@@ -251,7 +251,7 @@ typedef struct sage_attention_args {
    * smoothing, Q rows 16-byte aligned, no SAGE_OPTION_PREPASS_Q), else on the mma.sync kernel
    * (8-bit and 4-bit, not FP4; kernel = MMA forces it): each sequence gives the bits the same kernel gives it as a dense
    * call of batch 1. The workspace holds each sequence's rows padded to a multiple of 128 (no
-   * padding to seq_q/seq_kv): README.md, "Device memory". */
+   * padding to seq_q/seq_kv): docs/c-api.md, "Device memory". */
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
   int64_t total_q; /* query tokens in all sequences (rows of q and o), >= 1 */
@@ -270,9 +270,10 @@ typedef struct sage_plan_info {
   int32_t block_k;         /* keys per streamed block */
   int32_t fused_q;         /* 1: the kernel quantizes Q itself (no pre-pass for Q) */
   int32_t launches;        /* kernels launched per call */
-  int32_t prefer_sdpa;     /* 1: on this GPU a dense fp16 SDPA (cuDNN) measured faster for this
-                              head dim, mask and length (the crossover table, src/api/plan.cpp):
-                              the SDPA drop-in hands such calls to torch; sage_attention() still
+  int32_t prefer_sdpa;     /* 1: on this GPU a dense fp16 SDPA (cuDNN) is predicted faster for
+                              this call's batch, heads, lengths, head dim and mask (the
+                              crossover model fitted to measurements, src/api/plan.cpp): the
+                              SDPA drop-in hands such calls to torch; sage_attention() still
                               runs them */
   size_t workspace_size;   /* bytes of device workspace (sage_attention_workspace_size) */
   sage_quant_config emulation; /* the config whose CPU emulation (SAGE_VARIANT_CUSTOM on host
@@ -385,7 +386,7 @@ SAGE_API sage_status sage_quant_config_init(sage_quant_config* config, sage_vari
 /* Bytes of device workspace sage_attention() needs for these args (0 for the CPU backend): the
  * quantized K and V with their scales and means; where the kernel does not quantize Q itself, the
  * quantized Q with its scales and 4 bytes a query row (its LSE shift), else those 4 bytes only
- * where the LSE is asked for (lse != NULL); Q's block means with Q smoothing. README.md,
+ * where the LSE is asked for (lse != NULL); Q's block means with Q smoothing. docs/c-api.md,
  * "Device memory", gives the formula. */
 SAGE_API sage_status sage_attention_workspace_size(const sage_attention_args* args,
                                                    size_t* bytes);

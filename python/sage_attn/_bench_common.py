@@ -1,5 +1,5 @@
-"""The torch-free half of `python -m sage_attn.bench`: the command line, the row schema of
-BENCHMARKS.md, the JSON writer, the markdown tables and the plot. Kept apart from bench.py so
+"""The torch-free half of `python -m sage_attn.bench`: the command line, the row schema
+(ROW_FIELDS), the JSON writer, the markdown tables and the plot. Kept apart from bench.py so
 that the report code is tested on machines without torch or a GPU (tests/python)."""
 from __future__ import annotations
 
@@ -29,8 +29,21 @@ def new_row(impl, head_dim, seq_len, batch, heads, causal):
 
 
 def flops(batch, heads, seq_len, head_dim, causal):
-    """Forward FLOPs of BENCHMARKS.md: 4·B·H·N²·D, halved for causal."""
+    """Forward FLOPs (docs/performance.md): 4·B·H·N²·D, halved for causal."""
     return 4.0 * batch * heads * seq_len * seq_len * head_dim / (2 if causal else 1)
+
+
+def cuda_missing(prog, torch):
+    """Why `python -m prog` cannot benchmark here (printed to stderr), or None: it needs torch
+    (the module passes its import, None when that failed) and a CUDA device."""
+    if torch is None:
+        reason = f"python -m {prog} needs PyTorch (import torch failed)"
+    elif not torch.cuda.is_available():
+        reason = "no CUDA device: nothing to benchmark"
+    else:
+        return None
+    print(reason, file=sys.stderr)
+    return reason
 
 
 def gpu_slug(name):
@@ -71,6 +84,18 @@ def build_parser(doc=None):
     ap.add_argument("--commit", default=None)
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--host-time", action="store_true",
+                    help="instead of the grid: the host microseconds per eager call of torch's "
+                         "SDPA, sageattn and the SDPA drop-in (as it routes, and with its "
+                         "crossover off) at ViT-L, DiT-XL/2 and Flux shapes, each paired with "
+                         "SDPA round by round (--out, --tag, --seed apply)")
+    ap.add_argument("--host-rounds", type=int, default=200,
+                    help="--host-time: rounds, median (default 200)")
+    ap.add_argument("--host-calls", type=int, default=5,
+                    help="--host-time: calls of each function a round (default 5)")
+    ap.add_argument("--models", action="store_true",
+                    help="the real-model table instead of the grid (python -m "
+                         "sage_attn.bench_models: --out, --seconds and --commit apply)")
     return ap
 
 
@@ -89,6 +114,8 @@ def parse_args(argv=None, doc=None):
         ap.error("--batch and --heads must be positive")
     if not args.seconds > 0:
         ap.error("--seconds must be positive")
+    if args.host_rounds <= 0 or args.host_calls <= 0:
+        ap.error("--host-rounds and --host-calls must be positive")
     args.causals = {"both": [False, True], "0": [False], "1": [True]}[args.causal]
     return args
 

@@ -6,7 +6,7 @@ a `with` block. `register_flash_impl()` (run on `import sage_attn`) makes "sage"
 torch.nn.attention.list_flash_attention_impls(); `activate_flash_attention_impl("sage")` then
 points SDPA's flash kernel (aten::_scaled_dot_product_flash_attention and its backward, CUDA) at
 sage. Both keep the drop-in's routing: sage runs a call only where the library has a kernel for it
-and its crossover table does not say torch's SDPA is faster on this GPU; every other call runs
+and its crossover model does not say torch's SDPA is faster on this GPU; every other call runs
 what it ran before (the drop-in: torch's SDPA; the flash impl: torch's own flash kernel, fetched
 with torch.library.get_kernel before sage takes its place).
 """
@@ -186,12 +186,10 @@ def _flash_backward(keyset, grad_out, query, key, value, out, logsumexp, cum_seq
     layout = _layout_of(query)
     q, k, v, d_o = _to(layout, query, key, value, grad_out)
     dq, dk, dv, untrusted = _t._backward(q, k, v, d_o, None, layout, mask, s)
-    if (not _t._traced(untrusted) and _t._verdicts_readable(query.device)
-            and untrusted.item()):
+    if _t._refused(untrusted):
         # SageBwd refused its own INT8 scores for this call: the gradients of torch's
         # 16-bit flash attention instead (its forward recomputed, for the O and LSE its
         # backward reads).
-        _t._note_fallback()
         if query.is_cuda:
             fwd = _state.fwd.call_boxed(keyset, query, key, value, 0.0, is_causal, False,
                                         scale=scale)

@@ -14,7 +14,9 @@ Eager calls on plain tensors skip the op's dispatch and run the implementation d
 One C call a call: the library's plan of a shape (workspace size, the crossover hint of the SDPA
 drop-in) and the argument struct with everything but the pointers are kept per shape
 (_prepared), so a repeated shape costs a struct copy, the output and workspace allocations and
-sage_attention() itself, which validates and plans once.
+sage_attention() itself, which validates and plans once. The SDPA drop-in keeps its whole answer
+(its argument checks, torch's SDPA or sage, and sage's plan) per call signature (_routes), so a
+repeated call adds one lookup to what it runs.
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ def _build_args(c: _Call, o, lse):
 
 class _Prepared:
     """A CUDA call's shape, planned once: the argument struct without its pointers, the
-    workspace size, whether the library's crossover table prefers torch's SDPA, and whether the
+    workspace size, whether the library's crossover model prefers torch's SDPA, and whether the
     library has the call's backward."""
     __slots__ = ("args", "workspace", "prefer_sdpa", "prefer_sdpa_training", "has_backward")
 
@@ -168,8 +170,10 @@ def _warn_once(reason: str):
                   stacklevel=3)
 
 
-def _attention(c: _Call):
-    """The op's implementation (see the module docstring): (o, lse), lse None unless asked."""
+def _attention(c: _Call, prep=None):
+    """The op's implementation (see the module docstring): (o, lse), lse None unless asked.
+    prep: the call's _Prepared where the caller has it already (the drop-in's route), else it is
+    looked up here."""
     q, k, v, layout, mask, scale = c.q, c.k, c.v, c.layout, c.mask, c.scale
     if (c.fallback == _FALLBACK_SDPA and q.is_cuda and
             _dropin_prefers_sdpa(q, k, v, mask, scale, training=c.return_lse)):
@@ -188,9 +192,9 @@ def _attention(c: _Call):
             device = q.device
             if device.index != torch.cuda.current_device():
                 with torch.cuda.device(device):
-                    _run_cuda(c, o, lse)
+                    _run_cuda(c, o, lse, prep)
             else:
-                _run_cuda(c, o, lse)
+                _run_cuda(c, o, lse, prep)
         else:
             a = _build_args(c, o, lse)
             a.backend = _lib.BACKEND_CPU
@@ -206,14 +210,15 @@ def _attention(c: _Call):
     return o, lse
 
 
-def _run_cuda(c: _Call, o, lse):
+def _run_cuda(c: _Call, o, lse, prep=None):
     q = c.q
     stream = _current_stream(q.device)
-    key = _key(c)
-    prep = _prepared.get(key)
     if prep is None:
-        prep = _prepare(key, c, o, lse, stream)
-    prep = _planned(prep)
+        key = _key(c)
+        prep = _prepared.get(key)
+        if prep is None:
+            prep = _prepare(key, c, o, lse, stream)
+        prep = _planned(prep)
     a = _lib.AttentionArgs.from_buffer_copy(prep.args)
     a.q, a.k, a.v, a.o = q.data_ptr(), c.k.data_ptr(), c.v.data_ptr(), o.data_ptr()
     a.lse = lse.data_ptr() if lse is not None else None
@@ -364,9 +369,12 @@ def _launch_backward(q, k, v, d_o, d_lse, layout, mask, scale, family, out, untr
     return workspace
 
 
-def _verdicts_readable(device):
-    """Whether the check's verdicts can be read now (not under CUDA-graph capture)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+def _verdicts_readable(untrusted):
+    """Whether the check's verdicts (untrusted, the backward's int32 flags) can be read now: not
+    while a tracer stands in for them, not under CUDA-graph capture."""
+    if _traced(untrusted):
+        return False
+    if untrusted.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         if "capture" not in _warned:
             _warned.add("capture")
             warnings.warn("sage_attn: under CUDA-graph capture SageBwd's accuracy check cannot hand "
@@ -376,13 +384,22 @@ def _verdicts_readable(device):
     return True
 
 
-def _note_fallback(calls=1):
+def _refused(untrusted):
+    """Whether SageBwd refused this call (one host synchronization reads its verdict, where it can
+    be read); a refusal is counted and warned about, and the caller recomputes the gradients."""
+    if _verdicts_readable(untrusted) and untrusted.item():
+        _note_fallback(stacklevel=4)  # (the warning points where the backward was called)
+        return True
+    return False
+
+
+def _note_fallback(calls=1, stacklevel=3):
     global _fallbacks
     _fallbacks += calls
     warnings.warn("sage_attn: SageBwd's accuracy check estimated the INT8 scores of this call too "
                   "coarse for its gradients (outlier channels or peaked rows): they were computed "
                   "in 16 bits by torch instead (sage_attn.backward_fallbacks() counts these)",
-                  SageBwdFallbackWarning, stacklevel=3)
+                  SageBwdFallbackWarning, stacklevel=stacklevel)
 
 
 def _backward(q, k, v, d_o, d_lse, layout, mask, scale, family=0):
@@ -449,8 +466,7 @@ def _attention_grad(ctx, d_o, d_lse):
     # says so, and this call's gradients are computed in 16 bits by torch instead, here where
     # autograd records (one host synchronization a call reads the verdict). Under CUDA-graph
     # capture or while compiling nothing can be read: the NaN stays.
-    if not _traced(untrusted) and _verdicts_readable(q.device) and untrusted.item():
-        _note_fallback()
+    if _refused(untrusted):
         dq, dk, dv = _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale)
     return (dq, dk, dv, *nones)
 
@@ -471,10 +487,11 @@ def _traced(x):
     return proxy is not None and torch._C._get_dispatch_mode(proxy.PROXY) is not None
 
 
-def _call(c: _Call):
+def _call(c: _Call, prep=None):
     """_attention directly where nothing needs to see the op: eager, plain tensors (no
     subclass such as FakeTensor), no gradient wanted, no dispatch or function mode (profilers,
-    flop counters, fake-tensor tracing); the custom op everywhere else."""
+    flop counters, fake-tensor tracing); the custom op everywhere else. prep: the call's
+    _Prepared where the caller has it (used by the direct path only: the op plans its own)."""
     q, k, v = c.q, c.k, c.v
     eager = (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
              and not torch.compiler.is_compiling()
@@ -483,7 +500,7 @@ def _call(c: _Call):
              and (_dispatch_stack_len is None or _dispatch_stack_len() == 0)
              and (_function_mode_on is None or not _function_mode_on()))
     if eager:
-        return _attention(c)
+        return _attention(c, prep)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # The backward needs the LSE: computed whether or not the caller asked for it.
         c = c._replace(return_lse=True)
@@ -738,7 +755,7 @@ class _VarlenAttention(torch.autograd.Function):
             ws = _launch_backward(*views, dl, _lib.LAYOUT_NHD, mask, scale, family, out,
                                   untrusted[b:b + 1], ws)
             runs.append((b, views, dl, out))
-        if runs and _verdicts_readable(q.device):
+        if runs and _verdicts_readable(untrusted):
             flags = untrusted.tolist()
             refused = [r for r in runs if flags[r[0]]]
             for _, views, dl, out in refused:
@@ -799,7 +816,7 @@ _use_crossover = True
 
 
 def set_dropin_crossover(enabled: bool) -> None:
-    """The SDPA drop-in hands shapes where the library's crossover table (measured per GPU
+    """The SDPA drop-in hands shapes where the library's crossover model (fitted per GPU
     architecture, head dim and mask) says torch's own SDPA is faster to torch (the default).
     set_dropin_crossover(False): the drop-in runs sage wherever it can."""
     global _use_crossover
@@ -810,8 +827,9 @@ def set_dropin_crossover(enabled: bool) -> None:
 
 def _dropin_call(q, k, v, layout, mask, scale, fallback):
     """The SDPA drop-in's call: the SageAttn2-8b preset, no LSE, the library's kernel."""
-    return _Call(q, k, v, layout, mask, scale, qk_bits=None, smooth_q=None, smooth_k=None,
-                 smooth_v=None, return_lse=False, fallback=fallback, family=_lib.KERNEL_AUTO)
+    # (Positional: a NamedTuple parses keywords in Python, and this runs on every drop-in call.)
+    return _Call(q, k, v, layout, mask, scale, None, None, None, None, False, fallback,
+                 _lib.KERNEL_AUTO)
 
 
 def _dropin_args(query, key, value):
@@ -824,16 +842,21 @@ def _dropin_args(query, key, value):
 
 def _dropin_route(q, k, v, mask, scale, training=False):
     """None: the drop-in runs sage; else it hands the call to torch's SDPA, with this reason to
-    warn about ("": the crossover table, silently). training: the inputs require grad, so the
+    warn about ("": the crossover model, silently). training: the inputs require grad, so the
     library must have the backward too (its plan says)."""
+    return _dropin_plan(q, k, v, mask, scale, training)[0]
+
+
+def _dropin_plan(q, k, v, mask, scale, training=False):
+    """(_dropin_route's answer, the _Prepared its sage run uses: None unless it runs sage)."""
     try:
         prep = _plan_of(q, k, v, _lib.LAYOUT_HND, mask, scale)
     except _lib.SageUnsupportedError as e:
-        return f"no kernel for this call ({e})"
+        return f"no kernel for this call ({e})", None
     if training and not prep.has_backward:
-        return f"no backward kernel for head_dim {q.shape[-1]} (training)"
+        return f"no backward kernel for head_dim {q.shape[-1]} (training)", None
     faster = prep.prefer_sdpa_training if training else prep.prefer_sdpa
-    return "" if _use_crossover and faster else None
+    return ("", None) if _use_crossover and faster else (None, prep)
 
 
 def _dropin_prefers_sdpa(q, k, v, mask, scale, training=False):
@@ -841,19 +864,78 @@ def _dropin_prefers_sdpa(q, k, v, mask, scale, training=False):
     return route == "" or (training and route is not None)
 
 
+class _Route:
+    """The drop-in's answer for one call. reason None: sage runs it, with this mask and scale,
+    copy saying whether an input needs a contiguous head dim first, and prep the plan of the
+    run (None where an input is copied: the copy's alignment is its allocation's, which the
+    signature does not record, so its run looks the plan up). Else torch's SDPA runs it, with
+    reason to warn about ("": the crossover model's choice, silent)."""
+    __slots__ = ("reason", "mask", "scale", "copy", "prep")
+
+    def __init__(self, reason, mask=None, scale=None, copy=False, prep=None):
+        self.reason, self.mask, self.scale, self.copy, self.prep = reason, mask, scale, copy, prep
+
+
+def _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The drop-in's _Route for this call, every check run."""
+    reason = _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+    if reason is not None:
+        return _Route(reason)
+    q, k, v = _dropin_args(query, key, value)
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
+    reason, prep = _dropin_plan(q, k, v, mask, s, _training(query, key, value))
+    copy = q is not query or k is not key or v is not value
+    return _Route(reason, mask, s, copy, None if copy else prep)
+
+
+# Decided drop-in calls by signature (_dropin_route_of), so that a repeated call pays one tuple
+# of attribute reads and one lookup for its checks, its route and its plan.
+_routes: dict = {}
+
+
+def _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """The drop-in's _Route for this call (_dropin_decide), kept by the call's signature: every
+    input the answer reads. Of the tensors: shape, strides, dtype, device and whether the query
+    is 16-byte aligned (the plan's key has it); the scalar arguments as given; whether the call
+    trains (grad mode, requires_grad); the crossover switch. Nothing else reaches the answer
+    (torch's deterministic-algorithms setting only orders SageBwd's sums, read when it runs; the
+    library's plan reads its arguments alone). Only plain tensors without a mask are kept: a
+    subclass may answer attribute reads its own way, and a mask is never taken; those, and a
+    call whose signature cannot be formed (an unhashable argument, a tensor without strides or
+    storage), run every check each time."""
+    t = torch.Tensor
+    sig = None
+    if type(query) is t and type(key) is t and type(value) is t and attn_mask is None:
+        try:
+            sig = (query.shape, key.shape, value.shape, query.stride(), key.stride(),
+                   value.stride(), query.dtype, key.dtype, value.dtype, query.device,
+                   key.device, value.device, query.data_ptr() % 16 == 0, dropout_p, is_causal,
+                   scale, enable_gqa, torch.is_grad_enabled() and (
+                       query.requires_grad or key.requires_grad or value.requires_grad),
+                   _use_crossover)
+            route = _routes.get(sig)
+        except (TypeError, RuntimeError):
+            sig = route = None
+        if route is not None:
+            return route
+    route = _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if sig is not None:
+        if len(_routes) >= _PREPARED_MAX:
+            _routes.clear()
+        _routes[sig] = route
+    return route
+
+
 def dropin_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False) -> str:
     """What scaled_dot_product_attention would run for these arguments: "sage" or "sdpa"
     (torch's own, for arguments the library does not take, training calls whose backward it
-    does not have or, by its crossover table, shapes where torch's SDPA measured faster on this
+    does not have or, by its crossover model, shapes where torch's SDPA is predicted faster on this
     GPU)."""
-    if _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa) is not None:
-        return "sdpa"
-    q, k, v = _dropin_args(query, key, value)
-    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
-    route = _dropin_route(q, k, v, mask, s, _training(query, key, value))
-    return "sage" if route is None else "sdpa"
+    route = _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                             enable_gqa)
+    return "sage" if route.reason is None else "sdpa"
 
 
 def _training(query, key, value):
@@ -867,27 +949,30 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     top-left aligned; scale defaults to 1/sqrt(E); GQA only with enable_gqa), computed by
     SageAttn2-8b where it can and is faster, by torch's SDPA otherwise: arguments the library
     does not take (a one-time warning per reason; a training call whose backward the library
-    does not have is one), and shapes where the library's crossover table says torch's SDPA is
+    does not have is one), and shapes where the library's crossover model says torch's SDPA is
     faster on this GPU (silently; set_dropin_crossover(False) turns that off; under
     torch.compile the same choice is made inside the op). So
     `F.scaled_dot_product_attention = sage_attn.scaled_dot_product_attention` is safe anywhere
     and not slower than SDPA where the table was measured."""
-    reason = _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
-    if reason is not None:
-        _warn_once(reason)
-        return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    q, k, v = _dropin_args(query, key, value)
-    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
-    if not torch.compiler.is_compiling():  # (compiled graphs decide inside the op)
-        route = _dropin_route(q, k, v, mask, s, _training(query, key, value))
-        if route is not None:
-            if route:
-                _warn_once(route)
-            return _torch_sdpa(query, key, value, is_causal=is_causal, scale=scale,
+    if torch.compiler.is_compiling():
+        # The tracer reads no cache: the checks are traced, and the op makes the choice.
+        reason = _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+        if reason is not None:
+            return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                enable_gqa=enable_gqa)
-    o, _ = _call(_dropin_call(q, k, v, _lib.LAYOUT_HND, mask, s,
-                              _FALLBACK_SDPA if torch.compiler.is_compiling()
-                              else _FALLBACK_SDPA_ROUTED))
+        q, k, v = _dropin_args(query, key, value)
+        s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
+        o, _ = _call(_dropin_call(q, k, v, _lib.LAYOUT_HND, mask, s, _FALLBACK_SDPA))
+        return o
+    route = _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                             enable_gqa)
+    if route.reason is not None:
+        if route.reason:
+            _warn_once(route.reason)
+        return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                           enable_gqa=enable_gqa)
+    q, k, v = _dropin_args(query, key, value) if route.copy else (query, key, value)
+    o, _ = _call(_dropin_call(q, k, v, _lib.LAYOUT_HND, route.mask, route.scale,
+                              _FALLBACK_SDPA_ROUTED), route.prep)
     return o

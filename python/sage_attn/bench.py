@@ -1,12 +1,13 @@
-"""python -m sage_attn.bench: the standard grid of BENCHMARKS.md with the baselines in the same
+"""python -m sage_attn.bench: the standard grid (docs/performance.md) with the baselines in the same
 process. For every (head_dim, N, causal) and implementation: eager end-to-end TOPS (fp16 in, fp16
 out, CUDA events, median of samples), TOPS under CUDA-graph replay (the GPU's time alone: the
 figure the bar is judged on), host microseconds per eager call, sage's kernel-only TOPS (the
 attention kernel's own duration read with torch.profiler/CUPTI), cuDNN's FP8 attention on inputs
 quantized beforehand (kernel-only, the anchor), and accuracy (cos, rel-L1, RMSE, max-abs) against
-float64 on the first heads. Writes <out>/<date>-<gpu>[-tag].json (the schema of BENCHMARKS.md,
-plus host_us and the SDPA drop-in's choice) and a PNG plot (TOPS vs N per head dim and mask, the
-paper's Fig. 5); prints a table per implementation and, last, the summary the bar reads."""
+float64 on the first heads. Writes <out>/<date>-<gpu>[-tag].json (the fields of
+_bench_common.ROW_FIELDS, host_us and the SDPA drop-in's choice among them) and a PNG plot (TOPS
+vs N per head dim and mask, the paper's Fig. 5); prints a table per implementation and, last,
+the summary the bar reads."""
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,8 @@ import warnings
 
 import sage_attn
 
-from ._bench_common import (IMPLS, flops, gpu_slug, impl_table, new_row, parse_args, plot,
-                            summary_table, tops, write_json)
+from ._bench_common import (IMPLS, cuda_missing, flops, gpu_slug, impl_table, new_row,
+                            parse_args, plot, summary_table, tops, write_json)
 
 try:
     import torch
@@ -113,13 +114,12 @@ def make_inputs(b, h, n, d, kind, gen):
         if kind == "bias" and bias:
             x += bias * torch.randn((1, h, 1, d), generator=gen, device="cuda", dtype=torch.float16)
         return x
-    return one(4.0), one(8.0), one(8.0)  # q, k, v (BENCHMARKS.md's channel-bias inputs)
+    return one(4.0), one(8.0), one(8.0)  # q, k, v (the channel-bias inputs of docs/performance.md)
 
 
-def graph_ms(fn, target_s=0.25, est_ms=None):
-    """Median GPU milliseconds per call under CUDA-graph replay: warm-up on a side stream (as
-    torch documents for capture), a few calls captured into one graph (enough for about 2 ms of
-    work per replay), replays timed with time_ms."""
+def capture_graph(fn, est_ms=None):
+    """(graph, calls): warm-up on a side stream (as torch documents for capture), then a few
+    calls captured into one CUDA graph (enough for about 2 ms of work per replay)."""
     calls = 1 if not est_ms else max(1, min(10, int(2.0 / est_ms)))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -128,13 +128,38 @@ def graph_ms(fn, target_s=0.25, est_ms=None):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph, calls
+
+
+def graph_ms(fn, target_s=0.25, est_ms=None):
+    """Median GPU milliseconds per call under CUDA-graph replay (capture_graph), replays timed
+    with time_ms."""
+    graph, calls = capture_graph(fn, est_ms)
     try:
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
         return time_ms(graph.replay, target_s) / calls
     finally:
         del graph
+
+
+def interleaved_ms(fns, target_s, rounds, report):
+    """name -> median GPU ms per call under CUDA-graph replay, the implementations' graphs
+    replayed in turn for `rounds` rounds (target_s split over them), so that a drift of the GPU's
+    clocks during a row weighs on every implementation alike; None for one that failed."""
+    graphs = {}
+    for name, fn in fns.items():
+        try:
+            graphs[name] = capture_graph(fn, time_ms(fn, target_s=0.02, samples=2))
+        except Exception as e:  # a report, not a reason to stop
+            report(f"{name} failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+    times = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, (graph, calls) in graphs.items():
+            times[name].append(time_ms(graph.replay, target_s / rounds) / calls)
+    del graphs
+    return {name: statistics.median(times[name]) if name in times else None for name in fns}
 
 
 def host_us(fn, est_ms, calls=20, samples=5):
@@ -151,6 +176,131 @@ def host_us(fn, est_ms, calls=20, samples=5):
         per_call.append((time.perf_counter() - t0) / n * 1e6)
     torch.cuda.synchronize()
     return statistics.median(per_call)
+
+
+def paired_host_us(fns, rounds, calls, hold, sync, clock=time.perf_counter):
+    """name -> the host microseconds per call of each round (a list, one a round) of each eager
+    function in fns. A round: hold() (a GPU sleep longer than the round's host work: every
+    launch queues behind it, so none waits for the GPU and none finds it idle), then `calls`
+    calls of each function timed as one batch, the functions' order rotated by round so that a
+    drift of the machine weighs on all alike, then sync(). Few calls a batch keep the launch
+    queue far from full."""
+    names = list(fns)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        hold()
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
+            t0 = clock()
+            for _ in range(calls):
+                fn()
+            times[name].append((clock() - t0) / calls * 1e6)
+        sync()
+    return times
+
+
+def paired_summary(times, name, base):
+    """(median µs of name, median of its per-round difference to base, that difference's 10th
+    and 90th percentiles): each round's pair ran back to back, so the difference is read per
+    round rather than between medians."""
+    d = sorted(x - y for x, y in zip(times[name], times[base]))
+    return (statistics.median(times[name]), statistics.median(d), d[len(d) // 10],
+            d[(9 * len(d)) // 10])
+
+
+# (call, B, H, N, D) of --host-time: ViT-L/14 at 224² (257 tokens, 16 heads of 64), DiT-XL/2 at
+# 256² (256 patches, 16 heads of 72), Flux.1 at 1024² (4096 image + 512 text tokens, 24 of 128).
+HOST_SHAPES = (("vit-l/14 224²", 1, 16, 257, 64), ("vit-l/14 224²", 2, 16, 257, 64),
+               ("vit-l/14 224²", 4, 16, 257, 64), ("vit-l/14 224²", 8, 16, 257, 64),
+               ("dit-xl/2 256²", 1, 16, 256, 72), ("dit-xl/2 256²", 2, 16, 256, 72),
+               ("flux.1 1024²", 1, 24, 4608, 128))
+
+
+def _sleep_cycles_per_ms():
+    """torch.cuda._sleep's cycles per millisecond on this GPU (its clock, timed once)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    return 1_000_000 / max(start.elapsed_time(end), 1e-3)
+
+
+def host_time(args, gpu, commit):
+    """--host-time: the eager host time per call of torch's SDPA, sageattn and the SDPA drop-in
+    (as it routes, and with the crossover off: sage wherever it can) at HOST_SHAPES, non-causal
+    fp16, each paired with SDPA round by round (paired_host_us). Prints a table, writes
+    <out>/<date>-<gpu>[-tag]-host.json."""
+    import json
+    dtype = torch.float16
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(args.seed if args.seed is not None else 0)
+    cycles_per_ms = _sleep_cycles_per_ms()
+    sdpa = F.scaled_dot_product_attention
+    if getattr(sdpa, "__module__", "").startswith("sage_attn"):
+        sdpa = torch._C._nn.scaled_dot_product_attention  # (torch's own, not a patched one)
+    dropin = sage_attn.scaled_dot_product_attention
+    rows = []
+    print("| call | B | H | N | D | SDPA µs | sageattn µs | drop-in route | drop-in µs | "
+          "drop-in − SDPA µs [10-90 %] | drop-in, crossover off µs | "
+          "its − SDPA µs [10-90 %] |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for call, b, h, n, d in HOST_SHAPES:
+        q, k, v = (torch.randn((b, h, n, d), generator=gen, device="cuda", dtype=dtype)
+                   for _ in range(3))
+        fns = {"sdpa": lambda: sdpa(q, k, v), "sageattn": lambda: sage_attn.sageattn(q, k, v),
+               "dropin": lambda: dropin(q, k, v)}
+        # The round's host work, timed once unheld (every call warm), sets the sleep: thrice it.
+        for fn in fns.values():
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for fn in fns.values():
+            for _ in range(args.host_calls):
+                fn()
+        round_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        cycles = int(cycles_per_ms * max(1.0, 3 * round_ms))
+
+        def measure(fns):
+            return paired_host_us(fns, args.host_rounds, args.host_calls,
+                                  lambda: torch.cuda._sleep(cycles), torch.cuda.synchronize)
+
+        row = {"call": call, "batch": b, "heads": h, "seq_len": n, "head_dim": d,
+               "choice": sage_attn.dropin_backend(q, k, v)}
+        times = measure(fns)
+        row["sdpa_us"] = round(statistics.median(times["sdpa"]), 2)
+        row["sageattn_us"] = round(statistics.median(times["sageattn"]), 2)
+        us, *diff = (round(x, 2) for x in paired_summary(times, "dropin", "sdpa"))
+        row.update(dropin_us=us, dropin_minus_sdpa_us=diff)
+        sage_attn.set_dropin_crossover(False)
+        try:
+            row["choice_crossover_off"] = sage_attn.dropin_backend(q, k, v)
+            times = measure({"sdpa": fns["sdpa"], "dropin": fns["dropin"]})
+        finally:
+            sage_attn.set_dropin_crossover(True)
+        us, *diff = (round(x, 2) for x in paired_summary(times, "dropin", "sdpa"))
+        row.update(dropin_off_us=us, dropin_off_minus_sdpa_us=diff)
+        rows.append(row)
+        spread = lambda x: f"{x[0]:+.1f} [{x[1]:+.1f}, {x[2]:+.1f}]"  # noqa: E731
+        print(f"| {call} | {b} | {h} | {n} | {d} | {row['sdpa_us']:.1f} | "
+              f"{row['sageattn_us']:.1f} | {row['choice']} | {row['dropin_us']:.1f} | "
+              f"{spread(row['dropin_minus_sdpa_us'])} | {row['dropin_off_us']:.1f} "
+              f"({row['choice_crossover_off']}) | {spread(row['dropin_off_minus_sdpa_us'])} |",
+              flush=True)
+    date = datetime.date.today().isoformat()
+    meta = {"bench": "host-time", "gpu": gpu[0], "driver": gpu[1], "cuda": torch.version.cuda,
+            "torch": torch.__version__, "commit": commit, "date": date, "dtype": "fp16",
+            "rounds": args.host_rounds, "calls": args.host_calls,
+            "timing": "host µs per eager call, GPU held by a sleep, paired with SDPA by round"}
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / (f"{date}-{gpu_slug(gpu[0])}" + (f"-{args.tag}" if args.tag else "")
+                      + "-host.json")
+    path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
 
 
 class Impl:
@@ -286,11 +436,11 @@ def _measure(impl, row, label, q, causal, ref, args):
 
 def main(argv=None):
     args = parse_args(argv, __doc__)
-    if torch is None:
-        print("python -m sage_attn.bench needs PyTorch (import torch failed)", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to benchmark", file=sys.stderr)
+    if args.models:  # the attention calls of real models (image, video, LLM prefill, encoders)
+        from . import bench_models
+        return bench_models.main(["--out", args.out, "--seconds", str(args.seconds),
+                                  "--commit", args.commit or "unknown"])
+    if cuda_missing("sage_attn.bench", torch):
         return 2
     commit = args.commit
     if commit is None:
@@ -302,6 +452,11 @@ def main(argv=None):
     gen = torch.Generator(device="cuda")
     gen.manual_seed(args.seed if args.seed is not None else torch.seed() % 2**31)
     name, driver = gpu_info()
+    if args.host_time:
+        print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+              f"sage {sage_attn.version()}, commit {commit}; host time per eager call",
+              flush=True)
+        return host_time(args, (name, driver), commit)
     b, h = args.batch, args.heads
     cudnn_version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {cudnn_version}, "

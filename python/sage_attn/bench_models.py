@@ -1,10 +1,12 @@
 """python -m sage_attn.bench_models: the attention calls of real models, from their public configs
 (image and video diffusion transformers and UNets, LLM prefill, vision and text encoders), timed
 in one process: sage (SageAttn2-8b), torch's SDPA with the cuDNN and the flash backends, and the
-SDPA drop-in (sage_attn.scaled_dot_product_attention) with its choice. GPU time under CUDA-graph
-replay (median), fp16 or bf16 N(0,1) inputs. The drop-in's figure is the one the "never slower"
-rule reads: it must not lose to the faster of torch's two. Writes <out>/<date>-<gpu>-models.json
-and prints a markdown table.
+SDPA drop-in (sage_attn.scaled_dot_product_attention) with its choice, and torch's SDPA with its
+own backend choice (what a user had before the drop-in). GPU time under CUDA-graph replay, the
+implementations' graphs replayed in turn over --rounds rounds (median), fp16 or bf16 N(0,1)
+inputs. The drop-in's figure is the one the "never slower" rule reads, against the faster of
+torch's two backends and against torch's own choice. Writes <out>/<date>-<gpu>-models.json and
+prints a markdown table.
 
     python -m sage_attn.bench_models --out bench/results
     python -m sage_attn.bench_models --only flux,sdxl --dtype bf16
@@ -19,7 +21,7 @@ import sys
 
 import sage_attn
 
-from ._bench_common import gpu_slug
+from ._bench_common import cuda_missing, gpu_slug
 
 try:
     import torch
@@ -75,12 +77,6 @@ def _flops(b, h, n, d, causal):
     return 4.0 * b * h * n * n * d / (2 if causal else 1)
 
 
-def _graph_ms(fn, target_s):
-    from .bench import graph_ms, time_ms
-    est = time_ms(fn, target_s=0.02, samples=2)
-    return graph_ms(fn, target_s, est_ms=est)
-
-
 def _impls(q, k, v, causal, hq, hkv):
     """name -> callable; SDPA gets K and V repeated over the group (enable_gqa is flash-only)."""
     kk = k.repeat_interleave(hq // hkv, 1) if hq != hkv else k
@@ -96,6 +92,10 @@ def _impls(q, k, v, causal, hq, hkv):
         "sage-8b": lambda: sage_attn.sageattn(q, k, v, is_causal=causal),
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        # What the user had before the drop-in: torch's own choice of backend, GQA as the
+        # drop-in passes it (enable_gqa) when it hands the call over.
+        "sdpa-default": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                               enable_gqa=hq != hkv),
         "sdpa-dropin": lambda: sage_attn.scaled_dot_product_attention(
             q, k, v, is_causal=causal, enable_gqa=hq != hkv),
     }
@@ -108,15 +108,13 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="comma list of model names (default: all)")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--seconds", type=float, default=0.25, help="timing target per figure")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds the implementations' graphs are replayed in turn (median)")
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args(argv)
-    if torch is None:
-        print("python -m sage_attn.bench_models needs PyTorch (import torch failed)",
-              file=sys.stderr)
+    if cuda_missing("sage_attn.bench_models", torch):
         return 2
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to benchmark", file=sys.stderr)
-        return 2
+    from .bench import interleaved_ms
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -131,19 +129,18 @@ def main(argv=None):
                "seq_len": n, "head_dim": d, "causal": causal,
                "choice": sage_attn.dropin_backend(q, k, v, is_causal=causal,
                                                   enable_gqa=hq != hkv)}
-        for name, fn in _impls(q, k, v, causal, hq, hkv).items():
-            try:
-                ms = _graph_ms(fn, args.seconds)
-            except Exception as e:  # a report, not a reason to stop
-                print(f"{call}: {name} failed ({type(e).__name__}: {str(e).splitlines()[0]})",
-                      flush=True)
-                ms = None
+        times = interleaved_ms(_impls(q, k, v, causal, hq, hkv), args.seconds, args.rounds,
+                                lambda msg: print(f"{call}: {msg}", flush=True))
+        for name, ms in times.items():
             row[name + "_ms"] = ms
         sdpa = [x for x in (row["sdpa-cudnn_ms"], row["sdpa-flash_ms"]) if x is not None]
         best = min(sdpa) if sdpa else None
         row["sage_vs_sdpa"] = best / row["sage-8b_ms"] if best and row["sage-8b_ms"] else None
         row["dropin_vs_sdpa"] = (best / row["sdpa-dropin_ms"] if best and row["sdpa-dropin_ms"]
                                  else None)
+        dflt = row["sdpa-default_ms"]
+        row["dropin_vs_default"] = (dflt / row["sdpa-dropin_ms"] if dflt and row["sdpa-dropin_ms"]
+                                    else None)
         row["tops_sage"] = _flops(b, hq, n, d, causal) / row["sage-8b_ms"] / 1e9 \
             if row["sage-8b_ms"] else None
         rows.append(row)
@@ -152,9 +149,9 @@ def main(argv=None):
               f"flash {row['sdpa-flash_ms']}, drop-in {row['sdpa-dropin_ms']} ({row['choice']})",
               flush=True)
         del q, k, v
-    print("\n| call | B | Hq/Hkv | N | D | causal | sage ms | cuDNN ms | flash ms | sage vs best SDPA "
-          "| drop-in | drop-in vs best SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| call | B | Hq/Hkv | N | D | causal | sage ms | cuDNN ms | flash ms | SDPA ms | "
+          "sage vs best SDPA | drop-in | drop-in vs best SDPA | drop-in vs SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def f(x, fmt="{:.3f}"):
         return "-" if x is None else fmt.format(x)
@@ -162,9 +159,9 @@ def main(argv=None):
     for r in rows:
         print(f"| {r['call']} | {r['batch']} | {r['heads_q']}/{r['heads_kv']} | {r['seq_len']} | "
               f"{r['head_dim']} | {'yes' if r['causal'] else 'no'} | {f(r['sage-8b_ms'])} | "
-              f"{f(r['sdpa-cudnn_ms'])} | {f(r['sdpa-flash_ms'])} | "
+              f"{f(r['sdpa-cudnn_ms'])} | {f(r['sdpa-flash_ms'])} | {f(r['sdpa-default_ms'])} | "
               f"{f(r['sage_vs_sdpa'], '{:.2f}x')} | {r['choice']} | "
-              f"{f(r['dropin_vs_sdpa'], '{:.2f}x')} |")
+              f"{f(r['dropin_vs_sdpa'], '{:.2f}x')} | {f(r['dropin_vs_default'], '{:.2f}x')} |")
     from .bench import gpu_info
     name, driver = gpu_info()
     meta = {"bench": "models", "gpu": name, "driver": driver, "torch": torch.__version__,

@@ -14,10 +14,11 @@ import datetime
 import json
 import pathlib
 import statistics
-
 import sys
 
 import sage_attn
+
+from ._bench_common import cuda_missing
 
 try:
     import torch
@@ -43,6 +44,9 @@ def _time_ms(fn, seconds):
     return statistics.median(samples)
 
 
+_IMPLS = ("sage", "sdpa-cudnn", "sdpa-flash")
+
+
 def _impls():
     def sage(q, k, v, causal):
         return sage_attn.sageattn(q, k, v, is_causal=causal)
@@ -65,19 +69,21 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=0, help="0: 32768 tokens per head / N")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=0.3)
+    ap.add_argument("--impls", default="sage,sdpa-cudnn,sdpa-flash",
+                    help="which of sage, sdpa-cudnn, sdpa-flash to time")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
-    if torch is None:
-        print("python -m sage_attn.bench_train needs PyTorch (import torch failed)",
-              file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to benchmark", file=sys.stderr)
+    chosen = a.impls.split(",")
+    unknown = [x for x in chosen if x not in _IMPLS]
+    if unknown:
+        ap.error(f"--impls: unknown {', '.join(unknown)} (choose from {', '.join(_IMPLS)})")
+    if cuda_missing("sage_attn.bench_train", torch):
         return 2
     dims = [int(x) for x in a.dims.split(",")]
     seqs = [int(x) for x in a.seqs.split(",")]
     causals = [bool(int(x)) for x in a.causal.split(",")]
+    impls = {name: _impls()[name] for name in chosen}
     rows = []
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
@@ -89,7 +95,7 @@ def main(argv=None):
                 q, k, v, do = (torch.randn(shape, generator=gen, device="cuda",
                                            dtype=torch.float16) for _ in range(4))
                 fwd_flops = 4.0 * b * a.heads * n * n * d * (0.5 if causal else 1.0)
-                for name, fn in _impls().items():
+                for name, fn in impls.items():
                     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
                     try:
                         def fwd_bwd():

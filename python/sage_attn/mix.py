@@ -89,7 +89,7 @@ def _sage_path(variant):
         args = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
         if variant == "sage8" and q.is_cuda:
-            # The SDPA drop-in: its routing (crossover table, unsupported calls) applies.
+            # The SDPA drop-in: its routing (crossover model, unsupported calls) applies.
             return _t.scaled_dot_product_attention(q, k, v, **args)
         if _t._sdpa_unsupported(q, k, v, attn_mask, dropout_p, scale, enable_gqa,
                                 cpu=True) is not None:

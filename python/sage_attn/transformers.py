@@ -7,7 +7,7 @@ implementation "sage", so
 run the model's attention through sage (GQA natively: no repeat of K/V heads).
 
 Which calls run sage: on CUDA tensors those the SDPA drop-in would give sage (no mask, no
-dropout, a head dim with a kernel, and a shape where the library's crossover table has sage
+dropout, a head dim with a kernel, and a shape where the library's crossover model has sage
 faster on this GPU: decoding steps and short prompts stay with torch's SDPA;
 sage_attn.set_dropin_crossover(False) sends every call it can to sage). CPU tensors run the
 library's CPU reference (slow; it is there to test a model's accuracy under sage without a GPU).

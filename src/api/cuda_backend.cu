@@ -97,6 +97,14 @@ sage_status current_device(api::Device* out) {
       entry.err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, index);
     if (entry.err != cudaSuccess) cudaGetLastError();
     entry.dev = {index, major * 10 + minor, sms};
+    // The crossover model's rows are per GPU (SMs and memory bus): unknown (0) if not reported.
+    int bus = 0;
+    if (entry.err == cudaSuccess &&
+        cudaDeviceGetAttribute(&bus, cudaDevAttrGlobalMemoryBusWidth, index) != cudaSuccess) {
+      cudaGetLastError();
+      bus = 0;
+    }
+    entry.dev.mem_bus_bits = bus;
     // K/V's one-launch pre-pass needs thread-block clusters (sm_90+) that hold a head's chunks.
     if (entry.err == cudaSuccess && entry.dev.cc >= 90)
       entry.dev.kv_cluster = quant::max_kv_cluster(index);

@@ -2,6 +2,7 @@
 // and what the call computes (its emulation config). Host code; any architecture.
 #include "api/plan.h"
 
+#include <algorithm>
 #include <string>
 
 #include "attn/mma/params.h"
@@ -60,40 +61,68 @@ std::string fp4_gpu_mismatch(const sage_quant_config& c) {
 
 }  // namespace
 
-bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv,
-                 bool training, CallWork work) {
-  // One table for inference and training: a row is the smallest N from which sage beat SDPA
-  // cuDNN on that GPU, head dim and mask, by a margin the run-to-run spread cannot undo; both
-  // lengths must reach it (fewer queries or keys leave the pre-pass and the per-tile work less
-  // to amortize over). A padded head dim shares its kernel's row. Near a row's length the call's
-  // fixed costs (the K/V pre-pass, the launches, the last partial wave) can outweigh the
-  // kernel's lead when it has few tiles an SM: below twice the length a row may also ask for
-  // min_waves of them. Training (forward + SageBwd) has no row: it never measured faster, so
-  // torch's SDPA trains until a shape does. The measurements behind every row:
-  // docs/sm90-kernel.md, "The crossover table".
-  struct Crossover {
-    int cc;
+bool prefer_sdpa(const Device& dev, int64_t head_dim, sage_mask mask, int64_t seq_q,
+                 int64_t seq_kv, bool training, CallShape shape) {
+  // Training (forward + SageBwd) has no model: it never measured faster, so torch's SDPA trains
+  // every shape until one does.
+  if (training) return true;
+  // One cost model per implementation, per (GPU, kernel head dim, mask), each a sum of what the
+  // kernel pays for, fitted to a sweep of (B·H, N, D, mask, GQA) on that GPU under CUDA-graph
+  // replay by tools/crossover.py (which documents the features; the two must agree: the CPU
+  // tests replay every measured point through this function). Sage is chosen where its predicted
+  // time, raised by the row's margin (the least that routes no measured point where sage was
+  // more than 2 % slower), still beats cuDNN's, and both lengths reach the least length routed
+  // there (shorter ones were never measured: cross-attention to a few text tokens, decoding).
+  struct Model {
+    int cc, sms, bus;
     int64_t head_dim;
     bool causal;
-    bool training;
+    // ms per: call, K/V element·D, Q element·D, tera-MAC·D, critical-path G·D, tera-MAC·D at
+    // lengths that are not multiples of 128
+    double sage[6];
+    double cudnn[5];  // the same but K/V
+    double margin;
     int64_t min_seq;
-    int min_waves;  // tiles an SM needed below 2·min_seq (0: no bound)
   };
-  static constexpr Crossover kTable[] = {
-      {90, 128, false, false, 4096, 0}, {90, 128, true, false, 8192, 0},
-      {90, 64, false, false, 4096, 4},  {90, 64, true, false, 8192, 0},
-      {90, 256, false, false, 4096, 0}, {90, 256, true, false, 8192, 0},
+  static constexpr Model kModels[] = {
+#include "api/crossover_model.inc"
   };
   const bool causal = mask != SAGE_MASK_NONE;
-  for (const Crossover& c : kTable)
-    if (c.cc == cc && c.head_dim == head_dim && c.causal == causal && c.training == training) {
-      if (seq_q < c.min_seq || seq_kv < c.min_seq) return true;
-      const bool near = seq_q < 2 * c.min_seq || seq_kv < 2 * c.min_seq;
-      return near && c.min_waves > 0 && work.sms > 0 &&
-             work.tiles < int64_t(c.min_waves) * work.sms;
+  // This GPU's rows; a GPU of a measured architecture that no sweep ran on (another SM count or
+  // memory) takes the narrowest-memory GPU's rows, where sage's memory-bound pre-pass weighs the
+  // most.
+  const Model* m = nullptr;
+  for (const Model& r : kModels)
+    if (r.cc == dev.cc && r.head_dim == head_dim && r.causal == causal) {
+      const bool exact = r.sms == dev.sms && r.bus == dev.mem_bus_bits;
+      if (exact) { m = &r; break; }
+      if (m == nullptr || r.bus < m->bus) m = &r;
     }
-  // No row: the forward was never measured slower there; training never measured faster.
-  return training;
+  if (m == nullptr) return false;  // the forward was never measured slower there
+  if (seq_q < m->min_seq || seq_kv < m->min_seq) return true;
+  const int sms = dev.sms > 0 ? dev.sms : m->sms;
+  const double visit = causal ? 0.5 : 1.0;  // the share of keys a query tile visits on average
+  const double dk = static_cast<double>(head_dim), nq = static_cast<double>(seq_q),
+               nk = static_cast<double>(seq_kv);
+  const double bh = static_cast<double>(shape.batch * shape.heads_q);
+  const double work = bh * nq * nk * visit * dk * 1e-12;
+  // The critical path: whole waves of equal tiles, or under a causal mask the longer of the
+  // longest tile (all keys) and the average SM's share.
+  auto tail = [&](int64_t bq) {
+    const int64_t tiles = shape.batch * shape.heads_q * ((seq_q + bq - 1) / bq);
+    const double b = static_cast<double>(bq);
+    if (causal)
+      return std::max(b * nk, static_cast<double>(tiles) * b * nk * visit / sms) * dk * 1e-9;
+    return static_cast<double>((tiles + sms - 1) / sms) * b * nk * dk * 1e-9;
+  };
+  const double q_elems = bh * nq * dk * 1e-9;
+  const double ragged = seq_q % 128 != 0 || seq_kv % 128 != 0 ? work : 0.0;
+  const double kv_elems = static_cast<double>(shape.batch * shape.heads_kv) * nk * dk * 1e-9;
+  const double t_sage = m->sage[0] + m->sage[1] * kv_elems + m->sage[2] * q_elems +
+                        m->sage[3] * work + m->sage[4] * tail(shape.block_q) + m->sage[5] * ragged;
+  const double t_cudnn = m->cudnn[0] + m->cudnn[1] * q_elems + m->cudnn[2] * work +
+                         m->cudnn[3] * tail(128) + m->cudnn[4] * ragged;
+  return !(t_cudnn > t_sage * (1.0 + m->margin));
 }
 
 sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Device& dev,
@@ -230,7 +259,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       // workspace rows come from the totals (quant/layout.h, SeqRows).
       r.cu_seqlens_q, r.cu_seqlens_k, r.total_q, r.total_k);
   // The pre-pass's loads: 16 bytes wide where every row of the tensor is 16-byte aligned (the
-  // kernels' kVec instantiations), read with a packed batch's batch stride as 0, as the backend
+  // kernels' kVec instantiations), with a packed batch's batch stride read as 0, as the backend
   // passes it.
   auto rows16 = [&](const void* base, sage_strides s) {
     if (r.packed()) s.batch = 0;
@@ -295,12 +324,11 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
     e.exp2_poly_every = 0;
   }
   plan.emulation = e;
-  const CallWork work{p.batch * p.heads_q * ((p.seq_q + plan.block_q - 1) / plan.block_q),
-                      dev.sms};
+  const CallShape shape{p.batch, p.heads_q, p.heads_kv, plan.block_q};
   plan.prefer_sdpa =
-      !r.packed() && prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv, false, work);
+      !r.packed() && prefer_sdpa(dev, Dk, p.mask, p.seq_q, p.seq_kv, false, shape);
   plan.prefer_sdpa_training =
-      !r.packed() && prefer_sdpa(dev.cc, Dk, p.mask, p.seq_q, p.seq_kv, true, work);
+      !r.packed() && prefer_sdpa(dev, Dk, p.mask, p.seq_q, p.seq_kv, true, shape);
   *out = plan;
   return SAGE_OK;
 }

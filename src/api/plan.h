@@ -19,6 +19,7 @@ struct Device {
   int cc = 0;   // compute capability, major·10 + minor
   int sms = 0;  // multiprocessors
   int kv_cluster = 0;  // the largest cluster K/V's one-launch pre-pass runs with (0: none)
+  int mem_bus_bits = 0;  // the memory bus width (bits): tells an H100 SXM from an H200 (0: unknown)
 };
 
 enum class Family { kMma, kSm90, kFp4 };
@@ -46,17 +47,21 @@ struct Plan {
 sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Device& dev,
                       Plan* plan);
 
-// How much work a call gives the GPU: its attention tiles (B·Hq·⌈Nq/block_q⌉) and the SMs.
-struct CallWork {
-  int64_t tiles = 0;
-  int sms = 0;  // 0: unknown (no bound on the tiles applies)
+// What the crossover model reads of a call beyond its lengths: its batch, heads and the
+// kernel's query tile (the sm90 plan's block_q).
+struct CallShape {
+  int64_t batch = 1;
+  int64_t heads_q = 1;
+  int64_t heads_kv = 1;
+  int block_q = 128;
 };
 
-// The crossover table: true where a dense fp16 SDPA (cuDNN) measured faster than this library's
-// call for this (kernel, native) head dim, mask, length and amount of work on this architecture
-// (unmeasured architectures: false for the forward, true for training: see plan.cpp).
-bool prefer_sdpa(int cc, int64_t head_dim, sage_mask mask, int64_t seq_q, int64_t seq_kv,
-                 bool training = false, CallWork work = {});
+// The crossover model: true where a dense fp16 SDPA (cuDNN) is predicted faster than this
+// library's call of this shape at this (kernel, native) head dim and mask on this GPU; fitted to
+// measurements (src/api/crossover_model.inc, tools/crossover.py). Unmeasured architectures:
+// false for the forward, true for training (see plan.cpp).
+bool prefer_sdpa(const Device& dev, int64_t head_dim, sage_mask mask, int64_t seq_q,
+                 int64_t seq_kv, bool training = false, CallShape shape = {});
 
 // A CUDA backward call's plan: the main kernel's family (the stats pass, pre-pass, dQ store and
 // verdict are the same for both), the workspace layout, and the launches.

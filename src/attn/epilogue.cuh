@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "common/fragment.cuh"
 #include "ptx/cvt.cuh"
 #include "ptx/math.cuh"
 
@@ -59,14 +60,10 @@ __device__ __forceinline__ void online_max(float (&row_max)[2], float (&m)[2], f
 // 4c+2, 4c+3. p_at(tile, e) gives element e of a tile already scaled to E4M3 range (P~ · 448).
 template <int kChunks, typename PAt>
 __device__ __forceinline__ void pack_p_e4m3(uint32_t (&pf)[kChunks][4], PAt p_at) {
-  for (int c = 0; c < kChunks; ++c)
-    for (int half = 0; half < 2; ++half) {
-      const int n0 = 4 * c + 2 * half, n1 = n0 + 1;
-      pf[c][2 * half + 0] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 0), p_at(n0, 1))) |
-                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 0), p_at(n1, 1))) << 16;
-      pf[c][2 * half + 1] = uint32_t(ptx::cvt_e4m3x2(p_at(n0, 2), p_at(n0, 3))) |
-                            uint32_t(ptx::cvt_e4m3x2(p_at(n1, 2), p_at(n1, 3))) << 16;
-    }
+  Frag::to_a8(pf, [&](int n0, int h) {
+    return uint32_t(ptx::cvt_e4m3x2(p_at(n0, 2 * h), p_at(n0, 2 * h + 1))) |
+           uint32_t(ptx::cvt_e4m3x2(p_at(n0 + 1, 2 * h), p_at(n0 + 1, 2 * h + 1))) << 16;
+  });
 }
 
 // What a row adds to its running sum l: 0, or NaN for a row that an Inf/NaN input poisons (the
@@ -91,10 +88,7 @@ __device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float 
                                          float (&l)[2], int64_t b, int64_t h, int64_t bh,
                                          int64_t row_a, int t, const float* vsc,
                                          const float* vmean) {
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
+  for (int r = 0; r < 2; ++r) l[r] = Frag::quad_sum(l[r]);
   auto store_row = [&](int r) {
     const int64_t row = row_a + 8 * r;
     if (row >= p.seq_q) return;
@@ -102,7 +96,7 @@ __device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float 
     const float inv = empty ? 0.0f : 1.0f / (l[r] * (448.0f / kLUnit));
     OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
     for (int i = 0; i < D / 8; ++i) {
-      const int c = i * 8 + 2 * t;
+      const int c = Frag::pair(i, t);
       const float x0 = empty ? 0.0f : o_at(i, 2 * r) * (vsc[c] * inv) + vmean[c];
       const float x1 = empty ? 0.0f : o_at(i, 2 * r + 1) * (vsc[c + 1] * inv) + vmean[c + 1];
       if (c < p.head_dim) store2<OutT>(dst + c, x0, x1);

@@ -19,6 +19,7 @@
 #include "bwd/dq_order.cuh"
 #include "bwd/params.h"
 #include "bwd/prepass.cuh"
+#include "common/fragment.cuh"
 #include "ptx/async.cuh"
 #include "ptx/math.cuh"
 #include "ptx/mma.cuh"
@@ -57,7 +58,8 @@ __device__ __forceinline__ uint32_t pack4(uint32_t a, uint32_t b, uint32_t c, ui
 
 // cp.async of one query block (head bh, block qb) into a stage.
 template <int D>
-__device__ __forceinline__ void load_stage(uint8_t* st, const Params& p, int64_t bh, int64_t qb) {
+__device__ __forceinline__ void load_stage(uint8_t* st, const MainParams& p, int64_t bh,
+                                           int64_t qb) {
   using S = Smem<D>;
   const int64_t i0 = qb * kBlockQ;
   const uint8_t* qhat = reinterpret_cast<const uint8_t*>(p.qhat) + (bh * p.nq_pad + i0) * D;
@@ -86,14 +88,17 @@ __device__ __forceinline__ void load_stage(uint8_t* st, const Params& p, int64_t
   }
 }
 
-// The max over the 4 lanes of a quad (the threads sharing accumulator rows g, g+8).
-__device__ __forceinline__ float quad_max(float x) {
-  x = ptx::max_nan(x, __shfl_xor_sync(0xFFFFFFFFu, x, 1));
-  return ptx::max_nan(x, __shfl_xor_sync(0xFFFFFFFFu, x, 2));
+// A 64-key x 64-query fragment (Pᵀ, dSᵀ) as the INT8 A operand of the two k32 steps of a product
+// over the queries: q8(n, e) is value (n, e)'s ψ-quantized bits (the low byte).
+template <typename Q8>
+__device__ __forceinline__ void pack_a8(uint32_t (&f)[2][4], Q8 q8) {
+  Frag::to_a8(f, [&](int n0, int h) {
+    return pack4(q8(n0, 2 * h), q8(n0, 2 * h + 1), q8(n0 + 1, 2 * h), q8(n0 + 1, 2 * h + 1));
+  });
 }
 
 template <typename T, int D, bool kCausal>
-__global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using S = Smem<D>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -176,27 +181,20 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
     float pmax[2] = {0.0f, 0.0f};
     for (int n = 0; n < 8; ++n)
       for (int e = 0; e < 4; ++e) {
-        const int qi = n * 8 + 2 * t + (e & 1);
+        const int qi = Frag::col(n, e, t);
         const int64_t key = e < 2 ? key_a : key_b, query = i0 + qi;
         const bool visible = key < p.seq_kv && (!kCausal || key <= query + p.causal_offset);
         const float x = visible ? ptx::ex2(float(s[n][e]) * c - lse_s[qi]) : 0.0f;
         P[n][e] = x;
-        pmax[e / 2] = ptx::max_nan(pmax[e / 2], x);
+        pmax[Frag::half(e)] = ptx::max_nan(pmax[Frag::half(e)], x);
       }
     // dV += P^ᵀ·dO^: P^ᵀ per key (ψ over the key's 64 queries).
     {
-      const Psi pa = psi_scale(quad_max(pmax[0])), pb = psi_scale(quad_max(pmax[1]));
+      const Psi pa = psi_scale(Frag::quad_max(pmax[0])), pb = psi_scale(Frag::quad_max(pmax[1]));
       uint32_t pf[2][4];
-      for (int kq = 0; kq < 2; ++kq) {
-        auto q8 = [&](int n, int e) {
-          return quant::quantize_bits(P[n][e], e < 2 ? pa.inv : pb.inv, 127.0f);
-        };
-        const int n0 = 4 * kq;
-        pf[kq][0] = pack4(q8(n0, 0), q8(n0, 1), q8(n0 + 1, 0), q8(n0 + 1, 1));
-        pf[kq][1] = pack4(q8(n0, 2), q8(n0, 3), q8(n0 + 1, 2), q8(n0 + 1, 3));
-        pf[kq][2] = pack4(q8(n0 + 2, 0), q8(n0 + 2, 1), q8(n0 + 3, 0), q8(n0 + 3, 1));
-        pf[kq][3] = pack4(q8(n0 + 2, 2), q8(n0 + 2, 3), q8(n0 + 3, 2), q8(n0 + 3, 3));
-      }
+      pack_a8(pf, [&](int n, int e) {
+        return quant::quantize_bits(P[n][e], Frag::half(e) ? pb.inv : pa.inv, 127.0f);
+      });
       const float sa = pa.scale * do_scale, sb = pb.scale * do_scale;
       for (int n = 0; n < kDT; ++n) {
         int acc[4] = {0, 0, 0, 0};
@@ -226,33 +224,27 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
         }
       }
       for (int n = 0; n < 8; ++n)
-        for (int e = 0; e < 4; ++e) P[n][e] *= dp[n][e] - delta_s[n * 8 + 2 * t + (e & 1)];
+        for (int e = 0; e < 4; ++e) P[n][e] *= dp[n][e] - delta_s[Frag::col(n, e, t)];
     }
     float(&dS)[8][4] = P;
     // Per-key maxima (dK's ψ) and this warp's per-query maxima (dQ's ψ, over 4 warps).
     float kmax[2] = {0.0f, 0.0f};
     for (int n = 0; n < 8; ++n)
-      for (int e = 0; e < 4; ++e) kmax[e / 2] = ptx::max_nan(kmax[e / 2], fabsf(dS[n][e]));
+      for (int e = 0; e < 4; ++e)
+        kmax[Frag::half(e)] = ptx::max_nan(kmax[Frag::half(e)], fabsf(dS[n][e]));
     for (int n = 0; n < 8; ++n)
       for (int e = 0; e < 2; ++e) {
         float m = ptx::max_nan(fabsf(dS[n][e]), fabsf(dS[n][e + 2]));
         for (int o = 4; o < 32; o *= 2) m = ptx::max_nan(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-        if (g == 0) qmax_s[warp * kBlockQ + n * 8 + 2 * t + e] = m;
+        if (g == 0) qmax_s[warp * kBlockQ + Frag::col(n, e, t)] = m;
       }
     // dK += dS^ᵀ·Q^ (per-key ψ).
     {
-      const Psi da = psi_scale(quad_max(kmax[0])), db = psi_scale(quad_max(kmax[1]));
+      const Psi da = psi_scale(Frag::quad_max(kmax[0])), db = psi_scale(Frag::quad_max(kmax[1]));
       uint32_t af[2][4];
-      for (int kq = 0; kq < 2; ++kq) {
-        auto q8 = [&](int n, int e) {
-          return quant::quantize_bits(dS[n][e], e < 2 ? da.inv : db.inv, 127.0f);
-        };
-        const int n0 = 4 * kq;
-        af[kq][0] = pack4(q8(n0, 0), q8(n0, 1), q8(n0 + 1, 0), q8(n0 + 1, 1));
-        af[kq][1] = pack4(q8(n0, 2), q8(n0, 3), q8(n0 + 1, 2), q8(n0 + 1, 3));
-        af[kq][2] = pack4(q8(n0 + 2, 0), q8(n0 + 2, 1), q8(n0 + 3, 0), q8(n0 + 3, 1));
-        af[kq][3] = pack4(q8(n0 + 2, 2), q8(n0 + 2, 3), q8(n0 + 3, 2), q8(n0 + 3, 3));
-      }
+      pack_a8(af, [&](int n, int e) {
+        return quant::quantize_bits(dS[n][e], Frag::half(e) ? db.inv : da.inv, 127.0f);
+      });
       const float sa = da.scale * q_scale, sb = db.scale * q_scale;
       for (int n = 0; n < kDT; ++n) {
         int acc[4] = {0, 0, 0, 0};
@@ -271,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
     // dS^ per query into shared memory, [query][key].
     for (int n = 0; n < 8; ++n)
       for (int e = 0; e < 2; ++e) {
-        const int qi = n * 8 + 2 * t + e;
+        const int qi = Frag::col(n, e, t);
         float m = qmax_s[qi];
         for (int w = 1; w < kWarps; ++w) m = ptx::max_nan(m, qmax_s[w * kBlockQ + qi]);
         const float inv = psi_scale(m).inv;
@@ -307,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
           const uint32_t bf[2] = {lds32(br), lds32(br + 16)};
           ptx::mma_m16n8k32_s8(acc, af[kk], bf, acc);
         }
-        const int d = n * 8 + 2 * t;
+        const int d = Frag::pair(n, t);
         if (row_a)
           turn.add2(dqh + dq_offset(i0 + qa, d, D), float(acc[0]) * sa, float(acc[1]) * sa);
         if (row_b)
@@ -324,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const Params p) {
     const int64_t key = half == 0 ? key_a : key_b;
     if (key >= p.seq_kv) continue;
     for (int n = 0; n < kDT; ++n) {
-      const int d = n * 8 + 2 * t;
+      const int d = Frag::pair(n, t);
       dkp[key * p.dk_st.token + d] = T(dk[n][2 * half] * p.scale);
       dkp[key * p.dk_st.token + d + 1] = T(dk[n][2 * half + 1] * p.scale);
       dvp[key * p.dv_st.token + d] = T(dv[n][2 * half]);

@@ -114,18 +114,50 @@ struct BlockWalk {
   }
 };
 
-struct Params {
-  // The caller's tensors (strides in elements; the last dimension contiguous).
+// Each kernel's Params is the parts of the call it reads (ParamsOf<...> below): a kernel cannot
+// read what its launch did not hand it, and the plan fills every part once (the whole call's
+// Params), from which each launch takes its own by slicing.
+
+// The call's sizes (every kernel's).
+struct Shape {
+  int64_t batch, heads_q, heads_kv, seq_q, seq_kv, nq_pad, nk_pad, q_blocks, k_blocks, k_chunks;
+  int64_t causal_offset;  // query i sees keys j <= i + causal_offset (causal masks)
+  bool causal;
+
+  SAGE_HOST_DEVICE int64_t group() const { return heads_q / heads_kv; }
+  // Query i sees a key: Nk >= 1 and, causal, i + causal_offset >= 0. The rows of a head that do
+  // (the same for every head): those from max(0, -causal_offset) on.
+  SAGE_HOST_DEVICE bool sees_key(int64_t i) const {
+    return seq_kv > 0 && (!causal || i + causal_offset >= 0);
+  }
+  SAGE_HOST_DEVICE int64_t rows_seeing_keys() const {
+    if (seq_kv <= 0) return 0;
+    const int64_t first = causal && causal_offset < 0 ? -causal_offset : 0;
+    return first < seq_q ? seq_q - first : 0;
+  }
+};
+// The caller's Q, K, V, dO (strides in elements; the last dimension contiguous).
+struct Inputs {
   const void* q;
   const void* k;
   const void* v;
   const void* d_o;
-  const float* d_lse;  // optional (null: zero)
+  sage_strides q_st, k_st, v_st, do_st;
+};
+// The caller's gradient on the LSE (optional, null: zero).
+struct LseGrad {
+  const float* d_lse;
+  sage_strides dlse_st;
+};
+// The caller's dQ, dK, dV.
+struct Grads {
   void* dq;
   void* dk;
   void* dv;
-  sage_strides q_st, k_st, v_st, do_st, dlse_st, dq_st, dk_st, dv_st;
-  // The workspace (Layout).
+  sage_strides dq_st, dk_st, dv_st;
+};
+// The pre-pass's products in the workspace (Layout).
+struct Quantized {
   float* k_part;
   float* k_mean;
   float* k_scale;
@@ -140,41 +172,62 @@ struct Params {
   uint16_t* do_ws;
   float* qnorm2;
   float* knorm2;
+  bool smooth_k;
+};
+// The stats pass's products: each row's L' and D, each query block's score error.
+struct RowStats {
   float* lse2;
   float* delta;
   float* err2;
-  int32_t* verdict;
+};
+// dQ's fp32 accumulator in the workspace.
+struct DqAccum {
   float* dq_acc;
   int* dq_turn;
-  int32_t* untrusted;  // the caller's (optional, null: none): the verdict, written every call
-  int64_t batch, heads_q, heads_kv, seq_q, seq_kv, nq_pad, nk_pad, q_blocks, k_blocks, k_chunks;
-  int64_t causal_offset;  // query i sees keys j <= i + causal_offset (causal masks)
-  bool causal;
-  bool smooth_k;
   bool deterministic;  // dQ's tiles summed in key-block order (dq_order.cuh), not by atomics
-  float scale;         // softmax scale
-  float scale_log2;    // scale · log2(e)
-  // The verdict's bound on a query head's rms score error (natural-log units; stats.cuh).
-  float max_score_err;
-
-  SAGE_HOST_DEVICE int64_t group() const { return heads_q / heads_kv; }
-  // Query i sees a key: Nk >= 1 and, causal, i + causal_offset >= 0. The rows of a head that do
-  // (the same for every head): those from max(0, -causal_offset) on.
-  SAGE_HOST_DEVICE bool sees_key(int64_t i) const {
-    return seq_kv > 0 && (!causal || i + causal_offset >= 0);
-  }
-  SAGE_HOST_DEVICE int64_t rows_seeing_keys() const {
-    if (seq_kv <= 0) return 0;
-    const int64_t first = causal && causal_offset < 0 ? -causal_offset : 0;
-    return first < seq_q ? seq_q - first : 0;
-  }
 };
+// The accuracy check's verdict.
+struct Verdict {
+  int32_t* verdict;    // the workspace's (k_mean_kernel zeroes it)
+  int32_t* untrusted;  // the caller's (optional, null: none): the verdict, written every call
+  // The bound on a query head's rms score error (natural-log units; stats.cuh).
+  float max_score_err;
+};
+// The softmax scale.
+struct Scaling {
+  float scale;       // softmax scale
+  float scale_log2;  // scale · log2(e)
+};
+
+template <typename... Parts>
+struct ParamsOf : Parts... {
+  ParamsOf() = default;
+  // The parts of a call that has them all (at least these), copied whole.
+  template <typename Whole>
+  explicit ParamsOf(const Whole& w) : Parts(static_cast<const Parts&>(w))... {}
+};
+
+// The whole call (the plan fills it, cuda_backend.cu), and each kernel's part of it.
+using Params =
+    ParamsOf<Shape, Inputs, LseGrad, Grads, Quantized, RowStats, DqAccum, Verdict, Scaling>;
+using KSumParams = ParamsOf<Shape, Inputs, Quantized>;
+using KMeanParams = ParamsOf<Shape, Quantized, Verdict>;
+using KPrepParams = ParamsOf<Shape, Inputs, Quantized>;
+using QPrepParams = ParamsOf<Shape, Inputs, Quantized, DqAccum>;
+using StatsParams = ParamsOf<Shape, LseGrad, Quantized, RowStats, Scaling>;
+using JudgeParams = ParamsOf<Shape, RowStats, Verdict>;
+// (The main kernels' parts with the pointers before the sizes, as the single Params had them:
+// ptxas schedules the mma.sync kernel after its parameters' layout, and this order keeps the
+// schedule the kernel was tuned with.)
+using MainParams = ParamsOf<Grads, Quantized, RowStats, DqAccum, Verdict, Shape, Scaling>;
+using DqStoreParams = ParamsOf<Shape, LseGrad, Grads, Quantized, DqAccum, Verdict, Scaling>;
+using PoisonParams = ParamsOf<Shape, Grads, Verdict>;
 
 #ifdef __CUDACC__
 // Whether the verdict refused this call: judge_kernel runs right after the stats pass, so that
 // the main kernels and the dQ store of a call whose gradients will be NaN cost nothing (the
 // caller recomputes such a call another way).
-__device__ __forceinline__ bool refused(const Params& p) { return *p.verdict != 0; }
+__device__ __forceinline__ bool refused(const Verdict& p) { return *p.verdict != 0; }
 #endif
 
 }  // namespace sage::bwd

@@ -64,7 +64,7 @@ __device__ __forceinline__ float row_norm2(const float* tile) {
 // K's channel sums over keys [256·chunk, 256·chunk + 256): grid (k_chunks, B·Hkv over y and z:
 // common/grid.h), D threads.
 template <typename T, int D>
-__global__ void k_sum_kernel(const Params p) {
+__global__ void k_sum_kernel(const KSumParams p) {
   const int64_t bkv = cta_outer_index(), chunk = blockIdx.x;
   if (bkv >= p.batch * p.heads_kv) return;
   const int d = threadIdx.x;
@@ -77,7 +77,7 @@ __global__ void k_sum_kernel(const Params p) {
 
 // k_mean = Σ chunks / Nk in chunk order (deterministic): grid B·Hkv, D threads.
 template <int D>
-__global__ void k_mean_kernel(const Params p) {
+__global__ void k_mean_kernel(const KMeanParams p) {
   const int64_t bkv = blockIdx.x;
   const int d = threadIdx.x;
   float s = 0.0f;
@@ -89,7 +89,7 @@ __global__ void k_mean_kernel(const Params p) {
 // One 64-key block: ψ(K - k_mean) rows and transposed, its scale, ‖K_j - k_mean‖², V copied.
 // Grid (k_blocks, B·Hkv), kThreads threads, dynamic smem 64·(D+1) floats.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) k_prep_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads) k_prep_kernel(const KPrepParams p) {
   extern __shared__ float xs[];  // [64][D + 1]
   __shared__ float scratch[kWarps];
   const int64_t kb = blockIdx.x, bkv = cta_outer_index(), j0 = kb * kBlockK;
@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) k_prep_kernel(const Params p) {
 // and by the head's first block its error sum, which the stats pass adds to.
 // Grid (q_blocks, B·Hq), kThreads threads, dynamic smem 2·64·(D+1) floats.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads) q_prep_kernel(const QPrepParams p) {
   extern __shared__ float qs[];  // [64][D + 1] Q, then [64][D + 1] dO
   float* dos = qs + kBlockQ * (D + 1);
   __shared__ float scratch[kWarps];
@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const Params p) {
 
 // dQ = scale · dq_acc in the caller's dtype and strides: grid (q_blocks, B·Hq), kThreads.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) dq_store_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads) dq_store_kernel(const DqStoreParams p) {
   const int64_t qb = blockIdx.x, bh = cta_outer_index(), i0 = qb * kBlockQ;
   if (bh >= p.batch * p.heads_q || refused(p)) return;
   const int64_t b = bh / p.heads_q, h = bh % p.heads_q;

@@ -26,6 +26,7 @@
 
 #include "bwd/kernel.cuh"
 #include "bwd/params.h"
+#include "common/fragment.cuh"
 #include "common/grid.h"
 #include "ptx/async.cuh"
 #include "ptx/math.cuh"
@@ -60,7 +61,8 @@ struct StatsSmem {
 
 // cp.async of key block kb of KV head bkv into a stage.
 template <int D>
-__device__ __forceinline__ void load_keys(uint8_t* st, const Params& p, int64_t bkv, int64_t kb) {
+__device__ __forceinline__ void load_keys(uint8_t* st, const StatsParams& p, int64_t bkv,
+                                          int64_t kb) {
   using S = StatsSmem<D>;
   const int64_t j0 = kb * kBlockK;
   const uint8_t* khat = reinterpret_cast<const uint8_t*>(p.khat) + (bkv * p.nk_pad + j0) * D;
@@ -91,7 +93,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 // Grid (q_blocks, B·Hq over y and z), kThreads threads (4 warps x 16 queries: the M rows),
 // dynamic smem StatsSmem<D>::kBytes. Key blocks stream through two cp.async stages.
 template <typename T, int D, bool kCausal>
-__global__ void __launch_bounds__(kThreads) stats_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using S = StatsSmem<D>;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -188,26 +190,27 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Params p) {
     float mx[2] = {m[0], m[1]};
     for (int n = 0; n < 8; ++n)
       for (int e = 0; e < 4; ++e) {
-        const bool seen = n * 8 + 2 * t + (e & 1) < lim[e / 2];
+        const bool seen = Frag::col(n, e, t) < lim[Frag::half(e)];
         x[n][e] = seen ? __fmul_rn(float(s[n][e]), c) : -INFINITY;
-        mx[e / 2] = ptx::max_nan(mx[e / 2], x[n][e]);
+        mx[Frag::half(e)] = ptx::max_nan(mx[Frag::half(e)], x[n][e]);
       }
     float alpha[2];  // the old sums' rescale (the first block: nothing to rescale)
     for (int r = 0; r < 2; ++r) {
-      mx[r] = quad_max(mx[r]);
+      mx[r] = Frag::quad_max(mx[r]);
       alpha[r] = m[r] == -INFINITY ? 0.0f : ptx::ex2(m[r] - mx[r]);
       m[r] = mx[r];
     }
     const float* kn = reinterpret_cast<const float*>(st + S::kNorm);
     float bl[2] = {0.0f, 0.0f}, bdp[2] = {0.0f, 0.0f}, bk[2] = {0.0f, 0.0f};
     for (int n = 0; n < 8; ++n) {
-      const float2 k2 = *reinterpret_cast<const float2*>(kn + n * 8 + 2 * t);
+      const float2 k2 = *reinterpret_cast<const float2*>(kn + Frag::pair(n, t));
       for (int e = 0; e < 4; ++e) {
-        if (n * 8 + 2 * t + (e & 1) >= lim[e / 2]) continue;
-        const float pe = ptx::ex2(x[n][e] - mx[e / 2]);
-        bl[e / 2] += pe;
-        bdp[e / 2] += pe * dp[n][e];
-        bk[e / 2] += pe * ((e & 1) ? k2.y : k2.x);
+        const int r = Frag::half(e);
+        if (Frag::col(n, e, t) >= lim[r]) continue;
+        const float pe = ptx::ex2(x[n][e] - mx[r]);
+        bl[r] += pe;
+        bdp[r] += pe * dp[n][e];
+        bk[r] += pe * ((e & 1) ? k2.y : k2.x);
       }
     }
     const float ks2 = k_scale * k_scale;
@@ -257,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const Params p) {
 // ORed into the workspace's verdict, which k_mean_kernel zeroed; poison_kernel passes it on to the
 // caller. (<D>: an instance a backward_d*.cu, as every kernel here.)
 template <int D>
-__global__ void __launch_bounds__(kThreads) judge_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads) judge_kernel(const JudgeParams p) {
   const int64_t bh = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t rows = p.rows_seeing_keys();
   bool bad = false;
@@ -285,7 +288,7 @@ __device__ __forceinline__ void fill_nan(void* base, const sage_strides& st, int
 // On an untrusted verdict, NaN over dQ, dK and dV; otherwise every CTA returns at once. A
 // one-dimensional grid of kThreads-thread CTAs, striding (any size).
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) poison_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads) poison_kernel(const PoisonParams p) {
   const int32_t verdict = *p.verdict;
   if (blockIdx.x == 0 && threadIdx.x == 0 && p.untrusted) *p.untrusted = verdict;
   if (verdict == 0) return;

@@ -1,7 +1,7 @@
 // Kernel launches with programmatic dependent launch (PDL, sm_90+; the attribute is ignored where
 // the device does not support it): the launched grid may start while the previous kernel of the
 // stream drains, and must therefore wait (ptx::grid_dependency_wait) before it reads anything that
-// kernel wrote. Shared by the pre-pass (quant/prepass/launch.cu) and the Hopper kernel (attn/sm90).
+// kernel wrote. Shared by the pre-pass (quant/prepass.cu) and the Hopper kernel (attn/sm90).
 #pragma once
 
 #include <cuda_runtime.h>

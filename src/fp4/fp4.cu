@@ -1,5 +1,5 @@
 // SageAttention3's FP4 attention on fp16 tensor cores (sm_89+; fp4.h says what and why). Each
-// step is the CPU emulation's (src/ref/attention_quant.cpp with the SAGE3_FP4 config) with the
+// step is the CPU emulation's (src/ref/emulate_fp4.cpp with the SAGE3_FP4 config) with the
 // same float operations, in the same order where a result is quantized: the NVFP4 codecs are
 // the reference's own (common/formats.h, host and device), exp2 is taken in double and rounded
 // (the host's exp2f is within half an ulp), and no multiply-add is contracted (__f*_rn).
@@ -21,6 +21,7 @@
 
 #include "attn/epilogue.cuh"
 #include "common/formats.h"
+#include "common/fragment.cuh"
 #include "common/grid.h"
 #include "fp4/fp4.h"
 #include "ptx/mma.cuh"
@@ -40,7 +41,7 @@ __device__ __forceinline__ float load(const void* base, const sage_strides& s, i
   else
     return __bfloat162float(*p);
 }
-// An element as a float with an Inf/NaN taken as zero (its rows are poisoned: the README);
+// An element as a float with an Inf/NaN taken as zero (its rows are poisoned: docs/c-api.md);
 // *bad, when given, is set if it was one.
 template <typename T>
 __device__ __forceinline__ float load_finite(const void* base, const sage_strides& s, int64_t b,
@@ -271,8 +272,8 @@ __global__ void __launch_bounds__(128) attention_kernel(Params p) {
     float row_max[2] = {-INFINITY, -INFINITY};
     for (int nt = 0; nt < 8; ++nt)
       for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        const int64_t key = j0 + 8 * nt + 2 * t + e % 2;
+        const int r = Frag::half(e);
+        const int64_t key = Frag::at_col(j0, nt, e, t);
         const float x = __fmul_rn(__fadd_rn(s[nt][e], ds[key - j0]), scale_log2);
         s[nt][e] = key < n_row[r] ? x : -INFINITY;
         row_max[r] = fmaxf(row_max[r], s[nt][e]);
@@ -293,7 +294,7 @@ __global__ void __launch_bounds__(128) attention_kernel(Params p) {
     float row_sum[2] = {0.0f, 0.0f};
     for (int nt = 0; nt < 8; ++nt)
       for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
+        const int r = Frag::half(e);
         const float pt = s[nt][e] == -INFINITY ? 0.0f : exp2_rounded(__fsub_rn(s[nt][e], m[r]));
         row_sum[r] = __fadd_rn(row_sum[r], pt);
         s[nt][e] = level1[r] > 0.0f ? __fdiv_rn(pt, level1[r]) : pt;  // the emulation's p /= s_P1
@@ -331,7 +332,7 @@ __global__ void __launch_bounds__(128) attention_kernel(Params p) {
         ptx::mma_m16n8k16_f16<false>(acc, pf[st], bfr, acc);
       }
       for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
+        const int r = Frag::half(e);
         if (live[r]) o[dn][e] = __fadd_rn(__fmul_rn(o[dn][e], alpha[r]), __fmul_rn(acc[e], level1[r]));
       }
     }
@@ -345,7 +346,7 @@ __global__ void __launch_bounds__(128) attention_kernel(Params p) {
     const float inv = empty ? 0.0f : __fdiv_rn(1.0f, l[r]);
     T* dst = static_cast<T*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
     for (int dn = 0; dn < D / 8; ++dn) {
-      const int c = dn * 8 + 2 * t;
+      const int c = Frag::pair(dn, t);
       const float x0 = empty ? 0.0f : __fadd_rn(__fmul_rn(o[dn][2 * r], inv), 0.0f);
       const float x1 = empty ? 0.0f : __fadd_rn(__fmul_rn(o[dn][2 * r + 1], inv), 0.0f);
       attn::store2<T>(dst + c, x0, x1);

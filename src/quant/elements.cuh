@@ -1,4 +1,4 @@
-// Element-level helpers of the quantizers, shared by the pre-pass kernels (quant/prepass/) and the
+// Element-level helpers of the quantizers, shared by the pre-pass kernels (prepass.cu) and the
 // Hopper attention kernel's in-kernel Q quantization (attn/sm90): fp16/bf16 bit facts, exact
 // conversions to double, Inf/NaN tests on packed pairs, integer quantization without FRND/F2I,
 // the INT8/INT4 store of eight values, and the quantize-and-store of a row part.

@@ -3,7 +3,7 @@
 // inside each 32 for the P·V MMA), K/V smoothing statistics, and Q (INT8/INT4 per 128-row block)
 // unless the sm90 kernel quantizes Q itself. Both attention kernels (attn/mma, attn/sm90) read
 // this layout. Plain C++ (no CUDA types): the planner (src/api) computes it on the host. The
-// README's "Device memory" gives its size as a formula (tests/cpu/test_plan.cpp checks it).
+// "Device memory" part of docs/c-api.md gives its size as a formula (tests/cpu/test_plan.cpp checks it).
 #pragma once
 
 #include <cstddef>
@@ -27,7 +27,7 @@ constexpr int kStatTokens = 128;  // tokens per K/V statistics chunk (fixed-orde
 constexpr unsigned long long kKvBadNone = ~0ull;
 
 // The key order of one 32-key chunk of Vᵀ: position kappa holds key perm(kappa), so that the
-// S accumulator a thread holds is directly the A operand of the P·V MMA (see prepass/kv_block.cuh).
+// S accumulator a thread holds is directly the A operand of the P·V MMA (see prepass.cu).
 SAGE_HOST_DEVICE inline int v_key_of_position(int kappa) {
   const int half = kappa / 16, r = kappa % 16, t = r / 4, j = r % 4;
   return half * 16 + (j < 2 ? 2 * t + j : 8 + 2 * t + (j - 2));
@@ -47,7 +47,7 @@ inline bool rows_aligned16(const void* base, const sage_strides& s) {
 // Which keys a query row sees (keys j < visible(row)), to mark the rows an Inf/NaN input poisons:
 // a row that sees keys is poisoned when its own Q row holds Inf/NaN or when it sees the head's
 // first key whose K or V row does (PrepassPlan::kv_bad). Its LSE shift is then NaN, and the
-// attention epilogue writes the row as NaN (non-finite inputs: the README).
+// attention epilogue writes the row as NaN (docs/c-api.md, "Non-finite inputs").
 struct RowSight {
   int64_t seq_kv = 0;
   int64_t causal_offset = 0;  // causal: query i sees keys j <= i + causal_offset

@@ -2,8 +2,7 @@
 // over a sample of the tokens, V channel mean and range over all), per-thread INT8/INT4 K with
 // smoothing, E4M3 Vᵀ with per-channel scales in the key order the P·V MMA wants, per-thread Q
 // with optional per-block smoothing (and its block means, from which the mma kernel forms ΔS),
-// and the LSE correction. Host interface; the kernels are in prepass/ (sm_89+): kernels.cuh, one
-// Params each (params.h), launched by launch.cu as the plan (PrepassPlan) says.
+// and the LSE correction. Host interface; the kernels are in prepass.cu (sm_89+).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,8 +27,8 @@ struct PrepassInputs {
   bool bottom_right = false;
 };
 
-// Runs the pre-pass kernels `plan` names on `stream` (device `device`, the current one), writing
-// the workspace it lays out.
+// Runs every pre-pass kernel on `stream` (device `device`, the current one), writing the
+// workspace laid out by `plan`.
 cudaError_t run_prepass(const PrepassPlan& plan, const PrepassInputs& in, uint8_t* workspace,
                         int device, cudaStream_t stream);
 

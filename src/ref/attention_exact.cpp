@@ -16,14 +16,6 @@ std::vector<double> load_matrix_f64(const TensorView& t, int64_t b, int64_t h, i
   return std::vector<double>(f.begin(), f.end());
 }
 
-double dot(const double* a, const double* b, int64_t n) {
-  double acc[4] = {0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4)
-    for (int l = 0; l < 4; ++l) acc[l] += a[i + l] * b[i + l];
-  for (; i < n; ++i) acc[0] += a[i] * b[i];
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
 
 }  // namespace
 
@@ -60,7 +52,7 @@ void attention_exact(const Problem& p, const TensorView& q, const TensorView& k,
       }
       double m = -std::numeric_limits<double>::infinity();
       for (int64_t j = 0; j < n; ++j) {
-        s[size_t(j)] = p.scale * dot(qrow.data(), K + j * D, D);
+        s[size_t(j)] = p.scale * dot_f64(qrow.data(), K + j * D, D);
         m = std::max(m, s[size_t(j)]);
       }
       double l = 0;
@@ -75,6 +67,15 @@ void attention_exact(const Problem& p, const TensorView& q, const TensorView& k,
       if (lse) lse[bh * Nq + i] = m + std::log(l);
     }
   });
+}
+
+double dot_f64(const double* a, const double* b, int64_t n) {
+  double acc[4] = {0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int l = 0; l < 4; ++l) acc[l] += a[i + l] * b[i + l];
+  for (; i < n; ++i) acc[0] += a[i] * b[i];
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
 }  // namespace sage::ref

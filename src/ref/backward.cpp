@@ -1,13 +1,11 @@
-// The CPU reference of the attention backward pass: float64 gradients (the truth), and the
-// emulation of SageBwd (SageAttention3 paper, Algorithm 3) with a switch per matmul between INT8
-// with per-block scales ψ and the input dtype with fp32 accumulation. Host code; mirrors src/bwd.
+// The emulation of SageBwd (SageAttention3 paper, Algorithm 3), the backward kernel's family, with
+// a switch per matmul between INT8 with per-block scales ψ and the input dtype with fp32
+// accumulation; its config, preset and ψ. Host code; mirrors src/bwd. The float64 gradients (the
+// truth) are backward_exact.cpp.
 //
-// The exact backward recomputes S and P = exp(S - LSE) from the forward's LSE, D = rowsum(dO∘O)
-// from its O, dP = dO·Vᵀ, dS = P∘(dP - D), then dV = Pᵀ·dO, dQ = scale·dS·K, dK = scale·dSᵀ·Q.
-// dK and dV sum over the query heads of a GQA group. Fully masked rows (LSE = -inf) have P = 0.
-//
-// The emulation takes neither: its forward quantized Q and K otherwise (and its O carries FP8
-// error), so exp(S_bwd - LSE_fwd) is no normalized softmax and dO·O_fwd is not Σ_j P_ij·dP_ij;
+// The exact backward takes P from the forward's LSE and D = rowsum(dO∘O) from its O. The
+// emulation takes neither: its forward quantized Q and K otherwise (and its O carries FP8 error),
+// so exp(S_bwd - LSE_fwd) is no normalized softmax and dO·O_fwd is not Σ_j P_ij·dP_ij;
 // on peaked rows either error is exponential in |S| or cancels the whole gradient. A stats pass
 // computes each row's own normalizer L and D = Σ_j P_ij·dP_ij from the very scores and dP the
 // main pass uses, so every row of P sums to 1 and rowsum(dS) = dL/dLSE.
@@ -35,15 +33,6 @@ namespace {
 
 constexpr double kLog2e = 1.4426950408889634;
 
-double dot64(const double* a, const double* b, int64_t n) {
-  double acc[4] = {0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4)
-    for (int l = 0; l < 4; ++l) acc[l] += a[i + l] * b[i + l];
-  for (; i < n; ++i) acc[0] += a[i] * b[i];
-  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-}
-
 // fp32 dot product with independent partial sums; exact when both operands are INT8 values
 // (every partial sum stays below 2^24 for head dims and blocks up to 512).
 float dot32(const float* a, const float* b, int64_t n) {
@@ -53,10 +42,6 @@ float dot32(const float* a, const float* b, int64_t n) {
     for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
   for (; i < n; ++i) acc[0] += a[i] * b[i];
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
-std::vector<double> to_f64(const std::vector<float>& f) {
-  return std::vector<double>(f.begin(), f.end());
 }
 
 }  // namespace
@@ -104,82 +89,6 @@ std::string backward_config_error(const sage_backward_config& c) {
   return {};
 }
 
-void attention_backward_exact(const Problem& p, const TensorView& q, const TensorView& k,
-                              const TensorView& v, const double* o, const double* lse,
-                              const TensorView& d_o, double* dq, double* dk, double* dv,
-                              int threads, const double* d_lse) {
-  const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_kv, G = p.group_ratio();
-  const size_t dims = size_t(D);
-  // Per (batch, q head): Q and dO; per (batch, kv head): K and V, in double.
-  std::vector<std::vector<double>> qs(size_t(p.batch * p.heads_q)), dos(qs.size()),
-      ks(size_t(p.batch * p.heads_kv)), vs(ks.size());
-  std::vector<double> delta(size_t(p.lse_elems()));  // D_i = dO_i·O_i
-  parallel_for(int64_t(qs.size()), threads, [&](int64_t bh) {
-    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-    qs[size_t(bh)] = to_f64(load_matrix(q, b, h, Nq, D));
-    dos[size_t(bh)] = to_f64(load_matrix(d_o, b, h, Nq, D));
-    for (int64_t i = 0; i < Nq; ++i)
-      delta[size_t(bh * Nq + i)] =
-          dot64(dos[size_t(bh)].data() + i * D, o + (bh * Nq + i) * D, D) -
-          (d_lse ? d_lse[bh * Nq + i] : 0.0);
-  });
-  parallel_for(int64_t(ks.size()), threads, [&](int64_t bh) {
-    ks[size_t(bh)] = to_f64(load_matrix(k, bh / p.heads_kv, bh % p.heads_kv, Nk, D));
-    vs[size_t(bh)] = to_f64(load_matrix(v, bh / p.heads_kv, bh % p.heads_kv, Nk, D));
-  });
-  // dS_ij for one (q head, row i, key j), recomputed by both passes.
-  auto prob = [&](int64_t bh, int64_t i, int64_t j, double* p_out) {
-    const int64_t kv = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
-    const double L = lse[bh * Nq + i];
-    if (j >= p.visible_keys(i) || !(L > -std::numeric_limits<double>::infinity())) {
-      *p_out = 0.0;
-      return 0.0;
-    }
-    const double s = p.scale * dot64(qs[size_t(bh)].data() + i * D, ks[size_t(kv)].data() + j * D, D);
-    const double pij = std::exp(s - L);
-    const double dp = dot64(dos[size_t(bh)].data() + i * D, vs[size_t(kv)].data() + j * D, D);
-    *p_out = pij;
-    return pij * (dp - delta[size_t(bh * Nq + i)]);
-  };
-  // dQ: one task per (batch, q head, row).
-  parallel_for(p.batch * p.heads_q * Nq, threads, [&](int64_t item) {
-    const int64_t bh = item / Nq, i = item % Nq;
-    const int64_t kv = (bh / p.heads_q) * p.heads_kv + (bh % p.heads_q) / G;
-    std::vector<double> acc(dims, 0.0);
-    for (int64_t j = 0; j < Nk; ++j) {
-      double pij;
-      const double ds = prob(bh, i, j, &pij);
-      if (ds == 0.0) continue;
-      const double* kj = ks[size_t(kv)].data() + j * D;
-      for (int64_t d = 0; d < D; ++d) acc[size_t(d)] += ds * kj[d];
-    }
-    for (int64_t d = 0; d < D; ++d) dq[item * D + d] = p.scale * acc[size_t(d)];
-  });
-  // dK, dV: one task per (batch, kv head, key), over every query of the group.
-  parallel_for(p.batch * p.heads_kv * Nk, threads, [&](int64_t item) {
-    const int64_t bkv = item / Nk, j = item % Nk;
-    const int64_t b = bkv / p.heads_kv, hkv = bkv % p.heads_kv;
-    std::vector<double> ak(dims, 0.0), av(dims, 0.0);
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t bh = b * p.heads_q + hkv * G + g;
-      for (int64_t i = 0; i < Nq; ++i) {
-        double pij;
-        const double ds = prob(bh, i, j, &pij);
-        const double* qi = qs[size_t(bh)].data() + i * D;
-        const double* doi = dos[size_t(bh)].data() + i * D;
-        for (int64_t d = 0; d < D; ++d) {
-          ak[size_t(d)] += ds * qi[d];
-          av[size_t(d)] += pij * doi[d];
-        }
-      }
-    }
-    for (int64_t d = 0; d < D; ++d) {
-      dk[item * D + d] = p.scale * ak[size_t(d)];
-      dv[item * D + d] = av[size_t(d)];
-    }
-  });
-}
-
 namespace {
 
 // One matrix quantized with one ψ scale per block of `block` rows (values are integers).
@@ -205,6 +114,19 @@ BlockQuant psi_rows(const std::vector<float>& x, int64_t rows, int64_t dim, int6
   return r;
 }
 
+// The e4m3 products' per-channel scale over values whose largest |x| is amax: mul takes x into
+// e4m3's range, inv undoes it. A NaN amax gives NaN, an infinite one mul 0 and inv infinity, so a
+// non-finite input makes the gradients non-finite instead of vanishing; all zeros stay zero.
+struct Fp8Scale {
+  float mul, inv;
+};
+Fp8Scale fp8_scale(float amax) {
+  if (std::isnan(amax)) return {amax, amax};
+  if (!(amax > 0.0f)) return {0.0f, 0.0f};
+  return {kE4M3Max / amax, amax / kE4M3Max};
+}
+float e4m3(float x) { return round_float(kE4M3, x); }
+
 float round_to(sage_dtype dtype, float x) {
   switch (dtype) {
     case SAGE_DTYPE_FP16: return round_fp16(x);
@@ -218,16 +140,24 @@ float round_to(sage_dtype dtype, float x) {
 void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
                               const TensorView& q, const TensorView& k, const TensorView& v,
                               const TensorView& d_o, float* dq, float* dk, float* dv, int threads,
-                              const float* d_lse, BackwardCheck* check) {
+                              const float* d_lse, BackwardCheck* check, uint32_t fp8) {
   if (const std::string e = backward_config_error(cfg); !e.empty())
     throw Error{SAGE_ERROR_INVALID_ARGUMENT, e};
+  const uint32_t fp8_products = SAGE_BWD_INT8_PDO | SAGE_BWD_INT8_DSK | SAGE_BWD_INT8_DSQ;
+  if (fp8 & ~fp8_products)
+    throw Error{SAGE_ERROR_INVALID_ARGUMENT, "fp8 = 0x" + std::to_string(fp8) +
+                                                 " names a product that has no e4m3 form"};
   const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_kv, G = p.group_ratio();
   const int64_t bq = cfg.block_q, bk = cfg.block_k;
   const int64_t q_blocks = (Nq + bq - 1) / bq, k_blocks = (Nk + bk - 1) / bk;
-  const bool i8_qk = cfg.int8 & SAGE_BWD_INT8_QK, i8_pdo = cfg.int8 & SAGE_BWD_INT8_PDO,
-             i8_dov = cfg.int8 & SAGE_BWD_INT8_DOV, i8_dsk = cfg.int8 & SAGE_BWD_INT8_DSK,
-             i8_dsq = cfg.int8 & SAGE_BWD_INT8_DSQ;
-  const bool smooth_k = (cfg.smooth & SAGE_SMOOTH_K) && (i8_qk || i8_dsk);
+  const bool f8_pdo = fp8 & SAGE_BWD_INT8_PDO, f8_dsk = fp8 & SAGE_BWD_INT8_DSK,
+             f8_dsq = fp8 & SAGE_BWD_INT8_DSQ, f8 = fp8 != 0;
+  const bool i8_qk = cfg.int8 & SAGE_BWD_INT8_QK,
+             i8_pdo = (cfg.int8 & SAGE_BWD_INT8_PDO) && !f8_pdo,
+             i8_dov = cfg.int8 & SAGE_BWD_INT8_DOV,
+             i8_dsk = (cfg.int8 & SAGE_BWD_INT8_DSK) && !f8_dsk,
+             i8_dsq = (cfg.int8 & SAGE_BWD_INT8_DSQ) && !f8_dsq;
+  const bool smooth_k = (cfg.smooth & SAGE_SMOOTH_K) && (i8_qk || i8_dsk || f8_dsk);
   const bool per_token = cfg.granularity == SAGE_GRANULARITY_PER_TOKEN;
   const sage_dtype dt = q.dtype;
   const float scale_log2 = float(p.scale * kLog2e);
@@ -237,6 +167,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
   // |K_j - k̄|².
   struct QSide {
     std::vector<float> q, d_o, lse2, delta;
+    std::vector<float> rowmax, mu, u;  // e4m3 products: m_i, μ_i and 448 / W_i (0 when W_i = 0)
+    std::vector<float> o_bar, q_bar;   // e4m3 operands of dV and dK [Nq][D]
     std::vector<double> norm2, sigma2;
     BlockQuant q8, do8;
   };
@@ -244,6 +176,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     std::vector<float> k, v;
     BlockQuant k8, v8;
     std::vector<float> k_mean;
+    std::vector<float> k_bar;                // e4m3 (K - k̄)·mul of dQ [Nk][D]
+    std::vector<float> o_inv, q_inv, k_inv;  // the e4m3 operands' per-channel inv [D]
     std::vector<double> norm2;
   };
   // Score x_ij (log2 units, K smoothing's per-row constant left out) and dP_ij of one query row
@@ -298,6 +232,11 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     s.delta.assign(size_t(Nq), 0.0f);
     s.norm2.assign(size_t(Nq), 0.0);
     s.sigma2.assign(size_t(Nq), 0.0);
+    if (f8) {
+      s.rowmax.assign(size_t(Nq), -std::numeric_limits<float>::infinity());
+      s.mu.assign(size_t(Nq), 0.0f);
+      s.u.assign(size_t(Nq), 0.0f);
+    }
     // The stats pass: row i's scores x_ij (log2 units) and dP_ij exactly as the main pass computes
     // them, then L = max + log2 Σ 2^(x - max) (+inf with no visible key: every P = 0) and
     // D = Σ P·dP - g. NaN anywhere in the row makes L NaN (never dropped by the max).
@@ -326,6 +265,15 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       const float g = d_lse ? d_lse[bh * Nq + i] : 0.0f;
       s.lse2[size_t(i)] = float(double(m) + std::log2(l));
       s.delta[size_t(i)] = float(dsum / l) - g;
+      if (f8) {
+        float wmax = 0.0f;  // max_j e_ij·|dP_ij|
+        for (int64_t j = 0; j < visible; ++j)
+          wmax = nan_max(wmax, std::exp2(x[size_t(j)] - m) * std::fabs(dp[size_t(j)]));
+        const float w = wmax + std::fabs(s.delta[size_t(i)]);
+        s.rowmax[size_t(i)] = m;
+        s.mu[size_t(i)] = float(1.0 / l);
+        s.u[size_t(i)] = w > 0.0f || std::isnan(w) ? kE4M3Max / w : 0.0f;
+      }
       if (i8_qk) {
         const double dq_step = s.q8.scale[size_t(ib)];
         s.sigma2[size_t(i)] = p.scale * p.scale / 12.0 *
@@ -333,6 +281,63 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       }
     }
   });
+
+  // The e4m3 products' other operands, per KV head: dO_i·μ_i (dV) and Q_i·μ_i·W_i / 448 (dK) with
+  // one scale per channel over the group's queries (the products sum over them), K - k̄ (dQ) with
+  // one per channel over the keys.
+  if (f8)
+    parallel_for(int64_t(kside.size()), threads, [&](int64_t bkv) {
+      KSide& ks = kside[size_t(bkv)];
+      const int64_t h0 = (bkv / p.heads_kv) * p.heads_q + (bkv % p.heads_kv) * G;
+      auto prepare = [&](bool on, std::vector<float> QSide::*out, std::vector<float>& inv,
+                         auto value) {
+        if (!on) return;
+        std::vector<float> amax(dims, 0.0f);
+        for (int64_t h = h0; h < h0 + G; ++h)
+          for (int64_t i = 0; i < Nq; ++i)
+            for (int64_t d = 0; d < D; ++d)
+              amax[size_t(d)] =
+                  nan_max(amax[size_t(d)], std::fabs(value(qside[size_t(h)], i, d)));
+        std::vector<float> mul(dims);
+        inv.resize(dims);
+        for (int64_t d = 0; d < D; ++d) {
+          const Fp8Scale sc = fp8_scale(amax[size_t(d)]);
+          mul[size_t(d)] = sc.mul;
+          inv[size_t(d)] = sc.inv;
+        }
+        for (int64_t h = h0; h < h0 + G; ++h) {
+          QSide& qs = qside[size_t(h)];
+          (qs.*out).resize(size_t(Nq * D));
+          for (int64_t i = 0; i < Nq; ++i)
+            for (int64_t d = 0; d < D; ++d)
+              (qs.*out)[size_t(i * D + d)] = e4m3(value(qs, i, d) * mul[size_t(d)]);
+        }
+      };
+      prepare(f8_pdo, &QSide::o_bar, ks.o_inv, [&](const QSide& qs, int64_t i, int64_t d) {
+        return qs.d_o[size_t(i * D + d)] * qs.mu[size_t(i)];
+      });
+      // μ_i·W_i / 448 = μ_i / u_i (0 where W_i = 0: that row's dS is 0)
+      prepare(f8_dsq, &QSide::q_bar, ks.q_inv, [&](const QSide& qs, int64_t i, int64_t d) {
+        const float u = qs.u[size_t(i)];
+        return u != 0.0f ? qs.q[size_t(i * D + d)] * (qs.mu[size_t(i)] / u) : 0.0f;
+      });
+      if (f8_dsk) {
+        std::vector<float> amax(dims, 0.0f);
+        for (int64_t j = 0; j < Nk; ++j)
+          for (int64_t d = 0; d < D; ++d)
+            amax[size_t(d)] = nan_max(amax[size_t(d)], std::fabs(ks.k[size_t(j * D + d)] -
+                                                                   ks.k_mean[size_t(d)]));
+        ks.k_inv.resize(dims);
+        ks.k_bar.resize(size_t(Nk * D));
+        for (int64_t d = 0; d < D; ++d) {
+          const Fp8Scale sc = fp8_scale(amax[size_t(d)]);
+          ks.k_inv[size_t(d)] = sc.inv;
+          for (int64_t j = 0; j < Nk; ++j)
+            ks.k_bar[size_t(j * D + d)] =
+                e4m3((ks.k[size_t(j * D + d)] - ks.k_mean[size_t(d)]) * sc.mul);
+        }
+      }
+    });
 
   // One (query block, key block) tile of one q head: P, dS and their INT8 forms. Per block, one
   // ψ scale covers the tile; per token, each product gets the scales that factor out of its sum:
@@ -355,6 +360,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     const int64_t rows = t.r1 - t.r0, cols = t.c1 - t.c0;
     t.P.assign(size_t(rows * cols), 0.0f);
     t.dS.assign(t.P.size(), 0.0f);
+    t.P8.assign(t.P.size(), 0.0f);
+    t.dS8_row.assign(t.P.size(), 0.0f);
     t.empty = true;
     std::vector<float> p_max(size_t(cols), 0.0f), ds_col_max(size_t(cols), 0.0f),
         ds_row_max(size_t(rows), 0.0f);
@@ -363,9 +370,15 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       for (int64_t j = t.c0; j < visible; ++j) {
         t.empty = false;
         const ScoreDp sd = score_dp(qs, ks, i, j);
-        const float pij = std::exp2(sd.x - qs.lse2[size_t(i)]);
-        const float ds = pij * (sd.dp - qs.delta[size_t(i)]);
         const int64_t r = i - t.r0, c = j - t.c0;
+        // (e4m3 products: P = e·μ with e = 2^(x - m), whose 448·e is P̄ and e·(dP - D)·u dS̄)
+        const float e = f8 ? std::exp2(sd.x - qs.rowmax[size_t(i)]) : 0.0f;
+        const float pij = f8 ? e * qs.mu[size_t(i)] : std::exp2(sd.x - qs.lse2[size_t(i)]);
+        const float ds = pij * (sd.dp - qs.delta[size_t(i)]);
+        if (f8_pdo) t.P8[size_t(r * cols + c)] = e4m3(e * kE4M3Max);
+        if (f8_dsk || f8_dsq)
+          t.dS8_row[size_t(r * cols + c)] =
+              e4m3(e * (sd.dp - qs.delta[size_t(i)]) * qs.u[size_t(i)]);
         t.P[size_t(r * cols + c)] = pij;
         t.dS[size_t(r * cols + c)] = ds;
         p_max[size_t(c)] = nan_max(p_max[size_t(c)], pij);
@@ -397,18 +410,20 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       t.ds_row_scale[size_t(r)] = ds.scale;
       dr_inv[size_t(r)] = ds.inv;
     }
-    t.P8.resize(t.P.size());
-    t.dS8_row.resize(t.P.size());
     t.dS8_col.resize(t.P.size());
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c) {
         const size_t x = size_t(r * cols + c);
-        t.P8[x] = i8_pdo ? float(quantize_int(t.P[x], p_inv[size_t(c)], kInt8Max))
-                         : round_to(dt, t.P[x]);
-        t.dS8_row[x] = i8_dsk ? float(quantize_int(t.dS[x], dr_inv[size_t(r)], kInt8Max))
-                              : round_to(dt, t.dS[x]);
-        t.dS8_col[x] = i8_dsq ? float(quantize_int(t.dS[x], dc_inv[size_t(c)], kInt8Max))
-                              : round_to(dt, t.dS[x]);
+        if (!f8_pdo)
+          t.P8[x] = i8_pdo ? float(quantize_int(t.P[x], p_inv[size_t(c)], kInt8Max))
+                           : round_to(dt, t.P[x]);
+        // (one dS̄ serves both e4m3 products: its scale is the query's)
+        t.dS8_col[x] = f8_dsq   ? t.dS8_row[x]
+                       : i8_dsq ? float(quantize_int(t.dS[x], dc_inv[size_t(c)], kInt8Max))
+                                : round_to(dt, t.dS[x]);
+        if (!f8_dsk)
+          t.dS8_row[x] = i8_dsk ? float(quantize_int(t.dS[x], dr_inv[size_t(r)], kInt8Max))
+                                : round_to(dt, t.dS[x]);
       }
   };
 
@@ -432,8 +447,9 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
           for (int64_t r = 0; r < rows; ++r) {
             const float pv = t.P8[size_t(r * cols + c)];
             if (pv == 0.0f) continue;
-            const float* src = i8_pdo ? qs.do8.values.data() + (t.r0 + r) * D
-                                      : qs.d_o.data() + (t.r0 + r) * D;
+            const float* src = f8_pdo   ? qs.o_bar.data() + (t.r0 + r) * D
+                               : i8_pdo ? qs.do8.values.data() + (t.r0 + r) * D
+                                        : qs.d_o.data() + (t.r0 + r) * D;
             for (int64_t d = 0; d < D; ++d) part[size_t(d)] += pv * src[d];
           }
           const float pdo_scale = i8_pdo ? t.p_scale[size_t(c)] * qs.do8.scale[size_t(ib)] : 1.0f;
@@ -444,8 +460,9 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
             const size_t at = size_t(r * cols + c);
             const float ds = t.dS8_col[at];
             if (ds == 0.0f) continue;
-            const float* src = i8_dsq ? qs.q8.values.data() + (t.r0 + r) * D
-                                      : qs.q.data() + (t.r0 + r) * D;
+            const float* src = f8_dsq   ? qs.q_bar.data() + (t.r0 + r) * D
+                               : i8_dsq ? qs.q8.values.data() + (t.r0 + r) * D
+                                        : qs.q.data() + (t.r0 + r) * D;
             for (int64_t d = 0; d < D; ++d) part[size_t(d)] += ds * src[d];
           }
           const float dsq_scale =
@@ -454,11 +471,15 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
         }
       }
     }
+    // (e4m3: 448·e and the per-channel mul come out here; every block summed in place)
+    const KSide& kv_side = kside[size_t(bkv)];
     for (int64_t c = 0; c < cols; ++c)
       for (int64_t d = 0; d < D; ++d) {
         const int64_t at = (bkv * Nk + c0 + c) * D + d;
-        dk[at] = ak[size_t(c * D + d)] * float(p.scale);
-        dv[at] = av[size_t(c * D + d)];
+        const float k_out = f8_dsq ? kv_side.q_inv[size_t(d)] / kE4M3Max : 1.0f;
+        const float v_out = f8_pdo ? kv_side.o_inv[size_t(d)] / kE4M3Max : 1.0f;
+        dk[at] = ak[size_t(c * D + d)] * k_out * float(p.scale);
+        dv[at] = av[size_t(c * D + d)] * v_out;
       }
   });
 
@@ -475,14 +496,16 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       if (t.empty) continue;
       const int64_t cols = t.c1 - t.c0;
       for (int64_t r = 0; r < rows; ++r) {
-        const float dsk_scale = i8_dsk ? t.ds_row_scale[size_t(r)] * ks.k8.scale[size_t(jb)] : 1.0f;
+        const float dsk_scale =
+            i8_dsk ? t.ds_row_scale[size_t(r)] * ks.k8.scale[size_t(jb)] : 1.0f;
         std::fill(part.begin(), part.end(), 0.0f);
         for (int64_t c = 0; c < cols; ++c) {
           const size_t at = size_t(r * cols + c);
           const float ds = t.dS8_row[at];
           if (ds == 0.0f) continue;
-          const float* src = i8_dsk ? ks.k8.values.data() + (t.c0 + c) * D
-                                    : ks.k.data() + (t.c0 + c) * D;
+          const float* src = f8_dsk   ? ks.k_bar.data() + (t.c0 + c) * D
+                             : i8_dsk ? ks.k8.values.data() + (t.c0 + c) * D
+                                      : ks.k.data() + (t.c0 + c) * D;
           for (int64_t d = 0; d < D; ++d) part[size_t(d)] += ds * src[d];
         }
         for (int64_t d = 0; d < D; ++d) acc[size_t(r * D + d)] += part[size_t(d)] * dsk_scale;
@@ -491,12 +514,19 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     // K^ holds K - k̄: dS·K = dS·(K - k̄) + rowsum(dS)·k̄, and rowsum(dS_i) is d_lse_i (zero
     // without a gradient on the LSE): that term is added back exactly. A row that sees no key
     // has no dS (its LSE is the constant -inf): nothing to add.
+    // e4m3: dS = dS̄·μ_i·W_i / 448 = dS̄·μ_i / u_i, and K - k̄ comes back by its inv.
+    const QSide& qs = qside[size_t(bh)];
     for (int64_t r = 0; r < rows; ++r) {
-      const bool seen = p.visible_keys(r0 + r) > 0 && Nk > 0;
-      const float g = d_lse && i8_dsk && seen ? d_lse[bh * Nq + r0 + r] : 0.0f;
-      for (int64_t d = 0; d < D; ++d)
-        dq[(bh * Nq + r0 + r) * D + d] =
-            (acc[size_t(r * D + d)] + g * ks.k_mean[size_t(d)]) * float(p.scale);
+      const int64_t i = r0 + r;
+      const bool seen = p.visible_keys(i) > 0 && Nk > 0;
+      const float g = d_lse && (i8_dsk || f8_dsk) && seen ? d_lse[bh * Nq + i] : 0.0f;
+      const float a = f8_dsk && qs.u[size_t(i)] != 0.0f ? qs.mu[size_t(i)] / qs.u[size_t(i)]
+                                                        : (f8_dsk ? 0.0f : 1.0f);
+      for (int64_t d = 0; d < D; ++d) {
+        const float sum = f8_dsk ? acc[size_t(r * D + d)] * (a * ks.k_inv[size_t(d)])
+                                 : acc[size_t(r * D + d)];
+        dq[(bh * Nq + i) * D + d] = (sum + g * ks.k_mean[size_t(d)]) * float(p.scale);
+      }
     }
   });
 

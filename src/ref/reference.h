@@ -42,6 +42,9 @@ sage_strides contiguous_strides(sage_layout layout, int64_t heads, int64_t seq, 
 std::vector<float> load_matrix(const TensorView& t, int64_t b, int64_t h, int64_t rows,
                                int64_t dim);
 float load_element(const void* data, sage_dtype dtype, int64_t offset);
+// The float64 references' dot product (four partial sums in a fixed order: the same bits on every
+// run and machine).
+double dot_f64(const double* a, const double* b, int64_t n);
 // Writes x rounded to dtype (round to nearest even) at data + offset.
 void store_element(void* data, sage_dtype dtype, int64_t offset, double x);
 
@@ -51,10 +54,11 @@ void store_element(void* data, sage_dtype dtype, int64_t offset, double x);
 void attention_exact(const Problem& p, const TensorView& q, const TensorView& k,
                      const TensorView& v, double* out, double* lse, int threads = 0);
 
-// The quantized attention of `cfg` emulated step by step as the GPU kernels compute it (see
-// attention_quant.cpp). Same output conventions as attention_exact. The float version keeps
-// every unquantized value in fp32 as the GPU does; the double version applies the same
-// quantization with ideal arithmetic around it.
+// The quantized attention of `cfg` emulated step by step as the GPU kernels compute it: the
+// emulation of the kernel family the config stands for (attention_quant.cpp picks it;
+// emulate_mma.cpp, emulate_sm90.cpp, emulate_fp4.cpp). Same output conventions as
+// attention_exact. The float version keeps every unquantized value in fp32 as the GPU does; the
+// double version applies the same quantization with ideal arithmetic around it.
 void attention_quant(const Problem& p, const sage_quant_config& cfg, const TensorView& q,
                      const TensorView& k, const TensorView& v, float* out, float* lse,
                      int threads = 0);
@@ -66,7 +70,7 @@ void attention_quant(const Problem& p, const sage_quant_config& cfg, const Tenso
 sage_quant_config quant_preset(sage_variant variant);
 // Empty when `cfg` is usable, else a message naming the bad field and its value.
 std::string quant_config_error(const sage_quant_config& cfg);
-// Whether `cfg` asks for the sm90 (wgmma) kernel's softmax form (attention_quant.cpp): softmax
+// Whether `cfg` asks for the sm90 (wgmma) kernel's softmax form (emulate_sm90.cpp): softmax
 // blocks over several K blocks, the polynomial 2^x, or the wgmma kernel's own groups with its
 // accumulator (granularity PER_THREAD_WGMMA with pv_accum ALIGNED: the kernel at D = 256, whose
 // softmax block is its 64-key K block).
@@ -176,11 +180,22 @@ struct BackwardCheck {
 // fp32. It takes neither the forward's O nor its LSE: each row's softmax normalizer and D come from
 // the backward's own scores (so P sums to 1 over each row and rowsum(dS) = dL/dLSE), and when the
 // check finds the INT8 scores too coarse the gradients are NaN (check->untrusted).
+//
+// fp8 (SAGE_BWD_INT8_PDO / _DSK / _DSQ bits; they override cfg.int8 for those products): the
+// product in e4m3 with scales that stay fixed along its summed dimension, so that a kernel's
+// accumulator can sum every block in place (docs/backward.md, "The e4m3 products"). Per query i,
+// from the stats pass: the row max m_i, μ_i = 2^(m_i - L'_i) = 1 / Σ_j 2^(x_ij - m_i) and
+// W_i = max_j e_ij·|dP_ij| + |D_i| (e_ij = 2^(x_ij - m_i)), a bound on max_j |dS_ij| / μ_i. Then
+// P_ij = e_ij·μ_i, P̄ = e4m3(448·e_ij), dS̄ = e4m3(e_ij·(dP_ij - D_i)·448 / W_i), and the other
+// operand takes the row's factor: dO_i·μ_i / 448 (dV), Q_i·μ_i·W_i / 448 (dK), with one scale per
+// channel over the KV head's queries (448 / their max); dQ's K - k̄ takes one per channel over the
+// keys, and its per-query μ_i·W_i / 448 multiplies the sum. Not yet a GPU kernel's: the reference
+// of the design.
 void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
                               const TensorView& q, const TensorView& k, const TensorView& v,
                               const TensorView& d_o, float* dq, float* dk, float* dv,
                               int threads = 0, const float* d_lse = nullptr,
-                              BackwardCheck* check = nullptr);
+                              BackwardCheck* check = nullptr, uint32_t fp8 = 0);
 sage_backward_config backward_preset();
 // Empty when `cfg` is usable, else a message naming the bad field and its value.
 std::string backward_config_error(const sage_backward_config& cfg);

@@ -77,7 +77,7 @@ inline Fp16Tensor random_tensor(std::mt19937_64& rng, int64_t B, int64_t H, int6
 }
 
 // Naive attention in long double: out [B, Hq, Nq, D], lse [B, Hq, Nq]. Written from the
-// definition (SPEC.md §1) without sharing code with src/ref.
+// definition (softmax(Q·Kᵀ·scale + mask)·V, docs/status.md) without sharing code with src/ref.
 inline void naive_attention(int64_t B, int64_t Hq, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D,
                             double scale, sage_mask mask, const ref::TensorView& q,
                             const ref::TensorView& k, const ref::TensorView& v,

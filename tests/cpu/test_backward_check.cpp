@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../common/test_util.h"
+#include "../common/training_util.h"
 #include "bwd/params.h"
 #include "ref/reference.h"
 #include "ref/synthetic.h"
@@ -21,33 +22,12 @@
 namespace sage {
 namespace {
 
+using test::cosine;
+using test::exact_grads;
+using test::Exact;
 using test::fresh_seed;
+using test::problem_of;
 using ref::TrainingClass;
-
-struct Exact {
-  std::vector<double> dq, dk, dv;
-};
-
-Exact exact_grads(const ref::Problem& p, const ref::TrainingInputs& in) {
-  std::vector<double> o(size_t(p.out_elems())), lse(size_t(p.lse_elems()));
-  ref::attention_exact(p, in.q_view(), in.k_view(), in.v_view(), o.data(), lse.data(), 2);
-  Exact g;
-  g.dq.resize(o.size());
-  g.dk.resize(in.k.size());
-  g.dv.resize(in.k.size());
-  ref::attention_backward_exact(p, in.q_view(), in.k_view(), in.v_view(), o.data(), lse.data(),
-                                in.d_o_view(), g.dq.data(), g.dk.data(), g.dv.data(), 2);
-  return g;
-}
-
-ref::Problem problem_of(const ref::TrainingSpec& s, sage_mask mask) {
-  return ref::Problem{s.batch,   s.heads_q, s.heads_kv, s.seq_q, s.seq_kv, s.head_dim,
-                      1.0 / std::sqrt(double(s.head_dim)), mask};
-}
-
-double cosine(const std::vector<double>& t, const std::vector<float>& x) {
-  return ref::compare(t.data(), x.data(), int64_t(x.size())).cos;
-}
 
 bool all_nan(const std::vector<float>& x) {
   for (float e : x)

@@ -1,6 +1,7 @@
-// Per-thread quantization groups (SPEC.md §4): simulate the accumulator ownership of mma.sync
-// m16n8 and wgmma m64nN and check that every element a thread holds needs exactly one Q scale
-// and one K scale, and that every element of the block is held by exactly one thread.
+// Per-thread quantization groups (docs/status.md, the granularity knob): simulate the
+// accumulator ownership of mma.sync m16n8 and wgmma m64nN and check that every element a thread
+// holds needs exactly one Q scale and one K scale, and that every element of the block is held
+// by exactly one thread.
 #include <gtest/gtest.h>
 
 #include <map>

@@ -1,4 +1,4 @@
-// Non-finite inputs in the CPU emulation (README, "Non-finite inputs"): an Inf/NaN element of Q,
+// Non-finite inputs in the CPU emulation (docs/c-api.md, "Non-finite inputs"): an Inf/NaN element of Q,
 // K or V counts as a zero in every statistic and quantization, and exactly the rows it reaches
 // are NaN (a query row: itself; a key or value row: the rows that see it). Every other row is
 // bit-identical to the same call on the inputs with the bad elements set to zero, and the

@@ -7,7 +7,9 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -23,7 +25,8 @@ using sage::api::Device;
 using sage::api::Family;
 using sage::api::Plan;
 
-constexpr Device kH100{0, 90, 132, 8}, kAda{0, 89, 128}, kBlackwell{0, 120, 84}, kAmpere{0, 86, 84};
+using sage::api::CallShape;
+constexpr Device kH100{0, 90, 132, 8, 5120}, kAda{0, 89, 128}, kBlackwell{0, 120, 84}, kAmpere{0, 86, 84};
 
 // Host buffers standing in for device tensors (the planner reads shapes, strides and pointer
 // alignment only).
@@ -38,6 +41,14 @@ struct Call {
     a.batch = 2, a.heads_q = 4, a.heads_kv = 2, a.seq_q = nq, a.seq_kv = nk, a.head_dim = d;
     a.mask = mask;
     a.variant = variant;
+  }
+  // Other head counts (the buffers resized, zero again).
+  Call& with_heads(int64_t hq, int64_t hkv) {
+    q.assign(size_t(2 * hq * a.seq_q * a.head_dim), 0), o.assign(q.size(), 0);
+    k.assign(size_t(2 * hkv * a.seq_kv * a.head_dim), 0), v.assign(k.size(), 0);
+    a.q = q.data(), a.k = k.data(), a.v = v.data(), a.o = o.data();
+    a.heads_q = hq, a.heads_kv = hkv;
+    return *this;
   }
   sage_status plan(const Device& dev, Plan* p) const {
     // Validated as host pointers (the CPU backend, which refuses a forced kernel), then planned
@@ -126,6 +137,34 @@ TEST(Planner, KvPrepassOneLaunchWhereAClusterHoldsTheHead) {
   EXPECT_EQ(must_plan(Call(700, 2048, 64), kH100).prepass.kv_cluster, 0);
   EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).prepass.kv_cluster, 0);
   EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).launches, 5);  // 3 K/V, quant_q, attention
+}
+
+// The pre-pass's loads are 16 bytes wide (its kVec instantiations) where every row of the tensor
+// starts 16-byte aligned, else 2 bytes: the plan decides, from the call's pointers and strides, for
+// K and V together and for Q; the workspace is the same either way.
+TEST(Planner, PrepassLoadWidthFromRowAlignment) {
+  for (const Device& dev : {kH100, kAda}) {
+    const Plan aligned = must_plan(Call(700, 900, 128), dev);
+    EXPECT_TRUE(aligned.prepass.vec_kv);
+    EXPECT_TRUE(aligned.prepass.vec_q);
+    Call k_odd(700, 900, 128);
+    k_odd.a.k = k_odd.k.data() + 1;  // K's rows 2-byte aligned only: K and V both narrow
+    const Plan pk = must_plan(k_odd, dev);
+    EXPECT_FALSE(pk.prepass.vec_kv);
+    EXPECT_TRUE(pk.prepass.vec_q);
+    EXPECT_EQ(pk.prepass.total, aligned.prepass.total);
+    Call v_odd(700, 900, 128);
+    v_odd.a.v = v_odd.v.data() + 4;  // 8 bytes
+    EXPECT_FALSE(must_plan(v_odd, dev).prepass.vec_kv);
+    Call v_16(700, 900, 128);
+    v_16.a.v = v_16.v.data() + 8;  // 16 bytes: still aligned
+    EXPECT_TRUE(must_plan(v_16, dev).prepass.vec_kv);
+    Call q_odd(700, 900, 128);
+    q_odd.a.q = q_odd.q.data() + 1;
+    const Plan pq = must_plan(q_odd, dev);
+    EXPECT_TRUE(pq.prepass.vec_kv);
+    EXPECT_FALSE(pq.prepass.vec_q);
+  }
 }
 
 TEST(Planner, EmulationConfigIsWhatRuns) {
@@ -252,25 +291,17 @@ TEST(Planner, PaddedHeadDimsRunAtTheNativeOne) {
     EXPECT_FALSE(po.fused_q);
     EXPECT_TRUE(po.prepass.quantize_q);
   }
-  // The crossover of a padded head dim is its kernel's: the same work at any D <= Dk.
-  EXPECT_TRUE(must_plan(Call(2048, 2048, 80), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(4096, 4096, 96), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 48, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  // D = 256 (and 144..240, padded to it) on sm_90: its own row, measured on the wgmma kernel.
-  EXPECT_TRUE(must_plan(Call(2048, 2048, 256), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(4096, 4096, 192), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 160, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(8192, 8192, 256, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  // Multiples of 8 that are not of 16 take their kernel head dim's row too (SD 1.x's 40 and 160,
-  // DiT's 72).
-  EXPECT_TRUE(must_plan(Call(2048, 2048, 40), kH100).prefer_sdpa);
-  // (B·H = 8 at 4k: too few tiles for the D = 64 kernel's row; at 8k the length alone decides.)
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 40), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(8192, 8192, 40), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 72, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(8192, 8192, 72, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(4096, 4096, 200), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(2048, 2048, 8), kH100).prefer_sdpa);
+  // The crossover of a padded head dim is its kernel's model (cuDNN pads too: D 72-96 measured
+  // what D 128 costs), from D = 8 up to 256.
+  for (const int64_t n : {1024, 4096, 8192, 16384})
+    for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT})
+      for (const auto& [d, dk] : {std::pair<int64_t, int64_t>{8, 64}, {40, 64}, {72, 128},
+                                  {96, 128}, {160, 256}, {200, 256}}) {
+        Call padded(n, n, d, mask), native(n, n, dk, mask);
+        EXPECT_EQ(must_plan(padded.with_heads(32, 32), kH100).prefer_sdpa,
+                  must_plan(native.with_heads(32, 32), kH100).prefer_sdpa)
+            << "D " << d << " N " << n;
+      }
   // Not a multiple of 8: refused on every GPU, naming head_dim and the set.
   Plan p;
   // The FP4 kernel has no padded head dims and no D = 256: refused, never run at its template
@@ -355,11 +386,11 @@ TEST(Planner, PaddedEmulationIsTheNativeOneOnZeroChannels) {
   }
 }
 
-// ---- The workspace: the README's formula ----------------------------------------------------
+// ---- The workspace: the documented formula (docs/c-api.md) -----------------------------------
 // A call's extra device memory is its output plus the workspace; the workspace is the quantized K
 // and V with their scales and means, the quantized Q with its scales only where the pre-pass
 // quantizes Q, Q's block means only with Q smoothing, 4 bytes a query row only with the LSE, and
-// nothing proportional to Nq·Nk. The formula below is the README's ("Device memory"), written
+// nothing proportional to Nq·Nk. The formula below is docs/c-api.md's ("Device memory"), written
 // out independently of the planner's layout code.
 struct Shape {
   int64_t B, Hq, Hkv, Nq, Nk, D;
@@ -369,7 +400,7 @@ size_t up256(int64_t bytes) {
   return size_t((bytes + 255) / 256 * 256);
 }
 
-size_t readme_workspace(const Shape& s, int bits, bool prepass_q, bool smooth_q, bool lse) {
+size_t documented_workspace(const Shape& s, int bits, bool prepass_q, bool smooth_q, bool lse) {
   const int64_t nq = (s.Nq + 127) / 128 * 128, nk = (s.Nk + 63) / 64 * 64, r = s.D * bits / 8;
   const int64_t bq = s.B * s.Hq, bk = s.B * s.Hkv;
   size_t w = up256(bk * nk * r)          // K^
@@ -422,7 +453,7 @@ TEST(Workspace, OutputPlusKvAndScalesAt32k) {
   ASSERT_TRUE(p.fused_q);
   const size_t output = size_t(s.B * s.Hq * s.Nq * s.D) * 2;
   EXPECT_EQ(p.prepass.total, 256 * kMiB + 256 * 1024 + 4 * 16 * 1024 + 256 + 256);
-  EXPECT_EQ(p.prepass.total, readme_workspace(s, 8, false, false, false));
+  EXPECT_EQ(p.prepass.total, documented_workspace(s, 8, false, false, false));
   EXPECT_LE(output + p.prepass.total, 512 * kMiB + kMiB / 2);
   // With the LSE: 4 bytes a query row more (4 MiB), as the LSE itself.
   EXPECT_EQ(plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, true).prepass.total,
@@ -439,7 +470,7 @@ TEST(Workspace, OutputPlusKvAndScalesAt32k) {
   EXPECT_EQ(q4.prepass.total, sq.prepass.total - 2 * 64 * kMiB);
 }
 
-TEST(Workspace, MatchesTheReadmeFormulaOverShapesAndConfigs) {
+TEST(Workspace, MatchesTheDocumentedFormulaOverShapesAndConfigs) {
   const Shape shapes[] = {{1, 2, 2, 1, 1, 128},      {1, 2, 2, 17, 17, 64},
                           {2, 8, 2, 1000, 3000, 64}, {1, 4, 1, 1, 4097, 128},
                           {3, 6, 3, 129, 65, 64},    {2, 4, 4, 5000, 300, 128},
@@ -478,7 +509,7 @@ TEST(Workspace, MatchesTheReadmeFormulaOverShapesAndConfigs) {
         SCOPED_TRACE(c.name);
         const sage::quant::PrepassPlan& w = c.plan.prepass;
         EXPECT_EQ(w.quantize_q, c.prepass_q);
-        EXPECT_EQ(w.total, readme_workspace(s, c.bits, c.prepass_q, c.smooth_q, lse));
+        EXPECT_EQ(w.total, documented_workspace(s, c.bits, c.prepass_q, c.smooth_q, lse));
         sage_plan_info info;
         sage::api::describe(c.plan, &info);
         EXPECT_EQ(info.workspace_size, w.total);
@@ -491,32 +522,84 @@ TEST(Workspace, MatchesTheReadmeFormulaOverShapesAndConfigs) {
   }
 }
 
-TEST(Planner, CrossoverTable) {
-  // Measured on the H100: sage from 4k (8k causal), both lengths.
-  EXPECT_TRUE(must_plan(Call(2048, 2048, 128), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(4096, 4096, 128), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(1, 8192, 128), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(8192, 77, 128), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(8192, 8192, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).prefer_sdpa);
-  EXPECT_TRUE(must_plan(Call(4096, 4096, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT), kH100).prefer_sdpa);
-  EXPECT_FALSE(must_plan(Call(8192, 8192, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT), kH100).prefer_sdpa);
-  // Unmeasured architectures keep sage.
+// Every point measured behind the crossover model (tools/crossover.py sweeps on an H100),
+// replayed through the planner's model: it makes the fit's choice (the two implementations of
+// the features agree), and no point it sends to sage measured more than 2 % slower than cuDNN.
+struct MeasuredPoint {
+  int cc, sms, bus;
+  int64_t batch, heads_q, heads_kv, seq_q, seq_k, head_dim;
+  bool causal;
+  int block_q;
+  double sage_ms, cudnn_ms, predicted_over_threshold;
+  bool sage;
+};
+constexpr MeasuredPoint kMeasured[] = {
+#include "crossover_points.inc"
+};
+
+TEST(Planner, CrossoverModelReplaysItsMeasurements) {
+  int to_sage = 0, sage_faster = 0;
+  double sdpa_ms = 0, dropin_ms = 0;
+  for (const MeasuredPoint& m : kMeasured) {
+    const Device dev{0, m.cc, m.sms, 8, m.bus};
+    const int64_t dk = m.head_dim <= 64 ? 64 : m.head_dim <= 128 ? 128 : 256;
+    const bool sdpa = sage::api::prefer_sdpa(
+        dev, dk, m.causal ? SAGE_MASK_CAUSAL_BOTTOM_RIGHT : SAGE_MASK_NONE, m.seq_q, m.seq_k,
+        false, {m.batch, m.heads_q, m.heads_kv, m.block_q});
+    // (A point within rounding of its threshold may fall either way.)
+    if (std::abs(m.predicted_over_threshold - 1.0) > 1e-5) {
+      EXPECT_EQ(!sdpa, m.sage) << "H " << m.heads_q << "/" << m.heads_kv << " N " << m.seq_q
+                               << " D " << m.head_dim << " causal " << m.causal;
+    }
+    if (!sdpa) {
+      EXPECT_GE(m.cudnn_ms / m.sage_ms, 0.98) << "H " << m.heads_q << " N " << m.seq_q << " D "
+                                              << m.head_dim << " causal " << m.causal;
+      ++to_sage;
+    }
+    sage_faster += m.cudnn_ms > m.sage_ms;
+    sdpa_ms += m.cudnn_ms;
+    dropin_ms += sdpa ? m.cudnn_ms : m.sage_ms;
+  }
+  // The model is not "SDPA everywhere": it takes most of the time sage can save.
+  EXPECT_GT(to_sage, sage_faster / 2);
+  EXPECT_LT(dropin_ms, 0.9 * sdpa_ms);
+  // The fit took each point's query tile from tools/crossover.py's copy of the plan's rule: the
+  // plan's own (lengths to 4096 cover both sides of its 2048 threshold).
+  std::set<std::tuple<int64_t, int64_t, bool>> seen;
+  for (const MeasuredPoint& m : kMeasured)
+    if (m.seq_q <= 4096 && seen.insert({m.seq_q, m.head_dim, m.causal}).second) {
+      const Call c(m.seq_q, m.seq_k, m.head_dim,
+                   m.causal ? SAGE_MASK_CAUSAL_BOTTOM_RIGHT : SAGE_MASK_NONE);
+      EXPECT_EQ(must_plan(c, kH100).block_q, m.block_q)
+          << "N " << m.seq_q << " D " << m.head_dim << " causal " << m.causal;
+    }
+}
+
+TEST(Planner, CrossoverModelBounds) {
+  // Lengths below the least measured one routed to sage: SDPA (decoding, a query against a long
+  // cache; cross-attention to 77 text tokens).
+  EXPECT_TRUE(must_plan(Call(1, 32768, 128), kH100).prefer_sdpa);
+  EXPECT_TRUE(must_plan(Call(32768, 77, 128), kH100).prefer_sdpa);
+  // Few heads at 4k (B·H = 8, as Call's): SDPA; a video model's 40 heads at 32k: sage.
+  EXPECT_TRUE(must_plan(Call(4096, 4096, 128), kH100).prefer_sdpa);
+  const CallShape wan{1, 40, 40, 128};
+  EXPECT_FALSE(sage::api::prefer_sdpa(kH100, 128, SAGE_MASK_NONE, 32760, 32760, false, wan));
+  EXPECT_FALSE(sage::api::prefer_sdpa(kH100, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, 32768, 32768,
+                                      false, {1, 32, 8, 128}));
+  // A GPU of a measured architecture that no sweep ran on (here an H200's wider memory bus)
+  // takes the narrowest-memory GPU's rows: with the same SMs, the same choices as the H100's.
+  const Device other{0, 90, 132, 8, 6144};
+  for (const int64_t n : {2048, 4096, 8192, 16384})
+    for (const int64_t h : {8, 32, 128})
+      EXPECT_EQ(sage::api::prefer_sdpa(other, 128, SAGE_MASK_NONE, n, n, false, {1, h, h, 128}),
+                sage::api::prefer_sdpa(kH100, 128, SAGE_MASK_NONE, n, n, false, {1, h, h, 128}));
+  // Unmeasured architectures keep sage for inference.
   EXPECT_FALSE(must_plan(Call(1024, 1024, 128), kAda).prefer_sdpa);
-  EXPECT_FALSE(sage::api::prefer_sdpa(120, 128, SAGE_MASK_NONE, 512, 512));
-  // Few tiles: D = 64 non-causal below 8k needs 4 tiles an SM (SDXL 1024²'s first level has
-  // 440 on 132 SMs), the length alone past it; D = 128 has no bound.
-  EXPECT_TRUE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 4096, 4096, false, {440, 132}));
-  EXPECT_FALSE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 4096, 4096, false, {2816, 132}));
-  EXPECT_FALSE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 8192, 8192, false, {43, 132}));
-  EXPECT_FALSE(sage::api::prefer_sdpa(90, 64, SAGE_MASK_NONE, 4096, 4096, false, {440, 0}));
-  EXPECT_FALSE(sage::api::prefer_sdpa(90, 128, SAGE_MASK_NONE, 4608, 4608, false, {864, 132}));
-  EXPECT_FALSE(sage::api::prefer_sdpa(90, 128, SAGE_MASK_NONE, 4096, 4096, false, {32, 132}));
-  // Training (forward + SageBwd): the table has no row, so torch trains every shape and GPU.
+  EXPECT_FALSE(sage::api::prefer_sdpa(kBlackwell, 128, SAGE_MASK_NONE, 512, 512));
+  // Training (forward + SageBwd): no model, so torch trains every shape and GPU.
   EXPECT_TRUE(must_plan(Call(32768, 32768, 128), kH100).prefer_sdpa_training);
-  EXPECT_FALSE(must_plan(Call(32768, 32768, 128), kH100).prefer_sdpa);
-  for (const int cc : {89, 90, 120})
-    EXPECT_TRUE(sage::api::prefer_sdpa(cc, 64, SAGE_MASK_CAUSAL_TOP_LEFT, 16384, 16384, true));
+  for (const Device& dev : {kAda, kH100, kBlackwell})
+    EXPECT_TRUE(sage::api::prefer_sdpa(dev, 64, SAGE_MASK_CAUSAL_TOP_LEFT, 16384, 16384, true));
 }
 
 TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {

@@ -1,4 +1,4 @@
-// Non-finite inputs on the GPU (README, "Non-finite inputs"), each kernel family the GPU has, 8-
+// Non-finite inputs on the GPU (docs/c-api.md, "Non-finite inputs"), each kernel family the GPU has, 8-
 // and 4-bit, SageAttention3's FP4, both layouts, every mask, native and zero-padded head dims:
 // an Inf/NaN in Q row i makes row i NaN, one in K or V row j makes every row that sees key j NaN
 // (output and LSE), and every other row is bit-identical to the same call with the bad elements

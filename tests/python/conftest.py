@@ -1,5 +1,6 @@
 """pytest setup: import sage_attn from the source tree when it is not installed, and a float64
 attention written with plain numpy loops over heads (independent of the library)."""
+import importlib.util
 import os
 import pathlib
 import sys
@@ -12,6 +13,14 @@ try:
     import sage_attn  # noqa: F401  (installed by pip)
 except ImportError:
     sys.path.insert(0, str(ROOT / "python"))
+
+
+def load_tool(name):
+    """tools/<name>.py as a module (the repository's tools are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def naive_attention(q, k, v, layout="HND", causal=None, scale=None):

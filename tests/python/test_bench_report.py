@@ -1,6 +1,7 @@
 """The benchmark's report code (sage_attn._bench_common): command line, JSON rows, the tables
 the bar is read from, the plot. No torch or GPU needed: synthetic rows."""
 import json
+import types
 
 import pytest
 
@@ -36,6 +37,7 @@ def test_parse_args_defaults():
     assert set(a.impls) <= set(bc.IMPLS)
     assert "cudnn-fp8" in a.impls and "sdpa-dropin" in a.impls
     assert not a.no_graph and not a.no_host
+    assert not a.host_time and a.host_rounds == 200 and a.host_calls == 5
 
 
 def test_parse_args_values():
@@ -48,7 +50,8 @@ def test_parse_args_values():
 
 
 @pytest.mark.parametrize("argv", [["--impls", "sage-9b"], ["--dims", "64,x"], ["--seqs", "0"],
-                                  ["--causal", "2"], ["--seconds", "0"], ["--batch", "0"]])
+                                  ["--causal", "2"], ["--seconds", "0"], ["--batch", "0"],
+                                  ["--host-rounds", "0"], ["--host-calls", "0"]])
 def test_parse_args_rejects(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bc.parse_args(argv)
@@ -144,3 +147,64 @@ def test_bench_models_table_is_well_formed():
         assert b >= 1 and n >= 1 and hq % hkv == 0, call
         assert d % 8 == 0 and 8 <= d <= 256, call
         assert isinstance(causal, bool), call
+
+
+def test_interleaved_ms_alternates_and_takes_medians(monkeypatch):
+    """The implementations' graphs are replayed in turn, round after round; each gets the
+    median of its rounds (per call: a replay's time over the calls in the graph); one whose
+    capture fails is reported and gets None, the others still run."""
+    pytest.importorskip("torch")
+    from sage_attn import bench
+    order = []
+    times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([10.0, 30.0, 20.0])}
+
+    def capture(fn, est_ms=None):
+        name = fn()
+        if name == "bad":
+            raise RuntimeError("capture failed\nmore")
+        return types.SimpleNamespace(replay=lambda: name), 2  # 2 calls a replay
+
+    def time_ms(fn, target_s=0.25, samples=5):
+        name = fn()
+        if target_s == 0.02:  # the estimate before capture
+            return 1.0
+        order.append(name)
+        assert target_s == pytest.approx(0.3 / 3)
+        return times[name].__next__()
+
+    monkeypatch.setattr(bench, "capture_graph", lambda fn, est: capture(fn, est))
+    monkeypatch.setattr(bench, "time_ms", time_ms)
+    reports = []
+    got = bench.interleaved_ms({"a": lambda: "a", "bad": lambda: "bad", "b": lambda: "b"}, 0.3, 3,
+                               reports.append)
+    assert order == ["a", "b"] * 3
+    assert got == {"a": 1.0, "bad": None, "b": 10.0}  # medians 2 and 20, over 2 calls a replay
+    assert reports == ["bad failed (RuntimeError: capture failed)"]
+
+
+def test_paired_host_us_holds_rotates_and_pairs():
+    """--host-time's timing: each round holds the GPU, times a batch of calls of each function
+    (the order rotated by round), then synchronizes; per-call microseconds a round, and the
+    per-round difference to the base read pair by pair."""
+    pytest.importorskip("torch")
+    from sage_attn import bench
+    now, log = [0.0], []
+    cost = {"a": 2e-6, "b": 5e-6, "c": 1e-6}
+
+    def fn(name):
+        def call():
+            log.append(name)
+            now[0] += cost[name]
+        return call
+
+    times = bench.paired_host_us({n: fn(n) for n in cost}, rounds=3, calls=4,
+                                 hold=lambda: log.append("hold"), sync=lambda: log.append("sync"),
+                                 clock=lambda: now[0])
+    rounds = [["hold"] + [n for n in order for _ in range(4)] + ["sync"]
+              for order in (("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b"))]
+    assert log == [x for r in rounds for x in r]
+    assert {n: [round(t, 6) for t in ts] for n, ts in times.items()} == {
+        "a": [2.0] * 3, "b": [5.0] * 3, "c": [1.0] * 3}
+    times["b"] = [5.0, 9.0, 6.0]
+    assert bench.paired_summary(times, "b", "a") == pytest.approx((6.0, 4.0, 3.0, 7.0))
+

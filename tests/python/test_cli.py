@@ -135,6 +135,11 @@ def test_bench_help_without_torch():
     assert status == 2 and "Traceback" not in err, err
     assert err.strip().splitlines() == [
         "python -m sage_attn.bench needs PyTorch (import torch failed)"], err
+    # --models runs the real-model table (sage_attn.bench_models), which says the same.
+    status, out, err = python_m("sage_attn.bench", "--models", block_torch=True)
+    assert status == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [
+        "python -m sage_attn.bench_models needs PyTorch (import torch failed)"], err
 
 
 def test_bench_train_help_without_torch():
@@ -145,3 +150,5 @@ def test_bench_train_help_without_torch():
     assert status == 2 and "Traceback" not in err, err
     assert err.strip().splitlines() == [
         "python -m sage_attn.bench_train needs PyTorch (import torch failed)"], err
+    status, out, err = python_m("sage_attn.bench_train", "--impls", "sage,cudnn", block_torch=True)
+    assert status == 2 and "--impls: unknown cudnn" in err, err

@@ -73,7 +73,9 @@ def test_numpy_quant_runs_the_sage3_preset(rng):
     assert (cfg.qk_format, cfg.pv_format) == (_lib.QK_NVFP4, _lib.PV_NVFP4)
     o = sage_attn.attention_numpy(q, k, v, is_causal=True, quant=cfg)
     want, _ = naive_attention(q, k, v, causal="bottom_right")
-    assert sage_attn.metrics(o, want)["cos"] > 0.98
+    # NVFP4's Q·Kᵀ and P·V at D = 64 on N(0,1) give cos about 0.98, with a tail below it that
+    # depends on the seed; a broken FP4 path lands far lower.
+    assert sage_attn.metrics(o, want)["cos"] > 0.97
     # Not the 8-bit kernel under another name.
     assert not np.array_equal(o, sage_attn.attention_numpy(q, k, v, is_causal=True))
 

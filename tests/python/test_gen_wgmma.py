@@ -1,17 +1,16 @@
 """src/ptx/wgmma.cuh is what tools/gen_wgmma.py writes, and what it writes is self-consistent:
 each wrapper's asm names exactly the operands its constraint lists bind, the accumulator has the
 N / 2 registers a thread holds of m64nN, and the predicate reads `accumulate`."""
-import importlib.util
 import pathlib
 import re
 import subprocess
 import sys
 
+from conftest import load_tool
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gen_wgmma.py"
-_spec = importlib.util.spec_from_file_location("gen_wgmma", SCRIPT)
-gen = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gen)
+gen = load_tool("gen_wgmma")
 
 
 def test_the_file_is_the_generators_output():

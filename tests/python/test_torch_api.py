@@ -630,7 +630,7 @@ def test_gpu_dropin_crossover(gen):
     """The drop-in asks the library's plan whether torch's SDPA is faster for a shape: what it
     reports (dropin_backend) is what it runs, bit for bit torch's output where it hands over."""
     short = [randn(gen, (1, 2, 256, 128)) for _ in range(3)]
-    long_ = [randn(gen, (1, 2, 8192, 128)) for _ in range(3)]
+    long_ = [randn(gen, (1, 16, 16384, 128)) for _ in range(3)]  # measured 1.12-1.14x on an H100
     cc = torch.cuda.get_device_capability()
     with torch.no_grad():
         for q, k, v in (short, long_):
@@ -644,7 +644,7 @@ def test_gpu_dropin_crossover(gen):
                 else:
                     m = metrics(got, want.double())
                     assert m["cos"] > 0.999 and not torch.equal(got, want), m
-        if cc == (9, 0):  # the table's measured architecture: short shapes go to torch
+        if cc == (9, 0):  # the model's measured architecture: short shapes go to torch
             assert sage_attn.dropin_backend(*short) == "sdpa"
             assert sage_attn.dropin_backend(*long_) == "sage"
         sage_attn.set_dropin_crossover(False)

@@ -1,7 +1,6 @@
 """tools/train_parity.py's smoke configuration on CPU tensors (sage runs the CPU reference's
 forward and SageBwd emulation): the JSON's fields, finite losses that go down, the verdict's
 rules on hand-made runs; the file runs as a script. Skips without torch."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -12,11 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import load_tool  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "train_parity.py"
-_spec = importlib.util.spec_from_file_location("train_parity", SCRIPT)
-tp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tp)
+tp = load_tool("train_parity")
 
 
 def test_an_experiment_not_a_module_of_the_package():
@@ -47,8 +46,8 @@ def test_smoke_on_cpu(tmp_path):
         assert doc["attention_check"][grads]["cos"] > 0.99
     runs = doc["runs"]
     assert [(r["phase"], r["attention"], r["seed"]) for r in runs] == [
-        ("pretrain", "sdpa", 0), ("pretrain", "sdpa", 1), ("pretrain", "sage", 0),
-        ("finetune", "sdpa", 0), ("finetune", "sdpa", 1), ("finetune", "sage", 0)]
+        (phase, attn, seed) for phase in ("pretrain", "finetune")
+        for attn, seed in (("sdpa", 0), ("sdpa", 1), ("sdpa", 2), ("sage", 0))]
     for r in runs:
         assert r["finite"] and len(r["train_loss"]) == r["steps"] == len(r["grad_norm"])
         assert [s for s, _ in r["val"]] == sorted({round(i * r["steps"] / 2) for i in range(3)})
@@ -60,13 +59,14 @@ def test_smoke_on_cpu(tmp_path):
             assert r["train_loss"][-1] < r["train_loss"][0] - 0.1
             assert r["val"][-1][1] < r["val"][0][1] - 0.1
     # Same seed, same init and batches: sage's first loss is SDPA's up to the attention's error.
-    assert runs[2]["train_loss"][0] == pytest.approx(runs[0]["train_loss"][0], abs=2e-3)
+    assert runs[3]["train_loss"][0] == pytest.approx(runs[0]["train_loss"][0], abs=2e-3)
     assert runs[0]["train_loss"][0] != runs[1]["train_loss"][0]
     # Fine-tuning starts from the SDPA seed-0 checkpoint: the SDPA runs' step-0 validations agree.
-    assert runs[3]["val"][0][1] == runs[4]["val"][0][1]
+    assert runs[4]["val"][0][1] == runs[5]["val"][0][1] == runs[6]["val"][0][1]
     for phase in ("pretrain", "finetune"):
         v = doc["verdict"][phase]
-        for key in ("sdpa_seed0", "sdpa_seed1", "sage_seed0", "spread", "within_spread",
+        for key in ("sdpa_finals", "sdpa_mean", "sdpa_std", "sage_seed0", "spread",
+                    "prediction_half_width", "within_prediction", "within_spread",
                     "diff_in_spreads", "curve_gap", "curve_noise", "curves_overlap"):
             assert key in v
     if _has_matplotlib():
@@ -86,21 +86,46 @@ def _run(phase, attn, seed, vals):
             "val": [[i * 10, v] for i, v in enumerate(vals)], "final_val_loss": vals[-1]}
 
 
+def test_plot_any_number_of_seeds(tmp_path):
+    # Four SDPA seeds (the default) and one sage run per phase: one colour a run, a PNG written.
+    pytest.importorskip("matplotlib")
+    runs = []
+    for phase in ("pretrain", "finetune"):
+        for attn, seed in [("sdpa", s) for s in range(4)] + [("sage", 0)]:
+            r = _run(phase, attn, seed, [5.5, 2.0 + 0.01 * seed, 1.5])
+            r["train_loss"] = [5.5 - 0.1 * i + 0.01 * seed for i in range(30)]
+            runs.append(r)
+    lines = []
+    tp.plot(runs, tmp_path / "p.png", log=lines.append)
+    assert (tmp_path / "p.png").stat().st_size > 1000 and lines == [f"wrote {tmp_path / 'p.png'}"]
+
+
 def test_verdict_rules():
     runs = [_run("pretrain", "sdpa", 0, [5.5, 2.0, 1.50]),
             _run("pretrain", "sdpa", 1, [5.5, 2.1, 1.52]),
+            _run("pretrain", "sdpa", 2, [5.5, 2.04, 1.49]),
             _run("pretrain", "sage", 0, [5.5, 2.05, 1.51])]
     c = tp.compare(runs, "pretrain")
-    assert c["within_spread"] and c["diff_in_spreads"] == pytest.approx(0.0)
+    mean = (1.50 + 1.52 + 1.49) / 3
+    std = ((1.50 - mean) ** 2 + (1.52 - mean) ** 2 + (1.49 - mean) ** 2) ** 0.5 / 2 ** 0.5
+    assert c["sdpa_mean"] == pytest.approx(mean) and c["sdpa_std"] == pytest.approx(std)
+    # 95% prediction interval, two degrees of freedom: t = 4.303
+    assert c["prediction_half_width"] == pytest.approx(4.303 * std * (4 / 3) ** 0.5)
+    assert c["within_prediction"] and c["within_spread"]
+    assert c["diff_in_spreads"] == pytest.approx((1.51 - mean) / 0.03)
     assert c["curve_noise"] == pytest.approx(0.1) and c["curve_gap"] == pytest.approx(0.05)
     assert c["curves_overlap"]
-    runs[2] = _run("pretrain", "sage", 0, [5.5, 2.25, 1.53])
+    # Outside the seeds' range but inside the interval: a pass the old rule failed.
+    runs[3] = _run("pretrain", "sage", 0, [5.5, 2.05, 1.53])
     c = tp.compare(runs, "pretrain")
-    assert not c["within_spread"] and c["diff_in_spreads"] == pytest.approx(1.0)
-    assert not c["curves_overlap"]
-    runs[2]["finite"] = False
-    runs[2]["final_val_loss"] = 1.51
-    assert not tp.compare(runs, "pretrain")["within_spread"]
+    assert not c["within_spread"] and c["within_prediction"]
+    # Far outside: fails, and a curve that departs more than the seeds do does not overlap.
+    runs[3] = _run("pretrain", "sage", 0, [5.5, 2.25, 1.60])
+    c = tp.compare(runs, "pretrain")
+    assert not c["within_prediction"] and not c["curves_overlap"]
+    runs[3] = _run("pretrain", "sage", 0, [5.5, 2.05, 1.51])
+    runs[3]["finite"] = False
+    assert not tp.compare(runs, "pretrain")["within_prediction"]
 
 
 def test_lr_schedule():
@@ -113,9 +138,10 @@ def test_lr_schedule():
 def test_fit_budget():
     a = tp.parse_args([])
     assert (a.steps, a.ft_steps, a.batch, a.context) == (600, 200, 16, 2048)
-    ms = {"sdpa": 30.0, "sage": 45.0}  # 105 ms a step of all three runs, 84 s for 800 steps
+    assert a.sdpa_seeds == 4
+    ms = {"sdpa": 30.0, "sage": 45.0}  # 165 ms a step of all five runs, 132 s for 800 steps
     steps, ft_steps, scale, est = tp.fit_budget(a, ms, 200.0)
-    assert (steps, ft_steps, scale) == (600, 200, 1.0) and 84 < est < 90
-    steps, ft_steps, scale, est = tp.fit_budget(a, ms, 50.0)
+    assert (steps, ft_steps, scale) == (600, 200, 1.0) and 132 < est < 142
+    steps, ft_steps, scale, est = tp.fit_budget(a, ms, 80.0)
     assert scale < 0.55 and steps == int(600 * scale) and ft_steps == int(200 * scale)
-    assert (steps + ft_steps) * 0.105 < 0.9 * 50
+    assert (steps + ft_steps) * 0.165 < 0.9 * 80

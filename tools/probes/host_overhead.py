@@ -90,12 +90,10 @@ for b, h, n, d, causal in shapes():
 print("2. the steps of one eager call (B=1 H=1 N=128 D=128 causal), host microseconds")
 q, k, v = (torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.half) for _ in range(3))
 mask, scale = _lib.MASK_CAUSAL_BOTTOM_RIGHT, 128 ** -0.5
-args = (q, k, v, _lib.LAYOUT_HND, mask, scale, None, None, True, None, False, T._RAISE,
-        _lib.KERNEL_AUTO)
-T._attention(*args)
-key = T._key(q, k, v, _lib.LAYOUT_HND, mask, scale, None, None, True, None, False,
-             _lib.KERNEL_AUTO)
-prep = T._prepared[key]
+call = T._Call(q, k, v, _lib.LAYOUT_HND, mask, scale, None, None, True, None, False, T._RAISE,
+              _lib.KERNEL_AUTO)
+T._attention(call)
+prep = T._prepared[T._key(call)]
 o = torch.empty_like(q)
 ws = torch.empty(prep.workspace, dtype=torch.uint8, device="cuda")
 a = _lib.AttentionArgs.from_buffer_copy(prep.args)
@@ -104,13 +102,13 @@ a.stream = T._current_stream(q.device)
 a.workspace, a.workspace_size = ws.data_ptr(), prep.workspace
 steps = {
     "sageattn (all)": lambda: sage_attn.sageattn(q, k, v, is_causal=True),
-    "_attention (op body)": lambda: T._attention(*args),
+    "_attention (op body)": lambda: T._attention(call),
     "_check_tensors": lambda: T._check_tensors(q, k, v, "HND"),
     "_call's eager test": lambda: T._call.__code__ and (type(q) is torch.Tensor and
                                                         not torch.compiler.is_compiling()),
-    "_key + dict lookup": lambda: T._prepared.get(T._key(q, k, v, _lib.LAYOUT_HND, mask, scale,
-                                                          None, None, True, None, False,
-                                                          _lib.KERNEL_AUTO)),
+    "_key + dict lookup": lambda: T._prepared.get(T._key(call)),
+    "drop-in: route lookup (checks, route, plan)": lambda: T._dropin_route_of(
+        q, k, v, None, 0.0, True, None, False),
     "new_empty (o)": lambda: q.new_empty(q.shape),
     "new_empty (workspace)": lambda: q.new_empty((prep.workspace,), dtype=torch.uint8),
     "current device + stream": lambda: (torch.cuda.current_device(),

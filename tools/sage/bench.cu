@@ -1,4 +1,4 @@
-// `sage bench`: speed of the GPU kernels over the standard grid of BENCHMARKS.md (B=4, H=32,
+// `sage bench`: speed of the GPU kernels over the standard grid (docs/performance.md; B=4, H=32,
 // D in {64,128}, N in {1k..32k}, causal or not), end to end (fp16 in -> fp16 out: pre-pass +
 // kernel) and kernel-only (pre-quantized workspace), with accuracy against float64 on sampled
 // rows next to every figure. CUDA events, median of the timed runs after warm-up. Host + device.

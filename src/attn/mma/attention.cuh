@@ -21,6 +21,7 @@
 #include "attn/epilogue.cuh"
 #include "attn/mma/launch.h"
 #include "attn/mma/params.h"
+#include "common/fragment.cuh"
 #include "common/grid.h"
 #include "common/launch.h"
 #include "ptx/async.cuh"
@@ -83,7 +84,7 @@ __device__ __forceinline__ void load_kv_block(uint8_t* stage, const uint8_t* k, 
 // 8-channel chunks ci·4 + i%4 (the quantizers' row parts, so a key's 4 threads read 64
 // consecutive bytes a chunk step); its part is an fp32 FMA chain over its channels in increasing
 // order, fma(q_mean, k - k_mean, acc) with k - k_mean rounded first, and the 4 parts are added as
-// (p0 + p1) + (p2 + p3). The CPU emulation (ref/attention_quant.cpp) sums in exactly this order,
+// (p0 + p1) + (p2 + p3). The CPU emulation (ref/prepass.cpp, delta_s) sums in exactly this order,
 // so the two agree bit for bit; against the exact dot product of the same fp32 factors the error
 // is at most (D/4 + 2)·2^-24 of Σ|q_mean·(k - k_mean)| (to first order: 2e-6 at D = 128), far
 // below the INT8/INT4 error of the scores it corrects. An Inf/NaN in K (which the pre-pass counts
@@ -298,23 +299,24 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 2 : 1)
       for (int e = 0; e < 4; ++e) {
         float x = float(acc[nt][e]) * f;
         if constexpr (kSmoothQ)
-          x = fmaf(delta_s[kb % 2][nt * 8 + 2 * t + (e & 1)], p.scale_log2, x);
+          x = fmaf(delta_s[kb % 2][Frag::col(nt, e, t)], p.scale_log2, x);
         sc[nt][e] = x;
       }
     if (kb >= first_masked_block)  // CTA-uniform: only the diagonal and Nk-edge blocks
       for (int nt = 0; nt < 8; ++nt)
         for (int e = 0; e < 4; ++e)
-          if (nt * 8 + 2 * t + (e & 1) >= visible[e / 2]) sc[nt][e] = -INFINITY;
+          if (Frag::col(nt, e, t) >= visible[Frag::half(e)]) sc[nt][e] = -INFINITY;
     for (int nt = 0; nt < 8; ++nt)
-      for (int e = 0; e < 4; ++e) row_max[e / 2] = fmaxf(row_max[e / 2], sc[nt][e]);
+      for (int e = 0; e < 4; ++e)
+        row_max[Frag::half(e)] = fmaxf(row_max[Frag::half(e)], sc[nt][e]);
 
     // Online softmax: the 4 threads of a row agree on its max.
     float alpha[2], m_use[2];
     attn::online_max(row_max, m, l, alpha, m_use);
     for (int nt = 0; nt < 8; ++nt)
       for (int e = 0; e < 4; ++e) {
-        sc[nt][e] = ptx::ex2(sc[nt][e] - m_use[e / 2]);
-        l[e / 2] += sc[nt][e];
+        sc[nt][e] = ptx::ex2(sc[nt][e] - m_use[Frag::half(e)]);
+        l[Frag::half(e)] += sc[nt][e];
       }
     for (int i = 0; i < kDTiles; ++i) {
       o[i][0] *= alpha[0], o[i][1] *= alpha[0], o[i][2] *= alpha[1], o[i][3] *= alpha[1];

@@ -6,6 +6,7 @@
 
 #include "attn/epilogue.cuh"
 #include "attn/sm90/params.h"
+#include "common/fragment.cuh"
 #include "ptx/async.cuh"
 #include "ptx/barrier.cuh"
 
@@ -58,7 +59,7 @@ __device__ __forceinline__ void store_tile(const Params& p, const float (&o)[D /
                   p.lse_token,
                   p.lse_shift + shift_row0};
   attn::finalize<D, OutT, 448>(
-      v, [&](int i, int e) { return o[4 * i + e]; }, m, l, b, h, /*bh=*/0, row_a, t, vst[0],
+      v, [&](int i, int e) { return o[Frag::reg(i, e)]; }, m, l, b, h, /*bh=*/0, row_a, t, vst[0],
       vst[1]);
 }
 

@@ -16,6 +16,7 @@
 #include "attn/sm90/softmax.cuh"
 #include "attn/sm90/trace.cuh"
 #include "attn/sm90/traits.h"
+#include "common/fragment.cuh"
 #include "ptx/barrier.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
@@ -221,11 +222,11 @@ struct Consumer {
   // few): a warp-uniform branch outside any wgmma's flight.
   __device__ __forceinline__ void rescale_o(const float (&alpha)[2]) {
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
-      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) & 1];
+      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[Frag::half(i)];
   }
 
   __device__ __forceinline__ void pack_p(const int (&pe)[kScores]) {
-    attn::pack_p_e4m3(pf, [&](int n, int e) { return __int_as_float(pe[4 * n + e]); });
+    attn::pack_p_e4m3(pf, [&](int n, int e) { return __int_as_float(pe[Frag::reg(n, e)]); });
   }
 
   // Block 0: Q·Kᵀ, its softmax, P^.

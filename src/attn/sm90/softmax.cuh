@@ -20,6 +20,7 @@
 
 #include "attn/epilogue.cuh"
 #include "common/exp2_poly.h"  // kMagicF, exp2_poly: shared with the CPU emulation
+#include "common/fragment.cuh"
 #include "ptx/math.cuh"
 
 namespace sage::sm90 {
@@ -53,7 +54,7 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[kN], bool unmasked,
     for (int r = 0; r < 2; ++r)
       for (int h = 0; h < kHalves; ++h) {  // a tree over the 16 scores of (row r, key group h)
         int v[16];
-        for (int j = 0; j < 16; ++j) v[j] = sacc[32 * h + 4 * (j / 2) + 2 * r + (j & 1)];
+        for (int j = 0; j < 16; ++j) v[j] = sacc[32 * h + Frag::of_half(r, j)];
         for (int w = 16; w > 1; w /= 2)
           for (int j = 0; j < w / 2; ++j) v[j] = max(v[j], v[j + w / 2]);
         mx[r][h] = v[0];
@@ -69,9 +70,10 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[kN], bool unmasked,
     for (int r = 0; r < 2; ++r)
       for (int h = 0; h < kHalves; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
     for (int i = 0; i < kN; ++i) {
-      const float x = fmaf(__int_as_float(sacc[i]), f[i / 32], -bias[(i / 2) & 1][i / 32]);
+      const int k = Frag::span<64>(i);  // the 64 keys of a K scale
+      const float x = fmaf(__int_as_float(sacc[i]), f[k], -bias[Frag::half(i)][k]);
       const float e = poly_at<kPolyEvery>(i) ? exp2_poly(x) : ptx::ex2(x);
-      part[(i / 2) & 1][i / 16] += e;
+      part[Frag::half(i)][Frag::span<32>(i)] += e;
       sacc[i] = __float_as_int(e);
     }
   } else {  // scores as floats, hidden ones -inf
@@ -79,16 +81,17 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[kN], bool unmasked,
     visible(vis);
     row_max[0] = row_max[1] = -INFINITY;
     for (int i = 0; i < kN; ++i) {
-      const bool hidden = (i / 4) * 8 + 2 * t + (i & 1) >= vis[(i / 2) & 1];
-      const float x = hidden ? -INFINITY : (__int_as_float(sacc[i]) - kMagicF) * f[i / 32];
-      row_max[(i / 2) & 1] = fmaxf(row_max[(i / 2) & 1], x);
+      const bool hidden = Frag::col(i, t) >= vis[Frag::half(i)];
+      const float x =
+          hidden ? -INFINITY : (__int_as_float(sacc[i]) - kMagicF) * f[Frag::span<64>(i)];
+      row_max[Frag::half(i)] = fmaxf(row_max[Frag::half(i)], x);
       sacc[i] = __float_as_int(x);
     }
     attn::online_max(row_max, m, l, alpha, m_use);
     at_max();
     for (int i = 0; i < kN; ++i) {
-      const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[(i / 2) & 1] - kLog2E4m3Max));
-      part[(i / 2) & 1][i / 16] += e;
+      const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[Frag::half(i)] - kLog2E4m3Max));
+      part[Frag::half(i)][Frag::span<32>(i)] += e;
       sacc[i] = __float_as_int(e);
     }
   }

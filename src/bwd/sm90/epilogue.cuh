@@ -11,6 +11,7 @@
 #include "bwd/sm90/mainloop.cuh"
 #include "bwd/sm90/scheduler.cuh"
 #include "bwd/sm90/smem.h"
+#include "common/fragment.cuh"
 #include "ptx/async.cuh"
 #include "ptx/atomic.cuh"
 #include "ptx/tma.cuh"
@@ -20,7 +21,7 @@ namespace sage::bwd::sm90 {
 template <typename T, int D, bool kCausal>
 struct Epilogue {
   using S = Smem<D>;
-  const Params& p;
+  const MainParams& p;
   uint8_t* const smem;
   const CtaWork& w;
 
@@ -40,11 +41,11 @@ struct Epilogue {
       __syncwarp();
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
-        const int d = n * 8 + 2 * t;
+        const int d = Frag::pair(n, t);
         *reinterpret_cast<float2*>(dq_s + qa * 64 + dq_col(qa, d)) =
-            make_float2(float(acc[4 * n]) * sa, float(acc[4 * n + 1]) * sa);
+            make_float2(float(acc[Frag::reg(n, 0)]) * sa, float(acc[Frag::reg(n, 1)]) * sa);
         *reinterpret_cast<float2*>(dq_s + (qa + 8) * 64 + dq_col(qa + 8, d)) =
-            make_float2(float(acc[4 * n + 2]) * sb, float(acc[4 * n + 3]) * sb);
+            make_float2(float(acc[Frag::reg(n, 2)]) * sb, float(acc[Frag::reg(n, 3)]) * sb);
       }
       const float* rows_s = dq_s + warp * 16 * 64;
       float* rows_g = p.dq_acc + b.bh * p.nq_pad * D + dq_offset(b.i0 + warp * 16, h * 64, D);
@@ -79,7 +80,7 @@ struct Epilogue {
       if (key >= p.seq_kv) continue;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
-        const int d = n * 8 + 2 * t, i = 4 * n + 2 * half;
+        const int d = Frag::pair(n, t), i = Frag::reg(n, 2 * half);
         dkp[key * p.dk_st.token + d] = T(m.dk[i] * p.scale);
         dkp[key * p.dk_st.token + d + 1] = T(m.dk[i + 1] * p.scale);
         dvp[key * p.dv_st.token + d] = T(m.dv_at(i));

@@ -21,7 +21,7 @@
 namespace sage::bwd::sm90 {
 
 template <typename T, int D, bool kCausal>
-__global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(const MainParams p) {
 #ifdef SAGE_PTX_HAS_WGMMA
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Aligned by an offset from smem_raw (not by casting an integer), so that the compiler keeps

@@ -42,7 +42,7 @@ __device__ __forceinline__ void load_tile16(uint8_t* dst, const uint8_t* src) {
 template <int D>
 struct Loads {
   using S = Smem<D>;
-  const Params& p;
+  const MainParams& p;
   uint8_t* smem;
 
   // The CTA's keys: K^ rows, K^ᵀ, V rows (they join the first group, with block 0's half A).

@@ -14,24 +14,16 @@
 
 #include <type_traits>
 
-#include "bwd/kernel.cuh"  // Psi, psi_scale, pack4, quad_max
+#include "bwd/kernel.cuh"  // Psi, psi_scale, pack_a8
 #include "bwd/params.h"
 #include "bwd/sm90/scheduler.cuh"
 #include "bwd/sm90/smem.h"
+#include "common/fragment.cuh"
 #include "ptx/math.cuh"
 #include "ptx/wgmma.cuh"
 
 namespace sage::bwd::sm90 {
 
-template <int D>
-__device__ __forceinline__ uint64_t desc8(const uint8_t* tile, int k_byte) {
-  return ptx::wgmma_desc<D>(tile + k_byte);
-}
-// The 16-bit operand's descriptor at k-step ks (16 channels): panel ks / 4, 32 bytes a step.
-template <int D>
-__device__ __forceinline__ uint64_t desc16(const uint8_t* tile, int ks) {
-  return ptx::wgmma_desc<128>(tile + (ks / 4) * Smem<D>::kPanel + (ks % 4) * 32);
-}
 // quant::quantize_bits for |x·inv| <= 127 (x bounded by the max its scale came from): the
 // clamp and the NaN test drop out (a NaN makes its ψ scale NaN, which reaches the result anyway).
 __device__ __forceinline__ uint32_t q8_bounded(float x, float inv) {
@@ -53,15 +45,9 @@ __device__ __forceinline__ void halve_max(float (&m)[16], int g) {
 // two k32 A fragments of a product over the queries.
 __device__ __forceinline__ void pack_a(uint32_t (&f)[2][4], const float (&x)[32], float inv_a,
                                        float inv_b) {
-  auto q8 = [&](int n, int e) { return q8_bounded(x[4 * n + e], e < 2 ? inv_a : inv_b); };
-#pragma unroll
-  for (int kq = 0; kq < 2; ++kq) {
-    const int n0 = 4 * kq;
-    f[kq][0] = pack4(q8(n0, 0), q8(n0, 1), q8(n0 + 1, 0), q8(n0 + 1, 1));
-    f[kq][1] = pack4(q8(n0, 2), q8(n0, 3), q8(n0 + 1, 2), q8(n0 + 1, 3));
-    f[kq][2] = pack4(q8(n0 + 2, 0), q8(n0 + 2, 1), q8(n0 + 3, 0), q8(n0 + 3, 1));
-    f[kq][3] = pack4(q8(n0 + 2, 2), q8(n0 + 2, 3), q8(n0 + 3, 2), q8(n0 + 3, 3));
-  }
+  pack_a8(f, [&](int n, int e) {
+    return q8_bounded(x[Frag::reg(n, e)], Frag::half(e) ? inv_b : inv_a);
+  });
 }
 // acc = the sum of issue(acc, kq) over the block's two k32 steps: one wgmma batch, waited for.
 template <typename Issue>
@@ -90,7 +76,7 @@ template <typename T, int D, bool kCausal>
 struct Mainloop {
   using S = Smem<D>;
   static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  const Params& p;
+  const MainParams& p;
   uint8_t* const smem;
   const int warp, g, t;
   const int64_t key_a, key_b;  // this thread's keys: rows ka = 16·warp + g and ka + 8
@@ -98,7 +84,7 @@ struct Mainloop {
   float dk[D / 2], dv[S::kDvRegs];
   float* const dv_s;  // dV's values past kDvRegs: value j at j · kThreads
 
-  __device__ Mainloop(const Params& params, uint8_t* sm, const CtaWork& w)
+  __device__ Mainloop(const MainParams& params, uint8_t* sm, const CtaWork& w)
       : p(params),
         smem(sm),
         warp(threadIdx.x / 32),
@@ -136,26 +122,7 @@ struct Mainloop {
     // Sᵀ = K^·Q^ᵀ and dPᵀ = V·dOᵀ: 64 keys x 64 queries each.
     int s[32];
     float dp[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = 0, dp[i] = 0.0f;
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 32; ++ks)
-      ptx::wgmma_m64n64k32_s8_ss(s, desc8<D>(smem + S::kK, ks * 32),
-                                 desc8<D>(smem + S::kQ, ks * 32), ks > 0);
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      if constexpr (kBf16)
-        ptx::wgmma_m64n64k16_bf16_ss(dp, desc16<D>(smem + S::kV, ks), desc16<D>(smem + S::kDo, ks),
-                                     ks > 0);
-      else
-        ptx::wgmma_m64n64k16_f16_ss(dp, desc16<D>(smem + S::kV, ks), desc16<D>(smem + S::kDo, ks),
-                                    ks > 0);
-    }
-    ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    ptx::wgmma_fence_regs(s);
-    ptx::wgmma_fence_regs(dp);
+    s_and_dp<kBf16, D>(s, dp, smem + S::kK, smem + S::kQ, smem + S::kV, smem + S::kDo);
 
     // Pᵀ = 2^(Sᵀ·s_Q·s_K·scale·log2 e - L'), masked, and its per-key ψ into A fragments.
     const float* lse_s = reinterpret_cast<const float*>(smem + S::kLse);
@@ -174,23 +141,23 @@ struct Mainloop {
     float pmax[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      const int qi = (i / 4) * 8 + 2 * t + (i & 1);
-      P[i] = qi >= first[(i >> 1) & 1] ? ptx::ex2(float(s[i]) * c - lse_s[qi]) : 0.0f;
-      pmax[(i >> 1) & 1] = ptx::max_nan(pmax[(i >> 1) & 1], P[i]);
+      const int qi = Frag::col(i, t);
+      P[i] = qi >= first[Frag::half(i)] ? ptx::ex2(float(s[i]) * c - lse_s[qi]) : 0.0f;
+      pmax[Frag::half(i)] = ptx::max_nan(pmax[Frag::half(i)], P[i]);
     }
-    b.pa = psi_scale(quad_max(pmax[0]));
-    b.pb = psi_scale(quad_max(pmax[1]));
+    b.pa = psi_scale(Frag::quad_max(pmax[0]));
+    b.pb = psi_scale(Frag::quad_max(pmax[1]));
     pack_a(b.pf, P, b.pa.inv, b.pb.inv);
     // dSᵀ = Pᵀ∘(dPᵀ - D) in place; per-key ψ into A fragments; per-query partial maxima.
     float kmax[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      P[i] *= dp[i] - delta_s[(i / 4) * 8 + 2 * t + (i & 1)];
-      kmax[(i >> 1) & 1] = ptx::max_nan(kmax[(i >> 1) & 1], fabsf(P[i]));
+      P[i] *= dp[i] - delta_s[Frag::col(i, t)];
+      kmax[Frag::half(i)] = ptx::max_nan(kmax[Frag::half(i)], fabsf(P[i]));
     }
     const float(&dS)[32] = b.ds;
-    b.da = psi_scale(quad_max(kmax[0]));
-    b.db = psi_scale(quad_max(kmax[1]));
+    b.da = psi_scale(Frag::quad_max(kmax[0]));
+    b.db = psi_scale(Frag::quad_max(kmax[1]));
     pack_a(b.sf, dS, b.da.inv, b.db.inv);
     // Each of the thread's 16 queries (n, e) over the warp's 16 keys: a halving butterfly over
     // the 8 lanes of a column (14 shuffles, not 48), after which lane g holds query
@@ -198,13 +165,14 @@ struct Mainloop {
     float m[16];
 #pragma unroll
     for (int j = 0; j < 16; ++j)
-      m[j] = ptx::max_nan(fabsf(dS[4 * (j / 2) + j % 2]), fabsf(dS[4 * (j / 2) + j % 2 + 2]));
+      m[j] = ptx::max_nan(fabsf(dS[Frag::of_half(0, j)]), fabsf(dS[Frag::of_half(1, j)]));
     halve_max<8, 0>(m, g);
     halve_max<4, 1>(m, g);
     halve_max<2, 2>(m, g);
     const int n = 4 * (g & 1) + 2 * ((g >> 1) & 1) + (g >> 2);
     float* qmax_s = reinterpret_cast<float*>(smem + S::kQmax);
-    *reinterpret_cast<float2*>(qmax_s + warp * kBlockQ + n * 8 + 2 * t) = make_float2(m[0], m[1]);
+    *reinterpret_cast<float2*>(Frag::at_pair(qmax_s + warp * kBlockQ, n, t)) =
+        make_float2(m[0], m[1]);
   }
 
   // Each query's ψ of dS (scale, inv) from every warp's partial maxima, once (after a barrier).
@@ -230,9 +198,9 @@ struct Mainloop {
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float inv = qpsi_s[kBlockQ + n * 8 + 2 * t + e];
-        ds_t[(8 * n + e) * 64] = uint8_t(q8_bounded(b.ds[4 * n + e], inv));
-        ds_t[(8 * n + e) * 64 + 8] = uint8_t(q8_bounded(b.ds[4 * n + e + 2], inv));
+        const float inv = qpsi_s[kBlockQ + Frag::col(n, e, t)];
+        ds_t[(8 * n + e) * 64] = uint8_t(q8_bounded(b.ds[Frag::reg(n, e)], inv));
+        ds_t[(8 * n + e) * 64 + 8] = uint8_t(q8_bounded(b.ds[Frag::reg(n, e + 2)], inv));
       }
   }
 

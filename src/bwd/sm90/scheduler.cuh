@@ -14,11 +14,11 @@ struct CtaWork {
   BlockWalk first;              // the first of them
 
   // Whether the grid's outer index is past the last KV head (the whole CTA returns).
-  __device__ bool idle(const Params& p) const { return bkv >= p.batch * p.heads_kv; }
+  __device__ bool idle(const MainParams& p) const { return bkv >= p.batch * p.heads_kv; }
 };
 
 template <bool kCausal>
-__device__ __forceinline__ CtaWork cta_work(const Params& p) {
+__device__ __forceinline__ CtaWork cta_work(const MainParams& p) {
   CtaWork w;
   w.kb = blockIdx.x;
   w.bkv = cta_outer_index();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "bwd/params.h"
+#include "ptx/wgmma.cuh"
 
 namespace sage::bwd::sm90 {
 
@@ -43,6 +44,43 @@ __device__ __forceinline__ int swz(int r, int b) {
     return r * 128 + ((((b >> 4) ^ r) & 7) << 4) + (b & 15);
   else
     return r * 64 + ((((b >> 4) ^ (r >> 1)) & 3) << 4) + (b & 15);
+}
+
+// The descriptor of an 8-bit K-major tile of D-byte rows at byte k_byte of its rows.
+template <int D>
+__device__ __forceinline__ uint64_t desc8(const uint8_t* tile, int k_byte) {
+  return ptx::wgmma_desc<D>(tile + k_byte);
+}
+// The 16-bit operand's descriptor at k-step ks (16 channels): panel ks / 4, 32 bytes a step.
+template <int D>
+__device__ __forceinline__ uint64_t desc16(const uint8_t* tile, int ks) {
+  return ptx::wgmma_desc<128>(tile + (ks / 4) * Smem<D>::kPanel + (ks % 4) * 32);
+}
+
+// s = A8·B8ᵀ (s8 over D channels) and dp = A16·B16ᵀ (fp16/bf16), 64 x 64 each, from K-major tiles
+// in shared memory (8-bit rows of D bytes; 16-bit panels), as one wgmma batch, waited for: the
+// scores and dP of the main kernel (keys as M) and of the stats pass (queries as M).
+template <bool kBf16, int D>
+__device__ __forceinline__ void s_and_dp(int (&s)[32], float (&dp)[32], const uint8_t* a8,
+                                         const uint8_t* b8, const uint8_t* a16,
+                                         const uint8_t* b16) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s[i] = 0, dp[i] = 0.0f;
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 32; ++ks)
+    ptx::wgmma_m64n64k32_s8_ss(s, desc8<D>(a8, ks * 32), desc8<D>(b8, ks * 32), ks > 0);
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    if constexpr (kBf16)
+      ptx::wgmma_m64n64k16_bf16_ss(dp, desc16<D>(a16, ks), desc16<D>(b16, ks), ks > 0);
+    else
+      ptx::wgmma_m64n64k16_f16_ss(dp, desc16<D>(a16, ks), desc16<D>(b16, ks), ks > 0);
+  }
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  ptx::wgmma_fence_regs(s);
+  ptx::wgmma_fence_regs(dp);
 }
 
 }  // namespace sage::bwd::sm90

@@ -1,16 +1,20 @@
-// Device helpers every pre-pass kernel shares: the programmatic-dependent-launch prologue, where a
-// (sequence, KV head)'s Vᵀ and chunk statistics lie in the workspace, and the raw loads of the
-// caller's fp16/bf16 rows (16 bytes at a time where the plan found every row 16-byte aligned:
-// PrepassPlan::vec_kv, vec_q, the kernels' kVec).
+// What every pre-pass kernel shares: the PDL prologue, the chunk statistic record and where it
+// lives in the workspace, the caller's row addressing, and the raw 16-bit element loads.
+// (Included only by quant/prepass.cu, the pre-pass's one translation unit: the code sits in
+// that file's anonymous namespace, so the kernels stay internal to it.)
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cstdint>
 
+#include "common/formats.h"
 #include "ptx/async.cuh"
 #include "quant/layout.h"
-#include "quant/prepass/params.h"
+#include "quant/prepass.h"
 
-namespace sage::quant::prepass {
+namespace sage::quant {
+namespace {
 
 // Programmatic dependent launch (sm_90+; nothing below): every pre-pass kernel is launched with
 // programmatic stream serialization (launch_pdl, common/launch.h), so it may start while the
@@ -25,17 +29,11 @@ __device__ __forceinline__ void pdl_enter() {
   ptx::launch_dependents();
 }
 
-// A kernel's Params in registers, copied at its entry part by part. A by-value kernel parameter
-// larger than 128 bytes is read in place, at each use, where a smaller one (as each part is) is
-// loaded once at entry: copying each part (not the whole, which the compiler would forward to the
-// parameter itself) keeps the loads where positional arguments had them, before pdl_enter, and
-// the kernels' code as it was.
-template <typename... Parts>
-__device__ __forceinline__ ParamsOf<Parts...> in_registers(const ParamsOf<Parts...>& p) {
-  ParamsOf<Parts...> q;
-  ((static_cast<Parts&>(q) = static_cast<const Parts&>(p)), ...);
-  return q;
-}
+struct KvStat {
+  double sum_k, sum_v;
+  float max_v, min_v;
+};
+static_assert(sizeof(KvStat) == kKvStatBytes, "the plan reserves 24 bytes per statistic");
 
 // The byte offset of (b, h)'s Vᵀ in the workspace's Vᵀ region: channel c's keys start c·pitch
 // bytes later (quant/layout.h, SeqRows).
@@ -105,4 +103,5 @@ __device__ __forceinline__ void load_raw(const T* p, uint32_t (&w)[N / 2]) {
   }
 }
 
-}  // namespace sage::quant::prepass
+}  // namespace
+}  // namespace sage::quant

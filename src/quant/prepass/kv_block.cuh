@@ -1,23 +1,17 @@
-// K/V quantization of 64-key blocks: INT8/INT4 K̂ with per-thread scales (k_mean subtracted) and
-// E4M3 Vᵀ of (V - v_mean) / v_scale in the key order the P·V MMA wants. A block is loaded from
-// global memory (the three-launch path's quant_kv, here) or from a staged chunk (kv_prepass:
-// kv_cluster.cuh), then quantized the same way.
+// K/V quantization of a 64-key block: the block in registers (KvBlock), loaded from global
+// memory (quant_kv) or from a staged chunk (kv_prepass), then INT8/INT4 K + scales and E4M3 Vᵀ.
+// (Included only by quant/prepass.cu, the pre-pass's one translation unit: the code sits in
+// that file's anonymous namespace, so the kernels stay internal to it.)
 #pragma once
 
-#include <cstdint>
-
-#include "common/formats.h"
-#include "common/grid.h"
 #include "ptx/cvt.cuh"
 #include "quant/elements.cuh"
-#include "quant/layout.h"
 #include "quant/prepass/common.cuh"
-#include "quant/prepass/params.h"
 #include "quant/prepass/stage.cuh"
 
-namespace sage::quant::prepass {
+namespace sage::quant {
+namespace {
 
-// ---- K/V quantization of a 64-key block ------------------------------------------------------
 // 256 threads a block. K: 4 threads a key (part p holds 8-channel chunks p, p+4, ...), kept in
 // registers between the max pass and the quantize pass; the 4 groups are keys {8i+2t, 8i+2t+1}.
 // V: E4M3 of (V - v_mean) / v_scale, written transposed ([channel][key]) with the keys of each
@@ -64,36 +58,36 @@ struct KvBlock {
 };
 
 // Loads block kb (keys from the sequence's start, token tok0 of the caller's tensors) from global
-// memory (quant_kv): every load of the thread is issued first. Channels from in.dim (the
+// memory (quant_kv_kernel): every load of the thread is issued first. Channels from `dim` (the
 // caller's head dim, a multiple of 8) to D are zeros: a K chunk (8 channels) and a V slice of
 // D/16 = 4 or 8 channels lie wholly inside dim or wholly past it; D = 256's slice of 16 straddles
 // dim where dim % 16 == 8 (136, 200, ...), so it is read as two pieces of 8, each only if inside.
 template <typename T, int D, bool kVec>
-__device__ __forceinline__ KvBlock<D> load_block_global(const KvInput& in, int b, int h,
-                                                        int64_t tok0, int64_t kb,
+__device__ __forceinline__ KvBlock<D> load_block_global(const T* k, const T* v,
+                                                        const sage_strides& ks,
+                                                        const sage_strides& vs, int dim, int b,
+                                                        int h, int64_t tok0, int64_t kb,
                                                         int64_t seq_kv) {
   using B = KvBlock<D>;
-  const T* k = static_cast<const T*>(in.k);
-  const T* v = static_cast<const T*>(in.v);
   B x;
   const int64_t key = kb * kBlockK + B::key();
   for (int ci = 0; ci < B::kChunks; ++ci) {
     const int d0 = (ci * 4 + B::part()) * 8;
     x.kr[ci] = make_uint4(0u, 0u, 0u, 0u);
-    if (key < seq_kv && d0 < in.dim)
-      x.kr[ci] = load_raw8<kVec>(row_ptr(k, in.ks, b, h, tok0 + key) + d0);
+    if (key < seq_kv && d0 < dim)
+      x.kr[ci] = load_raw8<kVec>(row_ptr(k, ks, b, h, tok0 + key) + d0);
   }
   const int v0 = B::slice() * B::kW;  // the slice's first channel
   for (int u = 0; u < 4; ++u) {
     const int64_t n = kb * kBlockK + B::vkey(u);
     for (int i = 0; i < B::kW / 2; ++i) x.vr[u][i] = 0u;
     if (n < seq_kv) {
-      const T* vrow = row_ptr(v, in.vs, b, h, tok0 + n) + v0;
+      const T* vrow = row_ptr(v, vs, b, h, tok0 + n) + v0;
       if constexpr (B::kW <= 8) {
-        if (v0 < in.dim) load_raw<kVec, B::kW>(vrow, x.vr[u]);
+        if (v0 < dim) load_raw<kVec, B::kW>(vrow, x.vr[u]);
       } else {
         for (int i = 0; i < B::kW / 8; ++i)
-          if (v0 + 8 * i < in.dim) {
+          if (v0 + 8 * i < dim) {
             const uint4 w = load_raw8<kVec>(vrow + 8 * i);
             x.vr[u][4 * i] = w.x, x.vr[u][4 * i + 1] = w.y;
             x.vr[u][4 * i + 2] = w.z, x.vr[u][4 * i + 3] = w.w;
@@ -105,7 +99,7 @@ __device__ __forceinline__ KvBlock<D> load_block_global(const KvInput& in, int b
   return x;
 }
 
-// Loads the block at stage row r0 (kv_prepass: rows past the sequence were zero-filled).
+// Loads the block at stage row r0 (kv_prepass_kernel: rows past the sequence were zero-filled).
 template <int D>
 __device__ __forceinline__ KvBlock<D> load_block_staged(const uint8_t* smem, int r0, int64_t key0,
                                                         int64_t seq_kv) {
@@ -144,7 +138,7 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
                                                int64_t vcol0, int64_t pitch, const float* km,
                                                const float* vm, const float* vi,
                                                float (*group_max)[4], int64_t seq_kv,
-                                               const KvQuantOut& out) {
+                                               uint8_t* kq, float* k_scale, uint8_t* vq) {
   using B = KvBlock<D>;
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   const int j = B::key(), part = B::part(), warp = threadIdx.x / 32;
@@ -169,7 +163,7 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
   // V: E4M3 pairs (keys vkey0, vkey0 + 1) and (vkey0 + 8, vkey0 + 9) of each channel, one word.
   {
     const int sl = B::slice();
-    uint8_t* vdst = out.vq + vcol0 + int64_t(sl * B::kW) * pitch + kb * kBlockK + 4 * B::group();
+    uint8_t* vdst = vq + vcol0 + int64_t(sl * B::kW) * pitch + kb * kBlockK + 4 * B::group();
     for (int e = 0; e < B::kW; ++e) {
       const int c = sl * B::kW + e;
       const float m = vm[c], s = vi[c];
@@ -188,11 +182,11 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
   for (int w = 0; w < 8; ++w) amax = fmaxf(amax, group_max[w][t]);
   const QuantScale s = make_quant_scale(amax, qmax);
   if (threadIdx.x < 32 && threadIdx.x % 8 == 0)
-    out.k_scale[(krow0 / kBlockK + kb) * kKGroups + t] = s.scale;
+    k_scale[(krow0 / kBlockK + kb) * kKGroups + t] = s.scale;
   const bool fast = finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
   quantize_store_row_part<T, D, kBits>(
-      out.kq + (krow0 + key) * (D * kBits / 8), x.kr,
+      kq + (krow0 + key) * (D * kBits / 8), x.kr,
       [&](float y, int c) { return __fsub_rn(y, km[c]); }, part, s.inv, qmax, fast, keep);
 }
 
@@ -214,35 +208,5 @@ __device__ __forceinline__ void zero_v_tail(const SeqRows& rows, int64_t kb, int
   }
 }
 
-// ---- quant_kv: the three-launch path's quantization ------------------------------------------
-// One CTA (256 threads) per 64-key block, K and V loaded together (the loads of both in flight at
-// once) before the head's means and scales.
-template <typename T, int D, int kBits, bool kVec>
-__device__ __forceinline__ void quant_kv(const QuantKvParams& p) {
-  __shared__ float group_max[8][4];
-  __shared__ __align__(16) float km[D];
-  __shared__ __align__(16) float vm[D];
-  __shared__ __align__(16) float vi[D];
-  const int64_t bh = cta_outer_index();
-  if (bh >= p.bk) return;
-  const BatchHead bhd = batch_head(bh, p.heads_kv);
-  const int b = int(bhd.b), h = int(bhd.h);
-  const SeqSpan sp = p.kv_rows.span(b);
-  const int64_t kb = blockIdx.x, seq_kv = sp.len;
-  if (kb * kBlockK >= seq_kv) return;  // past this sequence's keys (a packed batch)
-  KvBlock<D> x = load_block_global<T, D, kVec>(p, b, h, sp.tok0, kb, seq_kv);
-  x.template zero_special_keys<T>(kb * kBlockK, p.kv_bad + bh);
-  if (threadIdx.x < D) {
-    const int c = threadIdx.x;
-    km[c] = p.k_mean[int64_t(bh) * D + c];
-    vm[c] = p.v_mean[int64_t(bh) * D + c];
-    vi[c] = p.v_inv[int64_t(bh) * D + c];
-  }
-  __syncthreads();
-  const int64_t vcol0 = v_base(p.kv_rows, b, h, sp, D);
-  quant_kv_block<T, D, kBits>(x, kb, p.kv_rows.row0(b, h, sp), vcol0, p.kv_rows.pitch, km, vm,
-                              vi, group_max, seq_kv, p);
-  zero_v_tail<D>(p.kv_rows, kb, (seq_kv + kBlockK - 1) / kBlockK, vcol0, p.vq);
-}
-
-}  // namespace sage::quant::prepass
+}  // namespace
+}  // namespace sage::quant

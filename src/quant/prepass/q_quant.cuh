@@ -1,17 +1,15 @@
-// Q's quantization and the LSE correction (PrepassPlan::quantize_q: skipped when the sm90 kernel
-// quantizes Q itself, attn/sm90 producer).
+// Q quantization (quant_q): INT8/INT4 Q with optional block smoothing, and the LSE correction
+// of each row (NaN for a poisoned row). Skipped when the sm90 kernel quantizes Q itself.
+// (Included only by quant/prepass.cu, the pre-pass's one translation unit: the code sits in
+// that file's anonymous namespace, so the kernels stay internal to it.)
 #pragma once
 
-#include <cstdint>
-
-#include "common/formats.h"
 #include "common/grid.h"
 #include "quant/elements.cuh"
-#include "quant/layout.h"
 #include "quant/prepass/common.cuh"
-#include "quant/prepass/params.h"
 
-namespace sage::quant::prepass {
+namespace sage::quant {
+namespace {
 
 // One CTA (512 threads, 4 a row) per 128-row Q block: optional block mean (kSmooth), the LSE
 // correction scale·q·k_mean, then per-thread groups (rows {g, g+8} of each 16-row warp slice).
@@ -24,34 +22,39 @@ namespace sage::quant::prepass {
 // quantize_bits' clamp and NaN test where neither can act: every |x - mean| of the group is at
 // most its finite amax, so with a finite inv |y| <= qmax·(1+2^-24)^2 rounds into [-qmax, qmax],
 // and no operand is NaN.
+// (At D = 256, one CTA an SM: 128 registers for the row's 32 words.)
 template <typename T, int D, int kBits, bool kVec, bool kSmooth>
-__device__ __forceinline__ void quant_q(const QuantQParams& p) {
-  const T* q = static_cast<const T*>(p.q);
-  RowSight sight = p.sight;  // a packed batch's: this sequence's
+__global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
+    quant_q_kernel(const T* q, sage_strides qs, int dim, int heads_kv, int group_ratio, int64_t bq,
+                   SeqRows q_rows, SeqRows kv_rows, SeqRows shift_rows, float scale,
+                   const float* k_mean, const unsigned long long* kv_bad, RowSight sight,
+                   bool bottom_right, uint8_t* qq, float* q_scale, float* q_mean,
+                   float* lse_shift) {
+  pdl_enter();
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   constexpr int kChunks = D / 32;
   __shared__ float mean[kSmooth ? D : 1];
   __shared__ __align__(16) double km_d[D];
   __shared__ float row_max[kBlockQ];
   const int64_t bh = cta_outer_index();
-  if (bh >= p.bq) return;
-  const BatchHead bhd = batch_head(bh, int64_t(p.heads_kv) * p.group_ratio);
+  if (bh >= bq) return;
+  const BatchHead bhd = batch_head(bh, int64_t(heads_kv) * group_ratio);
   const int b = int(bhd.b), h = int(bhd.h);
   const int64_t qb = blockIdx.x;
   const int64_t r0 = qb * kBlockQ;
   // This sequence's query rows (a packed batch's sequence b: the grid covers the longest) and,
   // for a packed batch, the keys its rows see (its own length and causal alignment).
-  const SeqSpan sq = p.q_rows.span(b);
+  const SeqSpan sq = q_rows.span(b);
   const int64_t seq_q = sq.len;
   if (r0 >= seq_q) return;
-  if (p.q_rows.packed()) {
-    const int64_t nk = p.kv_rows.span(b).len;
+  if (q_rows.packed()) {
+    const int64_t nk = kv_rows.span(b).len;
     sight.seq_kv = nk;
-    sight.causal_offset = p.bottom_right ? nk - seq_q : 0;
+    sight.causal_offset = bottom_right ? nk - seq_q : 0;
   }
-  const int64_t qrow0 = p.q_rows.row0(b, h, sq), srow0 = p.shift_rows.row0(b, h, sq);
-  const int64_t bhk = int64_t(b) * p.heads_kv + h / p.group_ratio;
-  const float* km = p.k_mean + bhk * D;
+  const int64_t qrow0 = q_rows.row0(b, h, sq), srow0 = shift_rows.row0(b, h, sq);
+  const int64_t bhk = int64_t(b) * heads_kv + h / group_ratio;
+  const float* km = k_mean + bhk * D;
   const int r = threadIdx.x / 4, part = threadIdx.x % 4;
   const int64_t row = r0 + r;
   const bool valid = row < seq_q;
@@ -59,8 +62,7 @@ __device__ __forceinline__ void quant_q(const QuantQParams& p) {
   for (int ci = 0; ci < kChunks; ++ci) {  // channels from dim to D: zeros (whole chunks)
     const int d0 = (ci * 4 + part) * 8;
     raw[ci] = make_uint4(0u, 0u, 0u, 0u);
-    if (valid && d0 < p.dim)
-      raw[ci] = load_raw8<kVec>(row_ptr(q, p.qs, b, h, sq.tok0 + row) + d0);
+    if (valid && d0 < dim) raw[ci] = load_raw8<kVec>(row_ptr(q, qs, b, h, sq.tok0 + row) + d0);
   }
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
@@ -68,12 +70,12 @@ __device__ __forceinline__ void quant_q(const QuantQParams& p) {
     if constexpr (kSmooth) {
       const int64_t r1 = min(seq_q, r0 + kBlockQ);
       double s = 0;
-      for (int64_t rr = r0; rr < r1 && c < p.dim; ++rr) {  // a padded channel's mean is 0
-        const float x = to_float(row_ptr(q, p.qs, b, h, sq.tok0 + rr)[c]);
+      for (int64_t rr = r0; rr < r1 && c < dim; ++rr) {  // a padded channel's mean is 0
+        const float x = to_float(row_ptr(q, qs, b, h, sq.tok0 + rr)[c]);
         s += isfinite(x) ? double(x) : 0.0;
       }
       const float m = float(s / double(r1 - r0));
-      p.q_mean[(qrow0 / kBlockQ + qb) * D + c] = m;
+      q_mean[(qrow0 / kBlockQ + qb) * D + c] = m;
       mean[c] = m;
     }
   }
@@ -123,19 +125,20 @@ __device__ __forceinline__ void quant_q(const QuantQParams& p) {
   if (part == 0) {
     row_max[r] = amax;
     if (valid)
-      p.lse_shift[srow0 + row] =
-          sight.poisoned(row, row_bad != 0, p.kv_bad[bhk]) ? __int_as_float(0x7FC00000)
-                                                           : float(double(p.scale) * shift);
+      lse_shift[srow0 + row] =
+          sight.poisoned(row, row_bad != 0, kv_bad[bhk]) ? __int_as_float(0x7FC00000)
+                                                         : float(double(scale) * shift);
   }
   __syncthreads();
   amax = fmaxf(row_max[r], row_max[r ^ 8]);  // the group: rows {g, g+8} of a 16-row slice
   const QuantScale s = make_quant_scale(amax, qmax);
   if (part == 0 && r % 16 < 8)
-    p.q_scale[(qrow0 / kBlockQ + qb) * kQGroups + (r / 16) * 8 + r % 8] = s.scale;
+    q_scale[(qrow0 / kBlockQ + qb) * kQGroups + (r / 16) * 8 + r % 8] = s.scale;
   const bool fast = finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
-  quantize_store_row_part<T, D, kBits>(p.qq + (qrow0 + row) * (D * kBits / 8), raw,
+  quantize_store_row_part<T, D, kBits>(qq + (qrow0 + row) * (D * kBits / 8), raw,
                                        centered, part, s.inv, qmax, fast, keep);
 }
 
-}  // namespace sage::quant::prepass
+}  // namespace
+}  // namespace sage::quant

@@ -1,15 +1,14 @@
-// Staging a chunk of K/V rows in shared memory (kv_stats, and the one-launch kv_prepass, which
-// keeps the chunk staged through the statistics and the quantization).
+// Staging a chunk of K/V rows in shared memory: kv_stats stages the rows its statistics read;
+// the one-launch kv_prepass keeps the whole chunk staged through statistics and quantization.
+// (Included only by quant/prepass.cu, the pre-pass's one translation unit: the code sits in
+// that file's anonymous namespace, so the kernels stay internal to it.)
 #pragma once
 
-#include <cstdint>
-
 #include "ptx/async.cuh"
-#include "quant/layout.h"
 #include "quant/prepass/common.cuh"
-#include "quant/prepass/params.h"
 
-namespace sage::quant::prepass {
+namespace sage::quant {
+namespace {
 
 // Rows of a chunk sit at a pitch of 2·D + 16 bytes (the 16 spread the rows that quant_kv_block's
 // V groups read together over the banks: at most two-way conflicts), K rows then V rows. At
@@ -36,20 +35,21 @@ __device__ __forceinline__ void copy16(uint8_t* dst, const T* src) {
 
 // Stages the chunk's rows n0 + r (r < kStatTokens) of K and V: V's every row, K's every row when
 // all_k, else only the rows the K mean samples (n % k_stride == 0); rows past `rows` (the
-// sequence's end) are zero-filled, and so are the channels from in.dim (the caller's head dim) to
+// sequence's end) are zero-filled, and so are the channels from `dim` (the caller's head dim) to
 // D. 256 threads: D/8 lanes a row, each a 16-byte piece (wholly inside dim: a multiple of 8).
 template <typename T, int D, bool kVec>
-__device__ __forceinline__ void stage_rows(const KvInput& in, int b, int h, int64_t tok0,
-                                           int64_t n0, int rows, uint32_t k_stride, bool all_k,
-                                           uint8_t* smem) {
+__device__ __forceinline__ void stage_rows(const T* k, const T* v, const sage_strides& ks,
+                                           const sage_strides& vs, int dim, int b, int h,
+                                           int64_t tok0, int64_t n0, int rows, uint32_t k_stride,
+                                           bool all_k, uint8_t* smem) {
   constexpr int kPieces = D / 8, kRowStep = 256 / kPieces;
   const int piece = threadIdx.x % kPieces;
-  const bool real = piece * 8 < in.dim;  // a piece of the caller's channels, not zero padding
+  const bool real = piece * 8 < dim;  // a piece of the caller's channels, not zero padding
   int r = threadIdx.x / kPieces;
   // (Pointers to rows past the sequence are formed, never read.)
-  const T* k_row = row_ptr(static_cast<const T*>(in.k), in.ks, b, h, tok0 + n0 + r) + piece * 8;
-  const T* v_row = row_ptr(static_cast<const T*>(in.v), in.vs, b, h, tok0 + n0 + r) + piece * 8;
-  const int64_t k_step = int64_t(kRowStep) * in.ks.token, v_step = int64_t(kRowStep) * in.vs.token;
+  const T* k_row = row_ptr(k, ks, b, h, tok0 + n0 + r) + piece * 8;
+  const T* v_row = row_ptr(v, vs, b, h, tok0 + n0 + r) + piece * 8;
+  const int64_t k_step = int64_t(kRowStep) * ks.token, v_step = int64_t(kRowStep) * vs.token;
   // Whether K's mean samples row n0 + r, as a running residue (no division per row).
   uint32_t residue = uint32_t((n0 + r) % int64_t(k_stride));
   const uint32_t residue_step = uint32_t(kRowStep) % k_stride;
@@ -73,4 +73,5 @@ __device__ __forceinline__ void stage_rows(const KvInput& in, int b, int h, int6
   __syncthreads();
 }
 
-}  // namespace sage::quant::prepass
+}  // namespace
+}  // namespace sage::quant

@@ -1,26 +1,20 @@
-// The statistics of K and V: per 128-token chunk (ChunkStats, in fixed order: deterministic, no
-// atomics), then per (sequence, KV head) (finalize_channel: k_mean, v_mean, V's E4M3 scale). The
-// three-launch path's first two kernels (kv_stats, kv_finalize) are here; the one-launch
-// kv_prepass (kv_cluster.cuh) runs both steps on its staged chunk.
+// K/V statistics: a chunk's sums and V range from staged rows (ChunkStats), and the reduction
+// of a head's chunk statistics to k_mean, v_mean and V's E4M3 scale (finalize_channel), shared
+// by the three-launch path (kv_stats, kv_finalize) and the one-launch kv_prepass.
+// (Included only by quant/prepass.cu, the pre-pass's one translation unit: the code sits in
+// that file's anonymous namespace, so the kernels stay internal to it.)
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include <cstdint>
 #include <type_traits>
 
 #include "common/formats.h"
-#include "common/grid.h"
 #include "quant/elements.cuh"
-#include "quant/layout.h"
 #include "quant/prepass/common.cuh"
-#include "quant/prepass/params.h"
 #include "quant/prepass/stage.cuh"
 
-namespace sage::quant::prepass {
+namespace sage::quant {
+namespace {
 
-// ---- Statistics of a chunk -------------------------------------------------------------------
 // Per (kv head, chunk of kStatTokens tokens, channel): Σk over the chunk's tokens n with
 // n % k_stride == 0 (K's mean sample), Σv (double), max v, min v. 256 threads: a thread takes a
 // channel pair (one 32-bit word of a staged row) and one of kSlices = 512/D token slices (rows
@@ -28,8 +22,8 @@ namespace sage::quant::prepass {
 // slices are then added in order (fixed order: deterministic, no atomics). The sums run on
 // scaled_double values (x·2^-kScaleExp exactly for finite x: no fp32→fp64 conversion; the final
 // multiply by 2^kScaleExp gives the converting sum's bits). Max and min run on packed pairs in the
-// input format (exact). An Inf/NaN element counts as a zero everywhere (non-finite inputs: the
-// README), so the statistics of a head stay finite and the rows it poisons are marked instead.
+// input format (exact). An Inf/NaN element counts as a zero everywhere (docs/c-api.md,
+// "Non-finite inputs"), so the statistics of a head stay finite and the rows it poisons are marked instead.
 template <typename T, int D>
 struct ChunkStats {
   using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
@@ -153,65 +147,5 @@ __device__ __forceinline__ ChannelFinal finalize_channel(const StatView& stats, 
   return {km, vm, q.scale, q.inv};
 }
 
-// ---- kv_stats: the three-launch path's statistics --------------------------------------------
-// kv_prepass's first step alone (V's rows and the rows K's mean samples staged). A CTA per
-// (chunk, sequence·KV head), 256 threads; `stage`: Stage<D>::kBytes of dynamic shared memory.
-template <typename T, int D, bool kVec>
-__device__ __forceinline__ void kv_stats(const KvStatsParams& p, uint8_t* stage) {
-  __shared__ double red[kStatRed];
-  const int64_t bh = cta_outer_index();
-  if (bh >= p.bk) return;
-  const BatchHead bhd = batch_head(bh, p.heads_kv);
-  const int b = int(bhd.b), h = int(bhd.h);
-  const SeqSpan sp = p.kv_rows.span(b);
-  const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
-  if (n0 >= sp.len) return;  // past this sequence's keys (a packed batch)
-  const int rows = int(min(int64_t(kStatTokens), sp.len - n0));
-  const uint32_t k_stride = uint32_t(k_mean_stride_of(sp.len, p.k_mean_tokens));
-  ChunkStats<T, D> st;
-  constexpr int kRows = Stage<D>::kRows;
-  if constexpr (kRows == kStatTokens) {
-    stage_rows<T, D, kVec>(p, b, h, sp.tok0, n0, rows, k_stride, false, stage);
-    st.accumulate(stage, rows, n0, k_stride);
-  } else {
-    // D = 256: the chunk in parts of kRows. A thread's slice sums the same V rows in the same
-    // order as in one part (kRows is a multiple of kSlices); K's sampled rows are dealt to the
-    // slices from each part's first, so a slice may take other ones, and the chunk's Σk adds the
-    // same rows grouped otherwise (exact in double for fp16/bf16 values of moderate range, as
-    // the emulation's sum assumes).
-    static_assert(kRows % ChunkStats<T, D>::kSlices == 0, "slices keep their rows across parts");
-    for (int r0 = 0; r0 < rows; r0 += kRows) {
-      if (r0 > 0) __syncthreads();  // every thread has summed the previous part
-      const int part_rows = min(kRows, rows - r0);
-      stage_rows<T, D, kVec>(p, b, h, sp.tok0, n0 + r0, part_rows, k_stride, false, stage);
-      st.accumulate(stage, part_rows, n0 + r0, k_stride);
-    }
-  }
-  st.write(red, stat_view(p.stats, p.kv_rows, b, h, sp, D), chunk);
-}
-
-// ---- kv_finalize: the three-launch path's per-head reduction ---------------------------------
-// One CTA per (sequence, KV head), a thread per channel (at most 128: D = 256 loops twice).
-template <int D>
-__device__ __forceinline__ void kv_finalize(const KvFinalizeParams& p) {
-  // The attention kernel's tile counters start at zero (it leaves them so; this covers a fresh
-  // workspace).
-  if (blockIdx.x == 0 && threadIdx.x < 2) p.tile_counter[threadIdx.x] = 0u;
-  const int64_t bh = blockIdx.x, b = bh / p.heads_kv, h = bh % p.heads_kv;
-  const SeqSpan sp = p.kv_rows.span(b);
-  const int64_t seq_kv = sp.len, chunks = (seq_kv + kStatTokens - 1) / kStatTokens;
-  const int64_t k_stride = k_mean_stride_of(seq_kv, p.k_mean_tokens);
-  const int64_t k_samples = (seq_kv + k_stride - 1) / k_stride;
-  const StatView hs = stat_view(p.stats, p.kv_rows, b, h, sp, D);
-  if (threadIdx.x == 0) p.kv_bad[bh] = kKvBadNone;  // quant_kv lowers it
-  for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
-    const ChannelFinal f =
-        finalize_channel(hs, chunks, c, seq_kv, k_samples, p.smooth_k, p.smooth_v);
-    p.k_mean[bh * D + c] = f.k_mean;
-    p.v_mean[bh * D + c] = f.v_mean;
-    p.v_scale[bh * D + c] = f.v_scale;
-    p.v_inv[bh * D + c] = f.v_inv;
-  }
-}
-
-}  // namespace sage::quant::prepass
+}  // namespace
+}  // namespace sage::quant

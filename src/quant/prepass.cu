@@ -1,10 +1,6 @@
-// The pre-pass launcher: carries out the steps the plan chose (PrepassPlan, made by the planner in
-// src/api/plan.cpp): K/V in one cluster launch (kv_cluster > 0) or three (statistics, finalize,
-// quantization), Q's quantization or none (quantize_q), the loads' width (vec_kv, vec_q), K's bits
-// and Q smoothing. It decides nothing: it builds each kernel's Params from the plan, the caller's
-// tensors and the workspace, and launches the instantiation the plan names.
-//
-// Bytes moved (B·H·N·D elements of 2 bytes each for Q, K, V):
+// Pre-pass kernels of both attention kernels (sm_89+), each the GPU twin of a step of the CPU
+// emulation (src/ref/prepass.cpp), with the same float operations in the same order where
+// the result is quantized. Bytes moved (B·H·N·D elements of 2 bytes each for Q, K, V):
 //   kv_prepass   (sm_90+, a KV head of at most 8 chunks: PrepassPlan::kv_cluster) reads K and V
 //                once (2+2 B/elem), writes the chunk statistics, INT8/INT4 K + scales and E4M3
 //                Vᵀ as the next three do, in one launch
@@ -24,12 +20,10 @@
 // quantize): the sm90 kernel's wgmma accumulator needs V - v_mean to sum to zero
 // (docs/sm90-kernel.md, Tried and rejected).
 //
-// Each kernel is the GPU twin of a step of the CPU emulation (src/ref/attention_quant.cpp), with
-// the same float operations in the same order where the result is quantized. Throughput notes
-// (the kernels are memory-bound only if nothing else is slower):
+// Throughput notes (the kernels are memory-bound only if nothing else is slower):
 // - A thread issues every load of its rows before it uses any (kv_stats, kv_prepass: a whole
 //   chunk staged by cp.async), as 16-byte loads when every row of the tensor is 16-byte aligned,
-//   decided once on the host by the plan: kVec.
+//   decided once on the host by the planner: kVec (PrepassPlan::vec_kv, vec_q).
 // - No fp32→fp64 conversion instruction on the hot paths (F2F.F64 issues at a small fraction of
 //   the FP64 rate). The sums of kv_stats and the LSE dot product of quant_q need each fp16/bf16
 //   value x as a double: its sign, exponent and mantissa bits placed in a double's fields give
@@ -44,109 +38,89 @@
 // - Grids are (blocks, batch·heads spread over y and z: common/grid.h), so any count of heads
 //   launches; a CTA decodes its (b, h) once in its prologue (one division), none in a loop.
 // - Every kernel is PDL-launched (launch_pdl) and waits in its prologue (pdl_enter).
+// The kernels are in role files under quant/prepass/ (common, stage, stats, kv_block,
+// kv_cluster, kv_split, q_quant); this file includes them and holds the launcher.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <type_traits>
 
+#include "common/formats.h"
 #include "common/grid.h"
 #include "common/launch.h"
+#include "ptx/async.cuh"
+#include "ptx/barrier.cuh"
+#include "ptx/cvt.cuh"
+#include "quant/elements.cuh"
 #include "quant/prepass.h"
-#include "quant/prepass/kernels.cuh"
+#include "quant/prepass/common.cuh"
+#include "quant/prepass/stage.cuh"
+#include "quant/prepass/stats.cuh"
+#include "quant/prepass/kv_block.cuh"
+#include "quant/prepass/kv_cluster.cuh"
+#include "quant/prepass/kv_split.cuh"
+#include "quant/prepass/q_quant.cuh"
 
 namespace sage::quant {
 namespace {
 
-using namespace prepass;
-
-// The parts the kernels' Params are made of, from the plan, the caller's tensors and the
-// workspace (the offsets of layout.h).
-struct Parts {
-  KvInput kv_in;
-  KvHeads heads;
-  KMeanSampling sampling;
-  Smoothing smoothing;
-  ChunkStatsOut stats;
-  HeadFinalOut final_out;
-  HeadFinalIn final_in;
-  KvQuantOut kv_out;
-};
-
-Parts parts_of(const PrepassPlan& p, const PrepassInputs& in, uint8_t* ws) {
-  auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
-  auto* kv_bad = reinterpret_cast<unsigned long long*>(ws + p.kv_bad);
-  Parts x{};
-  // The caller's channels (<= D, a multiple of 8): the kernels read these and write the rest of
-  // D as zero channels (layout.h, PrepassPlan::channels).
-  x.kv_in = {in.k, in.v, in.k_strides, in.v_strides, int(p.channels)};
-  x.heads = {p.heads_kv, p.batch * p.heads_kv, p.kv_rows};
-  x.sampling = {p.k_mean_tokens};
-  x.smoothing = {p.smooth_k, p.smooth_v};
-  x.stats = {reinterpret_cast<KvStat*>(ws + p.kv_stats)};
-  x.final_out = {f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv),
-                 reinterpret_cast<unsigned*>(ws + p.tile_counter), kv_bad};
-  x.final_in = {f32(p.k_mean), f32(p.v_mean), f32(p.v_inv), kv_bad};
-  x.kv_out = {ws + p.k, f32(p.k_scale), ws + p.v};
-  return x;
-}
-
-QuantQParams quant_q_params(const PrepassPlan& p, const PrepassInputs& in, uint8_t* ws) {
-  auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
-  QuantQParams q{};
-  q.q = in.q, q.qs = in.q_strides, q.dim = int(p.channels);
-  q.heads_kv = int(p.heads_kv), q.group_ratio = int(p.heads_q) / int(p.heads_kv);
-  q.bq = p.batch * p.heads_q;
-  q.q_rows = p.q_rows, q.kv_rows = p.kv_rows, q.shift_rows = p.shift_rows;
-  q.scale = in.scale;
-  q.k_mean = f32(p.k_mean);
-  q.kv_bad = reinterpret_cast<const unsigned long long*>(ws + p.kv_bad);
-  q.sight = in.sight, q.bottom_right = in.bottom_right;
-  q.qq = ws + p.q, q.q_scale = f32(p.q_scale);
-  q.q_mean = p.smooth_q ? f32(p.q_mean) : nullptr;
-  q.lse_shift = f32(p.lse_shift);
-  return q;
-}
+using Plan = PrepassPlan;
 
 template <typename T, int D>
-cudaError_t launch_dim(const PrepassPlan& p, const PrepassInputs& in, uint8_t* ws, int device,
+cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int device,
                        cudaStream_t st) {
-  const Parts x = parts_of(p, in, ws);
-  // (blocks, batch·heads over y and z: common/grid.h).
-  auto kv_grid = [&](int64_t blocks) { return outer_dims(blocks, x.heads.bk); };
+  const T* q = static_cast<const T*>(in.q);
+  const T* k = static_cast<const T*>(in.k);
+  const T* v = static_cast<const T*>(in.v);
+  const int64_t bk = p.batch * p.heads_kv, bq = p.batch * p.heads_q;
+  const int heads_q = int(p.heads_q), heads_kv = int(p.heads_kv);
+  // The caller's channels (<= D, a multiple of 8): the kernels read these and write the rest of
+  // D as zero channels (layout.h, PrepassPlan::channels).
+  const int dim = int(p.channels);
+  // (blocks, batch·heads_kv over y and z: common/grid.h).
+  auto kv_grid = [&](int64_t blocks) { return outer_dims(blocks, bk); };
+  auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
+  KvStat* stats = reinterpret_cast<KvStat*>(ws + p.kv_stats);
+  unsigned* tile_counter = reinterpret_cast<unsigned*>(ws + p.tile_counter);
+  auto* kv_bad = reinterpret_cast<unsigned long long*>(ws + p.kv_bad);
+
   cudaError_t err = cudaSuccess;
   auto check = [&](cudaError_t e) {
     if (err == cudaSuccess) err = e;
   };
+  // K and V: one launch (a cluster per head), or statistics, finalize and quantization.
   auto kv = [&](auto bits, auto vec) {
     constexpr int kBits = decltype(bits)::value;
     constexpr bool kVec = decltype(vec)::value;
-    if (p.kv_cluster > 0) {  // one launch, a cluster per KV head
-      if constexpr (Stage<D>::kRows == kStatTokens) {
+    if constexpr (Stage<D>::kRows == kStatTokens) {  // (the planner plans none at D = 256)
+      if (p.kv_cluster > 0) {
         constexpr auto kernel = kv_prepass_kernel<T, D, kBits, kVec>;
         check(set_max_dynamic_smem_once<kernel>(device, Stage<D>::kBytes));
-        LaunchShape shape{kv_grid(p.stat_chunks), dim3(kKvThreads), size_t(Stage<D>::kBytes)};
+        LaunchShape shape{kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)};
         shape.cluster = unsigned(p.kv_cluster);
-        check(launch_pdl(kernel, shape, st,
-                         KvPrepassParams{x.kv_in, x.heads, x.sampling, x.smoothing, x.stats,
-                                         x.final_out, x.kv_out}));
-      } else {
-        check(cudaErrorInvalidConfiguration);  // a chunk is not staged whole: planned at D <= 128
+        check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, dim, p.heads_kv, bk,
+                         p.kv_rows, p.k_mean_tokens, p.smooth_k, p.smooth_v, stats, f32(p.k_mean),
+                         f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter, kv_bad,
+                         ws + p.k, f32(p.k_scale), ws + p.v));
+        return;
       }
-      return;
     }
     constexpr auto stats_kernel = kv_stats_kernel<T, D, kVec>;
     check(set_max_dynamic_smem_once<stats_kernel>(device, Stage<D>::kBytes));
-    check(launch_pdl(stats_kernel,
-                     {kv_grid(p.stat_chunks), dim3(kKvThreads), size_t(Stage<D>::kBytes)}, st,
-                     KvStatsParams{x.kv_in, x.heads, x.sampling, x.stats}));
+    check(launch_pdl(stats_kernel, {kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)},
+                     st, k, v, in.k_strides, in.v_strides, dim, p.heads_kv, bk, p.kv_rows,
+                     p.k_mean_tokens, stats));
     if (err != cudaSuccess) return;
-    // One CTA per (sequence, KV head) along x (up to 2^31 - 1: the backend refuses more).
-    check(launch_pdl(kv_finalize_kernel<D>,
-                     {dim3(unsigned(x.heads.bk)), dim3(finalize_threads(D))}, st,
-                     KvFinalizeParams{x.stats, x.heads, x.sampling, x.smoothing, x.final_out}));
+    // A thread per channel, at most 128 (the kernel's bound; D = 256 loops twice). One CTA per
+    // (sequence, KV head) along x (up to 2^31 - 1: the backend refuses more).
+    check(launch_pdl(kv_finalize_kernel<D>, {dim3(unsigned(bk)), dim3(D < 128 ? D : 128)}, st,
+                     stats, p.kv_rows, p.heads_kv, p.k_mean_tokens, p.smooth_k, p.smooth_v,
+                     f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter,
+                     kv_bad));
     if (err != cudaSuccess) return;
-    check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(kKvThreads)},
-                     st, QuantKvParams{x.kv_in, x.heads, x.final_in, x.kv_out}));
+    check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(256)}, st, k, v,
+                     in.k_strides, in.v_strides, dim, p.heads_kv, bk, p.kv_rows, f32(p.k_mean),
+                     f32(p.v_mean), f32(p.v_inv), kv_bad, ws + p.k, f32(p.k_scale), ws + p.v));
   };
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
@@ -154,10 +128,13 @@ cudaError_t launch_dim(const PrepassPlan& p, const PrepassInputs& in, uint8_t* w
     if (err != cudaSuccess || !p.quantize_q) return;  // the sm90 kernel quantizes Q itself
     auto qk = p.smooth_q ? quant_q_kernel<T, D, kBits, decltype(vq)::value, true>
                          : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
-    check(launch_pdl(qk, {outer_dims(p.q_blocks, p.batch * p.heads_q), dim3(kQThreads)}, st,
-                     quant_q_params(p, in, ws)));
+    check(launch_pdl(qk, {outer_dims(p.q_blocks, bq), dim3(512)}, st, q, in.q_strides, dim,
+                     heads_kv, heads_q / heads_kv, bq, p.q_rows, p.kv_rows, p.shift_rows, in.scale,
+                     f32(p.k_mean), kv_bad, in.sight, in.bottom_right, ws + p.q, f32(p.q_scale),
+                     p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
   };
   auto with_vec = [&](auto bits) {
+    // The loads' width, as planned (PrepassPlan::vec_kv, vec_q).
     if (p.vec_kv && p.vec_q)
       quant(bits, std::true_type{}, std::true_type{});
     else if (p.vec_kv)
@@ -175,7 +152,7 @@ cudaError_t launch_dim(const PrepassPlan& p, const PrepassInputs& in, uint8_t* w
 }
 
 template <typename T>
-cudaError_t launch_all(const PrepassPlan& p, const PrepassInputs& in, uint8_t* ws, int device,
+cudaError_t launch_all(const Plan& p, const PrepassInputs& in, uint8_t* ws, int device,
                        cudaStream_t st) {
   const cudaError_t e = p.head_dim == 64    ? launch_dim<T, 64>(p, in, ws, device, st)
                         : p.head_dim == 128 ? launch_dim<T, 128>(p, in, ws, device, st)
@@ -196,7 +173,7 @@ int max_kv_cluster(int device) {
     cudaGetLastError();
     return 0;
   }
-  LaunchShape shape{dim3(unsigned(kCluster)), dim3(kKvThreads), size_t(Stage<128>::kBytes)};
+  LaunchShape shape{dim3(unsigned(kCluster)), dim3(256), size_t(Stage<128>::kBytes)};
   shape.cluster = unsigned(kCluster);
   cudaLaunchAttribute attr[2];
   const cudaLaunchConfig_t cfg = launch_config(shape, nullptr, attr);
@@ -207,8 +184,8 @@ int max_kv_cluster(int device) {
   return 0;
 }
 
-cudaError_t run_prepass(const PrepassPlan& plan, const PrepassInputs& in, uint8_t* workspace,
-                        int device, cudaStream_t stream) {
+cudaError_t run_prepass(const Plan& plan, const PrepassInputs& in, uint8_t* workspace, int device,
+                        cudaStream_t stream) {
   return in.dtype == SAGE_DTYPE_BF16
              ? launch_all<__nv_bfloat16>(plan, in, workspace, device, stream)
              : launch_all<__half>(plan, in, workspace, device, stream);

@@ -1,0 +1,180 @@
+// The sm90 wgmma kernel (src/attn/sm90) emulated step by step: per tile of block_q rows, softmax
+// blocks of softmax_block_k keys (one or several 64-key K scale blocks) in order. In a block:
+// the scores in the kernel's fp32 form, the running max, P~·448 as one 2^x (the polynomial 2^x on
+// its share of the scores where the block is whole for the tile), the row sum kept in the four
+// threads' partial sums, P^·V^ in the wgmma E4M3 accumulator (each k32 step aligned to its
+// largest addend); at the end the kernel's finalize. The configs of sm90_softmax_form come here;
+// the ones no kernel runs (other accumulators, formats, Q smoothing) are this algorithm with one
+// step changed. Host code.
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "common/exp2_poly.h"
+#include "ref/emulate.h"
+
+namespace sage::ref {
+
+double exp2_poly(double x) {
+  // The same approximation with ideal arithmetic around it (the double emulation).
+  x = std::max(x, -125.0);
+  const double n = std::nearbyint(x);  // round to nearest even, as the float add of 1.5·2^23
+  const double r = x - n;
+  const double q =
+      ((double(kExp2PolyC3) * r + double(kExp2PolyC2)) * r + double(kExp2PolyC1)) * r + 1.0;
+  return std::ldexp(q, int(n));
+}
+
+bool exp2_poly_at(int64_t row, int64_t key, int every) {
+  if (every <= 0) return false;
+  // Register i of the m64n128 accumulator of the thread holding (row, key): 8-key tile
+  // (key mod 128) / 8 gives i / 4, the row half (row mod 16) / 8 gives bit 1, the key's parity
+  // bit 0 (sage.h, exp2_poly_every).
+  const int64_t i = 4 * ((key % 128) / 8) + 2 * ((row % 16) / 8) + key % 2;
+  return i % every == every - 1;
+}
+
+namespace emu {
+
+template <typename Real>
+void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorView& q,
+                  const TensorView& k, const TensorView& v, Real* out, Real* lse, int threads) {
+  const int64_t D = p.head_dim, Nq = p.seq_q, bq = cfg.block_q;
+  const int64_t sbk = cfg.softmax_block_k > 0 ? cfg.softmax_block_k : cfg.block_k;
+  const PvFormat pv = pv_format_of(cfg.pv_format);  // V scales per channel (quant_config_error)
+  const Real scale_log2 = Real(p.scale * kLog2e);
+  // The scores in fp32 as the kernel forms them where that form exists (integer Q·K, no ΔS: the
+  // kernel has no Q smoothing): f = (q_scale · scale·log2 e) · k_scale, the max over Q^K^·f,
+  // and, in a block every row sees all of, the exponent of P~·448 as one FFMA on the seeded
+  // accumulator 1.5·2^23 + Q^K^ (attn/sm90/softmax.cuh). The double emulation keeps ideal
+  // arithmetic.
+  const bool kernel_scores = std::is_same_v<Real, float> && !(cfg.smooth & SAGE_SMOOTH_Q) &&
+                             (cfg.qk_format == SAGE_QK_INT8 || cfg.qk_format == SAGE_QK_INT4);
+  // 2^x gives P~·p_scale directly: x = s - m + log2 p_scale.
+  const Real log2_p_scale = Real(std::log2(double(pv.p_scale)));
+  const bool aligned = cfg.pv_accum == SAGE_PV_ACCUM_ALIGNED;
+  const int bits = cfg.accum_mantissa_bits;
+
+  // 1. The pre-pass: Q, K, V smoothed and quantized.
+  const Prepass<Real> pre = prepass<Real>(p, cfg, q, k, v, threads);
+
+  // 2. The attention kernel: one item per (batch, q head, tile of block_q rows).
+  const int64_t q_blocks = (Nq + bq - 1) / bq;
+  parallel_for(p.batch * p.heads_q * q_blocks, threads, [&](int64_t item) {
+    const Tile<Real> t = pre.tile(p, bq, item);
+    const std::vector<Real> ds = delta_s(p, cfg, t);
+    // Per row: running max m (base 2), the sums of the row's four threads t (t holds keys
+    // {8a + 2t, 8a + 2t + 1}) in units of P~·p_scale, and the P·V state (R: the wgmma
+    // accumulator).
+    std::vector<Real> m(size_t(t.rows), neg_inf<Real>()), l4(size_t(t.rows * 4), Real(0));
+    RowAccumulators<Real> ra(t.rows, D, cfg.accum_chunk);
+    std::vector<Real> s(static_cast<size_t>(sbk)), phat(s.size()), qk(s.size()), fk(s.size());
+    // A cut of the accumulator without products: a wgmma step whose keys the row does not see
+    // still aligns the held value to its own grid.
+    auto idle_step = [&](double* acc) {
+      for (int64_t d = 0; d < D; ++d) acc[d] = mma_aligned_step(acc[d], nullptr, 0, bits);
+    };
+    // The fast path: a softmax block whose every key the tile's first row sees (so every row
+    // does; the kernel's kb < first_masked_block) skips the mask, takes the FFMA form and the
+    // polynomial 2^x.
+    const int64_t tile_visible = p.visible_keys(t.r0);
+
+    for (int64_t j0 = 0; j0 < t.visible_max; j0 += sbk) {
+      const int64_t j1 = std::min(p.seq_kv, j0 + sbk);
+      const bool full_block = j0 + sbk <= tile_visible;
+      for (int64_t r = 0; r < t.rows; ++r) {
+        const int64_t i = t.r0 + r, n = p.visible_keys(i);
+        double* acc = ra.acc(r);
+        if (j0 >= n) {
+          // Fully masked for this row: the wgmma still adds its zero products (alpha = 1,
+          // nothing added to l).
+          if (aligned) idle_step(acc);
+          continue;
+        }
+        // S in base 2: Q^K^ · f in the kernel's form, else as the mma kernel forms it.
+        Real row_max = neg_inf<Real>();
+        if (kernel_scores) {
+          const Real* qi = &t.q.q.values[size_t(i * D)];
+          const Real q_scale_log2 = t.q.q.scale[size_t(i)] * scale_log2;
+          for (int64_t j = j0; j < j1; ++j) {
+            if (j >= n) {
+              s[size_t(j - j0)] = neg_inf<Real>();
+              continue;
+            }
+            const Real a = Real(dot<float>(qi, &t.kv.k.values[size_t(j * D)], D));
+            const Real f = q_scale_log2 * t.kv.k.scale[size_t(j)];
+            qk[size_t(j - j0)] = a;
+            fk[size_t(j - j0)] = f;
+            s[size_t(j - j0)] = a * f;
+            row_max = std::max(row_max, s[size_t(j - j0)]);
+          }
+        } else {
+          row_max = row_scores(cfg, t, ds.data(), D, i, n, j0, j1, scale_log2, Real(0), s.data());
+        }
+        const Real m_new = std::max(m[size_t(r)], row_max);
+        const Real alpha = std::exp2(m[size_t(r)] - m_new);  // 0 on the first block
+        // e = P~·p_scale = 2^(s - m + log2 p_scale); summed per thread t and 32-key quarter, in
+        // key order, then l_t = l_t·alpha + ((p0 + p1) + (p2 + p3)) (the kernel's part[]).
+        Real part[4][4] = {};
+        const Real m_shift = m_new - log2_p_scale;
+        for (int64_t j = j0; j < j1; ++j) {
+          Real e = 0;
+          if (j < n) {
+            Real x = s[size_t(j - j0)] - m_shift;
+            if constexpr (std::is_same_v<Real, float>) {
+              if (full_block && kernel_scores) {
+                const float f = fk[size_t(j - j0)];
+                x = std::fmaf(kMagicF + qk[size_t(j - j0)], f, -std::fmaf(kMagicF, f, m_shift));
+              }
+            }
+            e = full_block && exp2_poly_at(i, j, cfg.exp2_poly_every) ? exp2_poly(x)
+                                                                      : std::exp2(x);
+          }
+          part[((j - j0) % 8) / 2][((j - j0) / 32) % 4] += e;
+          phat[size_t(j - j0)] = pv.quantize(e);  // P^
+        }
+        Real* lt = &l4[size_t(r * 4)];
+        for (int th = 0; th < 4; ++th) {
+          lt[th] *= alpha;
+          lt[th] += (part[th][0] + part[th][1]) + (part[th][2] + part[th][3]);
+        }
+        m[size_t(r)] = m_new;
+        ra.rescale(r, alpha);
+        // P^·V^ into the accumulator. The kernel runs all sbk / accum_chunk steps of a block;
+        // those past Nk add zero products (the held value cut to its own grid).
+        accumulate_pv(cfg, phat.data(), t.kv.v.data(), j0, j1, D, acc, ra.scratch);
+        const int64_t steps_run = (j1 - j0 + cfg.accum_chunk - 1) / cfg.accum_chunk;
+        if (aligned && steps_run * cfg.accum_chunk < sbk) idle_step(acc);
+        ra.flush_if_due(cfg, r, [](int64_t, Real a) { return a; });
+      }
+    }
+
+    // 3. The kernel's finalize (attn/epilogue.cuh, kLUnit = 448): the threads' sums added
+    // (l0 + l1) + (l2 + l3), O · (v_scale · (1 / l)) + v_mean, and the LSE from l / 448.
+    for (int64_t r = 0; r < t.rows; ++r) {
+      const int64_t i = t.r0 + r;
+      if (special_row(p, t, i, out, lse)) continue;
+      Real* dst = out + (t.bh * Nq + i) * D;
+      const Real* lt = &l4[size_t(r * 4)];
+      const Real lsum = (lt[0] + lt[1]) + (lt[2] + lt[3]);
+      const Real inv = Real(1) / lsum;
+      for (int64_t d = 0; d < D; ++d) {
+        const Real o = ra.O[size_t(r * D + d)] + Real(ra.R[size_t(r * D + d)]);
+        dst[d] = o * (t.kv.v_scale[size_t(d)] * inv) + t.kv.v_mean[size_t(d)];
+      }
+      if (lse)
+        lse[t.bh * Nq + i] =
+            (m[size_t(r)] + std::log2(lsum * (Real(1) / Real(pv.p_scale)))) * Real(kLn2) +
+            t.q.lse_shift[size_t(i)];
+    }
+  });
+}
+
+template void emulate_sm90(const Problem&, const sage_quant_config&, const TensorView&,
+                           const TensorView&, const TensorView&, float*, float*, int);
+template void emulate_sm90(const Problem&, const sage_quant_config&, const TensorView&,
+                           const TensorView&, const TensorView&, double*, double*, int);
+
+}  // namespace emu
+}  // namespace sage::ref

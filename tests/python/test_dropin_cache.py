@@ -1,0 +1,285 @@
+"""The SDPA drop-in's route cache (sage_attn._torch._dropin_route_of), on CPU tensors that pass
+for CUDA ones (tools/dropin_host.py's cuda_stand_in): a repeated call is answered from one
+lookup, and the cache never changes an answer."""
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import sage_attn  # noqa: E402
+from sage_attn import _lib, _torch as T  # noqa: E402
+from conftest import load_tool  # noqa: E402
+
+host = load_tool("dropin_host")
+
+
+def qkv(shape=(1, 4, 96, 64), dtype=torch.float16, kv_heads=None, **kw):
+    b, h, n, d = shape
+    kv = (b, kv_heads or h, n, d)
+    return (torch.randn(shape, dtype=dtype, **kw), torch.randn(kv, dtype=dtype, **kw),
+            torch.randn(kv, dtype=dtype, **kw))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of the plan key's computations and of the full argument checks."""
+    counts = {"key": 0, "checks": 0}
+    key, checks = T._key, T._sdpa_unsupported
+
+    def counting_key(c):
+        counts["key"] += 1
+        return key(c)
+
+    def counting_checks(*args, **kw):
+        counts["checks"] += 1
+        return checks(*args, **kw)
+
+    monkeypatch.setattr(T, "_key", counting_key)
+    monkeypatch.setattr(T, "_sdpa_unsupported", counting_checks)
+    return counts
+
+
+@pytest.fixture
+def crossover_on():
+    yield
+    sage_attn.set_dropin_crossover(True)
+
+
+def fresh(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):
+    """The drop-in's answer with every check run (no cache): "sage", "" or the warning's text."""
+    route = T._dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                             enable_gqa)
+    return "sage" if route.reason is None else route.reason
+
+
+def cached(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+           enable_gqa=False):
+    """The drop-in's answer through the cache, asked twice (the second from the cache)."""
+    answers = []
+    for _ in range(2):
+        route = T._dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                   enable_gqa)
+        answers.append("sage" if route.reason is None else route.reason)
+    assert answers[0] == answers[1]
+    return answers[0]
+
+
+def test_repeated_call_is_one_lookup(counted):
+    """A repeated call computes neither the plan key nor the checks again, on either route; its
+    run gets the same struct as the first call's (but for the pointers)."""
+    q, k, v = qkv()
+    for prefer_sdpa, ran in ((False, "runs"), (True, "sdpa")):
+        with host.cuda_stand_in(prefer_sdpa=prefer_sdpa) as stand:
+            sage_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+            assert counted == {"key": 1, "checks": 1} and stand.plans == 1
+            first = stand.last_run
+            for _ in range(3):
+                sage_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+            assert counted == {"key": 1, "checks": 1} and stand.plans == 1
+            assert getattr(stand, ran) == 4 and stand.runs + stand.sdpa == 4
+            if first is not None:
+                a = stand.last_run
+                assert bytes(first)[:8] == bytes(a)[:8]  # (struct_size)
+                assert (a.batch, a.heads_q, a.seq_q, a.head_dim, a.mask, a.scale,
+                        a.workspace_size) == (1, 4, 96, 64, _lib.MASK_CAUSAL_TOP_LEFT, 0.125,
+                                              256)
+                assert (a.q, a.k, a.v) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        counted.update(key=0, checks=0)
+
+
+def test_copied_inputs_plan_their_copy(counted):
+    """An input whose head dim is not contiguous runs on a contiguous copy: the route is kept,
+    and the run looks the copy's plan up (its alignment is not the signature's)."""
+    q, k, v = (x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in qkv())
+    assert q.stride(-1) != 1
+    with host.cuda_stand_in() as stand:
+        for _ in range(3):
+            sage_attn.scaled_dot_product_attention(q, k, v)
+        assert stand.runs == 3 and stand.plans == 1 and counted["checks"] == 1
+        assert counted["key"] == 1 + 3  # the route's plan, then each run's lookup
+        a = stand.last_run
+        assert (a.q_strides.token, a.q_strides.head) == (64, 96 * 64)
+
+
+def nhd(x):
+    """x's values in [B,N,H,D] memory, viewed as [B,H,N,D]: other strides, same shape."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def misaligned(x):
+    """x's values at an address 8 bytes past a 16-byte boundary."""
+    flat = torch.empty(x.numel() + 8, dtype=x.dtype)
+    off = next(i for i in range(8) if (flat.data_ptr() + i * x.element_size()) % 16 == 8)
+    y = flat[off:off + x.numel()].view(x.shape)
+    y.copy_(x)
+    return y
+
+
+# (name, the plan's answer prefer_sdpa as a function of its argument struct, and the call that
+# differs from the base call (q, k, v) in one input only): the rule answers the base call "sage",
+# and the variation either gets the other answer or fails a check. Devices are not varied: the
+# stand-in has one.
+VARIATIONS = [
+    ("q strides", lambda a: a.q_strides.token != a.head_dim, lambda q, k, v: ((nhd(q), k, v), {})),
+    ("k strides", lambda a: a.k_strides.token != a.head_dim, lambda q, k, v: ((q, nhd(k), v), {})),
+    ("v strides", lambda a: a.v_strides.token != a.head_dim, lambda q, k, v: ((q, k, nhd(v)), {})),
+    ("q shape", lambda a: a.seq_q != 96, lambda q, k, v: ((q[:, :, :50], k, v), {})),
+    ("k, v shape", lambda a: a.seq_kv != 96, lambda q, k, v: ((q, k[:, :, :50], v[:, :, :50]), {})),
+    ("k shape", None, lambda q, k, v: ((q, k[:, :, :50], v), {})),
+    ("v shape", None, lambda q, k, v: ((q, k, v[:, :, :50]), {})),
+    ("dtype", lambda a: a.dtype == _lib.DTYPE_BF16,
+     lambda q, k, v: ((q.bfloat16(), k.bfloat16(), v.bfloat16()), {})),
+    ("q dtype", None, lambda q, k, v: ((q.bfloat16(), k, v), {})),
+    ("k dtype", None, lambda q, k, v: ((q, k.bfloat16(), v), {})),
+    ("v dtype", None, lambda q, k, v: ((q, k, v.bfloat16()), {})),
+    ("q alignment", lambda a: a.q % 16 != 0, lambda q, k, v: ((misaligned(q), k, v), {})),
+    ("is_causal", lambda a: a.mask != _lib.MASK_NONE, lambda q, k, v: ((q, k, v),
+                                                                       {"is_causal": True})),
+    ("scale", lambda a: a.scale != 0.125, lambda q, k, v: ((q, k, v), {"scale": 0.3})),
+    ("bad scale", None, lambda q, k, v: ((q, k, v), {"scale": -1.0})),
+    ("dropout_p", None, lambda q, k, v: ((q, k, v), {"dropout_p": 0.1})),
+    ("heads", None, lambda q, k, v: ((q, k[:, :2], v[:, :2]), {})),
+    ("enable_gqa", lambda a: a.heads_kv != a.heads_q,
+     lambda q, k, v: ((q, k[:, :2], v[:, :2]), {"enable_gqa": True})),
+]
+# (The same with a base call that has other heads for k and v than for q: enable_gqa alone
+# decides whether the checks take it.)
+GQA_BASE = ("enable_gqa alone", None,
+            lambda q, k, v: ((q, k[:, :2], v[:, :2]), {"enable_gqa": True}))
+
+
+@pytest.mark.parametrize("name,rule,vary", VARIATIONS + [GQA_BASE],
+                         ids=[v[0] for v in VARIATIONS + [GQA_BASE]])
+def test_each_input_of_the_answer_is_in_the_signature(name, rule, vary):
+    """One input changed, the base call's answer cached: the changed call gets its own answer
+    (the one every check gives), not the base call's."""
+    with host.cuda_stand_in(prefer_sdpa=rule or False):
+        q, k, v = qkv()
+        base = ((q, k[:, :2], v[:, :2]), {}) if vary is GQA_BASE[2] else ((q, k, v), {})
+        want_base = fresh(*base[0], **base[1])
+        assert cached(*base[0], **base[1]) == want_base
+        args, kw = vary(q, k, v)
+        want = fresh(*args, **kw)
+        assert want != want_base
+        assert cached(*args, **kw) == want
+        assert cached(*base[0], **base[1]) == want_base
+
+
+def test_cache_never_changes_an_answer(crossover_on):
+    """Training or not, grad mode, the crossover switch, deterministic algorithms: each call gets
+    the answer a call with every check gets, asked after the others were cached."""
+    with host.cuda_stand_in(prefer_sdpa=lambda a: a.seq_q < 64, prefer_sdpa_training=False,
+                            has_backward=lambda a: a.head_dim == 64):
+        q, k, v = qkv()
+        short = qkv((1, 4, 32, 64))
+        d80 = qkv((1, 4, 96, 80))
+        grad = [x.clone().requires_grad_() for x in (q, k, v)]
+        grad80 = [x.clone().requires_grad_() for x in d80]
+        grad_k = (q, k.clone().requires_grad_(), v)
+        grad80_q = (d80[0].clone().requires_grad_(), d80[1], d80[2])
+        grad80_k = (d80[0], d80[1].clone().requires_grad_(), d80[2])
+        grad80_v = (d80[0], d80[1], d80[2].clone().requires_grad_())
+        calls = [(q, k, v), short, d80, grad, grad80, grad_k, grad80_q, grad80_k, grad80_v]
+        for _ in range(2):  # the second round: each answer with every other one cached
+            for args in calls:
+                assert cached(*args) == fresh(*args)
+                with torch.no_grad():
+                    assert cached(*args) == fresh(*args)
+        assert cached(q, k, v) == "sage" and cached(*short) == ""
+        assert cached(*grad) == "sage"  # training: prefer_sdpa_training, has the backward
+        for args in (grad80, grad80_q, grad80_k, grad80_v):
+            assert cached(*args).startswith("no backward kernel")
+        assert cached(*grad_k) == "sage" and cached(*(x.detach() for x in grad80)) == "sage"
+        with torch.no_grad():
+            assert cached(*grad80) == "sage"
+        with torch.inference_mode():
+            assert cached(*grad80) == "sage"
+        # The switch: off, the crossover hands nothing over; on again, the first answer.
+        sage_attn.set_dropin_crossover(False)
+        assert cached(*short) == fresh(*short) == "sage"
+        sage_attn.set_dropin_crossover(True)
+        assert cached(*short) == ""
+        # Deterministic algorithms: the forward's answer does not read them.
+        prev = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert cached(q, k, v) == fresh(q, k, v) == "sage"
+        finally:
+            torch.use_deterministic_algorithms(prev)
+
+
+def test_what_runs_is_what_dropin_backend_says(crossover_on):
+    """A call that trains or not, with the switch either way, runs what dropin_backend says,
+    cache or not."""
+    with host.cuda_stand_in(prefer_sdpa=True, prefer_sdpa_training=True) as stand:
+        q, k, v = qkv()
+        grad = [x.clone().requires_grad_() for x in (q, k, v)]
+        for switch in (True, False, True):
+            sage_attn.set_dropin_crossover(switch)
+            for args in ((q, k, v), grad):
+                want = sage_attn.dropin_backend(*args)
+                for _ in range(2):  # (a training call that runs sage: through the op)
+                    runs, sdpa = stand.runs, stand.sdpa
+                    sage_attn.scaled_dot_product_attention(*args)
+                    assert (stand.runs - runs, stand.sdpa - sdpa) == (
+                        (1, 0) if want == "sage" else (0, 1)), (switch, args is grad)
+                assert want == ("sage" if not switch else "sdpa")
+
+
+def test_fallback_warnings_stay_once_per_reason(monkeypatch):
+    """A cached fallback still warns through _warn_once: once per reason, and again once the
+    record of warnings is cleared."""
+    monkeypatch.setattr(T, "_warned", set())
+    with host.cuda_stand_in() as stand:
+        q, k, v = (x.float() for x in qkv())  # float32 on "CUDA": no kernel
+        for _ in range(2):
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                for _ in range(3):
+                    sage_attn.scaled_dot_product_attention(q, k, v)
+            assert len(w) == 1 and "dtype torch.float32" in str(w[0].message)
+            T._warned.clear()
+        assert stand.sdpa == 6
+
+
+def test_uncacheable_calls_run_every_check(counted):
+    """A mask, a tensor subclass or an unhashable argument: no signature, every check on every
+    call, and the answer of the checks."""
+    class Sub(torch.Tensor):
+        pass
+
+    with host.cuda_stand_in() as stand, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q, k, v = qkv()
+        mask = torch.ones(96, 96, dtype=torch.bool)
+        for _ in range(2):
+            sage_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert counted["checks"] == 2 and stand.sdpa == 2
+        sub = [x.as_subclass(Sub) for x in (q, k, v)]
+        for _ in range(2):
+            sage_attn.scaled_dot_product_attention(*sub)
+        assert counted["checks"] == 4 and stand.runs == 2
+        for _ in range(2):
+            sage_attn.scaled_dot_product_attention(q, k, v, scale=[0.5])  # SDPA rejects it
+        assert counted["checks"] == 6 and stand.sdpa == 4
+        assert T._routes == {}
+
+
+def test_compiling_reads_no_cache(monkeypatch):
+    """While torch.compile traces, the drop-in neither reads nor fills the cache: the op makes
+    the choice."""
+    seen = []
+    monkeypatch.setattr(T, "_call", lambda c, prep=None: seen.append((c.fallback, prep)) or (
+        c.q, None))
+    with host.cuda_stand_in():
+        q, k, v = qkv()
+        sage_attn.scaled_dot_product_attention(q, k, v)
+        assert len(T._routes) == 1
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        T._routes.clear()
+        sage_attn.scaled_dot_product_attention(q, k, v)
+        assert T._routes == {}
+    assert seen[0][0] == T._FALLBACK_SDPA_ROUTED and seen[0][1] is not None
+    assert seen[1] == (T._FALLBACK_SDPA, None)

@@ -1,0 +1,48 @@
+"""tools/sass_diff.py's comparison on hand-written cuobjdump output: what it normalizes away
+(addresses, encodings, parameter offsets, branch targets, padding, the anonymous-namespace hash,
+parameter types) and what it must still see (an opcode, a register, an extra instruction)."""
+from conftest import load_tool
+
+sd = load_tool("sass_diff")
+
+
+def dump(kernel, body, arch="sm_90a"):
+    lines = [f"\tcode for {arch}", "\t\tFunction : " + kernel, "\t.headerflags @\"EF_CUDA_SM90\""]
+    for i, ins in enumerate(body):
+        lines.append(f"        /*{i * 16:04x}*/                   {ins} ;"
+                     f"                /* 0x{i:016x} */")
+        lines.append(f"                                                     /* 0x{i + 7:016x} */")
+    return f"\tarch = {arch}\n" + "\n".join(lines) + "\n"
+
+
+K1 = "_ZN4sage3bwd12judge_kernelILi64EEEvNS0_6ParamsE"
+K2 = "_ZN4sage3bwd12judge_kernelILi64EEEvNS0_8ParamsOfIJNS0_5ShapeEEEE"
+BODY = ["LDC R1, c[0x0][0x28]", "S2R R0, SR_TID.X", "BRA 0x120", "IADD3 R2, R0, 0x4, RZ",
+        "EXIT"]
+
+
+def test_what_is_normalized_away():
+    a = sd.parse(dump(K1, BODY))
+    moved = ["LDC R1, c[0x0][0x390]", "S2R R0, SR_TID.X", "BRA 0x140", "IADD3 R2, R0, 0x4, RZ",
+             "EXIT", "NOP", "NOP"]
+    b = sd.parse(dump(K2, moved))
+    assert list(a) == list(b) == ["sm_90a sage::bwd::judge_kernel<64>"]
+    assert a == b
+
+
+def test_what_is_still_seen():
+    base = sd.parse(dump(K1, BODY))
+    for changed in (BODY[:3] + ["IADD3 R3, R0, 0x4, RZ"] + BODY[4:],   # a register
+                    BODY[:3] + ["IADD3 R2, R0, 0x8, RZ"] + BODY[4:],   # an immediate
+                    BODY[:3] + ["LOP3.LUT R2, R0, 0x4, RZ, 0xfc, !PT"] + BODY[4:],
+                    BODY[:4] + ["MOV R5, R2"] + BODY[4:]):             # one more instruction
+        assert sd.parse(dump(K1, changed)) != base
+    # The same kernel on another architecture is another entry.
+    assert set(sd.parse(dump(K1, BODY, "sm_89"))) != set(base)
+
+
+def test_anonymous_namespace_hash():
+    name = "_ZN4sage3fp438_GLOBAL__N__ef10613d_6_fp4_cu_d255c85d14quant_v_kernelI6__halfEEvNS0_6ParamsE"
+    other = name.replace("ef10613d", "496dc092").replace("d255c85d", "0badcafe")
+    assert sd.kernel_key("sm_90a", name) == sd.kernel_key("sm_90a", other)
+    assert sd.kernel_key("sm_90a", name).endswith("quant_v_kernel<__half>")

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Whether a kernel change changes the machine code, without a GPU: compiles CUDA files of the
+working tree and of a base commit with nvcc, disassembles both with cuobjdump, and compares every
+kernel's SASS per architecture.
+
+    python tools/sass_diff.py HEAD src/bwd/backward_d128.cu          # against the last commit
+    python tools/sass_diff.py 193f6f0 src/fp4/fp4.cu --archs 89,90a,120a --show attention_kernel
+
+A refactor whose kernels come out identical needs no device A/B; one that does not is timed on the
+device (scripts/gpu-check's ab stage). Normalized before comparing: instruction addresses and
+encodings, kernel-parameter offsets (c[0x0][...]: they move when arguments are regrouped), branch
+and call targets, and the hash nvcc puts in anonymous-namespace names. Kernels are matched by
+architecture and demangled name with template arguments, not by parameter types. Needs nvcc
+(/usr/local/cuda/bin) and cuobjdump + nvdisasm on PATH: scripts/sass-tools installs the latter two
+from NVIDIA's wheels where the toolkit lacks them. Exit status 1 when a kernel differs.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+
+
+def normalize(line: str) -> str | None:
+    """One SASS line as compared, or None for lines that are not instructions."""
+    if not re.search(r"/\*[0-9a-f]{4,}\*/", line):
+        return None
+    s = re.sub(r"/\*[0-9a-f]{4,}\*/", "", line)
+    s = re.sub(r"/\* 0x[0-9a-f]+ \*/", "", s)
+    s = re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[0x0][P]", s)
+    s = re.sub(r"\b(BRA|CALL\.REL\.NOINC|CALL\.REL|BSSY(?:\.\w+)?|BREAK|JMP)(.*?)0x[0-9a-f]+",
+               r"\1\2ADDR", s)
+    s = " ".join(s.split())
+    return None if not s or s.startswith("NOP") else s  # (padding NOPs follow the code's length)
+
+
+def kernel_key(arch: str, mangled: str) -> str:
+    # (Demangled, an anonymous namespace reads "(anonymous namespace)", without nvcc's hash.)
+    try:
+        name = subprocess.run(["c++filt", mangled], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        name = mangled
+    name = re.sub(r"_GLOBAL__N__\w+?_[0-9a-f]{8}", "_GLOBAL__N_", name)
+    name = re.sub(r"^void ", "", name).replace("(anonymous namespace)", "{anonymous}")
+    depth = 0
+    for i, c in enumerate(name):  # cut the parameter list: the first '(' outside template args
+        depth += c == "<"
+        depth -= c == ">"
+        if c == "(" and depth == 0:
+            name = name[:i]
+            break
+    return f"{arch} {name}"
+
+
+def parse(dump: str) -> dict[str, list[str]]:
+    """Kernel -> normalized instructions, from cuobjdump -sass output."""
+    out: dict[str, list[str]] = {}
+    arch, cur = "", None
+    for line in dump.splitlines():
+        m = re.search(r"arch = (sm_\w+)", line)
+        if m:
+            arch, cur = m.group(1), None
+            continue
+        m = re.match(r"\s+Function : (\S+)", line)
+        if m:
+            cur = kernel_key(arch, m.group(1))
+            out[cur] = []
+            continue
+        if cur is not None:
+            s = normalize(line)
+            if s is not None:
+                out[cur].append(s)
+    return out
+
+
+def sass(tree: str, files: list[str], archs: list[str], out_dir: str) -> dict[str, list[str]]:
+    kernels: dict[str, list[str]] = {}
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    for f in files:
+        obj = os.path.join(out_dir, f.replace("/", "_") + ".o")
+        subprocess.run([NVCC, "-std=c++17", "-c", "-O3", "--expt-relaxed-constexpr", *gencode,
+                        "-Isrc", "-Iinclude", f, "-o", obj], cwd=tree, check=True,
+                       stderr=subprocess.DEVNULL)
+        dump = subprocess.run(["cuobjdump", "-sass", obj], capture_output=True, text=True,
+                              check=True).stdout
+        kernels.update(parse(dump))
+    return kernels
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("base", help="the commit to compare with (e.g. HEAD)")
+    ap.add_argument("files", nargs="+", help="CUDA translation units, relative to the root")
+    ap.add_argument("--archs", default="90a", help="comma list (default 90a)")
+    ap.add_argument("--show", default=None, help="print the diff of kernels whose name has this")
+    a = ap.parse_args(argv)
+    archs = [x.strip() for x in a.archs.split(",") if x.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        base_tree = os.path.join(tmp, "base")
+        os.makedirs(base_tree)
+        archive = subprocess.run(["git", "-C", ROOT, "archive", a.base], capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", base_tree], input=archive, check=True)
+        os.makedirs(os.path.join(tmp, "ob"))
+        os.makedirs(os.path.join(tmp, "on"))
+        old = sass(base_tree, a.files, archs, os.path.join(tmp, "ob"))
+        new = sass(ROOT, a.files, archs, os.path.join(tmp, "on"))
+    same = 0
+    changed = []
+    for k in sorted(set(old) | set(new)):
+        if k not in old or k not in new:
+            print(("only in base: " if k in old else "only in new:  ") + k)
+            changed.append(k)
+        elif old[k] == new[k]:
+            same += 1
+        else:
+            print(f"DIFF {k}: {len(old[k])} -> {len(new[k])} instructions")
+            changed.append(k)
+            if a.show and a.show in k:
+                sys.stdout.writelines(l + "\n" for l in difflib.unified_diff(
+                    old[k], new[k], "base", "new", n=1, lineterm=""))
+    print(f"{same} kernels identical, {len(changed)} different or unmatched")
+    return 1 if changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
