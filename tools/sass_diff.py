@@ -5,6 +5,7 @@ kernel's SASS per architecture.
 
     python tools/sass_diff.py HEAD src/bwd/backward_d128.cu          # against the last commit
     python tools/sass_diff.py 193f6f0 src/fp4/fp4.cu --archs 89,90a,120a --show attention_kernel
+    python tools/sass_diff.py main src/quant/prepass.cu --regs   # + ptxas -v registers, spills
 
 A refactor whose kernels come out identical needs no device A/B; one that does not is timed on the
 device (scripts/gpu-check's ab stage). Normalized before comparing: instruction addresses and
@@ -82,14 +83,40 @@ def parse(dump: str) -> dict[str, list[str]]:
     return out
 
 
-def sass(tree: str, files: list[str], archs: list[str], out_dir: str) -> dict[str, list[str]]:
+def ptxas_usage(log: str) -> dict[str, str]:
+    """Kernel -> "R registers, S/L bytes spilled (stores/loads)", from ptxas -v output."""
+    out: dict[str, str] = {}
+    cur = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)' for '(sm_\w+)'", line)
+        if m:
+            cur = kernel_key(m.group(2), m.group(1))
+            out[cur] = ""
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            out[cur] += f", {m.group(1)}/{m.group(2)} bytes spilled"
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            out[cur] = f"{m.group(1)} registers" + out[cur]
+    return out
+
+
+def sass(tree: str, files: list[str], archs: list[str], out_dir: str,
+         usage: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """Kernel -> normalized SASS; with `usage`, also fills it from ptxas -v (kernel -> usage)."""
     kernels: dict[str, list[str]] = {}
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     for f in files:
         obj = os.path.join(out_dir, f.replace("/", "_") + ".o")
-        subprocess.run([NVCC, "-std=c++17", "-c", "-O3", "--expt-relaxed-constexpr", *gencode,
-                        "-Isrc", "-Iinclude", f, "-o", obj], cwd=tree, check=True,
-                       stderr=subprocess.DEVNULL)
+        r = subprocess.run([NVCC, "-std=c++17", "-c", "-O3", "--expt-relaxed-constexpr", *gencode,
+                            "-Isrc", "-Iinclude", *(["-Xptxas", "-v"] if usage is not None else []),
+                            f, "-o", obj], cwd=tree, check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+        if usage is not None:
+            usage.update(ptxas_usage(r.stderr))
         dump = subprocess.run(["cuobjdump", "-sass", obj], capture_output=True, text=True,
                               check=True).stdout
         kernels.update(parse(dump))
@@ -102,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("files", nargs="+", help="CUDA translation units, relative to the root")
     ap.add_argument("--archs", default="90a", help="comma list (default 90a)")
     ap.add_argument("--show", default=None, help="print the diff of kernels whose name has this")
+    ap.add_argument("--regs", action="store_true",
+                    help="also compare ptxas -v registers and spills per kernel")
     a = ap.parse_args(argv)
     archs = [x.strip() for x in a.archs.split(",") if x.strip()]
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,8 +141,10 @@ def main(argv=None) -> int:
         subprocess.run(["tar", "-x", "-C", base_tree], input=archive, check=True)
         os.makedirs(os.path.join(tmp, "ob"))
         os.makedirs(os.path.join(tmp, "on"))
-        old = sass(base_tree, a.files, archs, os.path.join(tmp, "ob"))
-        new = sass(ROOT, a.files, archs, os.path.join(tmp, "on"))
+        use_old: dict[str, str] | None = {} if a.regs else None
+        use_new: dict[str, str] | None = {} if a.regs else None
+        old = sass(base_tree, a.files, archs, os.path.join(tmp, "ob"), use_old)
+        new = sass(ROOT, a.files, archs, os.path.join(tmp, "on"), use_new)
     same = 0
     changed = []
     for k in sorted(set(old) | set(new)):
@@ -128,6 +159,13 @@ def main(argv=None) -> int:
             if a.show and a.show in k:
                 sys.stdout.writelines(l + "\n" for l in difflib.unified_diff(
                     old[k], new[k], "base", "new", n=1, lineterm=""))
+    if a.regs:
+        moved = 0
+        for k in sorted(set(use_old) & set(use_new)):
+            if use_old[k] != use_new[k]:
+                moved += 1
+                print(f"REGS {k}: {use_old[k]} -> {use_new[k]}")
+        print(f"ptxas -v: {moved} kernels with other registers or spills")
     print(f"{same} kernels identical, {len(changed)} different or unmatched")
     return 1 if changed else 0
 

@@ -39,7 +39,9 @@
 //   launches; a CTA decodes its (b, h) once in its prologue (one division), none in a loop.
 // - Every kernel is PDL-launched (launch_pdl) and waits in its prologue (pdl_enter).
 // The kernels are in role files under quant/prepass/ (common, stage, stats, kv_block,
-// kv_cluster, kv_split, q_quant); this file includes them and holds the launcher.
+// kv_cluster, kv_split, q_quant), each __global__ a few lines in kernels.cuh taking one Params
+// (params.h); this file includes them and holds the launcher, which fills each kernel's Params
+// from the plan and launches what the plan names.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -53,37 +55,65 @@
 #include "ptx/cvt.cuh"
 #include "quant/elements.cuh"
 #include "quant/prepass.h"
-#include "quant/prepass/common.cuh"
-#include "quant/prepass/stage.cuh"
-#include "quant/prepass/stats.cuh"
-#include "quant/prepass/kv_block.cuh"
-#include "quant/prepass/kv_cluster.cuh"
-#include "quant/prepass/kv_split.cuh"
-#include "quant/prepass/q_quant.cuh"
+#include "quant/prepass/kernels.cuh"
+#include "quant/prepass/params.h"
 
 namespace sage::quant {
 namespace {
 
 using Plan = PrepassPlan;
 
-template <typename T, int D>
-cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int device,
-                       cudaStream_t st) {
-  const T* q = static_cast<const T*>(in.q);
-  const T* k = static_cast<const T*>(in.k);
-  const T* v = static_cast<const T*>(in.v);
-  const int64_t bk = p.batch * p.heads_kv, bq = p.batch * p.heads_q;
-  const int heads_q = int(p.heads_q), heads_kv = int(p.heads_kv);
+// The parts of the kernels' Params (params.h), from the plan, the caller's tensors and the
+// workspace (the offsets of layout.h); each launch below takes its kernel's parts.
+struct Parts {
+  KvInput kv_in;
+  KvHeads heads;
+  KMeanSampling sampling;
+  Smoothing smoothing;
+  ChunkStatsOut stats;
+  HeadFinalOut final_out;
+  HeadFinalIn final_in;
+  KvQuantOut kv_out;
+  QInput q_in;
+  QHeads q_heads;
+  QRows q_rows;
+  LseShiftIn lse_in;
+  QQuantOut q_out;
+};
+
+Parts parts_of(const Plan& p, const PrepassInputs& in, uint8_t* ws) {
+  auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
+  auto* kv_bad = reinterpret_cast<unsigned long long*>(ws + p.kv_bad);
   // The caller's channels (<= D, a multiple of 8): the kernels read these and write the rest of
   // D as zero channels (layout.h, PrepassPlan::channels).
   const int dim = int(p.channels);
-  // (blocks, batch·heads_kv over y and z: common/grid.h).
-  auto kv_grid = [&](int64_t blocks) { return outer_dims(blocks, bk); };
-  auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
-  KvStat* stats = reinterpret_cast<KvStat*>(ws + p.kv_stats);
-  unsigned* tile_counter = reinterpret_cast<unsigned*>(ws + p.tile_counter);
-  auto* kv_bad = reinterpret_cast<unsigned long long*>(ws + p.kv_bad);
+  Parts x{};
+  x.kv_in = {in.k, in.v, in.k_strides, in.v_strides, dim};
+  x.heads = {p.heads_kv, p.batch * p.heads_kv, p.kv_rows};
+  x.sampling = {p.k_mean_tokens};
+  x.smoothing = {p.smooth_k, p.smooth_v};
+  x.stats = {reinterpret_cast<KvStat*>(ws + p.kv_stats)};
+  x.final_out = {f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv),
+                 reinterpret_cast<unsigned*>(ws + p.tile_counter), kv_bad};
+  x.final_in = {f32(p.k_mean), f32(p.v_mean), f32(p.v_inv), kv_bad};
+  x.kv_out = {ws + p.k, f32(p.k_scale), ws + p.v};
+  x.q_in = {in.q, in.q_strides, dim};
+  x.q_heads = {int(p.heads_kv), int(p.heads_q / p.heads_kv), p.batch * p.heads_q};
+  x.q_rows = {p.q_rows, p.kv_rows, p.shift_rows};
+  x.lse_in = {in.scale, f32(p.k_mean), kv_bad, in.sight, in.bottom_right};
+  x.q_out = {ws + p.q, f32(p.q_scale), p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)};
+  return x;
+}
 
+// The plan's steps for head dim D, as it names them: K/V in one cluster launch (kv_cluster > 0)
+// or three, Q's quantization or none (quantize_q), the loads' width (vec_kv, vec_q), K's bits
+// and Q smoothing. Nothing here chooses.
+template <typename T, int D>
+cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int device,
+                       cudaStream_t st) {
+  const Parts x = parts_of(p, in, ws);
+  // (blocks, batch·heads_kv over y and z: common/grid.h).
+  auto kv_grid = [&](int64_t blocks) { return outer_dims(blocks, x.heads.bk); };
   cudaError_t err = cudaSuccess;
   auto check = [&](cudaError_t e) {
     if (err == cudaSuccess) err = e;
@@ -92,35 +122,36 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
   auto kv = [&](auto bits, auto vec) {
     constexpr int kBits = decltype(bits)::value;
     constexpr bool kVec = decltype(vec)::value;
-    if constexpr (Stage<D>::kRows == kStatTokens) {  // (the planner plans none at D = 256)
-      if (p.kv_cluster > 0) {
+    if (p.kv_cluster > 0) {
+      if constexpr (Stage<D>::kRows == kStatTokens) {
         constexpr auto kernel = kv_prepass_kernel<T, D, kBits, kVec>;
         check(set_max_dynamic_smem_once<kernel>(device, Stage<D>::kBytes));
-        LaunchShape shape{kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)};
+        LaunchShape shape{kv_grid(p.stat_chunks), dim3(kKvThreads), size_t(Stage<D>::kBytes)};
         shape.cluster = unsigned(p.kv_cluster);
-        check(launch_pdl(kernel, shape, st, k, v, in.k_strides, in.v_strides, dim, p.heads_kv, bk,
-                         p.kv_rows, p.k_mean_tokens, p.smooth_k, p.smooth_v, stats, f32(p.k_mean),
-                         f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter, kv_bad,
-                         ws + p.k, f32(p.k_scale), ws + p.v));
-        return;
+        check(launch_pdl(kernel, shape, st,
+                         KvPrepassParams{x.kv_in, x.heads, x.sampling, x.smoothing, x.stats,
+                                         x.final_out, x.kv_out}));
+      } else {
+        // A chunk is not staged whole at D = 256: the planner plans no cluster there
+        // (plan.cpp; tests/cpu/test_plan.cpp holds it).
+        check(cudaErrorInvalidConfiguration);
       }
+      return;
     }
     constexpr auto stats_kernel = kv_stats_kernel<T, D, kVec>;
     check(set_max_dynamic_smem_once<stats_kernel>(device, Stage<D>::kBytes));
-    check(launch_pdl(stats_kernel, {kv_grid(p.stat_chunks), dim3(256), size_t(Stage<D>::kBytes)},
-                     st, k, v, in.k_strides, in.v_strides, dim, p.heads_kv, bk, p.kv_rows,
-                     p.k_mean_tokens, stats));
+    check(launch_pdl(stats_kernel,
+                     {kv_grid(p.stat_chunks), dim3(kKvThreads), size_t(Stage<D>::kBytes)}, st,
+                     KvStatsParams{x.kv_in, x.heads, x.sampling, x.stats}));
     if (err != cudaSuccess) return;
-    // A thread per channel, at most 128 (the kernel's bound; D = 256 loops twice). One CTA per
+    // A thread per channel, at most kFinalizeThreads (D = 256 loops twice). One CTA per
     // (sequence, KV head) along x (up to 2^31 - 1: the backend refuses more).
-    check(launch_pdl(kv_finalize_kernel<D>, {dim3(unsigned(bk)), dim3(D < 128 ? D : 128)}, st,
-                     stats, p.kv_rows, p.heads_kv, p.k_mean_tokens, p.smooth_k, p.smooth_v,
-                     f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv), tile_counter,
-                     kv_bad));
+    constexpr int kFinalize = D < kFinalizeThreads ? D : kFinalizeThreads;
+    check(launch_pdl(kv_finalize_kernel<D>, {dim3(unsigned(x.heads.bk)), dim3(kFinalize)}, st,
+                     KvFinalizeParams{x.stats, x.heads, x.sampling, x.smoothing, x.final_out}));
     if (err != cudaSuccess) return;
-    check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(256)}, st, k, v,
-                     in.k_strides, in.v_strides, dim, p.heads_kv, bk, p.kv_rows, f32(p.k_mean),
-                     f32(p.v_mean), f32(p.v_inv), kv_bad, ws + p.k, f32(p.k_scale), ws + p.v));
+    check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(kKvThreads)},
+                     st, QuantKvParams{x.kv_in, x.heads, x.final_in, x.kv_out}));
   };
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
@@ -128,10 +159,8 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     if (err != cudaSuccess || !p.quantize_q) return;  // the sm90 kernel quantizes Q itself
     auto qk = p.smooth_q ? quant_q_kernel<T, D, kBits, decltype(vq)::value, true>
                          : quant_q_kernel<T, D, kBits, decltype(vq)::value, false>;
-    check(launch_pdl(qk, {outer_dims(p.q_blocks, bq), dim3(512)}, st, q, in.q_strides, dim,
-                     heads_kv, heads_q / heads_kv, bq, p.q_rows, p.kv_rows, p.shift_rows, in.scale,
-                     f32(p.k_mean), kv_bad, in.sight, in.bottom_right, ws + p.q, f32(p.q_scale),
-                     p.smooth_q ? f32(p.q_mean) : nullptr, f32(p.lse_shift)));
+    check(launch_pdl(qk, {outer_dims(p.q_blocks, x.q_heads.bq), dim3(kQThreads)}, st,
+                     QuantQParams{x.q_in, x.q_heads, x.q_rows, x.lse_in, x.q_out}));
   };
   auto with_vec = [&](auto bits) {
     // The loads' width, as planned (PrepassPlan::vec_kv, vec_q).
@@ -173,7 +202,7 @@ int max_kv_cluster(int device) {
     cudaGetLastError();
     return 0;
   }
-  LaunchShape shape{dim3(unsigned(kCluster)), dim3(256), size_t(Stage<128>::kBytes)};
+  LaunchShape shape{dim3(unsigned(kCluster)), dim3(kKvThreads), size_t(Stage<128>::kBytes)};
   shape.cluster = unsigned(kCluster);
   cudaLaunchAttribute attr[2];
   const cudaLaunchConfig_t cfg = launch_config(shape, nullptr, attr);

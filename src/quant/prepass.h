@@ -2,7 +2,8 @@
 // over a sample of the tokens, V channel mean and range over all), per-thread INT8/INT4 K with
 // smoothing, E4M3 Vᵀ with per-channel scales in the key order the P·V MMA wants, per-thread Q
 // with optional per-block smoothing (and its block means, from which the mma kernel forms ΔS),
-// and the LSE correction. Host interface; the kernels are in prepass.cu (sm_89+).
+// and the LSE correction. Host interface; the launcher is prepass.cu, the kernels (sm_89+) are
+// in prepass/, one Params each (prepass/params.h).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -46,3 +46,18 @@ def test_anonymous_namespace_hash():
     other = name.replace("ef10613d", "496dc092").replace("d255c85d", "0badcafe")
     assert sd.kernel_key("sm_90a", name) == sd.kernel_key("sm_90a", other)
     assert sd.kernel_key("sm_90a", name).endswith("quant_v_kernel<__half>")
+
+
+def test_ptxas_usage():
+    log = "\n".join([
+        f"ptxas info    : Compiling entry function '{K1}' for 'sm_90a'",
+        f"ptxas info    : Function properties for {K1}",
+        "    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads",
+        "ptxas info    : Used 95 registers, used 1 barriers, 14080 bytes smem, 464 bytes cmem[0]",
+        f"ptxas info    : Compiling entry function '{K1}' for 'sm_89'",
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+        "ptxas info    : Used 40 registers, 464 bytes cmem[0]",
+    ])
+    u = sd.ptxas_usage(log)
+    assert u == {"sm_90a sage::bwd::judge_kernel<64>": "95 registers, 8/4 bytes spilled",
+                 "sm_89 sage::bwd::judge_kernel<64>": "40 registers, 0/0 bytes spilled"}

@@ -1,5 +1,5 @@
-// What every pre-pass kernel shares: the PDL prologue, the chunk statistic record and where it
-// lives in the workspace, the caller's row addressing, and the raw 16-bit element loads.
+// What every pre-pass kernel shares: the PDL prologue, where the chunk statistics (KvStat,
+// params.h) live in the workspace, the caller's row addressing, and the raw 16-bit element loads.
 // (Included only by quant/prepass.cu, the pre-pass's one translation unit: the code sits in
 // that file's anonymous namespace, so the kernels stay internal to it.)
 #pragma once
@@ -12,6 +12,7 @@
 #include "ptx/async.cuh"
 #include "quant/layout.h"
 #include "quant/prepass.h"
+#include "quant/prepass/params.h"
 
 namespace sage::quant {
 namespace {
@@ -28,12 +29,6 @@ __device__ __forceinline__ void pdl_enter() {
   ptx::grid_dependency_wait();
   ptx::launch_dependents();
 }
-
-struct KvStat {
-  double sum_k, sum_v;
-  float max_v, min_v;
-};
-static_assert(sizeof(KvStat) == kKvStatBytes, "the plan reserves 24 bytes per statistic");
 
 // The byte offset of (b, h)'s Vᵀ in the workspace's Vᵀ region: channel c's keys start c·pitch
 // bytes later (quant/layout.h, SeqRows).

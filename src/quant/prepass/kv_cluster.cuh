@@ -7,6 +7,7 @@
 #include "common/grid.h"
 #include "ptx/barrier.cuh"
 #include "quant/prepass/kv_block.cuh"
+#include "quant/prepass/params.h"
 #include "quant/prepass/stage.cuh"
 #include "quant/prepass/stats.cuh"
 
@@ -18,40 +19,39 @@ namespace {
 // stages its chunk's K and V rows (every byte read from memory once), writes the chunk's
 // statistics, meets the rest of its cluster at the cluster barrier, reduces the head's statistics
 // itself (the kv_finalize step: k_mean, v_mean, V's scale; the cluster's first CTA also stores
-// them for the attention kernel and quant_q), and quantizes its staged rows.
+// them for the attention kernel and quant_q), and quantizes its staged rows. (Its __global__,
+// kernels.cuh, only enters the PDL chain and calls it.)
+// `stage`: Stage<D>::kBytes of dynamic shared memory.
 template <typename T, int D, int kBits, bool kVec>
-__global__ void __launch_bounds__(256, D <= 64 ? 3 : 2)
-    kv_prepass_kernel(const T* k, const T* v, sage_strides ks, sage_strides vs, int dim,
-                      int64_t heads_kv, int64_t bk, SeqRows kv_rows, int32_t k_mean_tokens,
-                      bool smooth_k, bool smooth_v, KvStat* stats, float* k_mean, float* v_mean,
-                      float* v_scale, float* v_inv, unsigned* tile_counter,
-                      unsigned long long* kv_bad, uint8_t* kq, float* k_scale, uint8_t* vq) {
+__device__ __forceinline__ void kv_prepass(const KvPrepassParams& p, uint8_t* stage) {
   static_assert(Stage<D>::kRows == kStatTokens, "a whole chunk staged (D <= 128)");
-  pdl_enter();
-  extern __shared__ __align__(16) uint8_t stage[];
   __shared__ double red[kStatRed];
   __shared__ float group_max[2][8][4];
   __shared__ __align__(16) float km[D];
   __shared__ __align__(16) float vm[D];
   __shared__ __align__(16) float vi[D];
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  const SeqRows& kv_rows = p.kv_rows;
+  unsigned long long* kv_bad = p.kv_bad;
   // (A cluster shares its outer index: one past bk returns whole, before either barrier.)
   const int64_t bh = cta_outer_index();
-  if (bh >= bk) return;
-  const BatchHead bhd = batch_head(bh, heads_kv);
+  if (bh >= p.bk) return;
+  const BatchHead bhd = batch_head(bh, p.heads_kv);
   const int b = int(bhd.b), h = int(bhd.h);
   // The sequence's keys (a packed batch's sequence b; the grid covers the longest, and a CTA past
   // this one's end has no rows but still meets its cluster at both barriers).
   const SeqSpan sp = kv_rows.span(b);
   const int64_t seq_kv = sp.len, chunks = (seq_kv + kStatTokens - 1) / kStatTokens;
   const int64_t k_blocks = (seq_kv + kBlockK - 1) / kBlockK;
-  const uint32_t k_stride = uint32_t(k_mean_stride_of(seq_kv, k_mean_tokens));
+  const uint32_t k_stride = uint32_t(k_mean_stride_of(seq_kv, p.k_mean_tokens));
   const int64_t k_samples = (seq_kv + k_stride - 1) / k_stride;
   const int64_t chunk = blockIdx.x, n0 = chunk * kStatTokens;
   const int rows = int(max(int64_t(0), min(int64_t(kStatTokens), seq_kv - n0)));
-  stage_rows<T, D, kVec>(k, v, ks, vs, dim, b, h, sp.tok0, n0, rows, k_stride, true, stage);
+  stage_rows<T, D, kVec>(k, v, p.ks, p.vs, p.dim, b, h, sp.tok0, n0, rows, k_stride, true, stage);
   ChunkStats<T, D> st;
   st.accumulate(stage, rows, n0, k_stride);
-  const StatView hs = stat_view(stats, kv_rows, b, h, sp, D);
+  const StatView hs = stat_view(p.stats, kv_rows, b, h, sp, D);
   if (chunk < chunks) st.write(red, hs, chunk);  // (CTA-uniform)
   if (chunk == 0 && threadIdx.x == 0) kv_bad[bh] = kKvBadNone;  // lowered after the barrier
   __threadfence();
@@ -59,16 +59,17 @@ __global__ void __launch_bounds__(256, D <= 64 ? 3 : 2)
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
     const ChannelFinal f =
-        finalize_channel(hs, chunks, c, seq_kv, k_samples, smooth_k, smooth_v);
+        finalize_channel(hs, chunks, c, seq_kv, k_samples, p.smooth_k, p.smooth_v);
     km[c] = f.k_mean, vm[c] = f.v_mean, vi[c] = f.v_inv;
     if (chunk == 0) {
       const int64_t at = int64_t(bh) * D + c;
-      k_mean[at] = f.k_mean, v_mean[at] = f.v_mean, v_scale[at] = f.v_scale, v_inv[at] = f.v_inv;
+      p.k_mean[at] = f.k_mean, p.v_mean[at] = f.v_mean;
+      p.v_scale[at] = f.v_scale, p.v_inv[at] = f.v_inv;
     }
   }
   // The attention kernel's tile counters start at zero (it leaves them so; this covers a fresh
   // workspace).
-  if (bh == 0 && chunk == 0 && threadIdx.x < 2) tile_counter[threadIdx.x] = 0u;
+  if (bh == 0 && chunk == 0 && threadIdx.x < 2) p.tile_counter[threadIdx.x] = 0u;
   __syncthreads();
   // The statistics live in the head's Vᵀ rows, which the quantization below overwrites: every
   // CTA of the cluster has read them first.
@@ -81,8 +82,8 @@ __global__ void __launch_bounds__(256, D <= 64 ? 3 : 2)
     KvBlock<D> x = load_block_staged<D>(stage, i * kBlockK, kb * kBlockK, seq_kv);
     x.template zero_special_keys<T>(kb * kBlockK, kv_bad + bh);
     quant_kv_block<T, D, kBits>(x, kb, krow0, vcol0, kv_rows.pitch, km, vm, vi, group_max[i % 2],
-                                seq_kv, kq, k_scale, vq);
-    zero_v_tail<D>(kv_rows, kb, k_blocks, vcol0, vq);
+                                seq_kv, p.kq, p.k_scale, p.vq);
+    zero_v_tail<D>(kv_rows, kb, k_blocks, vcol0, p.vq);
   }
 }
 

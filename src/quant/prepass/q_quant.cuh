@@ -7,6 +7,7 @@
 #include "common/grid.h"
 #include "quant/elements.cuh"
 #include "quant/prepass/common.cuh"
+#include "quant/prepass/params.h"
 
 namespace sage::quant {
 namespace {
@@ -22,23 +23,21 @@ namespace {
 // quantize_bits' clamp and NaN test where neither can act: every |x - mean| of the group is at
 // most its finite amax, so with a finite inv |y| <= qmax·(1+2^-24)^2 rounds into [-qmax, qmax],
 // and no operand is NaN.
-// (At D = 256, one CTA an SM: 128 registers for the row's 32 words.)
+// (Its __global__, kernels.cuh, only enters the PDL chain and calls it.)
 template <typename T, int D, int kBits, bool kVec, bool kSmooth>
-__global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
-    quant_q_kernel(const T* q, sage_strides qs, int dim, int heads_kv, int group_ratio, int64_t bq,
-                   SeqRows q_rows, SeqRows kv_rows, SeqRows shift_rows, float scale,
-                   const float* k_mean, const unsigned long long* kv_bad, RowSight sight,
-                   bool bottom_right, uint8_t* qq, float* q_scale, float* q_mean,
-                   float* lse_shift) {
-  pdl_enter();
+__device__ __forceinline__ void quant_q(const QuantQParams& p) {
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   constexpr int kChunks = D / 32;
   __shared__ float mean[kSmooth ? D : 1];
   __shared__ __align__(16) double km_d[D];
   __shared__ float row_max[kBlockQ];
+  const T* q = static_cast<const T*>(p.q);
+  const sage_strides& qs = p.qs;
+  const SeqRows& q_rows = p.q_rows;
+  const int dim = p.dim, group_ratio = p.group_ratio;
   const int64_t bh = cta_outer_index();
-  if (bh >= bq) return;
-  const BatchHead bhd = batch_head(bh, int64_t(heads_kv) * group_ratio);
+  if (bh >= p.bq) return;
+  const BatchHead bhd = batch_head(bh, int64_t(p.heads_kv) * group_ratio);
   const int b = int(bhd.b), h = int(bhd.h);
   const int64_t qb = blockIdx.x;
   const int64_t r0 = qb * kBlockQ;
@@ -47,14 +46,15 @@ __global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
   const SeqSpan sq = q_rows.span(b);
   const int64_t seq_q = sq.len;
   if (r0 >= seq_q) return;
+  RowSight sight = p.sight;
   if (q_rows.packed()) {
-    const int64_t nk = kv_rows.span(b).len;
+    const int64_t nk = p.kv_rows.span(b).len;
     sight.seq_kv = nk;
-    sight.causal_offset = bottom_right ? nk - seq_q : 0;
+    sight.causal_offset = p.bottom_right ? nk - seq_q : 0;
   }
-  const int64_t qrow0 = q_rows.row0(b, h, sq), srow0 = shift_rows.row0(b, h, sq);
-  const int64_t bhk = int64_t(b) * heads_kv + h / group_ratio;
-  const float* km = k_mean + bhk * D;
+  const int64_t qrow0 = q_rows.row0(b, h, sq), srow0 = p.shift_rows.row0(b, h, sq);
+  const int64_t bhk = int64_t(b) * p.heads_kv + h / group_ratio;
+  const float* km = p.k_mean + bhk * D;
   const int r = threadIdx.x / 4, part = threadIdx.x % 4;
   const int64_t row = r0 + r;
   const bool valid = row < seq_q;
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
         s += isfinite(x) ? double(x) : 0.0;
       }
       const float m = float(s / double(r1 - r0));
-      q_mean[(qrow0 / kBlockQ + qb) * D + c] = m;
+      p.q_mean[(qrow0 / kBlockQ + qb) * D + c] = m;
       mean[c] = m;
     }
   }
@@ -125,18 +125,18 @@ __global__ void __launch_bounds__(512, D <= 128 ? 2 : 1)
   if (part == 0) {
     row_max[r] = amax;
     if (valid)
-      lse_shift[srow0 + row] =
-          sight.poisoned(row, row_bad != 0, kv_bad[bhk]) ? __int_as_float(0x7FC00000)
-                                                         : float(double(scale) * shift);
+      p.lse_shift[srow0 + row] =
+          sight.poisoned(row, row_bad != 0, p.kv_bad[bhk]) ? __int_as_float(0x7FC00000)
+                                                           : float(double(p.scale) * shift);
   }
   __syncthreads();
   amax = fmaxf(row_max[r], row_max[r ^ 8]);  // the group: rows {g, g+8} of a 16-row slice
   const QuantScale s = make_quant_scale(amax, qmax);
   if (part == 0 && r % 16 < 8)
-    q_scale[(qrow0 / kBlockQ + qb) * kQGroups + (r / 16) * 8 + r % 8] = s.scale;
+    p.q_scale[(qrow0 / kBlockQ + qb) * kQGroups + (r / 16) * 8 + r % 8] = s.scale;
   const bool fast = finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
-  quantize_store_row_part<T, D, kBits>(qq + (qrow0 + row) * (D * kBits / 8), raw,
+  quantize_store_row_part<T, D, kBits>(p.qq + (qrow0 + row) * (D * kBits / 8), raw,
                                        centered, part, s.inv, qmax, fast, keep);
 }
 
