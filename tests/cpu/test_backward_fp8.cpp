@@ -140,7 +140,7 @@ TEST(BackwardFp8, NonFiniteStaysVisibleAndBadFlagsAreRefused) {
 // What the e4m3 products cost on each training class beside the per-token INT8 ones (printed for
 // docs/backward.md). Asserted: the check, which reads the scores alone, refuses the same calls;
 // on the accepted ones each e4m3 product is less accurate than its INT8 form (3-bit mantissas),
-// and dV alone in e4m3 keeps every gradient above the 0.999 bar (e4m3 dK and dQ do not).
+// and dV in e4m3 stays above the 0.999 bar (e4m3 dK and dQ do not).
 TEST(BackwardFp8, TrainingClassesBesideInt8) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -192,7 +192,11 @@ TEST(BackwardFp8, TrainingClassesBesideInt8) {
             EXPECT_LT(f8_cos[g], i8_cos[g]) << "gradient " << g;
           else  // (P = e·μ rounds otherwise than 2^(x - L'): the last bits move)
             EXPECT_NEAR(f8_cos[g], i8_cos[g], 1e-5) << "gradient " << g;
-          if (set.fp8 == SAGE_BWD_INT8_PDO) EXPECT_GT(f8_cos[g], 0.999) << "gradient " << g;
+          // dV alone in e4m3 keeps dV above the bar; dQ and dK are then INT8's own (equal
+          // above), whose draws at N = 256 can fall under 0.999 on an accepted call (the check's
+          // margin, docs/backward.md), so they are not held to it here.
+          if (set.fp8 == SAGE_BWD_INT8_PDO && changed[g])
+            EXPECT_GT(f8_cos[g], 0.999) << "gradient " << g;
         }
       }
     }
