@@ -36,19 +36,20 @@ SHAPES = (("vit-l 224", 1, 16, 257, 64), ("vit-l 224", 8, 16, 257, 64),
 class Stand:
     """What the stand-ins saw (plans made, the library's runs and the argument struct of the
     last, torch SDPA calls), and what the plan stand-in answers: prefer_sdpa,
-    prefer_sdpa_training, has_backward, workspace, each a value or a function of the library's
-    argument struct (an answer that depends on the call)."""
+    prefer_sdpa_training, has_backward, workspace, sdpa_below, each a value or a function of the
+    library's argument struct (an answer that depends on the call)."""
 
-    def __init__(self, prefer_sdpa, prefer_sdpa_training, has_backward, workspace):
+    def __init__(self, prefer_sdpa, prefer_sdpa_training, has_backward, workspace, sdpa_below=0):
         self.prefer_sdpa, self.prefer_sdpa_training = prefer_sdpa, prefer_sdpa_training
         self.has_backward, self.workspace = has_backward, workspace
+        self.sdpa_below = sdpa_below
         self.plans = self.runs = self.sdpa = 0
         self.last_run = None
 
 
 @contextlib.contextmanager
 def cuda_stand_in(prefer_sdpa=False, prefer_sdpa_training=True, has_backward=True,
-                  workspace=256):
+                  workspace=256, sdpa_below=0):
     """CPU tensors pass for CUDA tensors in sage_attn's torch front end for the length of the
     block: torch.Tensor.is_cuda reads True, the CUDA device and stream calls return stand-ins,
     the library's plan answers what the arguments say (Stand), its run records its arguments
@@ -58,7 +59,7 @@ def cuda_stand_in(prefer_sdpa=False, prefer_sdpa_training=True, has_backward=Tru
     import torch
     from sage_attn import _lib, _torch as T
 
-    stand = Stand(prefer_sdpa, prefer_sdpa_training, has_backward, workspace)
+    stand = Stand(prefer_sdpa, prefer_sdpa_training, has_backward, workspace, sdpa_below)
 
     def plan(args):
         stand.plans += 1
@@ -66,7 +67,8 @@ def cuda_stand_in(prefer_sdpa=False, prefer_sdpa_training=True, has_backward=Tru
         for field, answer in (("workspace_size", stand.workspace),
                               ("prefer_sdpa", stand.prefer_sdpa),
                               ("prefer_sdpa_training", stand.prefer_sdpa_training),
-                              ("has_backward", stand.has_backward)):
+                              ("has_backward", stand.has_backward),
+                              ("sdpa_below", stand.sdpa_below)):
             setattr(info, field, answer(args) if callable(answer) else answer)
         return info
 
@@ -81,7 +83,7 @@ def cuda_stand_in(prefer_sdpa=False, prefer_sdpa_training=True, has_backward=Tru
 
     saved = [(torch.cuda, "current_device"), (torch.cuda, "device"), (T, "_current_stream"),
              (T, "_torch_sdpa"), (_lib, "plan"), (_lib, "run"), (T, "_prepared"),
-             (T, "_routes")]
+             (T, "_routes"), (T, "_sdpa_below")]
     saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
     torch.cuda.current_device = lambda: None  # (a CPU tensor's device index)
     torch.cuda.device = lambda device: contextlib.nullcontext()
@@ -89,7 +91,7 @@ def cuda_stand_in(prefer_sdpa=False, prefer_sdpa_training=True, has_backward=Tru
     T._torch_sdpa = sdpa
     _lib.plan, _lib.run = plan, run
     # (Plans and routes decided outside the block are the real library's, and vice versa.)
-    T._prepared, T._routes = {}, {}
+    T._prepared, T._routes, T._sdpa_below = {}, {}, {}
     torch.Tensor.is_cuda = property(lambda self: True)
     try:
         yield stand
@@ -130,23 +132,27 @@ def main(argv=None):
     print(f"torch {torch.__version__}, sage {sage_attn.version()}; the drop-in's Python on CPU "
           "stand-ins, microseconds per call (median of batches)")
     print(f"{'call':13s} {'B':>2s} {'H':>3s} {'N':>5s} {'D':>4s} | {'trivial':>7s} | "
-          f"{'to torch':>8s} {'own':>6s} | {'to sage':>7s} {'own':>6s}")
+          f"{'to torch':>8s} {'own':>6s} | {'short':>7s} {'own':>6s} | {'to sage':>7s} "
+          f"{'own':>6s}")
     for name, b, h, n, d in SHAPES:
         q, k, v = (torch.randn((b, h, n, d), dtype=torch.float16) for _ in range(3))
         row = {}
-        for route, prefer in (("torch", True), ("sage", False)):
-            with cuda_stand_in(prefer_sdpa=prefer) as stand:
+        # (short: torch's, the call under the GPU's least routed length, sdpa_below)
+        for route, prefer, below in (("torch", True, 0), ("short", True, n + 1),
+                                     ("sage", False, 0)):
+            with cuda_stand_in(prefer_sdpa=prefer, sdpa_below=below) as stand:
                 dropin = sage_attn.scaled_dot_product_attention
                 sdpa = T._torch_sdpa
                 row["trivial"] = per_call_us(lambda: sdpa(q, k, v, is_causal=False, scale=None,
                                                           enable_gqa=False),
                                              args.calls, args.repeats)
                 row[route] = per_call_us(lambda: dropin(q, k, v), args.calls, args.repeats)
-                ran = stand.sdpa if route == "torch" else stand.runs
+                ran = stand.runs if route == "sage" else stand.sdpa
                 if ran == 0:  # the stand-in's answer did not take the route it names
                     raise SystemExit(f"{name}: the drop-in did not route to {route}")
         print(f"{name:13s} {b:2d} {h:3d} {n:5d} {d:4d} | {row['trivial']:7.2f} | "
               f"{row['torch']:8.2f} {row['torch'] - row['trivial']:6.2f} | "
+              f"{row['short']:7.2f} {row['short'] - row['trivial']:6.2f} | "
               f"{row['sage']:7.2f} {row['sage'] - row['trivial']:6.2f}", flush=True)
     return 0
 

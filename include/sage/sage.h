@@ -289,6 +289,11 @@ typedef struct sage_plan_info {
   int32_t prefer_sdpa_training; /* 1: for a training call (this forward and SageBwd's backward)
                                    SDPA measured faster, or was never measured slower (the same
                                    table): the SDPA drop-in trains such calls with torch */
+  int64_t sdpa_below;      /* CUDA: on this GPU every call with a query or key length under this
+                              has prefer_sdpa set, whatever its batch, heads, head dim and mask
+                              (the crossover model's least routed length; 0: none by length
+                              alone), so a router can hand such calls to SDPA unplanned; the CPU
+                              backend: 0 */
 } sage_plan_info;
 
 /* ---- The backward pass: SageBwd (SageAttention3 paper, Algorithm 3) -----------------------------

@@ -197,6 +197,7 @@ class PlanInfo(ctypes.Structure):
         ("kernel_head_dim", ctypes.c_int64),
         ("has_backward", ctypes.c_int32),
         ("prefer_sdpa_training", ctypes.c_int32),
+        ("sdpa_below", ctypes.c_int64),
     ]
 
 

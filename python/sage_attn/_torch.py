@@ -38,6 +38,7 @@ if getattr(_torch_sdpa, "__module__", "").startswith("sage_attn"):
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 _UINT8 = torch.uint8
+_Tensor = torch.Tensor
 _AttentionArgs = _lib.AttentionArgs
 _DTYPE_CODES = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16,
                 torch.float32: _lib.DTYPE_FP32}
@@ -102,7 +103,7 @@ class _Prepared:
     workspace size, whether the library's crossover model prefers torch's SDPA, and whether the
     library has the call's backward."""
     __slots__ = ("args", "workspace", "workspace_alloc", "prefer_sdpa", "prefer_sdpa_training",
-                 "has_backward")
+                 "has_backward", "sdpa_below")
 
     def __init__(self, args, info):
         args.workspace_size = info.workspace_size
@@ -112,6 +113,7 @@ class _Prepared:
         self.prefer_sdpa = bool(info.prefer_sdpa)
         self.prefer_sdpa_training = bool(info.prefer_sdpa_training)
         self.has_backward = bool(info.has_backward)
+        self.sdpa_below = int(info.sdpa_below)
 
 
 class _Unsupported:
@@ -875,6 +877,7 @@ def _dropin_plan(q, k, v, mask, scale, training=False):
         prep = _plan_of(q, k, v, _lib.LAYOUT_HND, mask, scale)
     except _lib.SageUnsupportedError as e:
         return f"no kernel for this call ({e})", None
+    _sdpa_below[q.device] = prep.sdpa_below
     if training and not prep.has_backward:
         return f"no backward kernel for head_dim {q.shape[-1]} (training)", None
     faster = prep.prefer_sdpa_training if training else prep.prefer_sdpa
@@ -925,6 +928,11 @@ def _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, en
 # Decided drop-in calls by signature (_dropin_route_of), so that a repeated call pays one tuple
 # of attribute reads and one lookup for its checks, its route and its plan.
 _routes: dict = {}
+# Per CUDA device, from its first plan: the length under which the library's crossover model
+# hands every call on that GPU to torch (sage_plan_info.sdpa_below; 0: none by length). A short
+# call (ViT, DiT, a low UNet level) then goes to torch's SDPA on three reads of the query, not the
+# whole signature; the calls it skips would all have routed there silently.
+_sdpa_below: dict = {}
 
 
 def _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -998,6 +1006,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
         o, _ = _call(_dropin_call(q, k, v, _lib.LAYOUT_HND, mask, s, _FALLBACK_SDPA))
         return o
+    # (A plain 16-bit query without a mask or dropout, shorter than the device's least routed
+    # length: torch's SDPA, where the full decision routes every such call. Of that decision's
+    # one-time warnings for arguments the library does not take, such a call skips those about
+    # the key and value, and the dimensions.)
+    if (attn_mask is None and not dropout_p and _use_crossover and type(query) is _Tensor
+            and query.shape[-2] < _sdpa_below.get(query.device, 0)
+            and query.dtype in _GPU_DTYPES):
+        return _torch_sdpa(query, key, value, None, dropout_p, is_causal, scale=scale,
+                           enable_gqa=enable_gqa)
     route = _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale,
                              enable_gqa)
     if route.reason is not None:

@@ -12,6 +12,23 @@
 namespace sage::api {
 namespace {
 
+// The crossover model's rows (one per GPU, kernel head dim and mask), fitted to measurements by
+// tools/crossover.py; prefer_sdpa and sdpa_below read them.
+struct Model {
+  int cc, sms, bus;
+  int64_t head_dim;
+  bool causal;
+  // ms per: call, K/V element·D, Q element·D, tera-MAC·D, critical-path G·D, tera-MAC·D at
+  // lengths that are not multiples of 128
+  double sage[6];
+  double cudnn[5];  // the same but K/V
+  double margin;
+  int64_t min_seq;
+};
+constexpr Model kModels[] = {
+#include "api/crossover_model.inc"
+};
+
 // The sm90 kernel's tile: three consumer warpgroups at D = 64 with fused Q (their 192-row tiles
 // have no pre-pass Q layout): a third warp per scheduler hides more of the softmax's latency.
 // Not for causal calls with fewer than 2048 query rows, where two consumers measured faster
@@ -73,20 +90,6 @@ bool prefer_sdpa(const Device& dev, int64_t head_dim, sage_mask mask, int64_t se
   // time, raised by the row's margin (the least that routes no measured point where sage was
   // more than 2 % slower), still beats cuDNN's, and both lengths reach the least length routed
   // there (shorter ones were never measured: cross-attention to a few text tokens, decoding).
-  struct Model {
-    int cc, sms, bus;
-    int64_t head_dim;
-    bool causal;
-    // ms per: call, K/V element·D, Q element·D, tera-MAC·D, critical-path G·D, tera-MAC·D at
-    // lengths that are not multiples of 128
-    double sage[6];
-    double cudnn[5];  // the same but K/V
-    double margin;
-    int64_t min_seq;
-  };
-  static constexpr Model kModels[] = {
-#include "api/crossover_model.inc"
-  };
   const bool causal = mask != SAGE_MASK_NONE;
   // This GPU's rows; a GPU of a measured architecture that no sweep ran on (another SM count or
   // memory) takes the narrowest-memory GPU's rows, where sage's memory-bound pre-pass weighs the
@@ -123,6 +126,25 @@ bool prefer_sdpa(const Device& dev, int64_t head_dim, sage_mask mask, int64_t se
   const double t_cudnn = m->cudnn[0] + m->cudnn[1] * q_elems + m->cudnn[2] * work +
                          m->cudnn[3] * tail(128) + m->cudnn[4] * ragged;
   return !(t_cudnn > t_sage * (1.0 + m->margin));
+}
+
+int64_t sdpa_below(const Device& dev) {
+  // prefer_sdpa takes one row of this GPU's architecture per (kernel head dim, mask) and sends
+  // lengths under its least length to torch; the least over every row of the architecture is
+  // then a bound for any call. A (head dim, mask) with no row is never sent to torch by length.
+  int64_t least = -1;
+  for (const int64_t hd : {64, 128, 256})
+    for (const bool causal : {false, true}) {
+      int64_t row_least = 0;
+      bool found = false;
+      for (const Model& r : kModels)
+        if (r.cc == dev.cc && r.head_dim == hd && r.causal == causal) {
+          row_least = found ? std::min(row_least, r.min_seq) : r.min_seq;
+          found = true;
+        }
+      least = least < 0 ? row_least : std::min(least, row_least);
+    }
+  return std::max<int64_t>(least, 0);
 }
 
 sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Device& dev,
@@ -329,6 +351,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       !r.packed() && prefer_sdpa(dev, Dk, p.mask, p.seq_q, p.seq_kv, false, shape);
   plan.prefer_sdpa_training =
       !r.packed() && prefer_sdpa(dev, Dk, p.mask, p.seq_q, p.seq_kv, true, shape);
+  plan.sdpa_below = sdpa_below(dev);
   *out = plan;
   return SAGE_OK;
 }
@@ -391,6 +414,7 @@ void describe(const Plan& plan, sage_plan_info* info) {
   info->launches = plan.launches;
   info->prefer_sdpa = plan.prefer_sdpa;
   info->prefer_sdpa_training = plan.prefer_sdpa_training;
+  info->sdpa_below = plan.sdpa_below;
   info->workspace_size = plan.prepass.total;
   info->emulation = plan.emulation;
   info->kernel_head_dim = plan.prepass.head_dim;

@@ -37,6 +37,7 @@ struct Plan {
   bool two_level = false;  // mma: P·V in a fresh accumulator per key block, added into fp32
   bool prefer_sdpa = false;
   bool prefer_sdpa_training = false;
+  int64_t sdpa_below = 0;     // sdpa_below(dev): any call with a length under it prefers SDPA
   bool has_backward = false;  // the GPU backward takes this call's head dim
   int launches = 0;        // kernels launched per call
   sage_quant_config emulation{};
@@ -62,6 +63,11 @@ struct CallShape {
 // false for the forward, true for training (see plan.cpp).
 bool prefer_sdpa(const Device& dev, int64_t head_dim, sage_mask mask, int64_t seq_q,
                  int64_t seq_kv, bool training = false, CallShape shape = {});
+
+// The least length from which prefer_sdpa can route a forward call on this GPU to the library:
+// every call whose query or key length is under it prefers SDPA, whatever its batch, heads, head
+// dim and mask (0: none does by length alone; unmeasured architectures).
+int64_t sdpa_below(const Device& dev);
 
 // A CUDA backward call's plan: the main kernel's family (the stats pass, pre-pass, dQ store and
 // verdict are the same for both), the workspace layout, and the launches.

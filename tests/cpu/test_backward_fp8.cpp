@@ -195,8 +195,9 @@ TEST(BackwardFp8, TrainingClassesBesideInt8) {
           // dV alone in e4m3 keeps dV above the bar; dQ and dK are then INT8's own (equal
           // above), whose draws at N = 256 can fall under 0.999 on an accepted call (the check's
           // margin, docs/backward.md), so they are not held to it here.
-          if (set.fp8 == SAGE_BWD_INT8_PDO && changed[g])
+          if (set.fp8 == SAGE_BWD_INT8_PDO && changed[g]) {
             EXPECT_GT(f8_cos[g], 0.999) << "gradient " << g;
+          }
         }
       }
     }

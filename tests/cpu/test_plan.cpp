@@ -602,6 +602,39 @@ TEST(Planner, CrossoverModelBounds) {
     EXPECT_TRUE(sage::api::prefer_sdpa(dev, 64, SAGE_MASK_CAUSAL_TOP_LEFT, 16384, 16384, true));
 }
 
+// sdpa_below: a router may hand a call shorter than it to SDPA without planning it, so every
+// such call must be one the model sends there, on every head dim, mask and shape; and the bound is
+// no stand-in (calls at and above it do go to sage). Unmeasured GPUs never prefer SDPA by length.
+TEST(Planner, SdpaBelowBoundsEveryCallTheModelHandsToSdpaByLength) {
+  const Device h200{0, 90, 132, 8, 6144};
+  for (const Device& dev : {kH100, h200}) {
+    const int64_t below = sage::api::sdpa_below(dev);
+    ASSERT_GT(below, 1);
+    EXPECT_EQ(must_plan(Call(1000, 1000, 128), dev).sdpa_below, below);
+    bool some_sage = false;
+    for (const int64_t hd : {64, 128, 256})
+      for (const sage_mask mask :
+           {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_MASK_CAUSAL_BOTTOM_RIGHT})
+        for (const int64_t bh : {1, 8, 64, 1024})
+          for (const int64_t hkv : {int64_t(1), bh}) {
+            const sage::api::CallShape shape{1, bh, hkv, 128};
+            for (const int64_t shorter : {int64_t(1), int64_t(77), below / 2, below - 1})
+              for (const int64_t other : {int64_t(128), below, int64_t(131072)}) {
+                EXPECT_TRUE(sage::api::prefer_sdpa(dev, hd, mask, shorter, other, false, shape))
+                    << hd << " " << mask << " " << bh << " " << shorter << " " << other;
+                EXPECT_TRUE(sage::api::prefer_sdpa(dev, hd, mask, other, shorter, false, shape));
+              }
+            for (const int64_t n : {below, 2 * below, int64_t(65536)})
+              some_sage |= !sage::api::prefer_sdpa(dev, hd, mask, n, n, false, shape);
+          }
+    EXPECT_TRUE(some_sage);
+  }
+  for (const Device& dev : {kAda, kBlackwell}) {
+    EXPECT_EQ(sage::api::sdpa_below(dev), 0);
+    EXPECT_EQ(must_plan(Call(1000, 1000, 128), dev).sdpa_below, 0);
+  }
+}
+
 TEST(Planner, RefusesWhatNoKernelTakesNamingTheArgument) {
   Plan p;
   auto refused = [&](const Call& c, const Device& dev, const char* word) {

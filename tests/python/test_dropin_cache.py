@@ -400,3 +400,41 @@ def test_direct_launch_without_a_kernel_runs_sdpa(monkeypatch):
                 assert torch.equal(o, q)  # (the stand-in SDPA answers its query)
         assert len(w) == 1 and "refused" in str(w[0].message)
         assert stand.runs == 2 and stand.sdpa == 2
+
+
+def test_calls_under_the_least_routed_length_go_to_torch_unplanned(crossover_on):
+    """Once a plan on the device has said its least routed length (sdpa_below), a plain 16-bit
+    call with a shorter query goes to torch's SDPA without the signature; every other call
+    (longer, a mask, dropout, fp32, the crossover off, a subclass) still takes the full decision,
+    which also runs first on a device with no plan yet."""
+    with host.cuda_stand_in(prefer_sdpa=lambda a: a.seq_q < 64, sdpa_below=64) as stand:
+        short, longer = qkv((1, 4, 32, 64)), qkv((1, 4, 96, 64))
+        dropin = sage_attn.scaled_dot_product_attention
+        dropin(*short)  # no plan on the device yet: the full decision (torch), which plans
+        assert stand.sdpa == 1 and stand.plans == 1 and len(T._routes) == 1
+        T._routes.clear()
+        for _ in range(3):
+            dropin(*short)
+        assert stand.sdpa == 4 and stand.plans == 1 and not T._routes  # unplanned, no lookup
+        dropin(*longer)  # at or above it: the full decision (sage here)
+        assert stand.runs == 1 and len(T._routes) == 1
+        T._routes.clear()
+        mask = torch.zeros(32, 32, dtype=torch.float16)
+        checks = []
+        real = T._sdpa_unsupported
+        T._sdpa_unsupported = lambda *a, **kw: checks.append(1) or real(*a, **kw)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dropin(*short, attn_mask=mask)
+                dropin(*short, dropout_p=0.1)
+                dropin(*qkv((1, 4, 32, 64), dtype=torch.float32))
+        finally:
+            T._sdpa_unsupported = real
+        assert len(checks) == 3 and stand.sdpa == 7  # each took the full decision: torch
+        sage_attn.set_dropin_crossover(False)
+        try:
+            dropin(*short)
+        finally:
+            sage_attn.set_dropin_crossover(True)
+        assert stand.runs == 2  # the crossover off: sage, however short
