@@ -18,11 +18,8 @@ namespace sage::quant {
 namespace {
 
 // Each kernel takes its Params by value and copies it part by part at entry, before pdl_enter
-// (in_registers). tools/sass_diff.py against the positional arguments these kernels had, on
-// sm_90a: this form kept 14 of the 103 kernels' SASS (quant_kv's) and the total instruction
-// count within 0.3 % (as __grid_constant__ with the same copy: also 14); taking the Params by
-// value or as __grid_constant__ and reading its fields where the roles use them kept none, with
-// 1.4 % more instructions (most in quant_kv and quant_q). docs/sm90-kernel.md, Tried 45.
+// (in_registers): a parameter block read where the roles use its fields is loaded at each use,
+// while the copy loads it once, as the positional arguments were (docs/sm90-kernel.md, Tried 45).
 template <typename... Parts>
 __device__ __forceinline__ ParamsOf<Parts...> in_registers(const ParamsOf<Parts...>& p) {
   ParamsOf<Parts...> q;
