@@ -1010,11 +1010,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     # length: torch's SDPA, where the full decision routes every such call. Of that decision's
     # one-time warnings for arguments the library does not take, such a call skips those about
     # the key and value, and the dimensions.)
-    if (attn_mask is None and not dropout_p and _use_crossover and type(query) is _Tensor
-            and query.shape[-2] < _sdpa_below.get(query.device, 0)
-            and query.dtype in _GPU_DTYPES):
-        return _torch_sdpa(query, key, value, None, dropout_p, is_causal, scale=scale,
-                           enable_gqa=enable_gqa)
+    if attn_mask is None and not dropout_p and _use_crossover and type(query) is _Tensor:
+        try:
+            shape = query.shape  # (a strided nested tensor has none: the full decision's case)
+            short = (len(shape) == 4 and shape[2] < _sdpa_below.get(query.device, 0)
+                     and query.dtype in _GPU_DTYPES)
+        except RuntimeError:
+            short = False
+        if short:
+            return _torch_sdpa(query, key, value, None, dropout_p, is_causal, scale=scale,
+                               enable_gqa=enable_gqa)
     route = _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale,
                              enable_gqa)
     if route.reason is not None:

@@ -438,3 +438,15 @@ def test_calls_under_the_least_routed_length_go_to_torch_unplanned(crossover_on)
         finally:
             sage_attn.set_dropin_crossover(True)
         assert stand.runs == 2  # the crossover off: sage, however short
+        # Malformed queries meet the full decision (and torch's own error), not an IndexError.
+        checks.clear()
+        T._sdpa_unsupported = lambda *a, **kw: checks.append(1) or real(*a, **kw)
+        try:
+            for bad in (torch.randn(32, dtype=torch.float16), torch.randn(4, 32, 64, 2, 2,
+                                                                            dtype=torch.float16)):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    dropin(bad, bad, bad)
+        finally:
+            T._sdpa_unsupported = real
+        assert len(checks) == 2
