@@ -136,8 +136,13 @@ def _route(query, key, value, dropout_p, is_causal, scale, training):
     # FlashAttention's causal mask is bottom-right aligned (SDPA sends it square causal calls
     # only, where both alignments agree; direct callers of the op get flash's meaning).
     mask = _lib.MASK_CAUSAL_BOTTOM_RIGHT if is_causal else _lib.MASK_NONE
-    if query.is_cuda and _t._dropin_route(query, key, value, mask, s, training) is not None:
-        return None
+    if query.is_cuda:
+        # Shorter than the GPU's least routed length (learned from its first plan): torch's, as
+        # the route below would answer, without planning (the drop-in's shortcut, _torch.py).
+        if _t._use_crossover and query.shape[2] < _t._sdpa_below.get(query.device, 0):
+            return None
+        if _t._dropin_route(query, key, value, mask, s, training) is not None:
+            return None
     return mask, s
 
 

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 import sage_attn  # noqa: E402
-from sage_attn import _sdpa  # noqa: E402
+from sage_attn import _sdpa, _torch as _t  # noqa: E402
 from conftest import naive_attention  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
@@ -178,3 +178,30 @@ def test_gpu_flash_impl_training(rng):
     for gr, r in zip(grads, ref_grads):
         assert F.cosine_similarity(gr.float().flatten(), r.flatten(), dim=0) > 0.99
 
+
+
+def test_flash_route_hands_short_calls_to_torch_unplanned(monkeypatch):
+    """The registered flash op's route: once a plan on the device has said its least routed
+    length, a shorter query is torch's without asking the crossover again; a longer one, or any
+    with the crossover off, still asks it."""
+    from conftest import load_tool
+    host = load_tool("dropin_host")
+    q, k, v = (torch.randn(1, 4, 32, 64, dtype=torch.float16) for _ in range(3))
+    longer = [torch.randn(1, 4, 96, 64, dtype=torch.float16) for _ in range(3)]
+    asked = []
+    real = _t._dropin_route
+    with host.cuda_stand_in(prefer_sdpa=lambda a: a.seq_q < 64, sdpa_below=64):
+        monkeypatch.setattr(_t, "_dropin_route", lambda *a, **kw: asked.append(1) or real(*a, **kw))
+        assert _sdpa._route(q, k, v, 0.0, False, None, False) is None  # first: planned, torch's
+        assert len(asked) == 1
+        for _ in range(3):
+            assert _sdpa._route(q, k, v, 0.0, False, None, False) is None
+        assert len(asked) == 1
+        assert _sdpa._route(*longer, 0.0, False, None, False) is not None  # sage's
+        assert len(asked) == 2
+        sage_attn.set_dropin_crossover(False)
+        try:
+            assert _sdpa._route(q, k, v, 0.0, False, None, False) is not None
+        finally:
+            sage_attn.set_dropin_crossover(True)
+        assert len(asked) == 3
