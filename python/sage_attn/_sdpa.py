@@ -139,7 +139,7 @@ def _route(query, key, value, dropout_p, is_causal, scale, training):
     if query.is_cuda:
         # Shorter than the GPU's least routed length (learned from its first plan): torch's, as
         # the route below would answer, without planning (the drop-in's shortcut, _torch.py).
-        if _t._use_crossover and query.shape[2] < _t._sdpa_below.get(query.device, 0):
+        if _t._shorter_than_routed(query):
             return None
         if _t._dropin_route(query, key, value, mask, s, training) is not None:
             return None

@@ -200,12 +200,7 @@ def _attention(c: _Call, prep=None):
         lse = q.new_empty((q.shape[0], q.shape[hi], q.shape[ni]), dtype=torch.float32)
     try:
         if q.is_cuda:
-            device = q.device
-            if device.index != torch.cuda.current_device():
-                with torch.cuda.device(device):
-                    _run_cuda(c, o, lse, prep)
-            else:
-                _run_cuda(c, o, lse, prep)
+            _on_device(q.device, _run_cuda, c, o, lse, prep)
         else:
             a = _build_args(c, o, lse)
             a.backend = _lib.BACKEND_CPU
@@ -216,6 +211,14 @@ def _attention(c: _Call, prep=None):
         _sdpa_into(o, q, k, v, mask, scale, e)
         lse = None  # (no LSE from SDPA: a backward then takes SDPA's gradient)
     return o, lse
+
+
+def _on_device(device, fn, *args):
+    """fn(*args) with `device` the current CUDA device (switched only where it is not)."""
+    if device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return fn(*args)
+    return fn(*args)
 
 
 def _sdpa_into(o, q, k, v, mask, scale, error):
@@ -919,9 +922,8 @@ def _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     copy = q is not query or k is not key or v is not value
     if copy:
         prep = None
-    t = torch.Tensor
-    direct = (prep is not None and not training and type(query) is t and type(key) is t
-              and type(value) is t)
+    direct = (prep is not None and not training and type(query) is _Tensor
+              and type(key) is _Tensor and type(value) is _Tensor)
     return _Route(reason, mask, s, copy, prep, direct, tuple(query.shape), query.device)
 
 
@@ -933,6 +935,13 @@ _routes: dict = {}
 # call (ViT, DiT, a low UNet level) then goes to torch's SDPA on three reads of the query, not the
 # whole signature; the calls it skips would all have routed there silently.
 _sdpa_below: dict = {}
+
+
+def _shorter_than_routed(query):
+    """True where the crossover model hands a call with this 4-D [B, H, N, D] query to torch by
+    its length alone (under _sdpa_below of its device; the crossover switch on): the drop-in's
+    and the registered flash op's route skip the rest of the decision for it."""
+    return _use_crossover and query.shape[2] < _sdpa_below.get(query.device, 0)
 
 
 def _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -1010,11 +1019,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     # length: torch's SDPA, where the full decision routes every such call. Of that decision's
     # one-time warnings for arguments the library does not take, such a call skips those about
     # the key and value, and the dimensions.)
-    if attn_mask is None and not dropout_p and _use_crossover and type(query) is _Tensor:
-        try:
-            shape = query.shape  # (a strided nested tensor has none: the full decision's case)
-            short = (len(shape) == 4 and shape[2] < _sdpa_below.get(query.device, 0)
-                     and query.dtype in _GPU_DTYPES)
+    if attn_mask is None and not dropout_p and type(query) is _Tensor:
+        try:  # (a strided nested tensor has no shape: the full decision's case)
+            short = (query.dim() == 4 and query.dtype in _GPU_DTYPES
+                     and _shorter_than_routed(query))
         except RuntimeError:
             short = False
         if short:
@@ -1033,11 +1041,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         o = query.new_empty(*route.shape)
         device = route.device
         try:
-            if device.index != torch.cuda.current_device():
-                with torch.cuda.device(device):
-                    _launch(query, key, value, o, None, route.prep, device)
-            else:
-                _launch(query, key, value, o, None, route.prep, device)
+            _on_device(device, _launch, query, key, value, o, None, route.prep, device)
         except _lib.SageUnsupportedError as e:
             _sdpa_into(o, query, key, value, route.mask, route.scale, e)
         return o
