@@ -24,7 +24,7 @@ constexpr int kThreads = kWarps * 32;
 struct Layout {
   int64_t nq_pad = 0, nk_pad = 0, q_blocks = 0, k_blocks = 0, k_chunks = 0;
   size_t k_part = 0;    // f32 [B*Hkv][k_chunks][D]: K's channel sums per chunk of keys
-                        // (ref::kBwdKSumChunk of them: the emulation forms k̄ the same way)
+                        // (ref::kBwdSumChunk of them: the emulation forms k̄ the same way)
   size_t k_mean = 0;    // f32 [B*Hkv][D]
   size_t k_scale = 0;   // f32 [B*Hkv][k_blocks]
   size_t khat = 0;      // s8 [B*Hkv][nk_pad][D]: ψ(K - k_mean) rows
@@ -57,7 +57,7 @@ inline Layout make_layout(const ref::Problem& p) {
   w.k_blocks = (p.seq_kv + kBlockK - 1) / kBlockK;
   w.nq_pad = w.q_blocks * kBlockQ;
   w.nk_pad = w.k_blocks * kBlockK;
-  w.k_chunks = (p.seq_kv + ref::kBwdKSumChunk - 1) / ref::kBwdKSumChunk;
+  w.k_chunks = (p.seq_kv + ref::kBwdSumChunk - 1) / ref::kBwdSumChunk;
   WorkspaceCarver carve;
   auto take = [&](size_t bytes) { return carve.take(bytes); };
   w.k_part = take(size_t(bk * w.k_chunks * D) * 4);

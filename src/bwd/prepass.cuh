@@ -61,7 +61,7 @@ __device__ __forceinline__ float row_norm2(const float* tile) {
   return n2 + __shfl_xor_sync(0xFFFFFFFFu, n2, 1);
 }
 
-// K's channel sums over keys [256·chunk, 256·chunk + 256) (ref::kBwdKSumChunk), in key order:
+// K's channel sums over keys [256·chunk, 256·chunk + 256) (ref::kBwdSumChunk), in key order:
 // grid (k_chunks, B·Hkv over y and z: common/grid.h), D threads. The emulation forms k̄ in this
 // same order (ref/backward.cpp): keep the two together.
 template <typename T, int D>
@@ -70,7 +70,7 @@ __global__ void k_sum_kernel(const KSumParams p) {
   if (bkv >= p.batch * p.heads_kv) return;
   const int d = threadIdx.x;
   const int64_t base = (bkv / p.heads_kv) * p.k_st.batch + (bkv % p.heads_kv) * p.k_st.head + d;
-  constexpr int64_t kChunk = ref::kBwdKSumChunk;
+  constexpr int64_t kChunk = ref::kBwdSumChunk;
   const int64_t j1 = min(p.seq_kv, (chunk + 1) * kChunk);
   float s = 0.0f;
   for (int64_t j = chunk * kChunk; j < j1; ++j) s += load_f<T>(p.k, base + j * p.k_st.token);
