@@ -323,7 +323,8 @@ typedef struct sage_plan_info {
 
 typedef struct sage_backward_config {
   uint32_t int8;   /* SAGE_BWD_INT8_* flags: which matmuls are INT8 */
-  uint32_t smooth; /* 0 or SAGE_SMOOTH_K: quantize K - mean(K) (exact: see docs/backward.md) */
+  uint32_t smooth; /* SAGE_SMOOTH_K and/or SAGE_SMOOTH_Q: quantize K - mean(K), Q - mean(Q) (each
+                      exact: docs/backward.md); the preset has both */
   int32_t block_q; /* query rows of one ψ block (Q, dO; P and dS tiles are block_q x block_k) */
   int32_t block_k; /* key rows of one ψ block (K) */
   sage_granularity granularity; /* of P and dS within a block_q x block_k tile: PER_BLOCK (the
@@ -404,7 +405,7 @@ SAGE_API sage_status sage_attention_plan(const sage_attention_args* args, sage_p
 SAGE_API sage_status sage_attention(const sage_attention_args* args);
 
 /* Defaults: HND, fp16, no mask, AUTO variant and backend, config = SageBwd's (block 64 x 64,
- * K smoothed, every matmul but dO·Vᵀ in INT8). */
+ * Q and K smoothed, every matmul but dO·Vᵀ in INT8). */
 SAGE_API sage_status sage_backward_args_init(sage_backward_args* args);
 /* Bytes of device workspace sage_attention_backward() needs for these args (0 on the CPU). */
 SAGE_API sage_status sage_backward_workspace_size(const sage_backward_args* args, size_t* bytes);

@@ -327,6 +327,7 @@ bwd::Params backward_params(const api::ResolvedBackward& r, const sage_backward_
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
   auto s8 = [&](size_t off) { return reinterpret_cast<int8_t*>(ws + off); };
   x.k_part = f32(w.k_part), x.k_mean = f32(w.k_mean), x.k_scale = f32(w.k_scale);
+  x.q_part = f32(w.q_part), x.q_mean = f32(w.q_mean), x.key_term = f32(w.key_term);
   x.khat = s8(w.khat), x.khat_t = s8(w.khat_t);
   x.v_ws = reinterpret_cast<uint16_t*>(ws + w.v);
   x.q_scale = f32(w.q_scale), x.qhat = s8(w.qhat), x.qhat_t = s8(w.qhat_t);
@@ -343,9 +344,11 @@ bwd::Params backward_params(const api::ResolvedBackward& r, const sage_backward_
   x.batch = p.batch, x.heads_q = p.heads_q, x.heads_kv = p.heads_kv;
   x.seq_q = p.seq_q, x.seq_kv = p.seq_kv, x.nq_pad = w.nq_pad, x.nk_pad = w.nk_pad;
   x.q_blocks = w.q_blocks, x.k_blocks = w.k_blocks, x.k_chunks = w.k_chunks;
+  x.q_chunks = w.q_chunks;
   x.causal = p.mask != SAGE_MASK_NONE;
   x.causal_offset = causal_offset(p);
   x.smooth_k = (r.config.smooth & SAGE_SMOOTH_K) != 0;
+  x.smooth_q = (r.config.smooth & SAGE_SMOOTH_Q) != 0;
   x.scale = float(p.scale);
   x.scale_log2 = float(p.scale * 1.4426950408889634);
   return x;

@@ -393,10 +393,10 @@ sage_status make_backward_plan(const ResolvedBackward& r, const sage_backward_ar
   // sm_90 runs the wgmma main kernel unless the mma.sync one is asked for.
   plan.family = dev.cc == 90 && a.kernel != SAGE_KERNEL_MMA ? Family::kSm90 : Family::kMma;
   plan.layout = bwd::make_layout(p);
-  // The pre-pass (K's channel sums, their mean, K and V, Q and dO), the stats pass, the verdict
-  // (which a refused call's main kernel and dQ store read to return at once), the main kernel,
-  // the dQ store, the NaN of a refused call.
-  plan.launches = 9;
+  // The pre-pass (K's and Q's channel sums, their means, K and V, Q and dO), the stats pass, the
+  // verdict (which a refused call's main kernel and dQ store read to return at once), the main
+  // kernel, the dQ store, the NaN of a refused call.
+  plan.launches = 11;
   *out = plan;
   return SAGE_OK;
 }

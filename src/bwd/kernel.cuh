@@ -1,10 +1,13 @@
 // SageBwd's main kernel on mma.sync (sm_80+): one CTA owns 64 keys of one KV head (4 warps x 16
 // keys, the M rows of every product it keeps) and streams the 64-query blocks of every query head
 // of its group. Per block, with the keys as rows (transposed products):
-//   Sᵀ = K^·Q^ᵀ (INT8)  -> Pᵀ = 2^(Sᵀ·s - L')  -> ψ per key -> dV += P^ᵀ·dO^ (INT8)
+//   Sᵀ = K^·Q^ᵀ (INT8)  -> Pᵀ = 2^(Sᵀ·s + t - L')  -> ψ per key -> dV += P^ᵀ·dO^ (INT8)
 //   dPᵀ = V·dOᵀ (fp16/bf16, fp32 accumulate) -> dSᵀ = Pᵀ∘(dPᵀ - D)
 //   -> ψ per key -> dK += dS^ᵀ·Q^ (INT8);  ψ per query -> dS^ via shared memory -> dQ += dS^·K^
 //      (INT8, into the workspace's fp32 tile: atomics, or in key-block order, dq_order.cuh)
+// Q^ holds Q - q̄ (Q smoothing): each key's score term t = q̄·(K_j - k̄)·scale·log2 e comes from
+// the pre-pass, and after a query head's last block dK_j gains q̄·Σ_i dS_ij (the sums of the
+// unquantized dS this thread kept for its keys; add_q_term).
 // The per-token scales are the ones that factor out of each product's sum (sage.h,
 // sage_backward_config.granularity). P^ᵀ and dS^ᵀ are A operands packed straight from the
 // accumulator registers: the B operands (Q^ᵀ, dO^ᵀ) arrive with their queries permuted to match
@@ -97,6 +100,23 @@ __device__ __forceinline__ void pack_a8(uint32_t (&f)[2][4], Q8 q8) {
   });
 }
 
+// dK += q̄ ⊗ Σ_i dS_i for one query head (dSᵀ·Q = dSᵀ·(Q - q̄) + (Σ_i dS_i)ᵀ·q̄) on the
+// accumulator fragment of this thread's two keys (dk(n, e): value (n, e)); cs: the thread's
+// partial sums of their dS, zeroed. Every lane of the warp calls it (quad sums).
+template <int D, typename Acc>
+__device__ __forceinline__ void add_q_term(Acc dk, float (&cs)[2], const float* q_mean, int t) {
+  const float ca = Frag::quad_sum(cs[0]), cb = Frag::quad_sum(cs[1]);
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const float2 m = *reinterpret_cast<const float2*>(q_mean + Frag::pair(n, t));
+    dk(n, 0) += ca * m.x;
+    dk(n, 1) += ca * m.y;
+    dk(n, 2) += cb * m.x;
+    dk(n, 3) += cb * m.y;
+  }
+  cs[0] = cs[1] = 0.0f;
+}
+
 template <typename T, int D, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -141,6 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams 
   for (int n = 0; n < kDT; ++n)
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
   const int64_t key_a = k0 + ka, key_b = key_a + 8;  // absolute keys of this thread's rows
+  float cs[2] = {0.0f, 0.0f};  // Σ dS of each key over the head's queries this thread holds
   float* qmax_s = reinterpret_cast<float*>(smem + S::kQmax);
   uint8_t* ds_s = smem + S::kDs;
 
@@ -159,6 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams 
     cur.next();
     const float q_scale = p.q_scale[bh * p.q_blocks + qb];
     const float do_scale = p.do_scale[bh * p.q_blocks + qb];
+    const float kt_a = p.key_term[bh * p.nk_pad + key_a], kt_b = p.key_term[bh * p.nk_pad + key_b];
 
     // Sᵀ = K^·Q^ᵀ: 16 keys x 64 queries a warp.
     int s[8][4];
@@ -173,7 +195,8 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams 
         ptx::mma_m16n8k32_s8(s[n], a, bf, s[n]);
       }
     }
-    // Pᵀ = 2^(Sᵀ·s_Q·s_K·scale·log2 e - L'), masked; the max of each key's row.
+    // Pᵀ = 2^(Sᵀ·s_Q·s_K·scale·log2 e + t - L'), masked (x as the stats pass forms it); the max
+    // of each key's row.
     const float* lse_s = reinterpret_cast<const float*>(st + S::kLse);
     const float* delta_s = reinterpret_cast<const float*>(st + S::kDelta);
     const float c = q_scale * k_scale * p.scale_log2;
@@ -184,7 +207,9 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams 
         const int qi = Frag::col(n, e, t);
         const int64_t key = e < 2 ? key_a : key_b, query = i0 + qi;
         const bool visible = key < p.seq_kv && (!kCausal || key <= query + p.causal_offset);
-        const float x = visible ? ptx::ex2(float(s[n][e]) * c - lse_s[qi]) : 0.0f;
+        const float x =
+            visible ? ptx::ex2(__fmaf_rn(float(s[n][e]), c, e < 2 ? kt_a : kt_b) - lse_s[qi])
+                    : 0.0f;
         P[n][e] = x;
         pmax[Frag::half(e)] = ptx::max_nan(pmax[Frag::half(e)], x);
       }
@@ -224,7 +249,10 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams 
         }
       }
       for (int n = 0; n < 8; ++n)
-        for (int e = 0; e < 4; ++e) P[n][e] *= dp[n][e] - delta_s[Frag::col(n, e, t)];
+        for (int e = 0; e < 4; ++e) {
+          P[n][e] *= dp[n][e] - delta_s[Frag::col(n, e, t)];
+          cs[Frag::half(e)] += P[n][e];
+        }
     }
     float(&dS)[8][4] = P;
     // Per-key maxima (dK's ψ) and this warp's per-query maxima (dQ's ψ, over 4 warps).
@@ -307,6 +335,8 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams 
       }
     }
     turn.pass(/*leader=*/threadIdx.x == 0);  // and the stage, dS^, the maxima are free again
+    if (p.smooth_q && (it + 1 == iters || cur.bh != bh))  // the head's last block
+      add_q_term<D>([&](int n, int e) -> float& { return dk[n][e]; }, cs, p.q_mean + bh * D, t);
   }
 
   // dK (times the softmax scale) and dV in the caller's dtype.

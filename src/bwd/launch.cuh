@@ -30,11 +30,13 @@ cudaError_t launch_smem(const P& p, dim3 grid, int smem, int device, cudaStream_
 
 template <typename T, int D>
 cudaError_t run_typed(const Params& p, bool sm90, int device, cudaStream_t stream) {
-  // B·H over the grids' y and z (common/grid.h); k_mean's along x (the backend refuses more than
-  // 2^31 - 1).
+  // B·H over the grids' y and z (common/grid.h); judge_kernel's along x (the backend refuses more
+  // than 2^31 - 1).
   const int64_t bq = p.batch * p.heads_q, bk = p.batch * p.heads_kv;
-  k_sum_kernel<T, D><<<outer_dims(p.k_chunks, bk), D, 0, stream>>>(KSumParams(p));
-  k_mean_kernel<D><<<unsigned(bk), D, 0, stream>>>(KMeanParams(p));
+  sum_kernel<T, D, false><<<outer_dims(p.k_chunks, bk), D, 0, stream>>>(SumParams(p));
+  sum_kernel<T, D, true><<<outer_dims(p.q_chunks, bq), D, 0, stream>>>(SumParams(p));
+  mean_kernel<D, false><<<outer_dims(1, bk), D, 0, stream>>>(MeanParams(p));
+  mean_kernel<D, true><<<outer_dims(1, bq), D, 0, stream>>>(MeanParams(p));
   const int k_smem = kBlockK * (D + 1) * 4, q_smem = 2 * kBlockQ * (D + 1) * 4;
   cudaError_t e = set_max_dynamic_smem_once<k_prep_kernel<T, D>>(device, k_smem);
   if (e == cudaSuccess) e = set_max_dynamic_smem_once<q_prep_kernel<T, D>>(device, q_smem);

@@ -22,21 +22,25 @@ constexpr int kThreads = kWarps * 32;
 
 // Offsets (bytes) into the workspace, each 256-byte aligned.
 struct Layout {
-  int64_t nq_pad = 0, nk_pad = 0, q_blocks = 0, k_blocks = 0, k_chunks = 0;
+  int64_t nq_pad = 0, nk_pad = 0, q_blocks = 0, k_blocks = 0, k_chunks = 0, q_chunks = 0;
   size_t k_part = 0;    // f32 [B*Hkv][k_chunks][D]: K's channel sums per chunk of keys
-                        // (ref::kBwdKSumChunk of them: the emulation forms k̄ the same way)
+                        // (ref::kBwdSumChunk of them: the emulation forms k̄ the same way)
   size_t k_mean = 0;    // f32 [B*Hkv][D]
+  size_t q_part = 0;    // f32 [B*Hq][q_chunks][D]: Q's channel sums per chunk of queries
+  size_t q_mean = 0;    // f32 [B*Hq][D]: q̄ (zero without Q smoothing)
+  size_t key_term = 0;  // f32 [B*Hq][nk_pad]: q̄·(K_j - k_mean)·scale·log2 e, the part of key
+                        // j's scores that Q smoothing takes out of Q^ (0: padding)
   size_t k_scale = 0;   // f32 [B*Hkv][k_blocks]
   size_t khat = 0;      // s8 [B*Hkv][nk_pad][D]: ψ(K - k_mean) rows
   size_t khat_t = 0;    // s8 [B*Hkv][D][nk_pad]: the same, transposed
   size_t v = 0;         // dtype [B*Hkv][nk_pad][D]: V, zero-padded
   size_t q_scale = 0;   // f32 [B*Hq][q_blocks]
-  size_t qhat = 0;      // s8 [B*Hq][nq_pad][D]
+  size_t qhat = 0;      // s8 [B*Hq][nq_pad][D]: ψ(Q - q_mean)
   size_t qhat_t = 0;    // s8 [B*Hq][D][nq_pad], queries permuted in each 32 (query_at)
   size_t do_scale = 0;  // f32 [B*Hq][q_blocks]
   size_t dohat_t = 0;   // s8 [B*Hq][D][nq_pad], permuted as qhat_t
   size_t d_o = 0;       // dtype [B*Hq][nq_pad][D]: dO, zero-padded
-  size_t qnorm2 = 0;    // f32 [B*Hq][nq_pad]: ‖Q_i‖² (0: padding)
+  size_t qnorm2 = 0;    // f32 [B*Hq][nq_pad]: ‖Q_i - q_mean‖² (0: padding)
   size_t knorm2 = 0;    // f32 [B*Hkv][nk_pad]: ‖K_j - k_mean‖² (0: padding)
   size_t lse2 = 0;      // f32 [B*Hq][nq_pad]: log2 Σ_j 2^(x_ij) of the backward's own scores
                         // x = Q^·K^ᵀ·scales·scale·log2 e (stats.cuh); +inf: no key
@@ -57,11 +61,15 @@ inline Layout make_layout(const ref::Problem& p) {
   w.k_blocks = (p.seq_kv + kBlockK - 1) / kBlockK;
   w.nq_pad = w.q_blocks * kBlockQ;
   w.nk_pad = w.k_blocks * kBlockK;
-  w.k_chunks = (p.seq_kv + ref::kBwdKSumChunk - 1) / ref::kBwdKSumChunk;
+  w.k_chunks = (p.seq_kv + ref::kBwdSumChunk - 1) / ref::kBwdSumChunk;
+  w.q_chunks = (p.seq_q + ref::kBwdSumChunk - 1) / ref::kBwdSumChunk;
   WorkspaceCarver carve;
   auto take = [&](size_t bytes) { return carve.take(bytes); };
   w.k_part = take(size_t(bk * w.k_chunks * D) * 4);
   w.k_mean = take(size_t(bk * D) * 4);
+  w.q_part = take(size_t(bq * w.q_chunks * D) * 4);
+  w.q_mean = take(size_t(bq * D) * 4);
+  w.key_term = take(size_t(bq * w.nk_pad) * 4);
   w.k_scale = take(size_t(bk * w.k_blocks) * 4);
   w.khat = take(size_t(bk * w.nk_pad * D));
   w.khat_t = take(size_t(bk * w.nk_pad * D));
@@ -121,7 +129,8 @@ struct BlockWalk {
 
 // The call's sizes (every kernel's).
 struct Shape {
-  int64_t batch, heads_q, heads_kv, seq_q, seq_kv, nq_pad, nk_pad, q_blocks, k_blocks, k_chunks;
+  int64_t batch, heads_q, heads_kv, seq_q, seq_kv, nq_pad, nk_pad, q_blocks, k_blocks, k_chunks,
+      q_chunks;
   int64_t causal_offset;  // query i sees keys j <= i + causal_offset (causal masks)
   bool causal;
 
@@ -161,6 +170,9 @@ struct Grads {
 struct Quantized {
   float* k_part;
   float* k_mean;
+  float* q_part;
+  float* q_mean;
+  float* key_term;
   float* k_scale;
   int8_t* khat;
   int8_t* khat_t;
@@ -173,7 +185,7 @@ struct Quantized {
   uint16_t* do_ws;
   float* qnorm2;
   float* knorm2;
-  bool smooth_k;
+  bool smooth_k, smooth_q;
 };
 // The stats pass's products: each row's L' and D, each query block's score error.
 struct RowStats {
@@ -189,7 +201,7 @@ struct DqAccum {
 };
 // The accuracy check's verdict.
 struct Verdict {
-  int32_t* verdict;    // the workspace's (k_mean_kernel zeroes it)
+  int32_t* verdict;    // the workspace's (mean_kernel zeroes it)
   int32_t* untrusted;  // the caller's (optional, null: none): the verdict, written every call
   // The bound on a query head's rms score error (natural-log units; stats.cuh).
   float max_score_err;
@@ -211,9 +223,9 @@ struct ParamsOf : Parts... {
 // The whole call (the plan fills it, cuda_backend.cu), and each kernel's part of it.
 using Params =
     ParamsOf<Shape, Inputs, LseGrad, Grads, Quantized, RowStats, DqAccum, Verdict, Scaling>;
-using KSumParams = ParamsOf<Shape, Inputs, Quantized>;
-using KMeanParams = ParamsOf<Shape, Quantized, Verdict>;
-using KPrepParams = ParamsOf<Shape, Inputs, Quantized>;
+using SumParams = ParamsOf<Shape, Inputs, Quantized>;
+using MeanParams = ParamsOf<Shape, Quantized, Verdict>;
+using KPrepParams = ParamsOf<Shape, Inputs, Quantized, Scaling>;
 using QPrepParams = ParamsOf<Shape, Inputs, Quantized, DqAccum>;
 using StatsParams = ParamsOf<Shape, LseGrad, Quantized, RowStats, Scaling>;
 using JudgeParams = ParamsOf<Shape, RowStats, Verdict>;

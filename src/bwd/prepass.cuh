@@ -1,7 +1,9 @@
-// SageBwd's pre-pass (sm_80+): K's channel means (per chunk, then summed in a fixed order), ψ of
-// K - k_mean per 64-key block (rows and transposed) with each key's ‖K_j - k_mean‖², V copied
-// zero-padded; per 64-query block ψ of Q and dO (rows and transposed with queries permuted,
-// bwd::query_at), dO copied, each query's ‖Q_i‖², and dQ's accumulator and turn counters zeroed.
+// SageBwd's pre-pass (sm_80+): K's and Q's channel means (per chunk, then summed in a fixed
+// order), ψ of K - k_mean per 64-key block (rows and transposed) with each key's ‖K_j - k_mean‖²
+// and, per query head of the group, its q_mean·(K_j - k_mean) (the score term Q smoothing takes
+// out of Q^), V copied zero-padded; per 64-query block ψ of Q - q_mean and dO (rows and
+// transposed with queries permuted, bwd::query_at), dO copied, each query's ‖Q_i - q_mean‖², and
+// dQ's accumulator and turn counters zeroed.
 // L' and D come from the stats pass (stats.cuh); the norms feed its error estimate.
 // ψ and the scales are the CPU emulation's (ref::bwd_scale, quant::quantize_bits); a NaN
 // anywhere in a block makes its scale NaN, so the gradients it reaches come out NaN.
@@ -61,34 +63,46 @@ __device__ __forceinline__ float row_norm2(const float* tile) {
   return n2 + __shfl_xor_sync(0xFFFFFFFFu, n2, 1);
 }
 
-// K's channel sums over keys [256·chunk, 256·chunk + 256) (ref::kBwdKSumChunk), in key order:
-// grid (k_chunks, B·Hkv over y and z: common/grid.h), D threads. The emulation forms k̄ in this
-// same order (ref/backward.cpp): keep the two together.
-template <typename T, int D>
-__global__ void k_sum_kernel(const KSumParams p) {
-  const int64_t bkv = cta_outer_index(), chunk = blockIdx.x;
-  if (bkv >= p.batch * p.heads_kv) return;
+// K's (kQ: Q's) channel sums over rows [256·chunk, 256·chunk + 256) (ref::kBwdSumChunk), in row
+// order: grid (chunks, B·heads over y and z: common/grid.h), D threads. The emulation forms k̄ and
+// q̄ in this same order (ref/backward.cpp): keep the two together.
+template <typename T, int D, bool kQ>
+__global__ void sum_kernel(const SumParams p) {
+  const int64_t bh = cta_outer_index(), chunk = blockIdx.x;
+  const int64_t heads = kQ ? p.heads_q : p.heads_kv, rows = kQ ? p.seq_q : p.seq_kv;
+  if (bh >= p.batch * heads) return;
+  const void* x = kQ ? p.q : p.k;
+  const sage_strides& st = kQ ? p.q_st : p.k_st;
   const int d = threadIdx.x;
-  const int64_t base = (bkv / p.heads_kv) * p.k_st.batch + (bkv % p.heads_kv) * p.k_st.head + d;
-  constexpr int64_t kChunk = ref::kBwdKSumChunk;
-  const int64_t j1 = min(p.seq_kv, (chunk + 1) * kChunk);
+  const int64_t base = (bh / heads) * st.batch + (bh % heads) * st.head + d;
+  constexpr int64_t kChunk = ref::kBwdSumChunk;
+  const int64_t r1 = min(rows, (chunk + 1) * kChunk);
   float s = 0.0f;
-  for (int64_t j = chunk * kChunk; j < j1; ++j) s += load_f<T>(p.k, base + j * p.k_st.token);
-  p.k_part[(bkv * p.k_chunks + chunk) * D + d] = s;
+  for (int64_t r = chunk * kChunk; r < r1; ++r) s += load_f<T>(x, base + r * st.token);
+  (kQ ? p.q_part : p.k_part)[(bh * (kQ ? p.q_chunks : p.k_chunks) + chunk) * D + d] = s;
 }
 
-// k_mean = Σ chunks / Nk in chunk order (deterministic): grid B·Hkv, D threads.
-template <int D>
-__global__ void k_mean_kernel(const KMeanParams p) {
-  const int64_t bkv = blockIdx.x;
+// k_mean = Σ chunks / Nk (kQ: q_mean = Σ chunks / Nq) in chunk order (deterministic), zero
+// without its smoothing: grid B·heads over y and z (common/grid.h), D threads.
+template <int D, bool kQ>
+__global__ void mean_kernel(const MeanParams p) {
+  const int64_t bh = cta_outer_index();
+  if (bh >= p.batch * (kQ ? p.heads_q : p.heads_kv)) return;
+  const int64_t chunks = kQ ? p.q_chunks : p.k_chunks;
+  const float* part = kQ ? p.q_part : p.k_part;
   const int d = threadIdx.x;
   float s = 0.0f;
-  for (int64_t c = 0; c < p.k_chunks; ++c) s += p.k_part[(bkv * p.k_chunks + c) * D + d];
-  p.k_mean[bkv * D + d] = p.smooth_k ? s / float(p.seq_kv) : 0.0f;
-  if (bkv == 0 && d == 0) *p.verdict = 0;  // (a reused workspace holds the last call's)
+  for (int64_t c = 0; c < chunks; ++c) s += part[(bh * chunks + c) * D + d];
+  if (kQ)
+    p.q_mean[bh * D + d] = p.smooth_q ? s / float(p.seq_q) : 0.0f;
+  else
+    p.k_mean[bh * D + d] = p.smooth_k ? s / float(p.seq_kv) : 0.0f;
+  if (!kQ && bh == 0 && d == 0) *p.verdict = 0;  // (a reused workspace holds the last call's)
 }
 
-// One 64-key block: ψ(K - k_mean) rows and transposed, its scale, ‖K_j - k_mean‖², V copied.
+// One 64-key block: ψ(K - k_mean) rows and transposed, its scale, ‖K_j - k_mean‖², V copied,
+// and for each query head of the group q_mean·(K_j - k_mean)·scale·log2 e (one fma chain over the
+// channels in order, as the emulation; 0 without Q smoothing).
 // Grid (k_blocks, B·Hkv), kThreads threads, dynamic smem 64·(D+1) floats.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) k_prep_kernel(const KPrepParams p) {
@@ -126,11 +140,26 @@ __global__ void __launch_bounds__(kThreads) k_prep_kernel(const KPrepParams p) {
   }
   const float n2 = row_norm2<D>(xs);  // (padding keys are zero)
   if (threadIdx.x % 2 == 0) p.knorm2[bkv * p.nk_pad + j0 + threadIdx.x / 2] = n2;
+  const int64_t G = p.group();
+  for (int64_t idx = threadIdx.x; idx < kBlockK * G; idx += kThreads) {
+    const int r = int(idx % kBlockK);
+    const int64_t bh = b * p.heads_q + h * G + idx / kBlockK;
+    float acc = 0.0f;
+    if (p.smooth_q) {
+      const float* qm = p.q_mean + bh * D;  // (a warp's 32 rows share one head: broadcast)
+      const float* row = xs + r * (D + 1);
+#pragma unroll 8
+      for (int d = 0; d < D; ++d) acc = __fmaf_rn(qm[d], row[d], acc);
+      acc = __fmul_rn(acc, p.scale_log2);
+    }
+    p.key_term[bh * p.nk_pad + j0 + r] = acc;
+  }
 }
 
-// One 64-query block: ψ(Q), ψ(dO) (rows / transposed and permuted), dO copied, ‖Q_i‖², dQ's
-// accumulator and turn counter zeroed (in both modes: a reused workspace holds the last call's),
-// and by the head's first block its error sum, which the stats pass adds to.
+// One 64-query block: ψ(Q - q_mean), ψ(dO) (rows / transposed and permuted), dO copied,
+// ‖Q_i - q_mean‖², dQ's accumulator and turn counter zeroed (in both modes: a reused workspace
+// holds the last call's), and by the head's first block its error sum, which the stats pass adds
+// to.
 // Grid (q_blocks, B·Hq), kThreads threads, dynamic smem 2·64·(D+1) floats.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) q_prep_kernel(const QPrepParams p) {
@@ -149,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) q_prep_kernel(const QPrepParams p) {
     float x = 0.0f, y = 0.0f;
     uint16_t yb = 0;
     if (i < p.seq_q) {
-      x = load_f<T>(p.q, qbase + i * p.q_st.token + d);
+      x = load_f<T>(p.q, qbase + i * p.q_st.token + d) - p.q_mean[bh * D + d];
       yb = load_bits<T>(p.d_o, dobase + i * p.do_st.token + d);
       y = load_f<T>(p.d_o, dobase + i * p.do_st.token + d);
     }

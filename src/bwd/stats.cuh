@@ -5,18 +5,19 @@
 // per 64 keys). The forward's LSE and O come from differently quantized scores, so with them a row
 // of P = 2^(x - L') need not sum to 1 and rowsum(dS) need not be g: on outlier channels or peaked
 // rows that error dominates the gradients. The stats pass therefore takes every row's statistics
-// from the scores the main kernels use, x_ij = float(s_ij)·c with s = Q^·K^ᵀ (exact int32) and
-// c = s_Q·s_K·scale·log2 e formed in their order, over the keys row i sees (online, as the
-// forward):
+// from the scores the main kernels use, x_ij = float(s_ij)·c + t_j (one fma) with s = Q^·K^ᵀ
+// (exact int32), c = s_Q·s_K·scale·log2 e formed in their order and t_j = q̄·(K_j - k̄)·scale·log2 e
+// (the key's term that Q smoothing takes out of Q^; the pre-pass's key_term), over the keys row i
+// sees (online, as the forward):
 //   L'_i = m_i + log2 Σ_j 2^(x_ij - m_i),  m_i = max_j x_ij (NaN-keeping)
 //   D_i  = Σ_j P_ij·dP_ij - g_i,  dP = dO·Vᵀ (the workspace's 16-bit operands, fp32 accumulation)
-//   σ_i² = scale²/12 · Σ_j P_ij·(s_Q²·‖K_j - k̄‖² + ‖Q_i‖²·s_K(j)²)
-// σ_i² is the variance of the INT8 scores' error (natural-log units), each element of Q and of
-// K - k̄ taken as rounded uniformly within its ψ step, weighted by the row's own P. The stats pass
-// sums it over each query block (err2); judge_kernel marks the call untrusted when a head's rms
-// error over its rows that see a key exceeds max_score_err (or is NaN); the main kernels of such a
-// call return at once (refused), and poison_kernel writes NaN over dQ, dK and dV, so a caller
-// that ignores the verdict cannot train on them.
+//   σ_i² = scale²/12 · Σ_j P_ij·(s_Q²·‖K_j - k̄‖² + ‖Q_i - q̄‖²·s_K(j)²)
+// σ_i² is the variance of the INT8 scores' error (natural-log units), each element of Q - q̄ and
+// of K - k̄ taken as rounded uniformly within its ψ step, weighted by the row's own P. The stats
+// pass sums it over each query block (err2); judge_kernel marks the call untrusted when a head's
+// rms error over its rows that see a key exceeds max_score_err (or is NaN); the main kernels of
+// such a call return at once (refused), and poison_kernel writes NaN over dQ, dK and dV, so a
+// caller that ignores the verdict cannot train on them.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -46,23 +47,24 @@ __device__ __forceinline__ int swz_row(int r, int b) {
     return r * kW + (((b >> 4) ^ (r & 7)) << 4) + (b & 15);
 }
 
-// One stage (a key block): K^ rows, V rows (both swz_row), ‖K_j - k̄‖²; two stages. Unpadded rows
-// keep both stages within 49 KB at D = 128: two CTAs an sm_89 / sm_120 SM (100 KB, 1 KB of it
-// reserved a CTA).
+// One stage (a key block): K^ rows, V rows (both swz_row), ‖K_j - k̄‖², the keys' score terms;
+// two stages. Unpadded rows keep both stages within 49 KB at D = 128: two CTAs an sm_89 / sm_120
+// SM (100 KB, 1 KB of it reserved a CTA).
 template <int D>
 struct StatsSmem {
   static constexpr int kKhat = 0;                     // s8 [64 keys][D]
   static constexpr int kV = kKhat + kBlockK * D;      // 16-bit [64 keys][D]
   static constexpr int kNorm = kV + kBlockK * D * 2;  // f32 [64 keys]
-  static constexpr int kStage = kNorm + kBlockK * 4;
+  static constexpr int kTerm = kNorm + kBlockK * 4;   // f32 [64 keys]
+  static constexpr int kStage = kTerm + kBlockK * 4;
   static constexpr int kBytes = 2 * kStage;
   static_assert(kBytes <= 49 * 1024, "two CTAs an sm_89 / sm_120 SM");
 };
 
-// cp.async of key block kb of KV head bkv into a stage.
+// cp.async of key block kb of KV head bkv (with query head bh's score terms) into a stage.
 template <int D>
 __device__ __forceinline__ void load_keys(uint8_t* st, const StatsParams& p, int64_t bkv,
-                                          int64_t kb) {
+                                          int64_t bh, int64_t kb) {
   using S = StatsSmem<D>;
   const int64_t j0 = kb * kBlockK;
   const uint8_t* khat = reinterpret_cast<const uint8_t*>(p.khat) + (bkv * p.nk_pad + j0) * D;
@@ -78,6 +80,9 @@ __device__ __forceinline__ void load_keys(uint8_t* st, const StatsParams& p, int
   if (threadIdx.x < kBlockK / 4)
     ptx::cp_async_16(st + S::kNorm + threadIdx.x * 16,
                      p.knorm2 + bkv * p.nk_pad + j0 + threadIdx.x * 4);
+  else if (threadIdx.x < kBlockK / 2)
+    ptx::cp_async_16(st + S::kTerm + (threadIdx.x - kBlockK / 4) * 16,
+                     p.key_term + bh * p.nk_pad + j0 + (threadIdx.x - kBlockK / 4) * 4);
 }
 
 __device__ __forceinline__ uint32_t ldg32(const uint8_t* p) {
@@ -118,7 +123,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
     const int64_t last = min(i0 + kBlockQ, p.seq_q) - 1 + p.causal_offset;
     n_kb = last < 0 ? 0 : min(p.k_blocks, last / kBlockK + 1);
   }
-  if (n_kb > 0) load_keys<D>(smem, p, bkv, 0);
+  if (n_kb > 0) load_keys<D>(smem, p, bkv, bh, 0);
   ptx::cp_async_commit();
 
   // This warp's 16 rows of Q^ and dO as A fragments, kept for every key block.
@@ -150,7 +155,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
   for (int64_t kb = 0; kb < n_kb; ++kb) {
     const uint8_t* st = smem + (kb & 1) * S::kStage;
     if (kb + 1 < n_kb) {
-      load_keys<D>(smem + ((kb + 1) & 1) * S::kStage, p, bkv, kb + 1);
+      load_keys<D>(smem + ((kb + 1) & 1) * S::kStage, p, bkv, bh, kb + 1);
       ptx::cp_async_commit();
       ptx::cp_async_wait<1>();
     } else {
@@ -178,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
         ptx::mma_m16n8k16_f16<kBf16>(dp[n], df[kd], bf, dp[n]);
       }
 
-    // x = float(s)·c, c in the main kernels' order, the product rounded on its own so that the
+    // x = float(s)·c + t_j, c in the main kernels' order, one rounding (their fma) so that the
     // max and the sums see one x; keys a row does not see (padding keys too, though K^ is zero
     // there) count as -inf in the max and not at all in the sums.
     const int64_t j0 = kb * kBlockK;
@@ -186,14 +191,17 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
     const float c = q_scale * k_scale * p.scale_log2;
     int lim[2];  // keys (local) [0, lim[r]) of this block are visible to row r
     for (int r = 0; r < 2; ++r) lim[r] = int(max(int64_t(0), min(int64_t(kBlockK), limit[r] - j0)));
+    const float* kt = reinterpret_cast<const float*>(st + S::kTerm);
     float x[8][4];
     float mx[2] = {m[0], m[1]};
-    for (int n = 0; n < 8; ++n)
+    for (int n = 0; n < 8; ++n) {
+      const float2 t2 = *reinterpret_cast<const float2*>(kt + Frag::pair(n, t));
       for (int e = 0; e < 4; ++e) {
         const bool seen = Frag::col(n, e, t) < lim[Frag::half(e)];
-        x[n][e] = seen ? __fmul_rn(float(s[n][e]), c) : -INFINITY;
+        x[n][e] = seen ? __fmaf_rn(float(s[n][e]), c, (e & 1) ? t2.y : t2.x) : -INFINITY;
         mx[Frag::half(e)] = ptx::max_nan(mx[Frag::half(e)], x[n][e]);
       }
+    }
     float alpha[2];  // the old sums' rescale (the first block: nothing to rescale)
     for (int r = 0; r < 2; ++r) {
       mx[r] = Frag::quad_max(mx[r]);
@@ -257,7 +265,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
 // The verdict: untrusted when any query head's rms score error, sqrt(Σ err2 / rows) over its rows
 // that see a key, is not <= max_score_err (NaN included); each head's blocks summed in order, so
 // the verdict is the same on every run. One thread a head (a 1-D grid of kThreads-thread CTAs),
-// ORed into the workspace's verdict, which k_mean_kernel zeroed; poison_kernel passes it on to the
+// ORed into the workspace's verdict, which mean_kernel zeroed; poison_kernel passes it on to the
 // caller. (<D>: an instance a backward_d*.cu, as every kernel here.)
 template <int D>
 __global__ void __launch_bounds__(kThreads) judge_kernel(const JudgeParams p) {

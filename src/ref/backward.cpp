@@ -44,6 +44,23 @@ float dot32(const float* a, const float* b, int64_t n) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+// The channel means of rows [n][D] as the GPU pre-pass forms them (kBwdSumChunk): an fp32 sum
+// per chunk of rows in row order, the chunks' sums added in order, then / n in fp32; zeros when
+// not `on`. Not a more accurate mean: the kernels' own order, bit for bit (see the callers).
+std::vector<float> channel_mean(const std::vector<float>& x, int64_t n, int64_t D, bool on) {
+  std::vector<float> mean(size_t(D), 0.0f);
+  if (!on) return mean;
+  std::vector<float> part(static_cast<size_t>(D));
+  for (int64_t c0 = 0; c0 < n; c0 += kBwdSumChunk) {
+    std::fill(part.begin(), part.end(), 0.0f);
+    for (int64_t r = c0; r < std::min(n, c0 + kBwdSumChunk); ++r)
+      for (int64_t d = 0; d < D; ++d) part[size_t(d)] += x[size_t(r * D + d)];
+    for (int64_t d = 0; d < D; ++d) mean[size_t(d)] += part[size_t(d)];
+  }
+  for (int64_t d = 0; d < D; ++d) mean[size_t(d)] /= float(n);
+  return mean;
+}
+
 }  // namespace
 
 BwdScale bwd_scale(float amax) {
@@ -60,7 +77,9 @@ float nan_max(float a, float b) {
 sage_backward_config backward_preset() {
   sage_backward_config c{};
   c.int8 = SAGE_BWD_INT8_DEFAULT;
-  c.smooth = SAGE_SMOOTH_K;
+  // Q smoothing too: with a channel bias in Q, ψ(K)'s error times the mean query is the same on
+  // every row of a key's column, which dK = dSᵀ·Q sums coherently (docs/backward.md).
+  c.smooth = SAGE_SMOOTH_K | SAGE_SMOOTH_Q;
   c.block_q = 64;
   c.block_k = 64;
   // Per token, not the paper's per block: at N = 2k, D = 128 (N(0,1)) dQ's cosine against
@@ -75,9 +94,9 @@ std::string backward_config_error(const sage_backward_config& c) {
                        SAGE_BWD_INT8_DSK | SAGE_BWD_INT8_DSQ;
   if (c.int8 & ~all)
     return "config.int8 = 0x" + std::to_string(c.int8) + " has unknown flag bits";
-  if (c.smooth & ~uint32_t(SAGE_SMOOTH_K))
+  if (c.smooth & ~uint32_t(SAGE_SMOOTH_K | SAGE_SMOOTH_Q))
     return "config.smooth = " + std::to_string(c.smooth) +
-           " is invalid (the backward smooths K only: 0 or SAGE_SMOOTH_K)";
+           " is invalid (the backward smooths Q and K: SAGE_SMOOTH_Q, SAGE_SMOOTH_K or both)";
   if (enum_value(c.granularity) != SAGE_GRANULARITY_PER_BLOCK &&
       enum_value(c.granularity) != SAGE_GRANULARITY_PER_TOKEN)
     return "config.granularity = " + std::to_string(enum_value(c.granularity)) +
@@ -158,6 +177,12 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
              i8_dsk = (cfg.int8 & SAGE_BWD_INT8_DSK) && !f8_dsk,
              i8_dsq = (cfg.int8 & SAGE_BWD_INT8_DSQ) && !f8_dsq;
   const bool smooth_k = (cfg.smooth & SAGE_SMOOTH_K) && (i8_qk || i8_dsk || f8_dsk);
+  // Q smoothing: both products that read Q take Q - q̄ (q̄ the head's mean query) and the exact
+  // terms come back in fp32: key j's score gains q̄·(K_j - k̄) (q̄·K_j where the scores are not
+  // INT8: that path reads K as it is; k̄·q̄ is the same for every score of the head, so it drops
+  // out of the softmax), and dK_j gains q̄·Σ_i dS_ij from the unquantized dS. Applied whenever
+  // asked, quantized or not, so that its algebra is testable in fp32 arithmetic.
+  const bool smooth_q = cfg.smooth & SAGE_SMOOTH_Q;
   const bool per_token = cfg.granularity == SAGE_GRANULARITY_PER_TOKEN;
   const sage_dtype dt = q.dtype;
   const float scale_log2 = float(p.scale * kLog2e);
@@ -170,6 +195,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     std::vector<float> rowmax, mu, u;  // e4m3 products: m_i, μ_i and 448 / W_i (0 when W_i = 0)
     std::vector<float> o_bar, q_bar;   // e4m3 operands of dV and dK [Nq][D]
     std::vector<double> norm2, sigma2;
+    std::vector<float> q_mean;     // q̄ [D] (zero without Q smoothing)
+    std::vector<float> key_term2;  // Q smoothing: key j's exact score term, log2 units [Nk]
     BlockQuant q8, do8;
   };
   struct KSide {
@@ -194,6 +221,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     const float dp = i8_dov ? dot32(qs.do8.values.data() + i * D, ks.v8.values.data() + j * D, D) *
                                   dov_scale
                             : dot32(qs.d_o.data() + i * D, ks.v.data() + j * D, D);
+    if (smooth_q)  // (one rounding, as the kernels' fma)
+      return ScoreDp{std::fma(sij, qk_scale * scale_log2, qs.key_term2[size_t(j)]), dp};
     return ScoreDp{sij * (qk_scale * scale_log2), dp};
   };
   std::vector<KSide> kside(size_t(p.batch * p.heads_kv));
@@ -201,7 +230,7 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     KSide& s = kside[size_t(bkv)];
     s.k = load_matrix(k, bkv / p.heads_kv, bkv % p.heads_kv, Nk, D);
     s.v = load_matrix(v, bkv / p.heads_kv, bkv % p.heads_kv, Nk, D);
-    // k̄ exactly as the GPU pre-pass forms it (kBwdKSumChunk): an fp32 sum per chunk of keys in
+    // k̄ exactly as the GPU pre-pass forms it (kBwdSumChunk): an fp32 sum per chunk of keys in
     // key order, the chunks' sums added in order, then / Nk in fp32. Not a more accurate mean: one
     // ulp of k̄ can move a K - k̄ that sits near a rounding tie of ψ to the other INT8 value, and
     // that one element shifts key j's score by Q^_i,d·c on every query row of the KV head (the
@@ -209,17 +238,7 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     // dS, and through each row's normalizer every other key's, move together: on a key that
     // draws much of the attention, far more than all the GPU's other differences from its
     // emulation in dK and dV. Formed the same way, K^ and its scales are the GPU's bit for bit.
-    s.k_mean.assign(dims, 0.0f);
-    if (smooth_k) {
-      std::vector<float> part(dims);
-      for (int64_t c0 = 0; c0 < Nk; c0 += kBwdKSumChunk) {
-        std::fill(part.begin(), part.end(), 0.0f);
-        for (int64_t j = c0; j < std::min(Nk, c0 + kBwdKSumChunk); ++j)
-          for (int64_t d = 0; d < D; ++d) part[size_t(d)] += s.k[size_t(j * D + d)];
-        for (int64_t d = 0; d < D; ++d) s.k_mean[size_t(d)] += part[size_t(d)];
-      }
-      for (int64_t d = 0; d < D; ++d) s.k_mean[size_t(d)] /= float(Nk);
-    }
+    s.k_mean = channel_mean(s.k, Nk, D, smooth_k);
     std::vector<float> ks(s.k.size());
     s.norm2.assign(size_t(Nk), 0.0);
     for (int64_t j = 0; j < Nk; ++j)
@@ -237,9 +256,25 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     const int64_t b = bh / p.heads_q, kv = b * p.heads_kv + (bh % p.heads_q) / G;
     s.q = load_matrix(q, b, bh % p.heads_q, Nq, D);
     s.d_o = load_matrix(d_o, b, bh % p.heads_q, Nq, D);
+    const KSide& ks = kside[size_t(kv)];
+    // q̄ in the GPU pre-pass's order (as k̄, and for the same reason: an ulp of q̄ can flip an
+    // element of Q^ at a rounding tie), then Q - q̄ in fp32, and each key's q̄·(K_j - k̄) as one
+    // fma chain over the channels in order, times scale·log2 e.
+    s.q_mean = channel_mean(s.q, Nq, D, smooth_q);
+    if (smooth_q) {
+      for (int64_t i = 0; i < Nq; ++i)
+        for (int64_t d = 0; d < D; ++d) s.q[size_t(i * D + d)] -= s.q_mean[size_t(d)];
+      s.key_term2.resize(size_t(Nk));
+      for (int64_t j = 0; j < Nk; ++j) {
+        float acc = 0.0f;
+        for (int64_t d = 0; d < D; ++d)
+          acc = std::fma(s.q_mean[size_t(d)],
+                         ks.k[size_t(j * D + d)] - (i8_qk ? ks.k_mean[size_t(d)] : 0.0f), acc);
+        s.key_term2[size_t(j)] = acc * scale_log2;
+      }
+    }
     s.q8 = psi_rows(s.q, Nq, D, bq);
     s.do8 = psi_rows(s.d_o, Nq, D, bq);
-    const KSide& ks = kside[size_t(kv)];
     s.lse2.assign(size_t(Nq), std::numeric_limits<float>::infinity());
     s.delta.assign(size_t(Nq), 0.0f);
     s.norm2.assign(size_t(Nq), 0.0);
@@ -445,14 +480,21 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     const int64_t b = bkv / p.heads_kv, hkv = bkv % p.heads_kv;
     const int64_t c0 = jb * bk, cols = std::min(Nk, c0 + bk) - c0;
     std::vector<float> ak(size_t(cols * D), 0.0f), av(ak.size(), 0.0f), part(dims);
+    // Q smoothing: Σ_i dS_ij over one head's queries, and (e4m3 dK only, whose sum is scaled on
+    // the way out) the q̄ terms kept apart from ak.
+    std::vector<float> colsum(static_cast<size_t>(cols)), q_term(f8_dsq ? ak.size() : 0, 0.0f);
     Tile t;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t bh = b * p.heads_q + hkv * G + g;
       const QSide& qs = qside[size_t(bh)];
+      std::fill(colsum.begin(), colsum.end(), 0.0f);
       for (int64_t ib = 0; ib < q_blocks; ++ib) {
         tile(bh, ib, jb, t);
         if (t.empty) continue;
         const int64_t rows = t.r1 - t.r0;
+        if (smooth_q)
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) colsum[size_t(c)] += t.dS[size_t(r * cols + c)];
         for (int64_t c = 0; c < cols; ++c) {
           // dV_j += Pᵀ·dO over this tile's rows: one block product, then scaled into fp32.
           std::fill(part.begin(), part.end(), 0.0f);
@@ -482,15 +524,23 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
           for (int64_t d = 0; d < D; ++d) ak[size_t(c * D + d)] += part[size_t(d)] * dsq_scale;
         }
       }
+      // dSᵀ·Q = dSᵀ·(Q - q̄) + (Σ_i dS_i)ᵀ·q̄, added after each head as the kernels do.
+      if (smooth_q)
+        for (int64_t c = 0; c < cols; ++c)
+          for (int64_t d = 0; d < D; ++d)
+            (f8_dsq ? q_term : ak)[size_t(c * D + d)] +=
+                colsum[size_t(c)] * qs.q_mean[size_t(d)];
     }
-    // (e4m3: 448·e and the per-channel mul come out here; every block summed in place)
+    // e4m3: dV's 448·e and per-channel mul come out here, and dK's per-channel mul (its dS̄ =
+    // e·(dP - D)·u pairs with Q·μ / u, so no 448 is left); every block summed in place.
     const KSide& kv_side = kside[size_t(bkv)];
     for (int64_t c = 0; c < cols; ++c)
       for (int64_t d = 0; d < D; ++d) {
         const int64_t at = (bkv * Nk + c0 + c) * D + d;
-        const float k_out = f8_dsq ? kv_side.q_inv[size_t(d)] / kE4M3Max : 1.0f;
+        const float k_out = f8_dsq ? kv_side.q_inv[size_t(d)] : 1.0f;
         const float v_out = f8_pdo ? kv_side.o_inv[size_t(d)] / kE4M3Max : 1.0f;
-        dk[at] = ak[size_t(c * D + d)] * k_out * float(p.scale);
+        const float sum = ak[size_t(c * D + d)] * k_out;
+        dk[at] = (f8_dsq ? sum + q_term[size_t(c * D + d)] : sum) * float(p.scale);
         dv[at] = av[size_t(c * D + d)] * v_out;
       }
   });

@@ -200,10 +200,11 @@ sage_backward_config backward_preset();
 // Empty when `cfg` is usable, else a message naming the bad field and its value.
 std::string backward_config_error(const sage_backward_config& cfg);
 
-// The keys of each partial sum of K smoothing's mean k̄ (the GPU pre-pass's chunk: src/bwd's
-// k_sum_kernel sums each chunk in key order in fp32, k_mean_kernel adds the chunks in order and
-// divides by Nk in fp32; attention_backward_quant forms k̄ the same way, bit for bit).
-inline constexpr int64_t kBwdKSumChunk = 256;
+// The rows of each partial sum of the smoothing means k̄ and q̄ (the GPU pre-pass's chunk: src/bwd's
+// sum_kernel sums each chunk in row order in fp32, mean_kernel adds the chunks in order and
+// divides by the row count in fp32; attention_backward_quant forms both the same way, bit for
+// bit).
+inline constexpr int64_t kBwdSumChunk = 256;
 
 // ψ of the backward: the scale of a block whose largest |x| is amax. Unlike make_quant_scale, a
 // NaN amax gives a NaN scale and an infinite one an infinite scale (inverse 0), so a non-finite

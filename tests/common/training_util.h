@@ -36,5 +36,8 @@ inline Exact exact_grads(const ref::Problem& p, const ref::TrainingInputs& in) {
 inline double cosine(const std::vector<double>& truth, const std::vector<float>& x) {
   return ref::compare(truth.data(), x.data(), int64_t(x.size())).cos;
 }
+inline double rel_l1(const std::vector<double>& truth, const std::vector<float>& x) {
+  return ref::compare(truth.data(), x.data(), int64_t(x.size())).rel_l1;
+}
 
 }  // namespace sage::test

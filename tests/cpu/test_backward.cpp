@@ -467,7 +467,7 @@ TEST(BackwardApi, BadArgumentsAreNamed) {
   a.config.block_q = 0;
   expect(a, SAGE_ERROR_INVALID_ARGUMENT, "config.block_q");
   a = good;
-  a.config.smooth = SAGE_SMOOTH_Q;
+  a.config.smooth = SAGE_SMOOTH_V;
   a.variant = SAGE_VARIANT_CUSTOM;
   expect(a, SAGE_ERROR_INVALID_ARGUMENT, "config.smooth");
   a = good;

@@ -5,6 +5,7 @@
 // the C entry point writes the verdict.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -91,13 +92,103 @@ TEST(BackwardCheck, EveryTrainingClassIsAccurateOrRefused) {
       if (c.kind == TrainingClass::kNormal) {
         EXPECT_FALSE(check.untrusted);
       }
-      if (c.strength >= 16 || c.kind == TrainingClass::kOutlierSink) {
+      if ((c.strength >= 16 && c.kind != TrainingClass::kOutlierBias) ||
+          c.kind == TrainingClass::kOutlierSink) {
         EXPECT_TRUE(check.untrusted);
+      }
+      // Q and K smoothing take a channel bias out of both INT8 operands: it stays in 8 bits.
+      if (c.kind == TrainingClass::kOutlierBias) {
+        EXPECT_FALSE(check.untrusted);
       }
     }
   }
   EXPECT_GT(accepted, 0);
   EXPECT_GT(refused, 0);
+}
+
+// Q smoothing is exact algebra: without INT8 or e4m3 (every product in fp32 on the dtype's values)
+// it changes the gradients by fp32 rounding only, on a channel bias where q̄ is large, with GQA, a
+// causal mask and a gradient on the LSE. With INT8 it takes the bias out of ψ(Q), and the check's
+// estimate falls.
+TEST(BackwardCheck, QSmoothingIsExactWithoutQuantization) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  ref::TrainingSpec s;
+  s.kind = TrainingClass::kOutlierBias;
+  s.strength = 8;
+  s.seq_q = 150;
+  s.seq_kv = 170;
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  s.dtype = SAGE_DTYPE_BF16;
+  s.seed = seed;
+  const ref::TrainingInputs in = ref::make_training_inputs(s);
+  const ref::Problem p = problem_of(s, SAGE_MASK_CAUSAL_BOTTOM_RIGHT);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> g(size_t(p.lse_elems()));
+  for (float& x : g) x = u(rng);
+  // The bf16 values widened to fp32 inputs: without INT8 every product then runs in fp32 (no
+  // P or dS rounded to the input dtype), so only fp32's rounding can tell the two forms apart.
+  auto widen = [&](const std::vector<uint16_t>& x) {
+    std::vector<float> f(x.size());
+    for (size_t i = 0; i < x.size(); ++i) f[i] = ref::load_element(x.data(), s.dtype, int64_t(i));
+    return f;
+  };
+  const std::vector<float> q32 = widen(in.q), k32 = widen(in.k), v32 = widen(in.v),
+                           do32 = widen(in.d_o);
+  auto view = [&](const std::vector<float>& x, int64_t heads, int64_t seq) {
+    return ref::TensorView{x.data(), SAGE_DTYPE_FP32,
+                           ref::contiguous_strides(SAGE_LAYOUT_HND, heads, seq, s.head_dim)};
+  };
+  struct Out {
+    std::vector<float> dq, dk, dv;
+    ref::BackwardCheck check;
+  };
+  auto grads = [&](uint32_t int8, uint32_t smooth, const float* d_lse) {
+    sage_backward_config cfg = ref::backward_preset();
+    cfg.int8 = int8;
+    cfg.smooth = smooth;
+    Out o;
+    o.dq.resize(size_t(p.out_elems()));
+    o.dk.resize(in.k.size());
+    o.dv.resize(in.k.size());
+    if (int8)
+      ref::attention_backward_quant(p, cfg, in.q_view(), in.k_view(), in.v_view(), in.d_o_view(),
+                                    o.dq.data(), o.dk.data(), o.dv.data(), 2, d_lse, &o.check);
+    else
+      ref::attention_backward_quant(p, cfg, view(q32, s.heads_q, s.seq_q),
+                                    view(k32, s.heads_kv, s.seq_kv),
+                                    view(v32, s.heads_kv, s.seq_kv), view(do32, s.heads_q, s.seq_q),
+                                    o.dq.data(), o.dk.data(), o.dv.data(), 2, d_lse, &o.check);
+    return o;
+  };
+  auto max_rel = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double diff = 0.0, big = 0.0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      diff = std::max(diff, std::fabs(double(a[i]) - b[i]));
+      big = std::max(big, std::fabs(double(b[i])));
+    }
+    return diff / big;
+  };
+  const float* none = nullptr;
+  for (const float* d_lse : {none, static_cast<const float*>(g.data())}) {
+    SCOPED_TRACE(d_lse ? "with dL/dLSE" : "no dL/dLSE");
+    const Out plain = grads(0, SAGE_SMOOTH_K, d_lse),
+              smooth = grads(0, SAGE_SMOOTH_K | SAGE_SMOOTH_Q, d_lse);
+    // (measured 2e-6..6e-6 of the largest entry: fp32's rounding of scores near |b|²·scale = 32
+    // and of q̄·K_j)
+    EXPECT_LT(max_rel(smooth.dq, plain.dq), 3e-5);
+    EXPECT_LT(max_rel(smooth.dk, plain.dk), 3e-5);
+    EXPECT_LT(max_rel(smooth.dv, plain.dv), 3e-5);
+    EXPECT_NE(smooth.dk, plain.dk);  // the smoothed path did run
+  }
+  const Out i8 = grads(SAGE_BWD_INT8_DEFAULT, SAGE_SMOOTH_K, nullptr),
+            i8q = grads(SAGE_BWD_INT8_DEFAULT, SAGE_SMOOTH_K | SAGE_SMOOTH_Q, nullptr);
+  for (size_t h = 0; h < i8.check.head_error.size(); ++h)
+    EXPECT_LT(i8q.check.head_error[h], 0.8 * i8.check.head_error[h]) << "head " << h;
+  // The preset smooths both.
+  EXPECT_EQ(ref::backward_preset().smooth, uint32_t(SAGE_SMOOTH_K | SAGE_SMOOTH_Q));
 }
 
 // The backward's P is a normalized softmax of its own scores: with the scores in fp32 (no INT8

@@ -51,6 +51,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 3 : 2) backward_kernel(con
     m.store_ds(b);
     loads.wait_older();  // half B of this block (A of the next may still be landing)
     m.dv_dk(b);
+    if (p.smooth_q && (!more || next.bh != b.bh)) m.add_q_term(b.bh);  // the head's last block
     __syncthreads();  // every read of half B is done
     loads.half_b(next, more);
     epi.dq(b, m);

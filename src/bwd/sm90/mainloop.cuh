@@ -1,12 +1,14 @@
 // The mainloop of SageBwd's Hopper main kernel: per query block, with the CTA's 64 keys as the M
 // rows of every product (one warpgroup; thread (warp, g, t) holds keys 16·warp + g and + 8):
 //   Sᵀ = K^·Q^ᵀ (s8, both operands in shared memory) and dPᵀ = V·dOᵀ (fp16/bf16), one batch
-//   Pᵀ = 2^(Sᵀ·s - L'), dSᵀ = Pᵀ∘(dPᵀ - D), their per-key ψ packed into A fragments in registers
+//   Pᵀ = 2^(Sᵀ·s + t - L') (t: the key's Q-smoothing term), dSᵀ = Pᵀ∘(dPᵀ - D), their per-key ψ
+//     packed into A fragments in registers
 //     (the mma.sync A layout, so the pre-pass's permuted Q^ᵀ and dO^ᵀ serve as B: bwd::query_at)
 //   dV += P^ᵀ·dO^ and dK += dS^ᵀ·Q^ (s8, A from registers, 64 channels at a time; at D = 128
 //     dV's upper half accumulates in shared memory)
 //   dS^ per query (its ψ from every warp's partial maxima) into shared memory, [query][key], the
-//     A operand of dQ += dS^·K^ (dq_product; the epilogue adds it into dQ's accumulator).
+//     A operand of dQ += dS^·K^ (dq_product; the epilogue adds it into dQ's accumulator)
+//   after a query head's last block, dK += q̄ ⊗ Σ_i dS_i (add_q_term, as the mma.sync kernel).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -82,6 +84,7 @@ struct Mainloop {
   const int64_t key_a, key_b;  // this thread's keys: rows ka = 16·warp + g and ka + 8
   const float k_scale;
   float dk[D / 2], dv[S::kDvRegs];
+  float cs[2];        // Σ dS of each key over the head's queries this thread holds
   float* const dv_s;  // dV's values past kDvRegs: value j at j · kThreads
 
   __device__ Mainloop(const MainParams& params, uint8_t* sm, const CtaWork& w)
@@ -96,6 +99,7 @@ struct Mainloop {
         dv_s(reinterpret_cast<float*>(sm + S::kDv) + threadIdx.x) {
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = 0.0f;
+    cs[0] = cs[1] = 0.0f;
 #pragma unroll
     for (int i = 0; i < S::kDvRegs; ++i) dv[i] = 0.0f;
 #pragma unroll
@@ -112,19 +116,22 @@ struct Mainloop {
     return i < S::kDvRegs ? dv[i] : dv_s[(i - S::kDvRegs) * kThreads];
   }
 
-  // Sᵀ and dPᵀ of block w (half A in shared memory), then Pᵀ and dSᵀ into b, and each warp's
-  // partial max |dS| of every query into shared memory.
-  __device__ void scores(const BlockWalk& w, Block& b) const {
+  // Sᵀ and dPᵀ of block w (half A in shared memory), then Pᵀ and dSᵀ into b (dS's sums into cs),
+  // and each warp's partial max |dS| of every query into shared memory.
+  __device__ void scores(const BlockWalk& w, Block& b) {
     b.bh = w.bh, b.qb = w.qb, b.i0 = w.qb * kBlockQ;
     b.q_scale = reinterpret_cast<const float*>(smem + S::kScales)[0];
     b.do_scale = reinterpret_cast<const float*>(smem + S::kScales)[1];
+    const float kt_a = p.key_term[b.bh * p.nk_pad + key_a],
+                kt_b = p.key_term[b.bh * p.nk_pad + key_b];
 
     // Sᵀ = K^·Q^ᵀ and dPᵀ = V·dOᵀ: 64 keys x 64 queries each.
     int s[32];
     float dp[32];
     s_and_dp<kBf16, D>(s, dp, smem + S::kK, smem + S::kQ, smem + S::kV, smem + S::kDo);
 
-    // Pᵀ = 2^(Sᵀ·s_Q·s_K·scale·log2 e - L'), masked, and its per-key ψ into A fragments.
+    // Pᵀ = 2^(Sᵀ·s_Q·s_K·scale·log2 e + t - L'), masked (x as the stats pass forms it), and its
+    // per-key ψ into A fragments.
     const float* lse_s = reinterpret_cast<const float*>(smem + S::kLse);
     const float* delta_s = reinterpret_cast<const float*>(smem + S::kDelta);
     const float c = b.q_scale * k_scale * p.scale_log2;
@@ -142,7 +149,9 @@ struct Mainloop {
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const int qi = Frag::col(i, t);
-      P[i] = qi >= first[Frag::half(i)] ? ptx::ex2(float(s[i]) * c - lse_s[qi]) : 0.0f;
+      const float kt = Frag::half(i) ? kt_b : kt_a;
+      P[i] =
+          qi >= first[Frag::half(i)] ? ptx::ex2(__fmaf_rn(float(s[i]), c, kt) - lse_s[qi]) : 0.0f;
       pmax[Frag::half(i)] = ptx::max_nan(pmax[Frag::half(i)], P[i]);
     }
     b.pa = psi_scale(Frag::quad_max(pmax[0]));
@@ -153,6 +162,7 @@ struct Mainloop {
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       P[i] *= dp[i] - delta_s[Frag::col(i, t)];
+      cs[Frag::half(i)] += P[i];
       kmax[Frag::half(i)] = ptx::max_nan(kmax[Frag::half(i)], fabsf(P[i]));
     }
     const float(&dS)[32] = b.ds;
@@ -258,6 +268,12 @@ struct Mainloop {
         for (int i = 0; i < 32; ++i) dk[h * 32 + i] += scaled(acc, i, ka, kb);
       }
     }
+  }
+
+  // After query head bh's last block: dK += q̄ ⊗ Σ_i dS_i (bwd::add_q_term).
+  __device__ void add_q_term(int64_t bh) {
+    bwd::add_q_term<D>([&](int n, int e) -> float& { return dk[Frag::reg(n, e)]; }, cs,
+                       p.q_mean + bh * D, t);
   }
 
   // dS^·K^ for channel panel h: the block's 64 queries x 64 channels (int32, unscaled).

@@ -6,7 +6,7 @@
 //
 // One CTA is one warpgroup over 64 queries (thread (warp, g, t) holds rows 16·warp + g and + 8 of
 // S = Q^·K^ᵀ and dP = dO·Vᵀ, the accumulators' layout); Q^ and dO stay in shared memory, the key
-// blocks (K^, V, ‖K_j - k̄‖²) stream through two cp.async stages.
+// blocks (K^, V, ‖K_j - k̄‖², the keys' score terms) stream through two cp.async stages.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,8 +35,9 @@ struct StatsSmem {
   static constexpr int kK = 0;                      //   K^ [64 keys][D]
   static constexpr int kV = kK + 64 * D;            //   V [64 keys][D] 16-bit panels
   static constexpr int kStage = kV + 64 * D * 2;
-  static constexpr int kNorm = kStage0 + 2 * kStage;  // ‖K_j - k̄‖² [2 stages][64]
-  static constexpr int kBytes = kNorm + 2 * 64 * 4 + 1024;  // + the base's alignment
+  static constexpr int kNorm = kStage0 + 2 * kStage;        // ‖K_j - k̄‖² [2 stages][64]
+  static constexpr int kTerm = kNorm + 2 * 64 * 4;          // key_term [2 stages][64]
+  static constexpr int kBytes = kTerm + 2 * 64 * 4 + 1024;  // + the base's alignment
   static_assert(kBytes <= 75 * 1024, "three CTAs an SM at D = 128");
 };
 
@@ -83,6 +84,9 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
     if (threadIdx.x < kBlockK / 4)
       ptx::cp_async_16(smem + S::kNorm + (kb & 1) * kBlockK * 4 + threadIdx.x * 16,
                        p.knorm2 + k_row + threadIdx.x * 4);
+    else if (threadIdx.x < kBlockK / 2)
+      ptx::cp_async_16(smem + S::kTerm + (kb & 1) * kBlockK * 4 + (threadIdx.x - kBlockK / 4) * 16,
+                       p.key_term + bh * p.nk_pad + kb * kBlockK + (threadIdx.x - kBlockK / 4) * 4);
   };
   if (n_kb > 0) load_keys(0);
   ptx::cp_async_commit();
@@ -109,7 +113,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
     float dp[32];
     s_and_dp<kBf16, D>(s, dp, smem + S::kQ, st + S::kK, smem + S::kDo, st + S::kV);
 
-    // x = float(s)·c, c in the main kernels' order, the product rounded on its own so that the
+    // x = float(s)·c + t_j, c in the main kernels' order, one rounding (their fma) so that the
     // max and the sums see one x; keys a row does not see (padding keys too, though K^ is zero
     // there) count as -inf in the max and not at all in the sums.
     const int64_t j0 = kb * kBlockK;
@@ -119,13 +123,19 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const StatsParams p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r)
       lim[r] = int(max(int64_t(0), min(int64_t(kBlockK), limit[r] - j0)));
+    const float* kt = reinterpret_cast<const float*>(smem + S::kTerm) + (kb & 1) * kBlockK;
     float x[32];
     float mx[2] = {m[0], m[1]};
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const bool seen = Frag::col(i, t) < lim[Frag::half(i)];
-      x[i] = seen ? __fmul_rn(float(s[i]), c) : -INFINITY;
-      mx[Frag::half(i)] = ptx::max_nan(mx[Frag::half(i)], x[i]);
+    for (int n = 0; n < 8; ++n) {
+      const float2 t2 = *reinterpret_cast<const float2*>(kt + Frag::pair(n, t));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = Frag::reg(n, e);
+        const bool seen = Frag::col(i, t) < lim[Frag::half(i)];
+        x[i] = seen ? __fmaf_rn(float(s[i]), c, (e & 1) ? t2.y : t2.x) : -INFINITY;
+        mx[Frag::half(i)] = ptx::max_nan(mx[Frag::half(i)], x[i]);
+      }
     }
     float alpha[2];  // the old sums' rescale (the first block: nothing to rescale)
 #pragma unroll
