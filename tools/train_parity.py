@@ -228,6 +228,9 @@ def run(phase, attn, seed, cfg, a, train, val, device, init_state=None, log=prin
     val_at = {round(i * steps / a.val_points) for i in range(a.val_points + 1)}
     losses = torch.zeros(steps, device=device)
     gnorms = torch.zeros(steps, device=device)
+    # Backward calls SageBwd's accuracy check sent to 16 bits, per step (sage runs; the counter
+    # is the package's, so a step's share is read around it).
+    fallbacks = []
     record = {"phase": phase, "attention": attn, "seed": seed, "steps": steps, "val": []}
     tag = f"[{phase} {attn} seed {seed}]"
     sync(device)
@@ -251,8 +254,10 @@ def run(phase, attn, seed, cfg, a, train, val, device, init_state=None, log=prin
         if step == steps:
             break
         batch = train[offsets[step, :, None] + span].long()
+        before = sage_attn.backward_fallbacks()
         losses[step], gnorms[step] = train_step(model, opt, batch, lr_at(step, steps, peak,
                                                                          a.warmup_frac), device)
+        fallbacks.append(sage_attn.backward_fallbacks() - before)
     sync(device)
     seconds = time.perf_counter() - start
     record["train_loss"] = [round(x, 5) for x in losses.tolist()]
@@ -265,9 +270,14 @@ def run(phase, attn, seed, cfg, a, train, val, device, init_state=None, log=prin
     record["seconds"] = seconds
     record["eval_seconds"] = eval_s
     record["train_ms_per_step"] = 1000 * (seconds - eval_s) / steps
+    # Of the steps x layers backward calls, how many the check sent to 16 bits (0 for SDPA).
+    record["backward_calls"] = len(fallbacks) * cfg["layers"]
+    record["backward_16bit"] = sum(fallbacks)
+    record["backward_16bit_per_step"] = fallbacks
     log(f"{tag} done: final val {record['final_val_loss']:.4f}, train (last 10%) "
         f"{record['final_train_loss']:.4f}, {seconds:.1f} s "
-        f"({record['train_ms_per_step']:.1f} ms/step)")
+        f"({record['train_ms_per_step']:.1f} ms/step), backward calls in 16 bits "
+        f"{record['backward_16bit']} of {record['backward_calls']}")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return record, state
 

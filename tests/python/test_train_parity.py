@@ -54,6 +54,12 @@ def test_smoke_on_cpu(tmp_path):
         assert r["final_val_loss"] == r["val"][-1][1]
         assert r["final_train_loss"] == pytest.approx(r["train_loss"][-1], abs=1e-9)  # 10% of 5
         assert r["seconds"] > 0 and r["train_ms_per_step"] > 0
+        # Backward calls: a step's layers; SDPA's never go to a 16-bit recompute.
+        assert r["backward_calls"] == r["steps"] * 2
+        assert len(r["backward_16bit_per_step"]) == r["steps"]
+        assert sum(r["backward_16bit_per_step"]) == r["backward_16bit"] <= r["backward_calls"]
+        if r["attention"] == "sdpa":
+            assert r["backward_16bit"] == 0
         if r["phase"] == "pretrain":  # from about ln(256) = 5.55 down
             assert 4.8 < r["train_loss"][0] < 6.0
             assert r["train_loss"][-1] < r["train_loss"][0] - 0.1
