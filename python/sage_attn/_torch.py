@@ -39,6 +39,7 @@ if getattr(_torch_sdpa, "__module__", "").startswith("sage_attn"):
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 _UINT8 = torch.uint8
 _Tensor = torch.Tensor
+_is_grad_enabled = torch.is_grad_enabled
 _AttentionArgs = _lib.AttentionArgs
 _DTYPE_CODES = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16,
                 torch.float32: _lib.DTYPE_FP32}
@@ -909,6 +910,12 @@ class _Route:
         self.direct, self.shape, self.device = direct, shape, device
 
 
+# The answer for a call shorter than its device's least routed length (_dropin_route_of): torch's
+# SDPA, silently. Of the full decision's one-time warnings for arguments the library does not
+# take, such a call skips those about the key and value, and the dimensions.
+_SHORT = _Route("")
+
+
 def _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """The drop-in's _Route for this call, every check run."""
     reason = _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
@@ -937,38 +944,53 @@ _routes: dict = {}
 _sdpa_below: dict = {}
 
 
-def _shorter_than_routed(query):
-    """True where the crossover model hands a call with this 4-D [B, H, N, D] query to torch by
-    its length alone (under _sdpa_below of its device; the crossover switch on): the drop-in's
-    and the registered flash op's route skip the rest of the decision for it."""
-    return _use_crossover and query.shape[2] < _sdpa_below.get(query.device, 0)
+def _shorter_than_routed(shape, device):
+    """True where the crossover model hands a call whose 4-D [B, H, N, D] query has this shape
+    and device to torch by its length alone (under _sdpa_below of its device; the crossover
+    switch on): the drop-in's and the registered flash op's route skip the rest of the decision
+    for it. (The query's shape and device as read by the caller, which reuses them.)"""
+    return _use_crossover and shape[2] < _sdpa_below.get(device, 0)
 
 
 def _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """The drop-in's _Route for this call (_dropin_decide), kept by the call's signature: every
     input the answer reads. Of the tensors: shape, strides, dtype, device and whether the query
-    is 16-byte aligned (the plan's key has it); the scalar arguments as given; whether the call
-    trains (grad mode, requires_grad); the crossover switch. Nothing else reaches the answer
-    (torch's deterministic-algorithms setting only orders SageBwd's sums, read when it runs; the
-    library's plan reads its arguments alone). Only plain tensors without a mask are kept: a
-    subclass may answer attribute reads its own way, and a mask is never taken; those, and a
-    call whose signature cannot be formed (an unhashable argument, a tensor without strides or
-    storage), run every check each time."""
-    t = torch.Tensor
+    is 16-byte aligned (the plan's key has it); the scalar arguments as given, and the scale's
+    type (the checks take an int or float scale only, and a value of another type can compare
+    and hash equal to one); whether the call trains (grad mode, requires_grad); the crossover
+    switch. Nothing else reaches the answer (torch's deterministic-algorithms setting only
+    orders SageBwd's sums, read when it runs; the library's plan reads its arguments alone).
+    Only plain tensors without a mask are kept: a subclass may answer attribute reads its own
+    way, and a mask is never taken; those, and a call whose signature cannot be formed (an
+    unhashable argument, a tensor without strides or storage), run every check each time.
+
+    Before the signature: a plain fp16/bf16 query without a mask or dropout, shorter than its
+    device's least routed length (_sdpa_below), gets _SHORT (torch's SDPA, silently) from the
+    query's shape, dtype and device alone, which the signature then reuses."""
     sig = None
-    if type(query) is t and type(key) is t and type(value) is t and attn_mask is None:
+    if attn_mask is None and type(query) is _Tensor:
         try:
-            sig = (query.shape, key.shape, value.shape, query.stride(), key.stride(),
-                   value.stride(), query.dtype, key.dtype, value.dtype, query.device,
-                   key.device, value.device, query.data_ptr() % 16 == 0, dropout_p, is_causal,
-                   scale, enable_gqa, torch.is_grad_enabled() and (
-                       query.requires_grad or key.requires_grad or value.requires_grad),
-                   _use_crossover)
-            route = _routes.get(sig)
-        except (TypeError, RuntimeError):
-            sig = route = None
-        if route is not None:
-            return route
+            shape, dtype, device = query.shape, query.dtype, query.device
+        except RuntimeError:  # (a strided nested tensor has no shape: the full decision's case)
+            shape = None
+        if shape is not None:
+            if (not dropout_p and len(shape) == 4 and dtype in _GPU_DTYPES
+                    and _shorter_than_routed(shape, device)):
+                return _SHORT
+            if type(key) is _Tensor and type(value) is _Tensor:
+                try:
+                    sig = (shape, key.shape, value.shape, query.stride(), key.stride(),
+                           value.stride(), dtype, key.dtype, value.dtype, device, key.device,
+                           value.device, query.data_ptr() % 16 == 0, dropout_p, is_causal,
+                           scale, type(scale), enable_gqa, _is_grad_enabled() and (
+                               query.requires_grad or key.requires_grad or
+                               value.requires_grad),
+                           _use_crossover)
+                    route = _routes.get(sig)
+                except (TypeError, RuntimeError):
+                    sig = route = None
+                if route is not None:
+                    return route
     route = _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if sig is not None:
         if len(_routes) >= _PREPARED_MAX:
@@ -1015,19 +1037,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
         o, _ = _call(_dropin_call(q, k, v, _lib.LAYOUT_HND, mask, s, _FALLBACK_SDPA))
         return o
-    # (A plain 16-bit query without a mask or dropout, shorter than the device's least routed
-    # length: torch's SDPA, where the full decision routes every such call. Of that decision's
-    # one-time warnings for arguments the library does not take, such a call skips those about
-    # the key and value, and the dimensions.)
-    if attn_mask is None and not dropout_p and type(query) is _Tensor:
-        try:  # (a strided nested tensor has no shape: the full decision's case)
-            short = (query.dim() == 4 and query.dtype in _GPU_DTYPES
-                     and _shorter_than_routed(query))
-        except RuntimeError:
-            short = False
-        if short:
-            return _torch_sdpa(query, key, value, None, dropout_p, is_causal, scale=scale,
-                               enable_gqa=enable_gqa)
     route = _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale,
                              enable_gqa)
     if route.reason is not None:

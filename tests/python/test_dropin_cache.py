@@ -150,12 +150,15 @@ GQA_BASE = ("enable_gqa alone", None,
             lambda q, k, v: ((q, k[:, :2], v[:, :2]), {"enable_gqa": True}))
 
 
+@pytest.mark.parametrize("sdpa_below", [0, 40])
 @pytest.mark.parametrize("name,rule,vary", VARIATIONS + [GQA_BASE],
                          ids=[v[0] for v in VARIATIONS + [GQA_BASE]])
-def test_each_input_of_the_answer_is_in_the_signature(name, rule, vary):
+def test_each_input_of_the_answer_is_in_the_signature(name, rule, vary, sdpa_below):
     """One input changed, the base call's answer cached: the changed call gets its own answer
-    (the one every check gives), not the base call's."""
-    with host.cuda_stand_in(prefer_sdpa=rule or False):
+    (the one every check gives), not the base call's. sdpa_below 40: a least routed length under
+    every query here, so that the shortcut's reads of the query (which the signature reuses) run
+    first and let the call through."""
+    with host.cuda_stand_in(prefer_sdpa=rule or False, sdpa_below=sdpa_below):
         q, k, v = qkv()
         base = ((q, k[:, :2], v[:, :2]), {}) if vary is GQA_BASE[2] else ((q, k, v), {})
         want_base = fresh(*base[0], **base[1])
@@ -165,6 +168,22 @@ def test_each_input_of_the_answer_is_in_the_signature(name, rule, vary):
         assert want != want_base
         assert cached(*args, **kw) == want
         assert cached(*base[0], **base[1]) == want_base
+
+
+def test_a_scale_of_another_type_has_its_own_signature():
+    """A scale the checks refuse for its type (a Fraction, which compares and hashes equal to
+    the float they take) gets the checks' answer, whichever of the two was cached first."""
+    from fractions import Fraction
+    with host.cuda_stand_in(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q, k, v = qkv()
+        assert fresh(q, k, v, scale=0.125) == "sage"
+        assert fresh(q, k, v, scale=Fraction(1, 8)) == "scale = Fraction(1, 8)"
+        for order in ((0.125, Fraction(1, 8)), (Fraction(1, 8), 0.125)):
+            T._routes.clear()
+            for s in order:
+                assert cached(q, k, v, scale=s) == fresh(q, k, v, scale=s)
+            assert len(T._routes) == 2
 
 
 def test_cache_never_changes_an_answer(crossover_on):
@@ -416,6 +435,13 @@ def test_calls_under_the_least_routed_length_go_to_torch_unplanned(crossover_on)
         for _ in range(3):
             dropin(*short)
         assert stand.sdpa == 4 and stand.plans == 1 and not T._routes  # unplanned, no lookup
+        # dropin_backend answers as the drop-in runs: the shortcut's answer, no signature.
+        assert T._dropin_route_of(*short, None, 0.0, False, None, False) is T._SHORT
+        assert sage_attn.dropin_backend(*short) == "sdpa" and not T._routes
+        dropin(*qkv((1, 4, 64, 64)))  # at the least routed length: the full decision (sage)
+        assert stand.runs == 1 and stand.plans == 2 and len(T._routes) == 1
+        T._routes.clear()
+        stand.runs = 0
         dropin(*longer)  # at or above it: the full decision (sage here)
         assert stand.runs == 1 and len(T._routes) == 1
         T._routes.clear()
