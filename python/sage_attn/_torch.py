@@ -37,7 +37,6 @@ if getattr(_torch_sdpa, "__module__", "").startswith("sage_attn"):
     _torch_sdpa = torch._C._nn.scaled_dot_product_attention
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
-_UINT8 = torch.uint8
 _Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
 _AttentionArgs = _lib.AttentionArgs
@@ -102,15 +101,17 @@ def _build_args(c: _Call, o, lse):
 class _Prepared:
     """A CUDA call's shape, planned once: the argument struct without its pointers, the
     workspace size, whether the library's crossover model prefers torch's SDPA, and whether the
-    library has the call's backward."""
+    library has the call's backward. workspace_alloc: the workspace's allocation, in elements of
+    the query's dtype (itemsize bytes; never none): the run allocates it in that dtype, so that
+    torch has no dtype argument to parse."""
     __slots__ = ("args", "workspace", "workspace_alloc", "prefer_sdpa", "prefer_sdpa_training",
                  "has_backward", "sdpa_below")
 
-    def __init__(self, args, info):
+    def __init__(self, args, info, itemsize):
         args.workspace_size = info.workspace_size
         self.args = bytes(args)
         self.workspace = info.workspace_size
-        self.workspace_alloc = max(info.workspace_size, 1)  # (bytes allocated: never none)
+        self.workspace_alloc = max(-(-info.workspace_size // itemsize), 1)
         self.prefer_sdpa = bool(info.prefer_sdpa)
         self.prefer_sdpa_training = bool(info.prefer_sdpa_training)
         self.has_backward = bool(info.has_backward)
@@ -146,7 +147,7 @@ def _prepare(key, c: _Call, o, lse, stream):
     a.backend = _lib.BACKEND_CUDA
     a.stream = stream
     try:
-        prep = _Prepared(a, _lib.plan(a))
+        prep = _Prepared(a, _lib.plan(a), c.q.element_size())
     except _lib.SageUnsupportedError as e:
         prep = _Unsupported(e)
     if len(_prepared) >= _PREPARED_MAX:
@@ -161,10 +162,14 @@ def _planned(prep):
     return prep
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _current_stream(device):
     # The raw stream handle without building a torch.cuda.Stream object (a few us a call).
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device.index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 _warned: set = set()
@@ -249,9 +254,10 @@ def _launch(q, k, v, o, lse, prep, device):
     if lse is not None:  # (else None already: the plan's struct has the LSE of its return_lse)
         a.lse = lse.data_ptr()
     a.stream = _current_stream(device)
-    # (An int size, not a tuple: half the argument parsing. The tensor lives until the launch is
-    # queued; freed after, its memory goes only to work queued after it on this stream.)
-    ws = q.new_empty(prep.workspace_alloc, dtype=_UINT8)
+    # (An int size in q's dtype, not a tuple or a dtype: the least argument parsing. The tensor
+    # lives until the launch is queued; freed after, its memory goes only to work queued after it
+    # on this stream.)
+    ws = q.new_empty(prep.workspace_alloc)
     a.workspace = ws.data_ptr()
     _lib.run(a)
 
@@ -1050,7 +1056,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         o = query.new_empty(*route.shape)
         device = route.device
         try:
-            _on_device(device, _launch, query, key, value, o, None, route.prep, device)
+            # (_on_device's test inline: the common case, its device current, needs no call.)
+            if device.index == torch.cuda.current_device():
+                _launch(query, key, value, o, None, route.prep, device)
+            else:
+                _on_device(device, _launch, query, key, value, o, None, route.prep, device)
         except _lib.SageUnsupportedError as e:
             _sdpa_into(o, query, key, value, route.mask, route.scale, e)
         return o

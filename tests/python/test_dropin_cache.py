@@ -402,6 +402,37 @@ def test_direct_launch_on_another_device_sets_it():
         assert entered == [q.device] and stand.runs == 3
 
 
+def test_workspace_is_allocated_in_the_querys_dtype():
+    """The run allocates the plan's workspace in elements of the query's dtype: never fewer
+    bytes than the plan asks for, never an element more than it needs, never none."""
+    for size, itemsize, elements in ((0, 2, 1), (1, 2, 1), (2, 2, 1), (255, 2, 128),
+                                     (256, 2, 128), (257, 2, 129), (257, 4, 65), (4096, 4, 1024)):
+        info = _lib.PlanInfo()
+        info.workspace_size = size
+        prep = T._Prepared(_lib.new_args(), info, itemsize)
+        assert prep.workspace == size and prep.workspace_alloc == elements
+    allocated = []
+    with host.cuda_stand_in(workspace=257) as stand:
+        real_run = _lib.run
+
+        def run(a):
+            allocated.append(a.workspace)
+            real_run(a)
+
+        _lib.run = run  # (put back by the stand-in)
+        q, k, v = qkv()
+        new_empty = torch.Tensor.new_empty
+        sizes = []
+        torch.Tensor.new_empty = lambda self, *a, **kw: sizes.append((a, kw)) or new_empty(
+            self, *a, **kw)
+        try:
+            sage_attn.scaled_dot_product_attention(q, k, v)
+        finally:
+            torch.Tensor.new_empty = new_empty
+        assert stand.runs == 1 and stand.last_run.workspace_size == 257 and allocated[0]
+        assert sizes == [(tuple(q.shape), {}), ((129,), {})]  # the output, the workspace
+
+
 def test_direct_launch_without_a_kernel_runs_sdpa(monkeypatch):
     """A direct launch the library refuses runs torch's SDPA into the output, warning once."""
     monkeypatch.setattr(T, "_warned", set())
