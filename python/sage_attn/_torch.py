@@ -917,8 +917,9 @@ class _Route:
 
 
 # The answer for a call shorter than its device's least routed length (_dropin_route_of): torch's
-# SDPA, silently. Of the full decision's one-time warnings for arguments the library does not
-# take, such a call skips those about the key and value, and the dimensions.
+# SDPA, silently. The query alone is read, so such a call skips the one-time warnings the full
+# decision would give about anything else (the key and value, the heads, the scale, a backward
+# the library does not have): it goes to torch's SDPA either way.
 _SHORT = _Route("")
 
 

@@ -1,6 +1,7 @@
 """The SDPA drop-in's route cache (sage_attn._torch._dropin_route_of), on CPU tensors that pass
 for CUDA ones (tools/dropin_host.py's cuda_stand_in): a repeated call is answered from one
 lookup, and the cache never changes an answer."""
+import contextlib
 import warnings
 
 import pytest
@@ -507,3 +508,49 @@ def test_calls_under_the_least_routed_length_go_to_torch_unplanned(crossover_on)
         finally:
             T._sdpa_unsupported = real
         assert len(checks) == 2
+
+
+def test_random_calls_get_the_answer_of_every_check(crossover_on):
+    """Random calls around the least routed length, each asked through the signature (with the
+    others cached) and with every check: the same answer, but that the shortcut's silent
+    torch ("") may stand for a warning of the checks about the key, value or dimensions."""
+    import random
+    from fractions import Fraction
+    rng = random.Random(30)
+    rule = lambda a: a.seq_q < 64 or a.heads_kv != a.heads_q  # noqa: E731
+    with host.cuda_stand_in(prefer_sdpa=rule, prefer_sdpa_training=lambda a: a.seq_q < 80,
+                            has_backward=lambda a: a.head_dim == 64, sdpa_below=64), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = {(n, d): qkv((1, 4, n, d)) for n in (32, 63, 64, 96) for d in (64, 80)}
+        calls = []
+        for _ in range(300):
+            n, d = rng.choice(list(base))
+            q, k, v = base[n, d]
+            if rng.random() < 0.2:
+                q, k, v = (x.bfloat16() if rng.random() < 0.5 else x for x in (q, k, v))
+            if rng.random() < 0.15:
+                k, v = k[:, :2], v[:, :2]
+            if rng.random() < 0.15:
+                q = nhd(q)
+            if rng.random() < 0.2:
+                q, k, v = (x.clone().requires_grad_(rng.random() < 0.5) for x in (q, k, v))
+            kw = {"is_causal": rng.random() < 0.5,
+                  "scale": rng.choice([None, None, 0.125, 1, Fraction(1, 8), True, -1.0]),
+                  "dropout_p": rng.choice([0.0, 0.0, 0, False, 0.1]),
+                  "enable_gqa": rng.random() < 0.3}
+            calls.append(((q, k, v), kw, rng.random() < 0.2, rng.random() < 0.1))
+        for _ in range(2):  # the second round: each answer with the others cached
+            for args, kw, no_grad, off in calls:
+                sage_attn.set_dropin_crossover(not off)
+                with torch.no_grad() if no_grad else contextlib.nullcontext():
+                    got = T._dropin_route_of(*args, None, kw["dropout_p"], kw["is_causal"],
+                                             kw["scale"], kw["enable_gqa"])
+                    want = fresh(*args, **kw)
+                got = "sage" if got.reason is None else got.reason
+                if got == "" and want not in ("", "sage"):
+                    q = args[0]
+                    assert q.shape[2] < 64 and not off and not kw["dropout_p"]
+                else:
+                    assert got == want, (kw, no_grad, off, [x.dtype for x in args])
+                sage_attn.set_dropin_crossover(True)
