@@ -554,3 +554,21 @@ def test_random_calls_get_the_answer_of_every_check(crossover_on):
                 else:
                     assert got == want, (kw, no_grad, off, [x.dtype for x in args])
                 sage_attn.set_dropin_crossover(True)
+
+
+def test_flash_op_route_takes_the_same_shortcut():
+    """The registered flash op's route (sage_attn._sdpa._route) hands a query shorter than the
+    least routed length to torch's flash kernel without planning it, and plans a longer one."""
+    from sage_attn import _sdpa
+    with host.cuda_stand_in(prefer_sdpa=lambda a: a.seq_q < 64, sdpa_below=64) as stand:
+        short, longer = qkv((1, 4, 32, 64)), qkv((1, 4, 96, 64))
+        assert _sdpa._route(*longer, 0.0, False, None, False) == (_lib.MASK_NONE, 0.125)
+        assert stand.plans == 1  # (which taught the device its least routed length)
+        assert _sdpa._route(*short, 0.0, True, None, False) is None and stand.plans == 1
+        sage_attn.set_dropin_crossover(False)
+        try:
+            assert _sdpa._route(*short, 0.0, True, None, False) == (
+                _lib.MASK_CAUSAL_BOTTOM_RIGHT, 0.125)
+        finally:
+            sage_attn.set_dropin_crossover(True)
+        assert stand.plans == 2
