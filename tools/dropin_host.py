@@ -7,9 +7,11 @@ argument checks, its routing, the sage call's preparation) is timed on CPU tenso
 like CUDA ones (cuda_stand_in): every piece that would reach a GPU is replaced by a stand-in that
 does nothing (torch's SDPA returns its query, the library's run returns at once, its plan says
 what the stand-in is told). So a drop-in call's time here is its own host time plus one trivial
-call, and the same trivial call timed alone is subtracted. The sage route's figure includes the
-allocation of its output and workspace by the CPU allocator (on a GPU torch's caching allocator
-serves them), not the library's C call.
+call, and the same trivial call timed alone is subtracted. Per shape, three calls: handed to
+torch by the crossover model at the GPU's least routed length (the signature and its lookup),
+shorter than that length (the shortcut), and run with sage (the signature, the direct launch).
+The sage route's figure includes the allocation of its output and workspace by the CPU
+allocator (on a GPU torch's caching allocator serves them), not the library's C call.
 
 On a GPU, `python -m sage_attn.bench --host-time` measures the real calls against torch's SDPA.
 
@@ -137,9 +139,11 @@ def main(argv=None):
     for name, b, h, n, d in SHAPES:
         q, k, v = (torch.randn((b, h, n, d), dtype=torch.float16) for _ in range(3))
         row = {}
-        # (short: torch's, the call under the GPU's least routed length, sdpa_below)
-        for route, prefer, below in (("torch", True, 0), ("short", True, n + 1),
-                                     ("sage", False, 0)):
+        # (The plan's least routed length, sdpa_below: short, the call under it (torch's
+        # without its signature); torch and sage, the call at it (the shortcut's test runs and
+        # lets it through), where the crossover model answers torch or sage.)
+        for route, prefer, below in (("torch", True, n), ("short", True, n + 1),
+                                     ("sage", False, n)):
             with cuda_stand_in(prefer_sdpa=prefer, sdpa_below=below) as stand:
                 dropin = sage_attn.scaled_dot_product_attention
                 sdpa = T._torch_sdpa

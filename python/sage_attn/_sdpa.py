@@ -139,7 +139,7 @@ def _route(query, key, value, dropout_p, is_causal, scale, training):
     if query.is_cuda:
         # Shorter than the GPU's least routed length (learned from its first plan): torch's, as
         # the route below would answer, without planning (the drop-in's shortcut, _torch.py).
-        if _t._shorter_than_routed(query):
+        if _t._shorter_than_routed(query.shape, query.device):
             return None
         if _t._dropin_route(query, key, value, mask, s, training) is not None:
             return None

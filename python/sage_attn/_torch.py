@@ -37,8 +37,8 @@ if getattr(_torch_sdpa, "__module__", "").startswith("sage_attn"):
     _torch_sdpa = torch._C._nn.scaled_dot_product_attention
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
-_UINT8 = torch.uint8
 _Tensor = torch.Tensor
+_is_grad_enabled = torch.is_grad_enabled
 _AttentionArgs = _lib.AttentionArgs
 _DTYPE_CODES = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16,
                 torch.float32: _lib.DTYPE_FP32}
@@ -101,15 +101,17 @@ def _build_args(c: _Call, o, lse):
 class _Prepared:
     """A CUDA call's shape, planned once: the argument struct without its pointers, the
     workspace size, whether the library's crossover model prefers torch's SDPA, and whether the
-    library has the call's backward."""
+    library has the call's backward. workspace_alloc: the workspace's allocation, in elements of
+    the query's dtype (itemsize bytes; never none): the run allocates it in that dtype, so that
+    torch has no dtype argument to parse."""
     __slots__ = ("args", "workspace", "workspace_alloc", "prefer_sdpa", "prefer_sdpa_training",
                  "has_backward", "sdpa_below")
 
-    def __init__(self, args, info):
+    def __init__(self, args, info, itemsize):
         args.workspace_size = info.workspace_size
         self.args = bytes(args)
         self.workspace = info.workspace_size
-        self.workspace_alloc = max(info.workspace_size, 1)  # (bytes allocated: never none)
+        self.workspace_alloc = max(-(-info.workspace_size // itemsize), 1)
         self.prefer_sdpa = bool(info.prefer_sdpa)
         self.prefer_sdpa_training = bool(info.prefer_sdpa_training)
         self.has_backward = bool(info.has_backward)
@@ -145,7 +147,7 @@ def _prepare(key, c: _Call, o, lse, stream):
     a.backend = _lib.BACKEND_CUDA
     a.stream = stream
     try:
-        prep = _Prepared(a, _lib.plan(a))
+        prep = _Prepared(a, _lib.plan(a), c.q.element_size())
     except _lib.SageUnsupportedError as e:
         prep = _Unsupported(e)
     if len(_prepared) >= _PREPARED_MAX:
@@ -160,10 +162,14 @@ def _planned(prep):
     return prep
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _current_stream(device):
     # The raw stream handle without building a torch.cuda.Stream object (a few us a call).
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device.index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 _warned: set = set()
@@ -248,9 +254,10 @@ def _launch(q, k, v, o, lse, prep, device):
     if lse is not None:  # (else None already: the plan's struct has the LSE of its return_lse)
         a.lse = lse.data_ptr()
     a.stream = _current_stream(device)
-    # (An int size, not a tuple: half the argument parsing. The tensor lives until the launch is
-    # queued; freed after, its memory goes only to work queued after it on this stream.)
-    ws = q.new_empty(prep.workspace_alloc, dtype=_UINT8)
+    # (An int size in q's dtype, not a tuple or a dtype: the least argument parsing. The tensor
+    # lives until the launch is queued; freed after, its memory goes only to work queued after it
+    # on this stream.)
+    ws = q.new_empty(prep.workspace_alloc)
     a.workspace = ws.data_ptr()
     _lib.run(a)
 
@@ -909,6 +916,13 @@ class _Route:
         self.direct, self.shape, self.device = direct, shape, device
 
 
+# The answer for a call shorter than its device's least routed length (_dropin_route_of): torch's
+# SDPA, silently. The query alone is read, so such a call skips the one-time warnings the full
+# decision would give about anything else (the key and value, the heads, the scale, a backward
+# the library does not have): it goes to torch's SDPA either way.
+_SHORT = _Route("")
+
+
 def _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """The drop-in's _Route for this call, every check run."""
     reason = _sdpa_unsupported(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
@@ -937,38 +951,53 @@ _routes: dict = {}
 _sdpa_below: dict = {}
 
 
-def _shorter_than_routed(query):
-    """True where the crossover model hands a call with this 4-D [B, H, N, D] query to torch by
-    its length alone (under _sdpa_below of its device; the crossover switch on): the drop-in's
-    and the registered flash op's route skip the rest of the decision for it."""
-    return _use_crossover and query.shape[2] < _sdpa_below.get(query.device, 0)
+def _shorter_than_routed(shape, device):
+    """True where the crossover model hands a call whose 4-D [B, H, N, D] query has this shape
+    and device to torch by its length alone (under _sdpa_below of its device; the crossover
+    switch on): the drop-in's and the registered flash op's route skip the rest of the decision
+    for it. (The query's shape and device as read by the caller, which reuses them.)"""
+    return _use_crossover and shape[2] < _sdpa_below.get(device, 0)
 
 
 def _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """The drop-in's _Route for this call (_dropin_decide), kept by the call's signature: every
     input the answer reads. Of the tensors: shape, strides, dtype, device and whether the query
-    is 16-byte aligned (the plan's key has it); the scalar arguments as given; whether the call
-    trains (grad mode, requires_grad); the crossover switch. Nothing else reaches the answer
-    (torch's deterministic-algorithms setting only orders SageBwd's sums, read when it runs; the
-    library's plan reads its arguments alone). Only plain tensors without a mask are kept: a
-    subclass may answer attribute reads its own way, and a mask is never taken; those, and a
-    call whose signature cannot be formed (an unhashable argument, a tensor without strides or
-    storage), run every check each time."""
-    t = torch.Tensor
+    is 16-byte aligned (the plan's key has it); the scalar arguments as given, and the scale's
+    type (the checks take an int or float scale only, and a value of another type can compare
+    and hash equal to one); whether the call trains (grad mode, requires_grad); the crossover
+    switch. Nothing else reaches the answer (torch's deterministic-algorithms setting only
+    orders SageBwd's sums, read when it runs; the library's plan reads its arguments alone).
+    Only plain tensors without a mask are kept: a subclass may answer attribute reads its own
+    way, and a mask is never taken; those, and a call whose signature cannot be formed (an
+    unhashable argument, a tensor without strides or storage), run every check each time.
+
+    Before the signature: a plain fp16/bf16 query without a mask or dropout, shorter than its
+    device's least routed length (_sdpa_below), gets _SHORT (torch's SDPA, silently) from the
+    query's shape, dtype and device alone, which the signature then reuses."""
     sig = None
-    if type(query) is t and type(key) is t and type(value) is t and attn_mask is None:
+    if attn_mask is None and type(query) is _Tensor:
         try:
-            sig = (query.shape, key.shape, value.shape, query.stride(), key.stride(),
-                   value.stride(), query.dtype, key.dtype, value.dtype, query.device,
-                   key.device, value.device, query.data_ptr() % 16 == 0, dropout_p, is_causal,
-                   scale, enable_gqa, torch.is_grad_enabled() and (
-                       query.requires_grad or key.requires_grad or value.requires_grad),
-                   _use_crossover)
-            route = _routes.get(sig)
-        except (TypeError, RuntimeError):
-            sig = route = None
-        if route is not None:
-            return route
+            shape, dtype, device = query.shape, query.dtype, query.device
+        except RuntimeError:  # (a strided nested tensor has no shape: the full decision's case)
+            shape = None
+        if shape is not None:
+            if (not dropout_p and len(shape) == 4 and dtype in _GPU_DTYPES
+                    and _shorter_than_routed(shape, device)):
+                return _SHORT
+            if type(key) is _Tensor and type(value) is _Tensor:
+                try:
+                    sig = (shape, key.shape, value.shape, query.stride(), key.stride(),
+                           value.stride(), dtype, key.dtype, value.dtype, device, key.device,
+                           value.device, query.data_ptr() % 16 == 0, dropout_p, is_causal,
+                           scale, type(scale), enable_gqa, _is_grad_enabled() and (
+                               query.requires_grad or key.requires_grad or
+                               value.requires_grad),
+                           _use_crossover)
+                    route = _routes.get(sig)
+                except (TypeError, RuntimeError):
+                    sig = route = None
+                if route is not None:
+                    return route
     route = _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if sig is not None:
         if len(_routes) >= _PREPARED_MAX:
@@ -1015,19 +1044,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
         o, _ = _call(_dropin_call(q, k, v, _lib.LAYOUT_HND, mask, s, _FALLBACK_SDPA))
         return o
-    # (A plain 16-bit query without a mask or dropout, shorter than the device's least routed
-    # length: torch's SDPA, where the full decision routes every such call. Of that decision's
-    # one-time warnings for arguments the library does not take, such a call skips those about
-    # the key and value, and the dimensions.)
-    if attn_mask is None and not dropout_p and type(query) is _Tensor:
-        try:  # (a strided nested tensor has no shape: the full decision's case)
-            short = (query.dim() == 4 and query.dtype in _GPU_DTYPES
-                     and _shorter_than_routed(query))
-        except RuntimeError:
-            short = False
-        if short:
-            return _torch_sdpa(query, key, value, None, dropout_p, is_causal, scale=scale,
-                               enable_gqa=enable_gqa)
     route = _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale,
                              enable_gqa)
     if route.reason is not None:
@@ -1041,7 +1057,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         o = query.new_empty(*route.shape)
         device = route.device
         try:
-            _on_device(device, _launch, query, key, value, o, None, route.prep, device)
+            # (_on_device's test inline: the common case, its device current, needs no call.)
+            if device.index == torch.cuda.current_device():
+                _launch(query, key, value, o, None, route.prep, device)
+            else:
+                _on_device(device, _launch, query, key, value, o, None, route.prep, device)
         except _lib.SageUnsupportedError as e:
             _sdpa_into(o, query, key, value, route.mask, route.scale, e)
         return o

@@ -1,6 +1,7 @@
 """The SDPA drop-in's route cache (sage_attn._torch._dropin_route_of), on CPU tensors that pass
 for CUDA ones (tools/dropin_host.py's cuda_stand_in): a repeated call is answered from one
 lookup, and the cache never changes an answer."""
+import contextlib
 import warnings
 
 import pytest
@@ -150,12 +151,15 @@ GQA_BASE = ("enable_gqa alone", None,
             lambda q, k, v: ((q, k[:, :2], v[:, :2]), {"enable_gqa": True}))
 
 
+@pytest.mark.parametrize("sdpa_below", [0, 40])
 @pytest.mark.parametrize("name,rule,vary", VARIATIONS + [GQA_BASE],
                          ids=[v[0] for v in VARIATIONS + [GQA_BASE]])
-def test_each_input_of_the_answer_is_in_the_signature(name, rule, vary):
+def test_each_input_of_the_answer_is_in_the_signature(name, rule, vary, sdpa_below):
     """One input changed, the base call's answer cached: the changed call gets its own answer
-    (the one every check gives), not the base call's."""
-    with host.cuda_stand_in(prefer_sdpa=rule or False):
+    (the one every check gives), not the base call's. sdpa_below 40: a least routed length under
+    every query here, so that the shortcut's reads of the query (which the signature reuses) run
+    first and let the call through."""
+    with host.cuda_stand_in(prefer_sdpa=rule or False, sdpa_below=sdpa_below):
         q, k, v = qkv()
         base = ((q, k[:, :2], v[:, :2]), {}) if vary is GQA_BASE[2] else ((q, k, v), {})
         want_base = fresh(*base[0], **base[1])
@@ -165,6 +169,22 @@ def test_each_input_of_the_answer_is_in_the_signature(name, rule, vary):
         assert want != want_base
         assert cached(*args, **kw) == want
         assert cached(*base[0], **base[1]) == want_base
+
+
+def test_a_scale_of_another_type_has_its_own_signature():
+    """A scale the checks refuse for its type (a Fraction, which compares and hashes equal to
+    the float they take) gets the checks' answer, whichever of the two was cached first."""
+    from fractions import Fraction
+    with host.cuda_stand_in(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q, k, v = qkv()
+        assert fresh(q, k, v, scale=0.125) == "sage"
+        assert fresh(q, k, v, scale=Fraction(1, 8)) == "scale = Fraction(1, 8)"
+        for order in ((0.125, Fraction(1, 8)), (Fraction(1, 8), 0.125)):
+            T._routes.clear()
+            for s in order:
+                assert cached(q, k, v, scale=s) == fresh(q, k, v, scale=s)
+            assert len(T._routes) == 2
 
 
 def test_cache_never_changes_an_answer(crossover_on):
@@ -383,6 +403,37 @@ def test_direct_launch_on_another_device_sets_it():
         assert entered == [q.device] and stand.runs == 3
 
 
+def test_workspace_is_allocated_in_the_querys_dtype():
+    """The run allocates the plan's workspace in elements of the query's dtype: never fewer
+    bytes than the plan asks for, never an element more than it needs, never none."""
+    for size, itemsize, elements in ((0, 2, 1), (1, 2, 1), (2, 2, 1), (255, 2, 128),
+                                     (256, 2, 128), (257, 2, 129), (257, 4, 65), (4096, 4, 1024)):
+        info = _lib.PlanInfo()
+        info.workspace_size = size
+        prep = T._Prepared(_lib.new_args(), info, itemsize)
+        assert prep.workspace == size and prep.workspace_alloc == elements
+    allocated = []
+    with host.cuda_stand_in(workspace=257) as stand:
+        real_run = _lib.run
+
+        def run(a):
+            allocated.append(a.workspace)
+            real_run(a)
+
+        _lib.run = run  # (put back by the stand-in)
+        q, k, v = qkv()
+        new_empty = torch.Tensor.new_empty
+        sizes = []
+        torch.Tensor.new_empty = lambda self, *a, **kw: sizes.append((a, kw)) or new_empty(
+            self, *a, **kw)
+        try:
+            sage_attn.scaled_dot_product_attention(q, k, v)
+        finally:
+            torch.Tensor.new_empty = new_empty
+        assert stand.runs == 1 and stand.last_run.workspace_size == 257 and allocated[0]
+        assert sizes == [(tuple(q.shape), {}), ((129,), {})]  # the output, the workspace
+
+
 def test_direct_launch_without_a_kernel_runs_sdpa(monkeypatch):
     """A direct launch the library refuses runs torch's SDPA into the output, warning once."""
     monkeypatch.setattr(T, "_warned", set())
@@ -416,6 +467,13 @@ def test_calls_under_the_least_routed_length_go_to_torch_unplanned(crossover_on)
         for _ in range(3):
             dropin(*short)
         assert stand.sdpa == 4 and stand.plans == 1 and not T._routes  # unplanned, no lookup
+        # dropin_backend answers as the drop-in runs: the shortcut's answer, no signature.
+        assert T._dropin_route_of(*short, None, 0.0, False, None, False) is T._SHORT
+        assert sage_attn.dropin_backend(*short) == "sdpa" and not T._routes
+        dropin(*qkv((1, 4, 64, 64)))  # at the least routed length: the full decision (sage)
+        assert stand.runs == 1 and stand.plans == 2 and len(T._routes) == 1
+        T._routes.clear()
+        stand.runs = 0
         dropin(*longer)  # at or above it: the full decision (sage here)
         assert stand.runs == 1 and len(T._routes) == 1
         T._routes.clear()
@@ -450,3 +508,67 @@ def test_calls_under_the_least_routed_length_go_to_torch_unplanned(crossover_on)
         finally:
             T._sdpa_unsupported = real
         assert len(checks) == 2
+
+
+def test_random_calls_get_the_answer_of_every_check(crossover_on):
+    """Random calls around the least routed length, each asked through the signature (with the
+    others cached) and with every check: the same answer, but that the shortcut's silent
+    torch ("") may stand for a warning of the checks about the key, value or dimensions."""
+    import random
+    from fractions import Fraction
+    rng = random.Random(30)
+    rule = lambda a: a.seq_q < 64 or a.heads_kv != a.heads_q  # noqa: E731
+    with host.cuda_stand_in(prefer_sdpa=rule, prefer_sdpa_training=lambda a: a.seq_q < 80,
+                            has_backward=lambda a: a.head_dim == 64, sdpa_below=64), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = {(n, d): qkv((1, 4, n, d)) for n in (32, 63, 64, 96) for d in (64, 80)}
+        calls = []
+        for _ in range(300):
+            n, d = rng.choice(list(base))
+            q, k, v = base[n, d]
+            if rng.random() < 0.2:
+                q, k, v = (x.bfloat16() if rng.random() < 0.5 else x for x in (q, k, v))
+            if rng.random() < 0.15:
+                k, v = k[:, :2], v[:, :2]
+            if rng.random() < 0.15:
+                q = nhd(q)
+            if rng.random() < 0.2:
+                q, k, v = (x.clone().requires_grad_(rng.random() < 0.5) for x in (q, k, v))
+            kw = {"is_causal": rng.random() < 0.5,
+                  "scale": rng.choice([None, None, 0.125, 1, Fraction(1, 8), True, -1.0]),
+                  "dropout_p": rng.choice([0.0, 0.0, 0, False, 0.1]),
+                  "enable_gqa": rng.random() < 0.3}
+            calls.append(((q, k, v), kw, rng.random() < 0.2, rng.random() < 0.1))
+        for _ in range(2):  # the second round: each answer with the others cached
+            for args, kw, no_grad, off in calls:
+                sage_attn.set_dropin_crossover(not off)
+                with torch.no_grad() if no_grad else contextlib.nullcontext():
+                    got = T._dropin_route_of(*args, None, kw["dropout_p"], kw["is_causal"],
+                                             kw["scale"], kw["enable_gqa"])
+                    want = fresh(*args, **kw)
+                got = "sage" if got.reason is None else got.reason
+                if got == "" and want not in ("", "sage"):
+                    q = args[0]
+                    assert q.shape[2] < 64 and not off and not kw["dropout_p"]
+                else:
+                    assert got == want, (kw, no_grad, off, [x.dtype for x in args])
+                sage_attn.set_dropin_crossover(True)
+
+
+def test_flash_op_route_takes_the_same_shortcut():
+    """The registered flash op's route (sage_attn._sdpa._route) hands a query shorter than the
+    least routed length to torch's flash kernel without planning it, and plans a longer one."""
+    from sage_attn import _sdpa
+    with host.cuda_stand_in(prefer_sdpa=lambda a: a.seq_q < 64, sdpa_below=64) as stand:
+        short, longer = qkv((1, 4, 32, 64)), qkv((1, 4, 96, 64))
+        assert _sdpa._route(*longer, 0.0, False, None, False) == (_lib.MASK_NONE, 0.125)
+        assert stand.plans == 1  # (which taught the device its least routed length)
+        assert _sdpa._route(*short, 0.0, True, None, False) is None and stand.plans == 1
+        sage_attn.set_dropin_crossover(False)
+        try:
+            assert _sdpa._route(*short, 0.0, True, None, False) == (
+                _lib.MASK_CAUSAL_BOTTOM_RIGHT, 0.125)
+        finally:
+            sage_attn.set_dropin_crossover(True)
+        assert stand.plans == 2

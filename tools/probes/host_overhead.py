@@ -110,7 +110,7 @@ steps = {
     "drop-in: route lookup (checks, route, plan)": lambda: T._dropin_route_of(
         q, k, v, None, 0.0, True, None, False),
     "new_empty (o)": lambda: q.new_empty(q.shape),
-    "new_empty (workspace)": lambda: q.new_empty((prep.workspace,), dtype=torch.uint8),
+    "new_empty (workspace)": lambda: q.new_empty(prep.workspace_alloc),
     "current device + stream": lambda: (torch.cuda.current_device(),
                                         T._current_stream(q.device)),
     "args copy + 8 fields": lambda: _lib.AttentionArgs.from_buffer_copy(prep.args),
