@@ -919,7 +919,8 @@ class _Route:
 # The answer for a call shorter than its device's least routed length (_dropin_route_of): torch's
 # SDPA, silently. The query alone is read, so such a call skips the one-time warnings the full
 # decision would give about anything else (the key and value, the heads, the scale, a backward
-# the library does not have): it goes to torch's SDPA either way.
+# the library does not have): it goes to torch's SDPA either way. (A head dim the library never
+# takes still gets its warning: the shortcut leaves it to the full decision.)
 _SHORT = _Route("")
 
 
@@ -954,9 +955,12 @@ _sdpa_below: dict = {}
 def _shorter_than_routed(shape, device):
     """True where the crossover model hands a call whose 4-D [B, H, N, D] query has this shape
     and device to torch by its length alone (under _sdpa_below of its device; the crossover
-    switch on): the drop-in's and the registered flash op's route skip the rest of the decision
-    for it. (The query's shape and device as read by the caller, which reuses them.)"""
-    return _use_crossover and shape[2] < _sdpa_below.get(device, 0)
+    switch on) and D is in the GPU's head-dim range (a multiple of 8 up to 256, sage.h; any
+    other meets the plan, which refuses it with a warning): the drop-in's and the registered
+    flash op's route skip the rest of the decision for it. (The query's shape and device as read by the caller, which
+    reuses them.)"""
+    return (_use_crossover and shape[2] < _sdpa_below.get(device, 0)
+            and shape[3] % 8 == 0 and 0 < shape[3] <= 256)
 
 
 def _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):

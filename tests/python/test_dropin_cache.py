@@ -456,8 +456,9 @@ def test_direct_launch_without_a_kernel_runs_sdpa(monkeypatch):
 def test_calls_under_the_least_routed_length_go_to_torch_unplanned(crossover_on):
     """Once a plan on the device has said its least routed length (sdpa_below), a plain 16-bit
     call with a shorter query goes to torch's SDPA without the signature; every other call
-    (longer, a mask, dropout, fp32, the crossover off, a subclass) still takes the full decision,
-    which also runs first on a device with no plan yet."""
+    (longer, a mask, dropout, fp32, a head dim the library never takes, the crossover off, a
+    subclass) still takes the full decision, which also runs first on a device with no plan
+    yet."""
     with host.cuda_stand_in(prefer_sdpa=lambda a: a.seq_q < 64, sdpa_below=64) as stand:
         short, longer = qkv((1, 4, 32, 64)), qkv((1, 4, 96, 64))
         dropin = sage_attn.scaled_dot_product_attention
@@ -487,9 +488,10 @@ def test_calls_under_the_least_routed_length_go_to_torch_unplanned(crossover_on)
                 dropin(*short, attn_mask=mask)
                 dropin(*short, dropout_p=0.1)
                 dropin(*qkv((1, 4, 32, 64), dtype=torch.float32))
+                dropin(*qkv((1, 4, 32, 36)))  # D not a multiple of 8: the plan's to refuse
         finally:
             T._sdpa_unsupported = real
-        assert len(checks) == 3 and stand.sdpa == 7  # each took the full decision: torch
+        assert len(checks) == 4 and stand.sdpa == 8  # each took the full decision: torch
         sage_attn.set_dropin_crossover(False)
         try:
             dropin(*short)
