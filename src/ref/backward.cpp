@@ -206,7 +206,7 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     std::vector<float> k_mean;
     std::vector<float> k_bar;                // e4m3 (K - k̄)·mul of dQ [Nk][D]
     std::vector<float> o_inv, q_inv, k_inv;  // the e4m3 operands' per-channel inv [D]
-    std::vector<double> norm2;
+    std::vector<double> norm2, v_norm2;      // ‖K_j - k̄‖², ‖V_j‖²
   };
   // Score x_ij (log2 units, K smoothing's per-row constant left out) and dP_ij of one query row
   // and key, as the stats pass and the main pass both take them (ib, jb: their ψ blocks).
@@ -249,7 +249,13 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
         s.norm2[size_t(j)] += double(x) * x;
       }
     s.k8 = psi_rows(ks, Nk, D, bk);
-    if (i8_dov) s.v8 = psi_rows(s.v, Nk, D, bk);
+    if (i8_dov) {
+      s.v8 = psi_rows(s.v, Nk, D, bk);
+      s.v_norm2.assign(size_t(Nk), 0.0);
+      for (int64_t j = 0; j < Nk; ++j)
+        for (int64_t d = 0; d < D; ++d)
+          s.v_norm2[size_t(j)] += double(s.v[size_t(j * D + d)]) * s.v[size_t(j * D + d)];
+    }
   });
   std::vector<QSide> qside(size_t(p.batch * p.heads_q));
   parallel_for(int64_t(qside.size()), threads, [&](int64_t bh) {
@@ -511,6 +517,9 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
         // dV = Pᵀ·dO: P's step per key, dO's per block; dK = dSᵀ·Q: dS's per key, Q's per block.
         const double do_step = i8_pdo ? qs.do8.scale[size_t(ib)] : 0.0,
                      q_step = i8_dsq ? qs.q8.scale[size_t(ib)] : 0.0;
+        // dP = dO·Vᵀ in INT8 (an ablation): its error reaches dS as P·δdP
+        const double dov_do = i8_dov ? qs.do8.scale[size_t(ib)] : 0.0,
+                     dov_v = i8_dov ? kside[size_t(bkv)].v8.scale[size_t(jb)] : 0.0;
         for (int64_t r = 0; r < rows; ++r) {
           const size_t i = size_t(t.r0 + r);
           for (int64_t c = 0; c < cols; ++c) {
@@ -523,6 +532,11 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
               const double ds = t.ds_col_scale[size_t(c)];
               vk += (ds * ds / 12.0 * qs.norm2[i] + dsij * dsij * d12 * q_step * q_step) * scale2;
             }
+            if (i8_dov)
+              vk += pij * pij *
+                    (dov_do * dov_do * kside[size_t(bkv)].v_norm2[size_t(t.c0 + c)] +
+                     qs.do_norm2[i] * dov_v * dov_v) /
+                    12.0 * qs.norm2[i] * scale2;
           }
         }
         for (int64_t c = 0; c < cols; ++c) {
@@ -590,15 +604,21 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       tile(bh, ib, jb, t);
       if (t.empty) continue;
       const int64_t cols = t.c1 - t.c0;
-      if (i8_dsk) {  // dQ = dS·K: dS's step per query, K's per block
-        const double k_step = ks.k8.scale[size_t(jb)];
+      if (i8_dsk || i8_dov) {  // dQ = dS·K: dS's step per query, K's per block; δdP as above
+        const double k_step = i8_dsk ? ks.k8.scale[size_t(jb)] : 0.0,
+                     dov_do = i8_dov ? qside[size_t(bh)].do8.scale[size_t(ib)] : 0.0,
+                     dov_v = i8_dov ? ks.v8.scale[size_t(jb)] : 0.0;
         for (int64_t r = 0; r < rows; ++r) {
-          const double ds = t.ds_row_scale[size_t(r)];
+          const double ds = i8_dsk ? t.ds_row_scale[size_t(r)] : 0.0;
+          const double don2 = qside[size_t(bh)].do_norm2[size_t(r0 + r)];
           for (int64_t c = 0; c < cols; ++c) {
-            const double dsij = t.dS[size_t(r * cols + c)];
-            vq += (ds * ds / 12.0 * ks.norm2[size_t(t.c0 + c)] +
-                   dsij * dsij * d12 * k_step * k_step) *
-                  scale2;
+            const double dsij = t.dS[size_t(r * cols + c)], pij = t.P[size_t(r * cols + c)];
+            const double kn2 = ks.norm2[size_t(t.c0 + c)];
+            vq += (ds * ds / 12.0 * kn2 + dsij * dsij * d12 * k_step * k_step) * scale2;
+            if (i8_dov)
+              vq += pij * pij *
+                    (dov_do * dov_do * ks.v_norm2[size_t(t.c0 + c)] + don2 * dov_v * dov_v) /
+                    12.0 * kn2 * scale2;
           }
         }
       }

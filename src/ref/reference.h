@@ -176,7 +176,8 @@ struct BackwardCheck {
   std::vector<double> head_error;  // [B, Hq]: the root mean square of σ over the head's rows
   // The product check: per head ([B, Hq] for dQ, [B, Hkv] for dK and dV), the estimated 1 - cos
   // of the gradient from its INT8 products' rounding (each uniform within its ψ step, from the
-  // unquantized P and dS): Σ variance / ‖gradient‖² / 2. The e4m3 products are not estimated.
+  // unquantized P and dS; INT8 dO·Vᵀ through dS): Σ variance / ‖gradient‖² / 2. The e4m3
+  // products are not estimated.
   std::vector<double> dq_error, dk_error, dv_error;
   // some head_error > SAGE_BWD_MAX_SCORE_ERROR or some product estimate >
   // SAGE_BWD_MAX_GRAD_ERROR (or NaN)
