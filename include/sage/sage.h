@@ -316,6 +316,10 @@ typedef struct sage_plan_info {
  * the estimated error of the INT8 scores (natural-log units, each row weighted by its own P) may
  * not exceed this; past it the call's gradients are NaN and *untrusted is 1 (docs/backward.md). */
 #define SAGE_BWD_MAX_SCORE_ERROR 0.04f
+/* And per head, each gradient's estimated 1 - cos from the rounding of its INT8 products (the CPU
+ * reference computes it; the GPU kernels, whose preset the score check refuses first on every
+ * input class measured, do not yet): past it, the same. */
+#define SAGE_BWD_MAX_GRAD_ERROR 1e-3f
 
 #define SAGE_BWD_OPTION_DETERMINISTIC 1u /* CUDA: dQ summed over key blocks in a fixed order
                                             (no atomics): the same bits on every run. The CPU
@@ -370,7 +374,8 @@ typedef struct sage_backward_args {
   sage_kernel kernel;  /* CUDA: AUTO (sm_90: the wgmma kernel, else mma.sync), MMA or SM90 */
   int32_t* untrusted;  /* optional, one int32 (device memory for CUDA, host for the CPU): written 0
                           when the 8-bit gradients passed the accuracy check, 1 when they did not
-                          (a head's estimated score error was over SAGE_BWD_MAX_SCORE_ERROR:
+                          (a head's estimated score error was over SAGE_BWD_MAX_SCORE_ERROR, or
+                          on the CPU a gradient's product estimate over SAGE_BWD_MAX_GRAD_ERROR:
                           docs/backward.md). On 1, dq, dk and dv hold NaN: compute this call's
                           gradients in 16 bits instead. The check runs with or without it. */
 } sage_backward_args;

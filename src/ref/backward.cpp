@@ -195,6 +195,7 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     std::vector<float> rowmax, mu, u;  // e4m3 products: m_i, μ_i and 448 / W_i (0 when W_i = 0)
     std::vector<float> o_bar, q_bar;   // e4m3 operands of dV and dK [Nq][D]
     std::vector<double> norm2, sigma2;
+    std::vector<double> do_norm2;  // ‖dO_i‖² (the product check's dV term)
     std::vector<float> q_mean;     // q̄ [D] (zero without Q smoothing)
     std::vector<float> key_term2;  // Q smoothing: key j's exact score term, log2 units [Nk]
     BlockQuant q8, do8;
@@ -205,7 +206,7 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     std::vector<float> k_mean;
     std::vector<float> k_bar;                // e4m3 (K - k̄)·mul of dQ [Nk][D]
     std::vector<float> o_inv, q_inv, k_inv;  // the e4m3 operands' per-channel inv [D]
-    std::vector<double> norm2;
+    std::vector<double> norm2, v_norm2;      // ‖K_j - k̄‖², ‖V_j‖²
   };
   // Score x_ij (log2 units, K smoothing's per-row constant left out) and dP_ij of one query row
   // and key, as the stats pass and the main pass both take them (ib, jb: their ψ blocks).
@@ -248,7 +249,13 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
         s.norm2[size_t(j)] += double(x) * x;
       }
     s.k8 = psi_rows(ks, Nk, D, bk);
-    if (i8_dov) s.v8 = psi_rows(s.v, Nk, D, bk);
+    if (i8_dov) {
+      s.v8 = psi_rows(s.v, Nk, D, bk);
+      s.v_norm2.assign(size_t(Nk), 0.0);
+      for (int64_t j = 0; j < Nk; ++j)
+        for (int64_t d = 0; d < D; ++d)
+          s.v_norm2[size_t(j)] += double(s.v[size_t(j * D + d)]) * s.v[size_t(j * D + d)];
+    }
   });
   std::vector<QSide> qside(size_t(p.batch * p.heads_q));
   parallel_for(int64_t(qside.size()), threads, [&](int64_t bh) {
@@ -279,6 +286,10 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     s.delta.assign(size_t(Nq), 0.0f);
     s.norm2.assign(size_t(Nq), 0.0);
     s.sigma2.assign(size_t(Nq), 0.0);
+    s.do_norm2.assign(size_t(Nq), 0.0);
+    for (int64_t i = 0; i < Nq; ++i)
+      for (int64_t d = 0; d < D; ++d) s.do_norm2[size_t(i)] += double(s.d_o[size_t(i * D + d)]) *
+                                                               s.d_o[size_t(i * D + d)];
     if (f8) {
       s.rowmax.assign(size_t(Nq), -std::numeric_limits<float>::infinity());
       s.mu.assign(size_t(Nq), 0.0f);
@@ -474,12 +485,20 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       }
   };
 
+  // The product check: each INT8 product's rounding taken as uniform within its ψ steps, the
+  // variance it adds to its gradient (summed over the gradient's entries) per task, from the
+  // unquantized P and dS. ‖x‖² of an operand row and its step Δ give Δ²/12 per element.
+  const double scale2 = p.scale * p.scale, d12 = double(D) / 12.0;
+  std::vector<double> var_dk(size_t(p.batch * p.heads_kv * k_blocks), 0.0), var_dv(var_dk.size()),
+      var_dq(size_t(p.batch * p.heads_q * q_blocks), 0.0);
+
   // dK, dV: one task per (batch, kv head, key block), over the group's heads and query blocks.
   parallel_for(p.batch * p.heads_kv * k_blocks, threads, [&](int64_t item) {
     const int64_t bkv = item / k_blocks, jb = item % k_blocks;
     const int64_t b = bkv / p.heads_kv, hkv = bkv % p.heads_kv;
     const int64_t c0 = jb * bk, cols = std::min(Nk, c0 + bk) - c0;
     std::vector<float> ak(size_t(cols * D), 0.0f), av(ak.size(), 0.0f), part(dims);
+    double vk = 0.0, vv = 0.0;
     // Q smoothing: Σ_i dS_ij over one head's queries, and (e4m3 dK only, whose sum is scaled on
     // the way out) the q̄ terms kept apart from ak.
     std::vector<float> colsum(static_cast<size_t>(cols)), q_term(f8_dsq ? ak.size() : 0, 0.0f);
@@ -495,6 +514,31 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
         if (smooth_q)
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t c = 0; c < cols; ++c) colsum[size_t(c)] += t.dS[size_t(r * cols + c)];
+        // dV = Pᵀ·dO: P's step per key, dO's per block; dK = dSᵀ·Q: dS's per key, Q's per block.
+        const double do_step = i8_pdo ? qs.do8.scale[size_t(ib)] : 0.0,
+                     q_step = i8_dsq ? qs.q8.scale[size_t(ib)] : 0.0;
+        // dP = dO·Vᵀ in INT8 (an ablation): its error reaches dS as P·δdP
+        const double dov_do = i8_dov ? qs.do8.scale[size_t(ib)] : 0.0,
+                     dov_v = i8_dov ? kside[size_t(bkv)].v8.scale[size_t(jb)] : 0.0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const size_t i = size_t(t.r0 + r);
+          for (int64_t c = 0; c < cols; ++c) {
+            const double pij = t.P[size_t(r * cols + c)], dsij = t.dS[size_t(r * cols + c)];
+            if (i8_pdo) {
+              const double ps = t.p_scale[size_t(c)];
+              vv += ps * ps / 12.0 * qs.do_norm2[i] + pij * pij * d12 * do_step * do_step;
+            }
+            if (i8_dsq) {
+              const double ds = t.ds_col_scale[size_t(c)];
+              vk += (ds * ds / 12.0 * qs.norm2[i] + dsij * dsij * d12 * q_step * q_step) * scale2;
+            }
+            if (i8_dov)
+              vk += pij * pij *
+                    (dov_do * dov_do * kside[size_t(bkv)].v_norm2[size_t(t.c0 + c)] +
+                     qs.do_norm2[i] * dov_v * dov_v) /
+                    12.0 * qs.norm2[i] * scale2;
+          }
+        }
         for (int64_t c = 0; c < cols; ++c) {
           // dV_j += Pᵀ·dO over this tile's rows: one block product, then scaled into fp32.
           std::fill(part.begin(), part.end(), 0.0f);
@@ -543,6 +587,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
         dk[at] = (f8_dsq ? sum + q_term[size_t(c * D + d)] : sum) * float(p.scale);
         dv[at] = av[size_t(c * D + d)] * v_out;
       }
+    var_dk[size_t(item)] = vk;
+    var_dv[size_t(item)] = vv;
   });
 
   // dQ: one task per (batch, q head, query block), over the key blocks.
@@ -552,11 +598,30 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     const KSide& ks = kside[size_t(kv)];
     const int64_t r0 = ib * bq, rows = std::min(Nq, r0 + bq) - r0;
     std::vector<float> acc(size_t(rows * D), 0.0f), part(dims);
+    double vq = 0.0;
     Tile t;
     for (int64_t jb = 0; jb < k_blocks; ++jb) {
       tile(bh, ib, jb, t);
       if (t.empty) continue;
       const int64_t cols = t.c1 - t.c0;
+      if (i8_dsk || i8_dov) {  // dQ = dS·K: dS's step per query, K's per block; δdP as above
+        const double k_step = i8_dsk ? ks.k8.scale[size_t(jb)] : 0.0,
+                     dov_do = i8_dov ? qside[size_t(bh)].do8.scale[size_t(ib)] : 0.0,
+                     dov_v = i8_dov ? ks.v8.scale[size_t(jb)] : 0.0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const double ds = i8_dsk ? t.ds_row_scale[size_t(r)] : 0.0;
+          const double don2 = qside[size_t(bh)].do_norm2[size_t(r0 + r)];
+          for (int64_t c = 0; c < cols; ++c) {
+            const double dsij = t.dS[size_t(r * cols + c)], pij = t.P[size_t(r * cols + c)];
+            const double kn2 = ks.norm2[size_t(t.c0 + c)];
+            vq += (ds * ds / 12.0 * kn2 + dsij * dsij * d12 * k_step * k_step) * scale2;
+            if (i8_dov)
+              vq += pij * pij *
+                    (dov_do * dov_do * ks.v_norm2[size_t(t.c0 + c)] + don2 * dov_v * dov_v) /
+                    12.0 * kn2 * scale2;
+          }
+        }
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const float dsk_scale =
             i8_dsk ? t.ds_row_scale[size_t(r)] * ks.k8.scale[size_t(jb)] : 1.0f;
@@ -590,9 +655,12 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
         dq[(bh * Nq + i) * D + d] = (sum + g * ks.k_mean[size_t(d)]) * float(p.scale);
       }
     }
+    var_dq[size_t(item)] = vq;
   });
 
-  // The verdict: per head, the root mean square of σ over its rows that see a key.
+  // The verdict: per head, the root mean square of σ over its rows that see a key; and per head
+  // and gradient, the product check's estimate of 1 - cos: its variance over the gradient's
+  // squared norm, halved (independent errors; 0 where it adds none).
   BackwardCheck local;
   BackwardCheck& c = check ? *check : local;
   c.head_error.assign(qside.size(), 0.0);
@@ -605,6 +673,33 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     c.head_error[bh] = rows ? std::sqrt(sum / double(rows)) : 0.0;
     if (!(c.head_error[bh] <= double(SAGE_BWD_MAX_SCORE_ERROR))) c.untrusted = true;
   }
+  auto estimate = [](double var, const float* g, int64_t n) {
+    if (var == 0.0) return 0.0;
+    double norm = 0.0;
+    for (int64_t x = 0; x < n; ++x) norm += double(g[x]) * g[x];
+    return var / norm / 2.0;  // (a zero gradient with error: inf; NaN stays NaN)
+  };
+  const int64_t kv_heads = p.batch * p.heads_kv, q_heads = p.batch * p.heads_q;
+  c.dq_error.assign(size_t(q_heads), 0.0);
+  c.dk_error.assign(size_t(kv_heads), 0.0);
+  c.dv_error.assign(size_t(kv_heads), 0.0);
+  for (int64_t h = 0; h < q_heads; ++h) {
+    double v = 0.0;
+    for (int64_t ib = 0; ib < q_blocks; ++ib) v += var_dq[size_t(h * q_blocks + ib)];
+    c.dq_error[size_t(h)] = estimate(v, dq + h * Nq * D, Nq * D);
+  }
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    double vk = 0.0, vv = 0.0;
+    for (int64_t jb = 0; jb < k_blocks; ++jb) {
+      vk += var_dk[size_t(h * k_blocks + jb)];
+      vv += var_dv[size_t(h * k_blocks + jb)];
+    }
+    c.dk_error[size_t(h)] = estimate(vk, dk + h * Nk * D, Nk * D);
+    c.dv_error[size_t(h)] = estimate(vv, dv + h * Nk * D, Nk * D);
+  }
+  for (const std::vector<double>* e : {&c.dq_error, &c.dk_error, &c.dv_error})
+    for (double x : *e)
+      if (!(x <= double(SAGE_BWD_MAX_GRAD_ERROR))) c.untrusted = true;
   if (check) {
     c.lse2.clear();
     c.delta.clear();

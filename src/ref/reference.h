@@ -174,7 +174,14 @@ struct BackwardCheck {
   std::vector<float> lse2, delta;
   std::vector<double> sigma2;
   std::vector<double> head_error;  // [B, Hq]: the root mean square of σ over the head's rows
-  bool untrusted = false;          // some head_error > SAGE_BWD_MAX_SCORE_ERROR (or NaN)
+  // The product check: per head ([B, Hq] for dQ, [B, Hkv] for dK and dV), the estimated 1 - cos
+  // of the gradient from its INT8 products' rounding (each uniform within its ψ step, from the
+  // unquantized P and dS; INT8 dO·Vᵀ through dS): Σ variance / ‖gradient‖² / 2. The e4m3
+  // products are not estimated.
+  std::vector<double> dq_error, dk_error, dv_error;
+  // some head_error > SAGE_BWD_MAX_SCORE_ERROR or some product estimate >
+  // SAGE_BWD_MAX_GRAD_ERROR (or NaN)
+  bool untrusted = false;
 };
 // SageBwd (SageAttention3 paper, Algorithm 3) as the GPU computes it, every unquantized value in
 // fp32. It takes neither the forward's O nor its LSE: each row's softmax normalizer and D come from

@@ -199,7 +199,8 @@ TEST(Backward, SageBwdAccuracyAndTheDoVAblation) {
   BwdCase s(rng, 2, 1, 600, 600, 64, SAGE_MASK_NONE);
   const sage_backward_config cfg = ref::backward_preset();
   std::vector<float> dk, dv;
-  const std::vector<float> dq = s.grads(cfg, s.k, &dk, &dv);
+  ref::BackwardCheck check;
+  const std::vector<float> dq = s.grads(cfg, s.k, &dk, &dv, &check);
   const ref::Metrics mq = cmp(s.truth.dq, dq), mk = cmp(s.truth.dk, dk), mv = cmp(s.truth.dv, dv);
   EXPECT_GT(mq.cos, 0.999);
   EXPECT_GT(mk.cos, 0.999);
@@ -213,14 +214,23 @@ TEST(Backward, SageBwdAccuracyAndTheDoVAblation) {
   EXPECT_GT(mq8.rel_l1, 1.1 * mq.rel_l1);
   EXPECT_GT(mk8.rel_l1, 1.1 * mk.rel_l1);
   EXPECT_EQ(dv8, dv);
-  // The paper's one scale per tile for P and dS loses to per-token scales.
+  // The paper's one scale per tile for P and dS loses to per-token scales: the product check
+  // estimates several times their error, and mostly refuses it at this length (its dQ and dK
+  // come out near cos 0.999); where it does not, the error is larger.
   sage_backward_config block = cfg;
   block.granularity = SAGE_GRANULARITY_PER_BLOCK;
   std::vector<float> dkb, dvb;
-  const std::vector<float> dqb = s.grads(block, s.k, &dkb, &dvb);
-  EXPECT_GT(cmp(s.truth.dq, dqb).rel_l1, 1.5 * mq.rel_l1);
-  EXPECT_GT(cmp(s.truth.dk, dkb).rel_l1, 1.5 * mk.rel_l1);
-  EXPECT_GT(cmp(s.truth.dv, dvb).rel_l1, 1.5 * mv.rel_l1);
+  ref::BackwardCheck cb;
+  const std::vector<float> dqb = s.grads(block, s.k, &dkb, &dvb, &cb);
+  for (size_t h = 0; h < check.dq_error.size(); ++h)
+    EXPECT_GT(cb.dq_error[h], 2.0 * check.dq_error[h]) << "head " << h;
+  EXPECT_GT(cb.dk_error[0], 2.0 * check.dk_error[0]);
+  EXPECT_GT(cb.dv_error[0], 2.0 * check.dv_error[0]);
+  if (!cb.untrusted) {
+    EXPECT_GT(cmp(s.truth.dq, dqb).rel_l1, 1.5 * mq.rel_l1);
+    EXPECT_GT(cmp(s.truth.dk, dkb).rel_l1, 1.5 * mk.rel_l1);
+    EXPECT_GT(cmp(s.truth.dv, dvb).rel_l1, 1.5 * mv.rel_l1);
+  }
 }
 
 TEST(Backward, KSmoothingMakesTheGradientsBlindToAChannelBias) {

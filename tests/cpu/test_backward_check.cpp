@@ -191,6 +191,110 @@ TEST(BackwardCheck, QSmoothingIsExactWithoutQuantization) {
   EXPECT_EQ(ref::backward_preset().smooth, uint32_t(SAGE_SMOOTH_K | SAGE_SMOOTH_Q));
 }
 
+// The product check (the INT8 products' rounding, estimated per head and gradient) on the form
+// whose scores are 16-bit, where the score check has nothing to see: its estimate tracks the
+// gradients' 1 - cos against float64 (never far under it), it accepts what meets the bar, and it
+// refuses outlier channels x64 at D = 128 (dK cos about 0.997 there, silently before it).
+TEST(BackwardCheck, TheProductCheckTracksTheErrorOfSixteenBitScores) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct Case {
+    TrainingClass kind;
+    float strength;
+    int64_t d;
+    bool refused;
+  };
+  const Case cases[] = {{TrainingClass::kNormal, 1, 64, false},
+                        {TrainingClass::kOutlierScale, 8, 64, false},
+                        {TrainingClass::kSink, 10, 128, false},
+                        {TrainingClass::kPeaked, 20, 64, false},
+                        {TrainingClass::kOutlierScale, 64, 128, true}};
+  for (const Case& c : cases) {
+    ref::TrainingSpec s;
+    s.kind = c.kind;
+    s.strength = c.strength;
+    s.seq_q = s.seq_kv = 256;
+    s.head_dim = c.d;
+    s.heads_q = 4;
+    s.heads_kv = 1;
+    s.dtype = SAGE_DTYPE_BF16;
+    s.seed = seed + uint64_t(&c - cases);
+    const ref::TrainingInputs in = ref::make_training_inputs(s);
+    const ref::Problem p = problem_of(s, SAGE_MASK_CAUSAL_TOP_LEFT);
+    const Exact t = exact_grads(p, in);
+    sage_backward_config cfg = ref::backward_preset();
+    cfg.int8 = SAGE_BWD_INT8_PDO | SAGE_BWD_INT8_DSK | SAGE_BWD_INT8_DSQ;  // S in 16 bits
+    std::vector<float> dq(t.dq.size()), dk(t.dk.size()), dv(t.dv.size());
+    ref::BackwardCheck check;
+    ref::attention_backward_quant(p, cfg, in.q_view(), in.k_view(), in.v_view(), in.d_o_view(),
+                                  dq.data(), dk.data(), dv.data(), 2, nullptr, &check);
+    SCOPED_TRACE("class " + std::to_string(int(c.kind)) + " x" + std::to_string(c.strength));
+    for (double e : check.head_error) EXPECT_EQ(e, 0.0);  // (no INT8 scores)
+    ASSERT_EQ(check.dq_error.size(), 4u);
+    ASSERT_EQ(check.dk_error.size(), 1u);
+    const double est[3] = {*std::max_element(check.dq_error.begin(), check.dq_error.end()),
+                           check.dk_error[0], check.dv_error[0]};
+    if (c.refused) {
+      EXPECT_TRUE(check.untrusted);
+      EXPECT_GT(std::max(est[0], est[1]), double(SAGE_BWD_MAX_GRAD_ERROR));
+      EXPECT_TRUE(all_nan(dq) && all_nan(dk) && all_nan(dv));
+      continue;
+    }
+    EXPECT_FALSE(check.untrusted);
+    const std::vector<float>* got[3] = {&dq, &dk, &dv};
+    const std::vector<double>* truth[3] = {&t.dq, &t.dk, &t.dv};
+    for (int x = 0; x < 3; ++x) {
+      const double err = 1.0 - cosine(*truth[x], *got[x]);
+      EXPECT_GT(est[x], 0.0) << "gradient " << x;
+      // (the per-head maximum of dQ against the whole tensor's cosine; the estimate measured
+      // 0.9-4x the error, the 4x on peaked rows, whose P and dS are nearly one-hot)
+      EXPECT_LT(err, 1.3 * est[x] + 2e-5) << "gradient " << x;
+      EXPECT_LT(est[x], 6.0 * err + 1e-4) << "gradient " << x;
+    }
+  }
+}
+
+// On the preset the score check decides: across the training classes the product check never
+// refuses a call the score check accepts (the GPU kernels compute only the score check).
+TEST(BackwardCheck, OnThePresetTheProductCheckNeverDecidesAlone) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::pair<TrainingClass, float> cases[] = {
+      {TrainingClass::kNormal, 1},       {TrainingClass::kOutlierScale, 3},
+      {TrainingClass::kOutlierScale, 16}, {TrainingClass::kOutlierBias, 16},
+      {TrainingClass::kSink, 5},         {TrainingClass::kSink, 10},
+      {TrainingClass::kPeaked, 4},       {TrainingClass::kPeaked, 20},
+      {TrainingClass::kOutlierSink, 8}};
+  for (const auto& [kind, strength] : cases)
+    for (const int64_t d : {64, 128}) {
+      ref::TrainingSpec s;
+      s.kind = kind;
+      s.strength = strength;
+      s.seq_q = s.seq_kv = 200;
+      s.head_dim = d;
+      s.heads_q = 2;
+      s.heads_kv = 1;
+      s.dtype = d == 64 ? SAGE_DTYPE_FP16 : SAGE_DTYPE_BF16;
+      s.seed = seed + uint64_t(d) + uint64_t(&kind - &cases[0].first);
+      const ref::TrainingInputs in = ref::make_training_inputs(s);
+      const ref::Problem p = problem_of(s, SAGE_MASK_NONE);
+      std::vector<float> dq(size_t(p.out_elems())), dk(in.k.size()), dv(in.k.size());
+      ref::BackwardCheck check;
+      ref::attention_backward_quant(p, ref::backward_preset(), in.q_view(), in.k_view(),
+                                    in.v_view(), in.d_o_view(), dq.data(), dk.data(), dv.data(),
+                                    2, nullptr, &check);
+      double score = 0.0, product = 0.0;
+      for (double e : check.head_error) score = std::max(score, e);
+      for (const auto* v : {&check.dq_error, &check.dk_error, &check.dv_error})
+        for (double e : *v) product = std::max(product, e);
+      SCOPED_TRACE("class " + std::to_string(int(kind)) + " x" + std::to_string(strength) +
+                   " D " + std::to_string(d));
+      if (score <= double(SAGE_BWD_MAX_SCORE_ERROR)) {
+        EXPECT_LE(product, double(SAGE_BWD_MAX_GRAD_ERROR)) << "score error " << score;
+      }
+    }
+}
+
 // The backward's P is a normalized softmax of its own scores: with the scores in fp32 (no INT8
 // Q·Kᵀ, so the test can recompute them) Σ_j 2^(x_ij - L_i) = 1 on every row, peaked or not, and
 // D_i = Σ_j P_ij·dP_ij.
