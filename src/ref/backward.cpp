@@ -287,9 +287,6 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     s.norm2.assign(size_t(Nq), 0.0);
     s.sigma2.assign(size_t(Nq), 0.0);
     s.do_norm2.assign(size_t(Nq), 0.0);
-    for (int64_t i = 0; i < Nq; ++i)
-      for (int64_t d = 0; d < D; ++d) s.do_norm2[size_t(i)] += double(s.d_o[size_t(i * D + d)]) *
-                                                               s.d_o[size_t(i * D + d)];
     if (f8) {
       s.rowmax.assign(size_t(Nq), -std::numeric_limits<float>::infinity());
       s.mu.assign(size_t(Nq), 0.0f);
@@ -301,7 +298,11 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     std::vector<float> x(static_cast<size_t>(Nk)), dp(static_cast<size_t>(Nk));
     for (int64_t i = 0; i < Nq; ++i) {
       const float* qi = s.q.data() + i * D;
-      for (int64_t d = 0; d < D; ++d) s.norm2[size_t(i)] += double(qi[d]) * qi[d];
+      const float* doi = s.d_o.data() + i * D;
+      for (int64_t d = 0; d < D; ++d) {
+        s.norm2[size_t(i)] += double(qi[d]) * qi[d];
+        s.do_norm2[size_t(i)] += double(doi[d]) * doi[d];
+      }
       const int64_t ib = i / bq, visible = std::min(Nk, p.visible_keys(i));
       if (visible <= 0) continue;
       float m = -std::numeric_limits<float>::infinity();
@@ -489,6 +490,12 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
   // variance it adds to its gradient (summed over the gradient's entries) per task, from the
   // unquantized P and dS. ‖x‖² of an operand row and its step Δ give Δ²/12 per element.
   const double scale2 = p.scale * p.scale, d12 = double(D) / 12.0;
+  // dP = dO·Vᵀ in INT8 (an ablation): the variance of δdP_ij, whose error reaches dS as P·δdP
+  // and through it dK (times ‖Q_i - q̄‖²) and dQ (times ‖K_j - k̄‖²).
+  auto dp_var = [&](const QSide& qs, const KSide& ks, int64_t i, int64_t j) {
+    const double sd = qs.do8.scale[size_t(i / bq)], sv = ks.v8.scale[size_t(j / bk)];
+    return (sd * sd * ks.v_norm2[size_t(j)] + qs.do_norm2[size_t(i)] * sv * sv) / 12.0;
+  };
   std::vector<double> var_dk(size_t(p.batch * p.heads_kv * k_blocks), 0.0), var_dv(var_dk.size()),
       var_dq(size_t(p.batch * p.heads_q * q_blocks), 0.0);
 
@@ -517,9 +524,6 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
         // dV = Pᵀ·dO: P's step per key, dO's per block; dK = dSᵀ·Q: dS's per key, Q's per block.
         const double do_step = i8_pdo ? qs.do8.scale[size_t(ib)] : 0.0,
                      q_step = i8_dsq ? qs.q8.scale[size_t(ib)] : 0.0;
-        // dP = dO·Vᵀ in INT8 (an ablation): its error reaches dS as P·δdP
-        const double dov_do = i8_dov ? qs.do8.scale[size_t(ib)] : 0.0,
-                     dov_v = i8_dov ? kside[size_t(bkv)].v8.scale[size_t(jb)] : 0.0;
         for (int64_t r = 0; r < rows; ++r) {
           const size_t i = size_t(t.r0 + r);
           for (int64_t c = 0; c < cols; ++c) {
@@ -533,10 +537,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
               vk += (ds * ds / 12.0 * qs.norm2[i] + dsij * dsij * d12 * q_step * q_step) * scale2;
             }
             if (i8_dov)
-              vk += pij * pij *
-                    (dov_do * dov_do * kside[size_t(bkv)].v_norm2[size_t(t.c0 + c)] +
-                     qs.do_norm2[i] * dov_v * dov_v) /
-                    12.0 * qs.norm2[i] * scale2;
+              vk += pij * pij * dp_var(qs, kside[size_t(bkv)], t.r0 + r, t.c0 + c) *
+                    qs.norm2[i] * scale2;
           }
         }
         for (int64_t c = 0; c < cols; ++c) {
@@ -605,20 +607,15 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       if (t.empty) continue;
       const int64_t cols = t.c1 - t.c0;
       if (i8_dsk || i8_dov) {  // dQ = dS·K: dS's step per query, K's per block; δdP as above
-        const double k_step = i8_dsk ? ks.k8.scale[size_t(jb)] : 0.0,
-                     dov_do = i8_dov ? qside[size_t(bh)].do8.scale[size_t(ib)] : 0.0,
-                     dov_v = i8_dov ? ks.v8.scale[size_t(jb)] : 0.0;
+        const double k_step = i8_dsk ? ks.k8.scale[size_t(jb)] : 0.0;
         for (int64_t r = 0; r < rows; ++r) {
           const double ds = i8_dsk ? t.ds_row_scale[size_t(r)] : 0.0;
-          const double don2 = qside[size_t(bh)].do_norm2[size_t(r0 + r)];
           for (int64_t c = 0; c < cols; ++c) {
             const double dsij = t.dS[size_t(r * cols + c)], pij = t.P[size_t(r * cols + c)];
             const double kn2 = ks.norm2[size_t(t.c0 + c)];
             vq += (ds * ds / 12.0 * kn2 + dsij * dsij * d12 * k_step * k_step) * scale2;
             if (i8_dov)
-              vq += pij * pij *
-                    (dov_do * dov_do * ks.v_norm2[size_t(t.c0 + c)] + don2 * dov_v * dov_v) /
-                    12.0 * kn2 * scale2;
+              vq += pij * pij * dp_var(qside[size_t(bh)], ks, r0 + r, t.c0 + c) * kn2 * scale2;
           }
         }
       }
