@@ -105,6 +105,9 @@ void run_args(sage_attention_args* a, Run* r, size_t o_elems, size_t lse_elems) 
     return;
   }
   DeviceBuffer ws(ws_bytes ? ws_bytes : 1);
+  // Poisoned, as a caching allocator's block may be: nothing may rely on a zeroed workspace
+  // (the tile counters and the streamed pre-pass's flags are set by the call itself).
+  cudaMemset(ws.ptr, 0xFF, ws_bytes ? ws_bytes : 1);
   a->workspace = ws.ptr, a->workspace_size = ws_bytes;
   r->status = sage_attention(a);
   r->error = sage_last_error();

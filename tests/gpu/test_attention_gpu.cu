@@ -487,6 +487,71 @@ TEST(GpuAttention, OneLaunchKvPrepassMatchesThreeLaunches) {
   }
 }
 
+// With fused Q on sm_90 the K/V pre-pass is streamed beside the attention kernel (a few clusters
+// release the KV heads one by one; each tile waits for its head's flag). The pre-pass computes
+// the same statistics and quantization as when it completes first (SAGE_OPTION_PREPASS_FIRST), so
+// O and LSE must agree bit for bit: many heads a cluster (B·Hkv 24-32 over 4 clusters), GQA,
+// both masks, padded and unaligned lengths, a padded head dim, a workspace poisoned with 0xFF
+// (every flag "released" before the call resets it) and the same workspace called again.
+TEST(GpuAttention, StreamedKvPrepassMatchesPrepassFirst) {
+  SAGE_REQUIRE_GPU();
+  if (compute_capability() != 90) GTEST_SKIP() << "the streamed pre-pass serves the sm90 kernel";
+  const uint64_t seed = sage::test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const KernelChoice first{SAGE_KERNEL_SM90, SAGE_OPTION_PREPASS_FIRST, "sm90/first"};
+  for (const Case& c : {Case{1, 24, 24, 4608, 4608, 128, kNone, kNHD, kBF16, k8, 4},
+                        Case{2, 8, 2, 3000, 3000, 64, kBR, kHND, kF16, k8, 4},
+                        Case{1, 4, 1, 700, 5000, 72, kTL, kNHD, kF16, k8, 4},
+                        Case{3, 2, 2, 129, 129, 128, kNone, kHND, kF16, k8, 4},
+                        Case{4, 32, 8, 1024, 1024, 128, kBR, kNHD, kF16, k8, 4}}) {
+    SCOPED_TRACE(name(c));
+    const Inputs in = draw_inputs(rng, c);
+    const GpuRun streamed = run_gpu(c, in.qd, in.kd, in.vd, kSm90);
+    const GpuRun ahead = run_gpu(c, in.qd, in.kd, in.vd, first);
+    ASSERT_EQ(streamed.status, SAGE_OK) << streamed.error;
+    ASSERT_EQ(ahead.status, SAGE_OK) << ahead.error;
+    EXPECT_EQ(streamed.plan.launches, 2);
+    EXPECT_GT(ahead.plan.launches, 2);
+    size_t differ = 0, lse_differ = 0, nan = 0;
+    for (size_t i = 0; i < ahead.o.size(); ++i) differ += streamed.o[i] != ahead.o[i];
+    for (size_t i = 0; i < ahead.lse.size(); ++i)
+      lse_differ += std::memcmp(&streamed.lse[i], &ahead.lse[i], 4) != 0;
+    for (uint16_t x : streamed.o) nan += (x & 0x7FFFu) > (c.dtype == kF16 ? 0x7C00u : 0x7F80u);
+    EXPECT_EQ(differ, 0u) << "O differs in " << differ << " of " << ahead.o.size();
+    EXPECT_EQ(lse_differ, 0u) << "LSE differs in " << lse_differ << " of " << ahead.lse.size();
+    EXPECT_EQ(nan, 0u) << "poison left in O";
+  }
+  // Three calls on one workspace: each resets the flags it then sets.
+  const Case c{2, 8, 2, 3000, 3000, 64, kBR, kHND, kF16, k8, 4};
+  const Inputs in = draw_inputs(rng, c);
+  const GpuRun once = run_gpu(c, in.qd, in.kd, in.vd, kSm90);
+  ASSERT_EQ(once.status, SAGE_OK) << once.error;
+  const size_t n = once.o.size();
+  DeviceBuffer dq(in.qd.size() * 2), dk(in.kd.size() * 2), dv(in.vd.size() * 2), dout(n * 2);
+  SAGE_ASSERT_CUDA(cudaMemcpy(dq.ptr, in.qd.data(), in.qd.size() * 2, cudaMemcpyHostToDevice));
+  SAGE_ASSERT_CUDA(cudaMemcpy(dk.ptr, in.kd.data(), in.kd.size() * 2, cudaMemcpyHostToDevice));
+  SAGE_ASSERT_CUDA(cudaMemcpy(dv.ptr, in.vd.data(), in.vd.size() * 2, cudaMemcpyHostToDevice));
+  sage_attention_args args;
+  sage_attention_args_init(&args);
+  args.q = dq.ptr, args.k = dk.ptr, args.v = dv.ptr, args.o = dout.ptr;
+  args.batch = c.B, args.heads_q = c.Hq, args.heads_kv = c.Hkv, args.seq_q = c.Nq;
+  args.seq_kv = c.Nk, args.head_dim = c.D, args.mask = c.mask, args.variant = c.variant;
+  args.layout = c.layout, args.dtype = c.dtype, args.kernel = SAGE_KERNEL_SM90;
+  size_t ws = 0;
+  ASSERT_EQ(sage_attention_workspace_size(&args, &ws), SAGE_OK) << sage_last_error();
+  DeviceBuffer dws(ws);
+  SAGE_ASSERT_CUDA(cudaMemset(dws.ptr, 0xFF, ws));
+  args.workspace = dws.ptr, args.workspace_size = ws;
+  for (int call = 0; call < 3; ++call) {
+    SAGE_ASSERT_CUDA(cudaMemset(dout.ptr, 0xFF, n * 2));
+    ASSERT_EQ(sage_attention(&args), SAGE_OK) << sage_last_error();
+    std::vector<uint16_t> out(n);
+    SAGE_ASSERT_CUDA(cudaMemcpy(out.data(), dout.ptr, n * 2, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(out, once.o) << "call " << call;
+  }
+}
+
 // The causal kernel's CTAs draw tiles from a counter in the workspace; the pre-pass zeroes it and
 // the kernel's last CTA resets it, so the kernel alone may run again on a prepared workspace (the
 // benchmark's kernel-only figure). Each relaunch must cover every tile of a grid with more tiles
