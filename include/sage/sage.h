@@ -148,8 +148,6 @@ typedef enum sage_kernel {
 #define SAGE_OPTION_PREPASS_Q 1u /* sm90: Q quantized by the pre-pass instead of inside the kernel */
 #define SAGE_OPTION_PREPASS_KV_SPLIT 2u /* K/V pre-pass in three launches (statistics, finalize,
                                            quantize) where it would run as one cluster launch */
-#define SAGE_OPTION_PREPASS_FIRST 4u /* sm90: the K/V pre-pass completes before the attention
-                                        kernel starts, instead of streaming the KV heads to it */
 
 /* Smoothing flags: quantize X - mean(X) over tokens instead of X, and add the mean's part back
  * exactly (K: a constant per score row, which the softmax ignores and the LSE adds back; Q: ΔS

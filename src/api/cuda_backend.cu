@@ -172,7 +172,6 @@ sm90::Params sm90_params(const api::Resolved& r, const sage_attention_args& a,
   s.k_mean = reinterpret_cast<const float*>(ws + w.k_mean);  // fused Q's LSE shift
   s.tile_counter = reinterpret_cast<unsigned*>(ws + w.tile_counter);
   s.kv_bad = reinterpret_cast<const unsigned long long*>(ws + w.kv_bad);
-  s.kv_ready = w.kv_stream > 0 ? reinterpret_cast<const unsigned*>(ws + w.kv_ready) : nullptr;
   s.q_in = a.q, s.q_in_batch = r.packed() ? 0 : r.q.batch, s.q_in_head = r.q.head;
   s.q_in_token = r.q.token;
   s.scale = float(r.problem.scale);

@@ -3,7 +3,6 @@
 #include "api/plan.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "attn/mma/params.h"
@@ -48,13 +47,6 @@ int sm90_poly_every(int64_t head_dim, int consumers) {
 // The sm90 kernel's key block (the softmax block): 128 keys, 64 at D = 256.
 int sm90_block_k(int64_t head_dim) {
   return head_dim == 256 ? sm90::Traits<256, 2>::kBlockK : sm90::Traits<128, 2>::kBlockK;
-}
-
-// The streamed K/V pre-pass's clusters of 8 CTAs (PrepassPlan::kv_stream).
-int kv_stream_clusters(const Device& dev) {
-  if (const char* e = std::getenv("SAGE_KV_STREAM_CLUSTERS")) return std::max(1, std::atoi(e));
-  (void)dev;
-  return 4;
 }
 
 // The one FP4 combination the GPU computes (src/fp4), variant SAGE3_FP4's with any Q/K
@@ -297,16 +289,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   };
   plan.prepass.vec_kv = rows16(a.k, r.k) && rows16(a.v, r.v);
   plan.prepass.vec_q = rows16(a.q, r.q);
-  // K/V streamed beside the sm90 kernel (PrepassPlan::kv_stream) where the kernel quantizes Q
-  // itself (nothing else stands between the two) and a chunk is staged whole (Dk <= 128); its
-  // clusters take a fixed share of the GPU, and at most one a KV head.
-  // SAGE_OPTION_PREPASS_FIRST and _KV_SPLIT keep the pre-pass ahead of the kernel (to compare).
-  if (plan.fused_q && Dk <= 128 && dev.kv_cluster >= 8 &&
-      !(a.options & (SAGE_OPTION_PREPASS_FIRST | SAGE_OPTION_PREPASS_KV_SPLIT)))
-    plan.prepass.kv_stream =
-        int(std::min<int64_t>(p.batch * p.heads_kv, kv_stream_clusters(dev)));
-  plan.launches = plan.prepass.kv_stream    ? 1 + 1
-                  : (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + 1;
+  plan.launches = (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + 1;
   // A padded head dim looks up its kernel's row: it does Dk's work while SDPA does D's, so Dk's
   // crossover is the least length from which it could win (not measured at the padded dims).
   // (No SDPA stands in for a packed batch: the table is for dense calls.)

@@ -75,25 +75,6 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   return v;
 }
 
-// The same for an unsigned flag, and its setter: st.release.gpu.b32 (what this thread wrote
-// before, and what it saw released before, is visible to whoever acquires the value).
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-  unsigned v = 0u;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  asm volatile("ld.acquire.gpu.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-#else
-  __trap();
-#endif
-  return v;
-}
-__device__ __forceinline__ void st_release_gpu(unsigned* p, unsigned v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  asm volatile("st.release.gpu.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-#else
-  __trap();
-#endif
-}
-
 // The SM's 32-bit cycle counter (%clock), ordered with the surrounding memory operations.
 __device__ __forceinline__ uint32_t sm_clock() {
   uint32_t c;

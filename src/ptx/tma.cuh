@@ -91,15 +91,4 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 #endif
 }
 
-// Orders what this thread has acquired of global memory written by other CTAs' generic-proxy
-// stores before its later TMA reads of it (the streamed pre-pass's products: attn/sm90/producer.cuh).
-template <int kInst = 0>
-__device__ __forceinline__ void fence_proxy_async_global() {
-#ifdef SAGE_PTX_HAS_TMA
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-#elif defined(__CUDA_ARCH__)
-  SAGE_PTX_REQUIRE(kInst, "fence.proxy.async (sm_90)");
-#endif
-}
-
 }  // namespace sage::ptx

@@ -143,12 +143,6 @@ struct PrepassPlan {
   // three-launch path (kv_stats, kv_finalize, quant_kv), for heads of more chunks than a cluster
   // holds and GPUs without clusters.
   int kv_cluster = 0;
-  // K/V streamed beside the sm90 attention kernel (kv_stream_kernel, sm_90+, D <= 128, fused Q
-  // only): this many 8-CTA clusters prepare the KV heads in order and release each by a flag
-  // (kv_ready) that the kernel's tiles of that head wait for; the kernel is launched as soon as
-  // every flag is reset, so the pre-pass runs under it. 0: the pre-pass completes first
-  // (kv_cluster or the three launches). Set by the planner after make_prepass_plan.
-  int kv_stream = 0;
   // The width of the kernels' loads of the caller's rows (their kVec): 16 bytes (cp.async where a
   // chunk is staged) where every row of the tensor starts 16-byte aligned (rows_aligned16), else
   // 2 bytes. vec_kv: K and V both; vec_q: Q (quant_q). The planner sets them from the call's
@@ -166,7 +160,7 @@ struct PrepassPlan {
   // make_prepass_plan).
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
          kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, tile_counter = 0,
-         kv_bad = 0, kv_ready = 0, total = 0;
+         kv_bad = 0, total = 0;
   int64_t kv_stats_stride = 0;  // bytes from one KV head's statistics to the next
 };
 
@@ -248,9 +242,6 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   // Per KV head: the first key whose K or V row holds Inf/NaN (kKvBadNone: none), for the rows
   // the pre-pass or the sm90 kernel's Q quantization marks as poisoned.
   p.kv_bad = take(size_t(bk) * 8);
-  // Per KV head: the streamed pre-pass's release flag (kv_stream; held by every plan, so the
-  // workspace does not depend on the options that turn streaming off).
-  p.kv_ready = take(size_t(bk) * 4);
   p.total = carve.total;
   return p;
 }

@@ -74,7 +74,6 @@ struct Parts {
   HeadFinalOut final_out;
   HeadFinalIn final_in;
   KvQuantOut kv_out;
-  KvRelease release;
   QInput q_in;
   QHeads q_heads;
   QRows q_rows;
@@ -98,7 +97,6 @@ Parts parts_of(const Plan& p, const PrepassInputs& in, uint8_t* ws) {
                  reinterpret_cast<unsigned*>(ws + p.tile_counter), kv_bad};
   x.final_in = {f32(p.k_mean), f32(p.v_mean), f32(p.v_inv), kv_bad};
   x.kv_out = {ws + p.k, f32(p.k_scale), ws + p.v};
-  x.release = {p.kv_stream > 0 ? reinterpret_cast<unsigned*>(ws + p.kv_ready) : nullptr};
   x.q_in = {in.q, in.q_strides, dim};
   x.q_heads = {int(p.heads_kv), int(p.heads_q / p.heads_kv), p.batch * p.heads_q};
   x.q_rows = {p.q_rows, p.kv_rows, p.shift_rows};
@@ -124,21 +122,6 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
   auto kv = [&](auto bits, auto vec) {
     constexpr int kBits = decltype(bits)::value;
     constexpr bool kVec = decltype(vec)::value;
-    if (p.kv_stream > 0) {
-      if constexpr (Stage<D>::kRows == kStatTokens) {
-        constexpr auto kernel = kv_stream_kernel<T, D, kBits, kVec>;
-        check(set_max_dynamic_smem_once<kernel>(device, Stage<D>::kBytes));
-        LaunchShape shape{dim3(unsigned(p.kv_stream * kStreamCluster)), dim3(kKvThreads),
-                          size_t(Stage<D>::kBytes)};
-        shape.cluster = unsigned(kStreamCluster);
-        check(launch_pdl(kernel, shape, st,
-                         KvStreamParams{x.kv_in, x.heads, x.sampling, x.smoothing, x.stats,
-                                        x.final_out, x.kv_out, x.release}));
-      } else {
-        check(cudaErrorInvalidConfiguration);  // planned for D <= 128 only (plan.cpp)
-      }
-      return;
-    }
     if (p.kv_cluster > 0) {
       if constexpr (Stage<D>::kRows == kStatTokens) {
         constexpr auto kernel = kv_prepass_kernel<T, D, kBits, kVec>;

@@ -107,9 +107,7 @@ TEST(Planner, Sm90TileAndFusedQ) {
   EXPECT_FALSE(pq.fused_q);
   EXPECT_TRUE(pq.prepass.quantize_q);
   EXPECT_EQ(pq.consumers, 2);
-  Call first(3000, 3000, 64);
-  first.a.options = SAGE_OPTION_PREPASS_FIRST;
-  EXPECT_EQ(pq.launches, must_plan(first, kH100).launches + 1);
+  EXPECT_EQ(pq.launches, d128.launches + 1);
   Call odd(3000, 3000, 64);
   odd.a.q = odd.q.data() + 1;  // rows 2-byte aligned only
   EXPECT_FALSE(must_plan(odd, kH100).fused_q);
@@ -139,41 +137,6 @@ TEST(Planner, KvPrepassOneLaunchWhereAClusterHoldsTheHead) {
   EXPECT_EQ(must_plan(Call(700, 2048, 64), kH100).prepass.kv_cluster, 0);
   EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).prepass.kv_cluster, 0);
   EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).launches, 5);  // 3 K/V, quant_q, attention
-}
-
-// With fused Q on sm_90 (Dk <= 128) K/V's pre-pass is streamed beside the attention kernel: a few
-// clusters (never more than KV heads), two launches in all; SAGE_OPTION_PREPASS_FIRST and _KV_SPLIT
-// keep it ahead of the kernel, and so do pre-pass Q (quant_q would stand between the two; it also
-// takes Q's own workspace), Dk = 256 (a chunk is not staged whole), Q rows off 16 bytes and GPUs
-// without clusters. The workspace is otherwise the same every way.
-TEST(Planner, KvPrepassStreamedBesideTheSm90Kernel) {
-  for (const int64_t d : {64, 72, 128})
-    for (const int64_t nk : {1, 1000, 4608, 33000})
-      for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
-        SCOPED_TRACE(::testing::Message() << "D " << d << " Nk " << nk << " mask " << mask);
-        const Plan p = must_plan(Call(700, nk, d, mask), kH100);
-        EXPECT_GT(p.prepass.kv_stream, 0);
-        EXPECT_LE(p.prepass.kv_stream, 2 * 2);  // Call's B·Hkv = 2·2
-        EXPECT_EQ(p.launches, 2);
-        for (const uint32_t opt : {SAGE_OPTION_PREPASS_FIRST, SAGE_OPTION_PREPASS_KV_SPLIT,
-                                   SAGE_OPTION_PREPASS_Q}) {
-          Call c(700, nk, d, mask);
-          c.a.options = opt;
-          const Plan o = must_plan(c, kH100);
-          EXPECT_EQ(o.prepass.kv_stream, 0) << opt;
-          EXPECT_EQ(o.launches, (o.prepass.kv_cluster ? 1 : 3) + (o.fused_q ? 0 : 1) + 1) << opt;
-          if (opt != SAGE_OPTION_PREPASS_Q) {
-            EXPECT_EQ(o.prepass.total, p.prepass.total) << opt;
-          }
-        }
-      }
-  EXPECT_EQ(must_plan(Call(700, 1000, 256), kH100).prepass.kv_stream, 0);
-  EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).prepass.kv_stream, 0);
-  const Device no_cluster{0, 90, 132, 0, 5120};
-  EXPECT_EQ(must_plan(Call(700, 1000, 128), no_cluster).prepass.kv_stream, 0);
-  Call odd(700, 1000, 128);
-  odd.a.q = odd.q.data() + 1;  // no TMA map for Q: pre-pass Q
-  EXPECT_EQ(must_plan(odd, kH100).prepass.kv_stream, 0);
 }
 
 // The pre-pass's loads are 16 bytes wide (its kVec instantiations) where every row of the tensor
@@ -445,8 +408,7 @@ size_t documented_workspace(const Shape& s, int bits, bool prepass_q, bool smoot
              + up256(bk * s.D * nk)      // V^ᵀ (E4M3)
              + 4 * up256(4 * bk * s.D)   // K mean, V mean, V scale, 1 / V scale
              + 256                       // the sm90 tile counter
-             + up256(8 * bk)             // each KV head's first non-finite key
-             + up256(4 * bk);            // each KV head's release flag (streamed pre-pass)
+             + up256(8 * bk);            // each KV head's first non-finite key
   if (prepass_q) w += up256(bq * nq * r) + up256(2 * bq * nq);  // Q^, 64 scales a 128-row block
   if (smooth_q) w += up256(4 * bq * (nq / 128) * s.D);          // Q's block means
   if (prepass_q || lse) w += up256(4 * bq * s.Nq);              // each row's LSE shift
@@ -482,15 +444,15 @@ Plan plan_of(const Shape& s, const Device& dev, sage_variant variant, bool lse,
 TEST(Workspace, OutputPlusKvAndScalesAt32k) {
   // B=1, H=32, N=32k, D=128, 8-bit on the H100 (the wgmma kernel, Q quantized in the kernel), no
   // LSE: K^ and V^ (128 MiB each), K's scales (256 KiB), the four per-channel vectors (16 KiB
-  // each), the tile counter, the heads' first non-finite keys and their release flags (256
-  // bytes each); with the output (256 MiB), 512.3 MiB in all.
+  // each), the tile counter and the heads' first non-finite keys (256 bytes each); with the
+  // output (256 MiB), 512.3 MiB in all.
   const Shape s{1, 32, 32, 32768, 32768, 128};
   constexpr size_t kMiB = size_t(1) << 20;
   const Plan p = plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, /*lse=*/false);
   ASSERT_EQ(p.family, Family::kSm90);
   ASSERT_TRUE(p.fused_q);
   const size_t output = size_t(s.B * s.Hq * s.Nq * s.D) * 2;
-  EXPECT_EQ(p.prepass.total, 256 * kMiB + 256 * 1024 + 4 * 16 * 1024 + 256 + 256 + 256);
+  EXPECT_EQ(p.prepass.total, 256 * kMiB + 256 * 1024 + 4 * 16 * 1024 + 256 + 256);
   EXPECT_EQ(p.prepass.total, documented_workspace(s, 8, false, false, false));
   EXPECT_LE(output + p.prepass.total, 512 * kMiB + kMiB / 2);
   // With the LSE: 4 bytes a query row more (4 MiB), as the LSE itself.

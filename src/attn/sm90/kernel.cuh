@@ -56,10 +56,8 @@ __global__ void __launch_bounds__(Traits<D, kCons>::kThreads, 1)
   }
   __syncthreads();
   // Everything above overlapped the pre-pass's tail; nothing is read from global memory before
-  // the kernels this one depends on have finished. Streamed (p.kv_ready), the pre-pass runs
-  // beside this kernel: it launched this grid once it had waited for the kernels before it and
-  // reset its flags, and each tile waits for its KV head's flag instead (producer.cuh).
-  if (p.kv_ready == nullptr) ptx::grid_dependency_wait();
+  // the kernels this one depends on have finished.
+  ptx::grid_dependency_wait();
 
   if (threadIdx.x < 128) {  // ---- the producer warpgroup ----
     ptx::setmaxnreg_dec<Tr::kProducerRegs>();

@@ -25,12 +25,7 @@ struct Params {
   float* lse_shift;        // [B*Hq][Nq]: scale · q·k_mean, NaN for a poisoned row (written by
                            // quant_q or by fused Q; the epilogue reads it for every row)
   const unsigned long long* kv_bad;  // [B*Hkv]: the first key with Inf/NaN (fused Q's poisoning)
-  unsigned* tile_counter;  // causal or streamed: {next tile, CTAs done}, 0 on entry and exit
-  // [B*Hkv]: the streamed pre-pass's release flags (quant/layout.h, PrepassPlan::kv_stream), or
-  // null when the pre-pass completes before this kernel. Streamed, the kernel does not wait for
-  // the pre-pass grid: each tile waits for its KV head's flag, and every tile is drawn from the
-  // counter (a CTA that starts late, on an SM the pre-pass held, takes no early tile).
-  const unsigned* kv_ready;
+  unsigned* tile_counter;  // causal: {next tile, CTAs done}, 0 on entry and on exit
   // The caller's Q (fp16/bf16 as o; fused Q reads it through its own TMA map), strides in elements.
   const void* q_in;
   int64_t q_in_batch, q_in_head, q_in_token;

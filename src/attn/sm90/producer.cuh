@@ -242,18 +242,6 @@ struct Producer {
 
   // Thread 0: draws each round's tile one round ahead, publishes it, and issues its loads: Q
   // (pre-pass Q) and the K/Vᵀ blocks into the ring as stages free up.
-  // Streamed pre-pass (p.kv_ready): a tile is published, so read by any thread of the CTA, only
-  // once its KV head's products are released (the flag's acquire here, then the ring's mbarrier,
-  // orders every later read of them in the CTA after their stores; the proxy fence orders this
-  // thread's TMA loads of them). Heads are released in the order tiles are numbered, so after
-  // the first tiles the flag is set long before it is read.
-  __device__ __forceinline__ void wait_kv_head(const TileInfo& ti) const {
-    if (p.kv_ready == nullptr || ti.done) return;
-    const unsigned* flag = p.kv_ready + ti.bhk;
-    while (ptx::ld_acquire_gpu(flag) == 0u) __nanosleep(200);
-    ptx::fence_proxy_async_global();
-  }
-
   __device__ __forceinline__ void load_tiles(bool fused_q) const {
     const TileScheduler<kCausal, Tr::kBlockQ, kPacked, Tr::kBlockK> sched(p);
     RingPhase phase;
@@ -262,11 +250,9 @@ struct Producer {
     // whole grid's K/V stages each CTA's first Q tile would arrive last, while nothing can start
     // without it (docs/sm90-kernel.md, "Fused Q quantization").
     if (fused_q && !ti.done) stage_q(ti);
-    wait_kv_head(ti);
     sh.sched.publish(0, ti);
     for (int it = 0; !ti.done; ++it) {
       const TileInfo next = sched.next(it + 1);
-      wait_kv_head(next);
       sh.sched.publish(it + 1, next);  // the quantizing warps prepare its Q during this tile
       const int qbuf = it & 1;
       if (!fused_q) {

@@ -78,10 +78,7 @@ struct TileScheduler {
   // The tile of this CTA's round (the producer thread only: the causal counter is drawn here).
   static constexpr bool kDynamic = kCausal || kPacked;
 
-  // Streamed (p.kv_ready): every tile from the counter, so a CTA that starts late takes the next
-  // tile rather than an early one (as the pre-pass's SMs free up).
   __device__ __forceinline__ int64_t tile_of(int round) const {
-    if (p.kv_ready != nullptr) return int64_t(atomicAdd(p.tile_counter, 1u));
     if (kDynamic)
       return round == 0 ? int64_t(blockIdx.x) : int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1u);
     return int64_t(round) * gridDim.x + ((round & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
@@ -110,15 +107,14 @@ struct TileScheduler {
     TileInfo ti = decode(tile_of(round));
     if constexpr (kPacked)
       while (!ti.done && int64_t(ti.qb) * kBlockQ >= tile_seq<kPacked>(p, ti.b, ti.bhk).seq_q)
-        ti = decode(p.kv_ready != nullptr ? int64_t(atomicAdd(p.tile_counter, 1u))
-                                          : int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1u));
+        ti = decode(int64_t(gridDim.x) + atomicAdd(p.tile_counter, 1u));
     return ti;
   }
 
-  // Causal, packed or streamed: once every CTA has drawn past the last tile, the last one out
-  // zeroes the counters for the next launch (a kernel-only relaunch on the same workspace).
+  // Causal (or packed): once every CTA has drawn past the last tile, the last one out zeroes the
+  // counters for the next launch (a kernel-only relaunch on the same workspace).
   __device__ __forceinline__ void finish() const {
-    if ((kDynamic || p.kv_ready != nullptr) && atomicAdd(p.tile_counter + 1, 1u) == gridDim.x - 1) {
+    if (kDynamic && atomicAdd(p.tile_counter + 1, 1u) == gridDim.x - 1) {
       p.tile_counter[0] = 0u;
       p.tile_counter[1] = 0u;
     }

@@ -11,7 +11,6 @@
 #include "quant/prepass/common.cuh"
 #include "quant/prepass/kv_cluster.cuh"
 #include "quant/prepass/kv_split.cuh"
-#include "quant/prepass/kv_stream.cuh"
 #include "quant/prepass/params.h"
 #include "quant/prepass/q_quant.cuh"
 
@@ -39,17 +38,6 @@ __global__ void __launch_bounds__(kKvThreads, D <= 64 ? 3 : 2)
   pdl_enter();
   extern __shared__ __align__(16) uint8_t stage[];
   kv_prepass<T, D, kBits, kVec>(p, stage);
-}
-
-// K/V streamed beside the attention kernel (PrepassPlan::kv_stream > 0): its own PDL prologue
-// (kv_stream resets the heads' flags between the wait and the trigger). Few CTAs, so registers
-// are not rationed for occupancy (at kv_prepass's bounds ptxas spilled 8-76 bytes).
-template <typename T, int D, int kBits, bool kVec>
-__global__ void __launch_bounds__(kKvThreads, 1)
-    kv_stream_kernel(const KvStreamParams params) {
-  const auto p = in_registers(params);
-  extern __shared__ __align__(16) uint8_t stage[];
-  kv_stream<T, D, kBits, kVec>(p, stage);
 }
 
 // K/V in three launches: statistics, finalize, quantization.

@@ -81,12 +81,6 @@ struct HeadFinalIn {
   unsigned long long* kv_bad;
 };
 
-// The streamed pre-pass's per-KV-head release flags (PrepassPlan::kv_stream): 0 until the head's
-// products are written, then 1 (the attention kernel's tiles of that head wait for it).
-struct KvRelease {
-  unsigned* kv_ready;
-};
-
 // INT8/INT4 K̂ rows and their scales, E4M3 Vᵀ.
 struct KvQuantOut {
   uint8_t* kq;
@@ -136,9 +130,6 @@ struct QQuantOut {
 // K and V in one cluster launch (kv_cluster.cuh): statistics, finalize and quantization.
 using KvPrepassParams =
     ParamsOf<KvInput, KvHeads, KMeanSampling, Smoothing, ChunkStatsOut, HeadFinalOut, KvQuantOut>;
-// K and V streamed beside the attention kernel, a few clusters a head at a time (kv_stream.cuh).
-using KvStreamParams = ParamsOf<KvInput, KvHeads, KMeanSampling, Smoothing, ChunkStatsOut,
-                                HeadFinalOut, KvQuantOut, KvRelease>;
 // The three-launch path (kv_split.cuh): statistics, finalize, quantization.
 using KvStatsParams = ParamsOf<KvInput, KvHeads, KMeanSampling, ChunkStatsOut>;
 using KvFinalizeParams = ParamsOf<ChunkStatsOut, KvHeads, KMeanSampling, Smoothing, HeadFinalOut>;
