@@ -390,6 +390,10 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=210.0,
                     help="wall-clock budget on CUDA; steps shrink to fit (0: off)")
     ap.add_argument("--stdlib", default=None, help="text source (default: sysconfig's stdlib)")
+    ap.add_argument("--no-backward-retry", action="store_true",
+                    help="try SageBwd's 8 bits on every backward call (sage_attn."
+                         "set_backward_retry(False)); by default a kind of call the check "
+                         "keeps refusing goes straight to 16 bits for a while")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
@@ -412,6 +416,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
+    sage_attn.set_backward_retry(not a.no_backward_retry)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     cfg = {"layers": a.layers, "d_model": a.d_model, "heads": a.heads,
@@ -481,6 +486,7 @@ def main(argv=None):
                   "optimizer": "AdamW betas (0.9, 0.95), weight decay 0.1 on matrices, "
                                "grad clip 1.0",
                   "precision": "fp32 parameters and optimizer state, bf16 autocast",
+                  "backward_retry": not a.no_backward_retry,
                   "val_seqs": a.val_seqs, "val_points": a.val_points,
                   "positions": "learned", "embeddings": "tied"}
         path.write_text(json.dumps({"meta": meta, "config": config, "data": data_info,

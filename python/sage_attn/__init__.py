@@ -37,7 +37,8 @@ else:
     _torch_missing = False
     from ._torch import (backward_fallbacks,  # noqa: F401
                          dropin_backend, sageattn, sageattn3, sageattn_varlen,
-                         scaled_dot_product_attention, set_dropin_crossover)
+                         scaled_dot_product_attention, set_backward_retry,
+                         set_dropin_crossover)
     from ._sdpa import sdpa  # noqa: F401
     from ._sdpa import register_flash_impl as _register_flash_impl
     # "sage" joins torch.nn.attention.list_flash_attention_impls() where torch has the
@@ -53,6 +54,7 @@ if _torch_missing:
 
     sageattn = sageattn3 = sageattn_varlen = scaled_dot_product_attention = _needs_torch
     dropin_backend = set_dropin_crossover = backward_fallbacks = sdpa = _needs_torch
+    set_backward_retry = _needs_torch
 
 
 def install_sageattention_alias() -> None:
@@ -64,6 +66,7 @@ def install_sageattention_alias() -> None:
 
 __all__ = ["sageattn", "sageattn3", "sageattn_varlen", "scaled_dot_product_attention", "sdpa",
            "install_sageattention_alias", "dropin_backend",
-           "set_dropin_crossover", "backward_fallbacks", "SageBwdFallbackWarning", "attention_numpy", "attention_varlen_numpy", "metrics",
+           "set_dropin_crossover", "backward_fallbacks", "set_backward_retry",
+           "SageBwdFallbackWarning", "attention_numpy", "attention_varlen_numpy", "metrics",
            "version",
            "SageError", "SageArgumentError", "SageUnsupportedError"]

@@ -190,19 +190,19 @@ def _flash_backward(keyset, grad_out, query, key, value, out, logsumexp, cum_seq
     mask, s = route
     layout = _layout_of(query)
     q, k, v, d_o = _to(layout, query, key, value, grad_out)
-    dq, dk, dv, untrusted = _t._backward(q, k, v, d_o, None, layout, mask, s)
-    if _t._refused(untrusted):
-        # SageBwd refused its own INT8 scores for this call: the gradients of torch's
-        # 16-bit flash attention instead (its forward recomputed, for the O and LSE its
-        # backward reads).
+    grads = _t._sage_backward(_t._backward, q, k, v, d_o, None, layout, mask, s)
+    if grads is None:
+        # SageBwd refused its own INT8 scores for this call (or keeps refusing its kind): the
+        # gradients of torch's 16-bit flash attention instead (its forward recomputed, for the
+        # O and LSE its backward reads).
         if query.is_cuda:
             fwd = _state.fwd.call_boxed(keyset, query, key, value, 0.0, is_causal, False,
                                         scale=scale)
             return _state.bwd.call_boxed(keyset, grad_out, query, key, value, fwd[0], fwd[1],
                                          cum_seq_q, cum_seq_k, max_q, max_k, 0.0, is_causal,
                                          fwd[6], fwd[7], scale=scale)
-        dq, dk, dv = _t._backward_16bit(q, k, v, d_o, None, layout, mask, s)
-    dq, dk, dv = _to(layout, dq, dk, dv)
+        grads = _t._backward_16bit(q, k, v, d_o, None, layout, mask, s)
+    dq, dk, dv = _to(layout, *grads)
     return _matching(dq, query), _matching(dk, key), _matching(dv, value)
 
 

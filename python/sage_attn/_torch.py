@@ -307,8 +307,60 @@ _fallbacks = 0
 
 
 def backward_fallbacks() -> int:
-    """How many backward calls of this process SageBwd's accuracy check sent to 16 bits."""
+    """How many backward calls of this process were computed in 16 bits by torch instead of by
+    SageBwd: the ones its accuracy check refused, and the ones sent there directly because that
+    check kept refusing their kind of call (set_backward_retry)."""
     return _fallbacks
+
+
+# Where SageBwd's check refuses a kind of call again and again (a trained model's attention:
+# outlier channels, sinks, peaked rows), each 8-bit attempt costs the pre-pass, the statistics
+# pass and a host synchronization before the 16-bit backward that replaces it. So after two
+# refusals in a row of one kind of call (device, dtype, layout, mask, heads, head dim, whether
+# the LSE has a gradient: the layers of a model share it), the next 2^(r-1) calls of that kind
+# (r the refusals in a row, at most 64 calls) go straight to 16 bits, and the one after tries
+# 8 bits again; an accepted attempt ends the run. Only the verdict is remembered, never the
+# gradients, and the 16-bit path is the accurate one, so this changes speed, not what is
+# returned. Not while tracing or under graph capture, where no verdict is read.
+_retry = True
+_skips: dict = {}  # kind of call -> [refusals in a row, calls left to send straight to 16 bits]
+_SKIP_MAX = 64
+
+
+def set_backward_retry(enabled: bool) -> None:
+    """True (default): after two refusals in a row of one kind of backward call, SageBwd's
+    8-bit attempt is skipped for a growing number of that kind's calls (up to 64), which go
+    straight to 16 bits. False: every backward call tries 8 bits and is checked (to count how
+    many calls the check refuses)."""
+    global _retry
+    _retry = bool(enabled)
+    _skips.clear()
+
+
+def _kind(q, k, layout, mask, d_lse):
+    hi = 1 if layout == _lib.LAYOUT_HND else q.dim() - 2
+    return (q.device, q.dtype, layout, mask, d_lse is None, q.shape[hi], k.shape[hi],
+            q.shape[-1])
+
+
+def _skip_8bit(kind):
+    """Whether this backward call goes straight to 16 bits (and takes one call off the run)."""
+    st = _skips.get(kind) if _retry else None
+    if st is None or st[1] == 0:
+        return False
+    st[1] -= 1
+    return True
+
+
+def _record_verdict(kind, refused):
+    if not _retry:
+        return
+    if not refused:
+        _skips.pop(kind, None)
+        return
+    st = _skips.setdefault(kind, [0, 0])
+    st[0] += 1
+    st[1] = min(1 << (st[0] - 1), _SKIP_MAX) if st[0] >= 2 else 0
 
 
 def _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale):
@@ -418,21 +470,41 @@ def _verdicts_readable(untrusted):
     return True
 
 
-def _refused(untrusted):
-    """Whether SageBwd refused this call (one host synchronization reads its verdict, where it can
-    be read); a refusal is counted and warned about, and the caller recomputes the gradients."""
-    if _verdicts_readable(untrusted) and untrusted.item():
+def _sage_backward(op, q, k, v, d_o, d_lse, layout, mask, scale, family=0):
+    """SageBwd's dq, dk, dv by op (_backward_op or _backward), or None where this call's
+    gradients must be computed in 16 bits by the caller, here where autograd records: SageBwd
+    normalizes its own scores and checks them (docs/backward.md), and where it estimates its INT8
+    scores too coarse for gradients it can stand behind they are NaN and its verdict says so
+    (one host synchronization a call reads it; the refusal is counted and warned about); or the
+    check kept refusing this kind of call, which then skips the attempt (set_backward_retry;
+    counted). Under CUDA-graph capture or while compiling nothing can be read: the NaN stays."""
+    kind = _kind(q, k, layout, mask, d_lse) if _retry and not _traced(q) else None
+    if kind is not None and _skip_8bit(kind):
+        _count_fallbacks(1)
+        return None
+    dq, dk, dv, untrusted = op(q, k, v, d_o, d_lse, layout, mask, scale, family)
+    readable = _verdicts_readable(untrusted)
+    refused = readable and bool(untrusted.item())
+    if kind is not None and readable:
+        _record_verdict(kind, refused)
+    if refused:
         _note_fallback(stacklevel=4)  # (the warning points where the backward was called)
-        return True
-    return False
+        return None
+    return dq, dk, dv
+
+
+def _count_fallbacks(calls):
+    global _fallbacks
+    _fallbacks += calls
 
 
 def _note_fallback(calls=1, stacklevel=3):
-    global _fallbacks
-    _fallbacks += calls
+    _count_fallbacks(calls)
     warnings.warn("sage_attn: SageBwd's accuracy check estimated the INT8 scores of this call too "
                   "coarse for its gradients (outlier channels or peaked rows): they were computed "
-                  "in 16 bits by torch instead (sage_attn.backward_fallbacks() counts these)",
+                  "in 16 bits by torch instead (sage_attn.backward_fallbacks() counts these; after "
+                  "two refusals in a row, calls of this kind go straight to 16 bits for a while: "
+                  "sage_attn.set_backward_retry)",
                   SageBwdFallbackWarning, stacklevel=stacklevel)
 
 
@@ -494,15 +566,10 @@ def _attention_grad(ctx, d_o, d_lse):
         d_lse = None
     if d_o is None:  # only the LSE reaches the loss
         d_o = q.new_zeros(q.shape)
-    dq, dk, dv, untrusted = _backward_op(q, k, v, d_o, d_lse, layout, mask, scale, family)
-    # SageBwd normalizes its own scores and checks them (docs/backward.md): where it estimates
-    # its INT8 scores too coarse for gradients it can stand behind, they are NaN and the verdict
-    # says so, and this call's gradients are computed in 16 bits by torch instead, here where
-    # autograd records (one host synchronization a call reads the verdict). Under CUDA-graph
-    # capture or while compiling nothing can be read: the NaN stays.
-    if _refused(untrusted):
-        dq, dk, dv = _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale)
-    return (dq, dk, dv, *nones)
+    grads = _sage_backward(_backward_op, q, k, v, d_o, d_lse, layout, mask, scale, family)
+    if grads is None:
+        grads = _backward_16bit(q, k, v, d_o, d_lse, layout, mask, scale)
+    return (*grads, *nones)
 
 
 _attention_op.register_autograd(_attention_grad, setup_context=_setup_context)
@@ -777,6 +844,9 @@ class _VarlenAttention(torch.autograd.Function):
         batch = len(starts_q) - 1
         untrusted = torch.zeros((max(batch, 1),), dtype=torch.int32, device=q.device)
         runs, ws = [], None
+        # (Sequences of one packed call are one call of their kind for set_backward_retry.)
+        kind = _kind(q, k, _lib.LAYOUT_NHD, mask, d_lse) if _retry and not _traced(q) else None
+        direct = kind is not None and _skip_8bit(kind)
         for b in range(batch):
             q0, q1 = starts_q[b], min(starts_q[b + 1], q.shape[0])
             k0, k1 = starts_k[b], min(starts_k[b + 1], k.shape[0])
@@ -786,11 +856,19 @@ class _VarlenAttention(torch.autograd.Function):
                      ((q, q0, q1), (k, k0, k1), (v, k0, k1), (d_o, q0, q1))]
             dl = d_lse[:, q0:q1].unsqueeze(0) if d_lse is not None else None
             out = (dq[q0:q1].unsqueeze(0), dk[k0:k1].unsqueeze(0), dv[k0:k1].unsqueeze(0))
+            if direct:
+                for dst, src in zip(out, _backward_16bit(*views, dl, _lib.LAYOUT_NHD, mask,
+                                                         scale)):
+                    dst.copy_(src)
+                _count_fallbacks(1)
+                continue
             ws = _launch_backward(*views, dl, _lib.LAYOUT_NHD, mask, scale, family, out,
                                   untrusted[b:b + 1], ws)
             runs.append((b, views, dl, out))
         if runs and _verdicts_readable(untrusted):
             flags = untrusted.tolist()
+            if kind is not None:
+                _record_verdict(kind, any(flags[r[0]] for r in runs))
             refused = [r for r in runs if flags[r[0]]]
             for _, views, dl, out in refused:
                 for dst, src in zip(out, _backward_16bit(*views, dl, _lib.LAYOUT_NHD, mask,

@@ -311,9 +311,15 @@ def backward_path(step):
     check sent the backward to a 16-bit recompute (sage_attn.backward_fallbacks() grew), else
     "8-bit". The recompute's warning is silenced; other warnings pass through."""
     before = sage_attn.backward_fallbacks()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", sage_attn.SageBwdFallbackWarning)
-        step()
+    # Every call checked: the table is of the check's verdicts, not of the calls that skip the
+    # 8-bit attempt after refusals of their kind (sage_attn.set_backward_retry).
+    sage_attn.set_backward_retry(False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sage_attn.SageBwdFallbackWarning)
+            step()
+    finally:
+        sage_attn.set_backward_retry(True)
     return "16-bit" if sage_attn.backward_fallbacks() > before else "8-bit"
 
 

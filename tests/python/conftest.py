@@ -65,3 +65,17 @@ def rng():
     seed = int(os.environ.get("SAGE_TEST_SEED", np.random.SeedSequence().entropy % (2**32)))
     print(f"SAGE_TEST_SEED={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backward_retry():
+    # set_backward_retry's memory of refused kinds of call is per process: each test starts
+    # without another's refusals.
+    try:
+        from sage_attn import _torch
+    except ImportError:
+        yield
+        return
+    _torch._skips.clear()
+    yield
+    _torch._skips.clear()

@@ -297,6 +297,59 @@ def test_cpu_training_inputs_never_silently_wrong(gen, kind, strength):
         assert cos(g, w) > 0.999
 
 
+def test_cpu_repeated_refusals_skip_the_8bit_attempt(gen, monkeypatch):
+    """After two refusals in a row of one kind of call, the next 2^(r-1) calls of that kind (r
+    refusals in a row) go straight to 16 bits without SageBwd's attempt; an accepted attempt
+    ends the run; another kind is not affected; set_backward_retry(False) tries every call.
+    Every call's gradients are the 16-bit ones where 8 bits were refused or skipped."""
+    from sage_attn import _torch as st
+    attempts = []
+    real = st._backward_op
+
+    def counted(*args):
+        attempts.append(args[0].shape[-1])
+        return real(*args)
+
+    monkeypatch.setattr(st, "_backward_op", counted)
+    bad = structured(gen, "outliers", 16.0, 1, 4, 2, 75, 64, torch.float32, "cpu")
+    plain = structured(gen, "outliers", 1.0, 1, 4, 2, 75, 64, torch.float32, "cpu")
+    other = structured(gen, "outliers", 16.0, 1, 4, 2, 75, 32, torch.float32, "cpu")
+    want = grads64(*bad, True)
+
+    def call(x):
+        before = len(attempts)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sage_attn.SageBwdFallbackWarning)
+            got = sage_grads(*x, True)
+        return got, len(attempts) > before
+
+    before = sage_attn.backward_fallbacks()
+    tried = []
+    for i in range(12):
+        got, t = call(bad)
+        tried.append(t)
+        for g, w in zip(got, want):
+            assert torch.isfinite(g).all()
+            assert cos(g, w) > 0.99999, i
+    # Attempts at calls 1, 2 (then 2 skipped), 5 (then 4 skipped), 10 (then 8 skipped).
+    assert [i + 1 for i, t in enumerate(tried) if t] == [1, 2, 5, 10]
+    assert sage_attn.backward_fallbacks() == before + 12
+    assert call(other)[1]  # another head dim: its own kind, tried
+    # Skipped calls of the kind include plain inputs (a kind, not an input, is remembered) ...
+    assert not call(plain)[1]
+    # ... and once an attempt is accepted the run ends: every call is tried again.
+    st._skips[next(k for k in st._skips if k[-1] == 64)][1] = 0
+    before = sage_attn.backward_fallbacks()
+    assert call(plain)[1] and call(plain)[1]
+    assert sage_attn.backward_fallbacks() == before
+    assert call(bad)[1]  # one refusal: not yet a run
+    sage_attn.set_backward_retry(False)
+    try:
+        assert all(call(bad)[1] for _ in range(4))
+    finally:
+        sage_attn.set_backward_retry(True)
+
+
 def test_cpu_fallback_runs_sdpa_unless_the_lse_has_a_gradient(gen, monkeypatch):
     """A refused call whose loss does not use the LSE gets SDPA's own backward (its fused
     kernels on a GPU), not the float32 textbook one: autograd hands the unused LSE's gradient as

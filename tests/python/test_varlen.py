@@ -2,6 +2,8 @@
 runs in CI without torch) and, where torch is installed, sageattn_varlen on CPU tensors and, with
 a GPU, on CUDA tensors (equal to per-sequence dense sageattn calls bit for bit, close to float64,
 capturable in a CUDA graph and replayable with new cu_seqlens, clear errors)."""
+import warnings
+
 import numpy as np
 import pytest
 
@@ -289,6 +291,49 @@ def test_cpu_backward_refuses_one_sequence_alone(rng):
         for got, w in zip((gq[qs], gk[ks], gv[ks]), want):
             assert torch.isfinite(got).all()
             assert torch.equal(got, w) if b != 1 else torch.allclose(got, w, rtol=0, atol=1e-5)
+
+
+def test_cpu_backward_repeated_refusals_go_straight_to_16_bits(rng, monkeypatch):
+    """A packed call is one call of its kind for set_backward_retry: after two refused in a row,
+    the next call runs every sequence in 16 bits directly (no SageBwd launch), counted per
+    sequence, with the 16-bit gradients."""
+    torch = pytest.importorskip("torch")
+    from sage_attn import _torch as st
+    launches = []
+    real = st._launch_backward
+
+    def counted(*args, **kw):
+        launches.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(st, "_launch_backward", counted)
+    lens = [40, 90, 64]
+    q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in packed(rng, lens, lens, 2, 2, 64,
+                                                                np.float32))
+    ch = torch.arange(4) * 16
+    for x in (q, k):
+        x[40:130, :, ch] *= 16.0  # sequence 1
+    d_o = torch.from_numpy(rng.standard_normal(q.shape).astype(np.float32))
+    grads, counts, fallbacks = [], [], []
+    for _ in range(3):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        before, n = sage_attn.backward_fallbacks(), len(launches)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sage_attn.SageBwdFallbackWarning)
+            o = sage_attn.sageattn_varlen(qq, kk, vv, cu_q, cu_k, max(lens), max(lens),
+                                          is_causal=True)
+            o.backward(d_o)
+        grads.append((qq.grad, kk.grad, vv.grad))
+        counts.append(len(launches) - n)
+        fallbacks.append(sage_attn.backward_fallbacks() - before)
+    assert counts == [3, 3, 0]
+    assert fallbacks == [1, 1, 3]
+    for got, first in zip(grads[2], grads[0]):
+        assert torch.isfinite(got).all()
+        assert torch.allclose(got[40:130], first[40:130], rtol=0, atol=1e-5)  # 16 bits both
+        for s in (slice(0, 40), slice(130, 194)):  # SageBwd's in the first call
+            a, b = got[s].double().flatten(), first[s].double().flatten()
+            assert float(a @ b / (a.norm() * b.norm())) > 0.999
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
