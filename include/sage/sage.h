@@ -335,15 +335,30 @@ typedef struct sage_backward_config {
                                    paper: one scale a tile) or PER_TOKEN (the scales that factor
                                    out of each product: P and dS per key for dV = Pᵀ·dO and
                                    dK = dSᵀ·Q, dS per query for dQ = dS·K) */
+  uint32_t channel_scales; /* SAGE_BWD_INT8_DSQ and/or SAGE_BWD_INT8_DSK: that product's INT8 Q
+                              (dK = dSᵀ·Q) or K - k̄ (dQ = dS·K) takes one scale per (block,
+                              channel) instead of one per block: constant along the summed
+                              dimension, so it factors out of the product as the per-token dS
+                              scales do, and an outlier channel no longer coarsens the others.
+                              0 in the preset; CPU only */
+  uint32_t normalizer; /* SAGE_BWD_NORM_OWN (the preset): P and D = Σ P·dP from the backward's own
+                          scores (a statistics pass); SAGE_BWD_NORM_FORWARD: P = exp(S - lse) and
+                          D = rowsum(dO∘O) - g from the forward's lse and o, which must then be
+                          given (a 16-bit forward's: S must be computed as it did, so not with
+                          SAGE_BWD_INT8_QK). CPU only */
 } sage_backward_config;
+
+#define SAGE_BWD_NORM_OWN 0u
+#define SAGE_BWD_NORM_FORWARD 1u
 
 typedef struct sage_backward_args {
   size_t struct_size; /* sizeof(sage_backward_args), set by sage_backward_args_init */
 
   const void* q, *k, *v; /* the forward's inputs, shapes as in sage_attention_args */
   const void* o;         /* the forward's output, q's shape, and its LSE, [B, Hq, Nq] fp32 */
-  const float* lse;      /* (natural log): read by variant EXACT only (may be NULL otherwise):
-                            SageBwd recomputes each row's normalizer from its own scores */
+  const float* lse;      /* (natural log): read by variant EXACT and by config.normalizer
+                            SAGE_BWD_NORM_FORWARD only (may be NULL otherwise): the preset
+                            recomputes each row's normalizer from its own scores */
   const void* d_o;       /* dL/dO, q's shape */
   const float* d_lse;    /* optional dL/dLSE, [B, Hq, Nq] fp32 (NULL: zero): a gradient that
                             reaches the LSE output (merging partial attentions) */

@@ -34,6 +34,7 @@ BWD_INT8_DEFAULT = BWD_INT8_QK | BWD_INT8_PDO | BWD_INT8_DSK | BWD_INT8_DSQ
 BWD_MAX_SCORE_ERROR = 0.04
 BWD_MAX_GRAD_ERROR = 1e-3
 BWD_OPTION_DETERMINISTIC = 1
+BWD_NORM_OWN, BWD_NORM_FORWARD = 0, 1
 # (tests/python/test_abi.py holds every constant here to sage.h's value, compiled.)
 
 LAYOUTS = {"HND": LAYOUT_HND, "NHD": LAYOUT_NHD}
@@ -134,6 +135,8 @@ class BackwardConfig(ctypes.Structure):
         ("block_q", ctypes.c_int32),
         ("block_k", ctypes.c_int32),
         ("granularity", ctypes.c_int),
+        ("channel_scales", ctypes.c_uint32),
+        ("normalizer", ctypes.c_uint32),
     ]
 
 

@@ -378,13 +378,16 @@ sage_status make_backward_plan(const ResolvedBackward& r, const sage_backward_ar
   want.smooth = r.config.smooth;  // either way: k_mean is zero without smoothing
   const sage_backward_config& c = r.config;
   if (c.int8 != want.int8 || c.block_q != want.block_q || c.block_k != want.block_k ||
-      c.granularity != want.granularity)
+      c.granularity != want.granularity || c.channel_scales != want.channel_scales ||
+      c.normalizer != want.normalizer)
     return set_error(SAGE_ERROR_UNSUPPORTED,
-                     "config (int8 0x%x, block %d x %d, granularity %d): the GPU backward runs "
-                     "the preset only (int8 0x%x, block %d x %d, per token); the CPU reference "
+                     "config (int8 0x%x, block %d x %d, granularity %d, channel_scales 0x%x, "
+                     "normalizer %u): the GPU backward runs the preset only (int8 0x%x, block %d "
+                     "x %d, per token, no channel scales, its own normalizer); the CPU reference "
                      "runs any",
                      unsigned(c.int8), int(c.block_q), int(c.block_k), int(c.granularity),
-                     unsigned(want.int8), int(want.block_q), int(want.block_k));
+                     unsigned(c.channel_scales), unsigned(c.normalizer), unsigned(want.int8),
+                     int(want.block_q), int(want.block_k));
   if (a.kernel == SAGE_KERNEL_SM90 && dev.cc != 90)
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "kernel = SM90: the wgmma backward needs an sm_90 GPU (this is sm_%d)",

@@ -126,14 +126,23 @@ void run_cpu_backward(const sage::api::ResolvedBackward& r, const sage_backward_
     ref::attention_backward_exact(p, q, k, v, of.data(), lf.data(), d_o, dq.data(), dk.data(),
                                   dv.data(), a.num_threads, a.d_lse ? gf.data() : nullptr);
   } else {
-    // SageBwd reads neither O nor the LSE: it normalizes its own scores (ref/backward.cpp).
+    // The preset reads neither O nor the LSE: it normalizes its own scores (ref/backward.cpp).
     std::vector<float> gf(a.d_lse ? size_t(p.lse_elems()) : 0);
     for (int64_t bh = 0; a.d_lse && bh < p.batch * p.heads_q; ++bh)
       for (int64_t i = 0; i < Nq; ++i) gf[size_t(bh * Nq + i)] = dlse_at(bh, i);
     std::vector<float> dqf(q_elems), dkf(k_elems), dvf(k_elems);
+    // The forward's O and LSE where the config normalizes with them (SAGE_BWD_NORM_FORWARD).
+    const bool fwd = r.config.normalizer == SAGE_BWD_NORM_FORWARD;
+    std::vector<float> of(fwd ? q_elems : 0), lf(fwd ? size_t(p.lse_elems()) : 0);
+    for (int64_t bh = 0; fwd && bh < p.batch * p.heads_q; ++bh)
+      for (int64_t i = 0; i < Nq; ++i) {
+        lf[size_t(bh * Nq + i)] = lse_at(bh, i);
+        for (int64_t d = 0; d < D; ++d) of[size_t((bh * Nq + i) * D + d)] = float(o_at(bh, i, d));
+      }
     ref::BackwardCheck check;
     ref::attention_backward_quant(p, r.config, q, k, v, d_o, dqf.data(), dkf.data(), dvf.data(),
-                                  a.num_threads, a.d_lse ? gf.data() : nullptr, &check);
+                                  a.num_threads, a.d_lse ? gf.data() : nullptr, &check, 0,
+                                  fwd ? of.data() : nullptr, fwd ? lf.data() : nullptr);
     untrusted = check.untrusted;
     dq.assign(dqf.begin(), dqf.end());
     dk.assign(dkf.begin(), dkf.end());

@@ -359,6 +359,10 @@ sage_status validate_backward(const sage_backward_args* args, ResolvedBackward* 
   // (checked where given, required for EXACT).
   SAGE_CHECK_ARG(a.variant != SAGE_VARIANT_EXACT || (a.o != nullptr && a.lse != nullptr),
                  "variant = EXACT needs the forward's o and lse (one of them is NULL)");
+  SAGE_CHECK_ARG(a.variant != SAGE_VARIANT_CUSTOM || a.config.normalizer != SAGE_BWD_NORM_FORWARD ||
+                     (a.o != nullptr && a.lse != nullptr),
+                 "config.normalizer = SAGE_BWD_NORM_FORWARD needs the forward's o and lse (one of "
+                 "them is NULL)");
   if (a.o)
     SAGE_RETURN_IF_ERROR(
         check_tensor("o", a.o, &r.o, a.layout, a.heads_q, a.seq_q, a.batch, D, es, false, &o));

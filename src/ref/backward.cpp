@@ -105,6 +105,18 @@ std::string backward_config_error(const sage_backward_config& c) {
     return "config.block_q = " + std::to_string(c.block_q) + " is outside 1..512";
   if (c.block_k < 1 || c.block_k > 512)
     return "config.block_k = " + std::to_string(c.block_k) + " is outside 1..512";
+  if (c.channel_scales & ~uint32_t(SAGE_BWD_INT8_DSQ | SAGE_BWD_INT8_DSK))
+    return "config.channel_scales = 0x" + std::to_string(c.channel_scales) +
+           " names a product without a per-channel operand (SAGE_BWD_INT8_DSQ, _DSK)";
+  if (c.normalizer != SAGE_BWD_NORM_OWN && c.normalizer != SAGE_BWD_NORM_FORWARD)
+    return "config.normalizer = " + std::to_string(c.normalizer) +
+           " is invalid (SAGE_BWD_NORM_OWN or SAGE_BWD_NORM_FORWARD)";
+  // The forward's LSE normalizes exp(S) only where S is the forward's own: a 16-bit forward's S
+  // recomputed in 16 bits. INT8 scores against it leave rows of P that do not sum to 1, by an
+  // error exponential in the scores' (docs/backward.md, "Its own normalizer").
+  if (c.normalizer == SAGE_BWD_NORM_FORWARD && (c.int8 & SAGE_BWD_INT8_QK))
+    return "config.normalizer = SAGE_BWD_NORM_FORWARD needs S in 16 bits (no SAGE_BWD_INT8_QK): "
+           "the forward's LSE normalizes only the scores it computed";
   return {};
 }
 
@@ -129,6 +141,47 @@ BlockQuant psi_rows(const std::vector<float>& x, int64_t rows, int64_t dim, int6
     r.scale[size_t(bl)] = s.scale;
     for (int64_t i = r0 * dim; i < r1 * dim; ++i)
       r.values[size_t(i)] = float(quantize_int(x[size_t(i)], s.inv, kInt8Max));
+  }
+  return r;
+}
+
+// The same with one scale per (block, channel): scale [blocks][dim].
+BlockQuant psi_rows_channels(const std::vector<float>& x, int64_t rows, int64_t dim,
+                             int64_t block) {
+  BlockQuant r;
+  r.values.resize(x.size());
+  const int64_t blocks = (rows + block - 1) / block;
+  r.scale.resize(size_t(blocks * dim));
+  for (int64_t bl = 0; bl < blocks; ++bl) {
+    const int64_t r0 = bl * block, r1 = std::min(rows, r0 + block);
+    for (int64_t d = 0; d < dim; ++d) {
+      float amax = 0.0f;
+      for (int64_t i = r0; i < r1; ++i) amax = nan_max(amax, std::fabs(x[size_t(i * dim + d)]));
+      const BwdScale s = bwd_scale(amax);
+      r.scale[size_t(bl * dim + d)] = s.scale;
+      for (int64_t i = r0; i < r1; ++i)
+        r.values[size_t(i * dim + d)] =
+            float(quantize_int(x[size_t(i * dim + d)], s.inv, kInt8Max));
+    }
+  }
+  return r;
+}
+
+// Σ_d Δ_d² of each block of a BlockQuant (its steps' squares over the channels: D·Δ² with one
+// scale a block): the product check's weight of an operand's rounding.
+std::vector<double> step2_sums(const BlockQuant& b, int64_t blocks, int64_t dim) {
+  std::vector<double> r(size_t(blocks), 0.0);
+  const bool per_channel = int64_t(b.scale.size()) == blocks * dim && dim > 1;
+  for (int64_t bl = 0; bl < blocks; ++bl) {
+    if (per_channel) {
+      for (int64_t d = 0; d < dim; ++d) {
+        const double x = b.scale[size_t(bl * dim + d)];
+        r[size_t(bl)] += x * x;
+      }
+    } else if (bl < int64_t(b.scale.size())) {
+      const double x = b.scale[size_t(bl)];
+      r[size_t(bl)] = double(dim) * x * x;
+    }
   }
   return r;
 }
@@ -159,9 +212,18 @@ float round_to(sage_dtype dtype, float x) {
 void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
                               const TensorView& q, const TensorView& k, const TensorView& v,
                               const TensorView& d_o, float* dq, float* dk, float* dv, int threads,
-                              const float* d_lse, BackwardCheck* check, uint32_t fp8) {
+                              const float* d_lse, BackwardCheck* check, uint32_t fp8,
+                              const float* fwd_o, const float* fwd_lse) {
   if (const std::string e = backward_config_error(cfg); !e.empty())
     throw Error{SAGE_ERROR_INVALID_ARGUMENT, e};
+  const bool fwd_norm = cfg.normalizer == SAGE_BWD_NORM_FORWARD;
+  if (fwd_norm && (fwd_o == nullptr || fwd_lse == nullptr))
+    throw Error{SAGE_ERROR_INVALID_ARGUMENT,
+                "config.normalizer = SAGE_BWD_NORM_FORWARD needs the forward's o and lse"};
+  if (fwd_norm && fp8 != 0)
+    throw Error{SAGE_ERROR_INVALID_ARGUMENT,
+                "the e4m3 products take their scales from the statistics pass, which "
+                "SAGE_BWD_NORM_FORWARD does not run"};
   const uint32_t fp8_products = SAGE_BWD_INT8_PDO | SAGE_BWD_INT8_DSK | SAGE_BWD_INT8_DSQ;
   if (fp8 & ~fp8_products)
     throw Error{SAGE_ERROR_INVALID_ARGUMENT, "fp8 = 0x" + std::to_string(fp8) +
@@ -184,6 +246,9 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
   // asked, quantized or not, so that its algebra is testable in fp32 arithmetic.
   const bool smooth_q = cfg.smooth & SAGE_SMOOTH_Q;
   const bool per_token = cfg.granularity == SAGE_GRANULARITY_PER_TOKEN;
+  // Per (block, channel) scales of dK's Q and dQ's K - k̄ (where those products are INT8).
+  const bool ch_dsq = i8_dsq && (cfg.channel_scales & SAGE_BWD_INT8_DSQ),
+             ch_dsk = i8_dsk && (cfg.channel_scales & SAGE_BWD_INT8_DSK);
   const sage_dtype dt = q.dtype;
   const float scale_log2 = float(p.scale * kLog2e);
   const size_t dims = size_t(D);
@@ -199,6 +264,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     std::vector<float> q_mean;     // q̄ [D] (zero without Q smoothing)
     std::vector<float> key_term2;  // Q smoothing: key j's exact score term, log2 units [Nk]
     BlockQuant q8, do8;
+    BlockQuant q8c;                // dK's Q with per-(block, channel) scales (ch_dsq)
+    std::vector<double> q_step2;   // Σ_d Δ_d² of dK's Q per block (the product check)
   };
   struct KSide {
     std::vector<float> k, v;
@@ -207,6 +274,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     std::vector<float> k_bar;                // e4m3 (K - k̄)·mul of dQ [Nk][D]
     std::vector<float> o_inv, q_inv, k_inv;  // the e4m3 operands' per-channel inv [D]
     std::vector<double> norm2, v_norm2;      // ‖K_j - k̄‖², ‖V_j‖²
+    BlockQuant k8c;                          // dQ's K - k̄ per (block, channel) (ch_dsk)
+    std::vector<double> k_step2;             // Σ_d Δ_d² of dQ's K - k̄ per block
   };
   // Score x_ij (log2 units, K smoothing's per-row constant left out) and dP_ij of one query row
   // and key, as the stats pass and the main pass both take them (ib, jb: their ψ blocks).
@@ -249,6 +318,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
         s.norm2[size_t(j)] += double(x) * x;
       }
     s.k8 = psi_rows(ks, Nk, D, bk);
+    if (ch_dsk) s.k8c = psi_rows_channels(ks, Nk, D, bk);
+    s.k_step2 = step2_sums(ch_dsk ? s.k8c : s.k8, k_blocks, D);
     if (i8_dov) {
       s.v8 = psi_rows(s.v, Nk, D, bk);
       s.v_norm2.assign(size_t(Nk), 0.0);
@@ -281,6 +352,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       }
     }
     s.q8 = psi_rows(s.q, Nq, D, bq);
+    if (ch_dsq) s.q8c = psi_rows_channels(s.q, Nq, D, bq);
+    s.q_step2 = step2_sums(ch_dsq ? s.q8c : s.q8, q_blocks, D);
     s.do8 = psi_rows(s.d_o, Nq, D, bq);
     s.lse2.assign(size_t(Nq), std::numeric_limits<float>::infinity());
     s.delta.assign(size_t(Nq), 0.0f);
@@ -305,6 +378,17 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       }
       const int64_t ib = i / bq, visible = std::min(Nk, p.visible_keys(i));
       if (visible <= 0) continue;
+      if (fwd_norm) {
+        // The forward's normalizer (log2 units) and D = dO·O - g from its O, in double as a
+        // kernel's fp32 sum would only round more finely.
+        const float* oi = fwd_o + (bh * Nq + i) * D;
+        double dsum = 0.0;
+        for (int64_t d = 0; d < D; ++d) dsum += double(doi[d]) * oi[d];
+        const float g = d_lse ? d_lse[bh * Nq + i] : 0.0f;
+        s.lse2[size_t(i)] = float(double(fwd_lse[bh * Nq + i]) * kLog2e);
+        s.delta[size_t(i)] = float(dsum) - g;
+        continue;
+      }
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < visible; ++j) {
         const ScoreDp sd = score_dp(s, ks, i, j);
@@ -523,7 +607,7 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
             for (int64_t c = 0; c < cols; ++c) colsum[size_t(c)] += t.dS[size_t(r * cols + c)];
         // dV = Pᵀ·dO: P's step per key, dO's per block; dK = dSᵀ·Q: dS's per key, Q's per block.
         const double do_step = i8_pdo ? qs.do8.scale[size_t(ib)] : 0.0,
-                     q_step = i8_dsq ? qs.q8.scale[size_t(ib)] : 0.0;
+                     q_step2 = i8_dsq ? qs.q_step2[size_t(ib)] : 0.0;
         for (int64_t r = 0; r < rows; ++r) {
           const size_t i = size_t(t.r0 + r);
           for (int64_t c = 0; c < cols; ++c) {
@@ -534,7 +618,7 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
             }
             if (i8_dsq) {
               const double ds = t.ds_col_scale[size_t(c)];
-              vk += (ds * ds / 12.0 * qs.norm2[i] + dsij * dsij * d12 * q_step * q_step) * scale2;
+              vk += (ds * ds / 12.0 * qs.norm2[i] + dsij * dsij * q_step2 / 12.0) * scale2;
             }
             if (i8_dov)
               vk += pij * pij * dp_var(qs, kside[size_t(bkv)], t.r0 + r, t.c0 + c) *
@@ -561,13 +645,17 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
             const float ds = t.dS8_col[at];
             if (ds == 0.0f) continue;
             const float* src = f8_dsq   ? qs.q_bar.data() + (t.r0 + r) * D
+                               : ch_dsq ? qs.q8c.values.data() + (t.r0 + r) * D
                                : i8_dsq ? qs.q8.values.data() + (t.r0 + r) * D
                                         : qs.q.data() + (t.r0 + r) * D;
             for (int64_t d = 0; d < D; ++d) part[size_t(d)] += ds * src[d];
           }
           const float dsq_scale =
-              i8_dsq ? t.ds_col_scale[size_t(c)] * qs.q8.scale[size_t(ib)] : 1.0f;
-          for (int64_t d = 0; d < D; ++d) ak[size_t(c * D + d)] += part[size_t(d)] * dsq_scale;
+              i8_dsq ? t.ds_col_scale[size_t(c)] * (ch_dsq ? 1.0f : qs.q8.scale[size_t(ib)])
+                     : 1.0f;
+          const float* q_ch = ch_dsq ? qs.q8c.scale.data() + ib * D : nullptr;
+          for (int64_t d = 0; d < D; ++d)
+            ak[size_t(c * D + d)] += part[size_t(d)] * (q_ch ? dsq_scale * q_ch[d] : dsq_scale);
         }
       }
       // dSᵀ·Q = dSᵀ·(Q - q̄) + (Σ_i dS_i)ᵀ·q̄, added after each head as the kernels do.
@@ -607,13 +695,13 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       if (t.empty) continue;
       const int64_t cols = t.c1 - t.c0;
       if (i8_dsk || i8_dov) {  // dQ = dS·K: dS's step per query, K's per block; δdP as above
-        const double k_step = i8_dsk ? ks.k8.scale[size_t(jb)] : 0.0;
+        const double k_step2 = i8_dsk ? ks.k_step2[size_t(jb)] : 0.0;
         for (int64_t r = 0; r < rows; ++r) {
           const double ds = i8_dsk ? t.ds_row_scale[size_t(r)] : 0.0;
           for (int64_t c = 0; c < cols; ++c) {
             const double dsij = t.dS[size_t(r * cols + c)], pij = t.P[size_t(r * cols + c)];
             const double kn2 = ks.norm2[size_t(t.c0 + c)];
-            vq += (ds * ds / 12.0 * kn2 + dsij * dsij * d12 * k_step * k_step) * scale2;
+            vq += (ds * ds / 12.0 * kn2 + dsij * dsij * k_step2 / 12.0) * scale2;
             if (i8_dov)
               vq += pij * pij * dp_var(qside[size_t(bh)], ks, r0 + r, t.c0 + c) * kn2 * scale2;
           }
@@ -621,23 +709,29 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float dsk_scale =
-            i8_dsk ? t.ds_row_scale[size_t(r)] * ks.k8.scale[size_t(jb)] : 1.0f;
+            i8_dsk ? t.ds_row_scale[size_t(r)] * (ch_dsk ? 1.0f : ks.k8.scale[size_t(jb)]) : 1.0f;
         std::fill(part.begin(), part.end(), 0.0f);
         for (int64_t c = 0; c < cols; ++c) {
           const size_t at = size_t(r * cols + c);
           const float ds = t.dS8_row[at];
           if (ds == 0.0f) continue;
           const float* src = f8_dsk   ? ks.k_bar.data() + (t.c0 + c) * D
+                             : ch_dsk ? ks.k8c.values.data() + (t.c0 + c) * D
                              : i8_dsk ? ks.k8.values.data() + (t.c0 + c) * D
                                       : ks.k.data() + (t.c0 + c) * D;
           for (int64_t d = 0; d < D; ++d) part[size_t(d)] += ds * src[d];
         }
-        for (int64_t d = 0; d < D; ++d) acc[size_t(r * D + d)] += part[size_t(d)] * dsk_scale;
+        const float* k_ch = ch_dsk ? ks.k8c.scale.data() + jb * D : nullptr;
+        for (int64_t d = 0; d < D; ++d)
+          acc[size_t(r * D + d)] += part[size_t(d)] * (k_ch ? dsk_scale * k_ch[d] : dsk_scale);
       }
     }
     // K^ holds K - k̄: dS·K = dS·(K - k̄) + rowsum(dS)·k̄, and rowsum(dS_i) is d_lse_i (zero
     // without a gradient on the LSE): that term is added back exactly. A row that sees no key
-    // has no dS (its LSE is the constant -inf): nothing to add.
+    // has no dS (its LSE is the constant -inf): nothing to add. With the forward's normalizer
+    // the computed dS_i sums to d_lse_i - δD_i (δD_i: D's error from O's rounding), and adding
+    // d_lse_i·k̄ rather than that sum leaves dQ_i off by -δD_i·Σ_j P_ij (K_j - k̄) instead of
+    // -δD_i·Σ_j P_ij K_j: the channel bias k̄ drops out of the error.
     // e4m3: dS = dS̄·μ_i·W_i / 448 = dS̄·μ_i / u_i, and K - k̄ comes back by its inv.
     const QSide& qs = qside[size_t(bh)];
     for (int64_t r = 0; r < rows; ++r) {

@@ -184,9 +184,14 @@ struct BackwardCheck {
   bool untrusted = false;
 };
 // SageBwd (SageAttention3 paper, Algorithm 3) as the GPU computes it, every unquantized value in
-// fp32. It takes neither the forward's O nor its LSE: each row's softmax normalizer and D come from
-// the backward's own scores (so P sums to 1 over each row and rowsum(dS) = dL/dLSE), and when the
-// check finds the INT8 scores too coarse the gradients are NaN (check->untrusted).
+// fp32. The preset takes neither the forward's O nor its LSE: each row's softmax normalizer and D
+// come from the backward's own scores (so P sums to 1 over each row and rowsum(dS) = dL/dLSE), and
+// when the check finds the INT8 scores too coarse the gradients are NaN (check->untrusted).
+// cfg.normalizer SAGE_BWD_NORM_FORWARD (S in 16 bits) takes them instead: fwd_lse [B·Hq][Nq]
+// (natural log) and fwd_o [B·Hq][Nq][D], contiguous (a 16-bit forward's, whose P the recomputed
+// S reproduces to fp32 rounding); D = dO·O − g. O's rounding to the dtype reaches dS through D
+// (on a peaked row dP_ij − D_i nearly cancels for the dominant key) as in any 16-bit backward
+// that reads its forward's O; the product check does not estimate it.
 //
 // fp8 (SAGE_BWD_INT8_PDO / _DSK / _DSQ bits; they override cfg.int8 for those products): the
 // product in e4m3 with scales that stay fixed along its summed dimension, so that a kernel's
@@ -202,7 +207,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
                               const TensorView& q, const TensorView& k, const TensorView& v,
                               const TensorView& d_o, float* dq, float* dk, float* dv,
                               int threads = 0, const float* d_lse = nullptr,
-                              BackwardCheck* check = nullptr, uint32_t fp8 = 0);
+                              BackwardCheck* check = nullptr, uint32_t fp8 = 0,
+                              const float* fwd_o = nullptr, const float* fwd_lse = nullptr);
 sage_backward_config backward_preset();
 // Empty when `cfg` is usable, else a message naming the bad field and its value.
 std::string backward_config_error(const sage_backward_config& cfg);

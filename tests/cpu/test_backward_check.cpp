@@ -235,10 +235,16 @@ TEST(BackwardCheck, TheProductCheckTracksTheErrorOfSixteenBitScores) {
     const double est[3] = {*std::max_element(check.dq_error.begin(), check.dq_error.end()),
                            check.dk_error[0], check.dv_error[0]};
     if (c.refused) {
-      EXPECT_TRUE(check.untrusted);
-      EXPECT_GT(std::max(est[0], est[1]), double(SAGE_BWD_MAX_GRAD_ERROR));
-      EXPECT_TRUE(all_nan(dq) && all_nan(dk) && all_nan(dv));
-      continue;
+      // Channels x64 sit at the bar (1 - cos of dK 0.7e-3 to 2e-3 over draws): the estimate is
+      // near or past the limit, and a call is refused exactly where it is past it (its gradients
+      // then NaN); an accepted one is held to the tracking bounds below.
+      EXPECT_GT(std::max(est[0], est[1]), 0.7 * double(SAGE_BWD_MAX_GRAD_ERROR));
+      EXPECT_EQ(check.untrusted,
+                std::max({est[0], est[1], est[2]}) > double(SAGE_BWD_MAX_GRAD_ERROR));
+      if (check.untrusted) {
+        EXPECT_TRUE(all_nan(dq) && all_nan(dk) && all_nan(dv));
+        continue;
+      }
     }
     EXPECT_FALSE(check.untrusted);
     const std::vector<float>* got[3] = {&dq, &dk, &dv};
@@ -252,6 +258,136 @@ TEST(BackwardCheck, TheProductCheckTracksTheErrorOfSixteenBitScores) {
       EXPECT_LT(est[x], 6.0 * err + 1e-4) << "gradient " << x;
     }
   }
+}
+
+// The form the next kernels compute: the forward's O and LSE (a 16-bit forward's; float64 here)
+// normalize S recomputed in 16 bits, and dV, dK, dQ are INT8 with dK's Q and dQ's K - k̄ scaled
+// per (64-row block, channel). With O exact (a forward that keeps O in fp32 for D) every call of
+// every class, the extremes included (outlier channels x64, sinks x40, score std 40, x32 with a
+// sink), is accurate (cos >= 0.9995 on all three gradients) or refused by the product check, and
+// the plain, bias, sink 10 and peaked classes are accepted (the estimate overstates outlier
+// channels: their calls, accurate too, may be refused); on channels x64 the estimate of dK with
+// per-block scales is several times that with per-channel ones (an outlier channel sets the step
+// of every other channel in its block). With O rounded to the dtype, D = dO·O carries O's
+// rounding into dS (on a peaked row dP - D of the dominant key nearly cancels): every 16-bit
+// backward that reads its forward's O shares that error, and the INT8 products add little to it.
+TEST(BackwardCheck, ForwardNormalizedSixteenBitScoresHoldEveryClass) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const Case cases[] = {
+      {TrainingClass::kNormal, 1, "normal"},        {TrainingClass::kOutlierScale, 16, "x16"},
+      {TrainingClass::kOutlierScale, 64, "x64"},    {TrainingClass::kOutlierBias, 16, "bias 16"},
+      {TrainingClass::kSink, 10, "sink 10"},        {TrainingClass::kSink, 40, "sink 40"},
+      {TrainingClass::kPeaked, 20, "peaked 20"},    {TrainingClass::kPeaked, 40, "peaked 40"},
+      {TrainingClass::kOutlierSink, 32, "x32 + sink"}};
+  sage_backward_config cfg = ref::backward_preset();
+  cfg.int8 = SAGE_BWD_INT8_PDO | SAGE_BWD_INT8_DSK | SAGE_BWD_INT8_DSQ;  // S in 16 bits
+  cfg.channel_scales = SAGE_BWD_INT8_DSQ | SAGE_BWD_INT8_DSK;
+  cfg.normalizer = SAGE_BWD_NORM_FORWARD;
+  sage_backward_config all16 = cfg;  // every product in 16 bits, the same normalizer
+  all16.int8 = 0;
+  all16.channel_scales = 0;
+  int refused = 0;
+  for (const Case& c : cases) {
+    for (const bool causal : {false, true}) {
+      ref::TrainingSpec s;
+      s.kind = c.kind;
+      s.strength = c.strength;
+      s.seq_q = s.seq_kv = 200;  // not a multiple of the 64-row blocks
+      s.head_dim = causal ? 128 : 64;
+      s.heads_q = 4;
+      s.heads_kv = causal ? 1 : 2;
+      s.dtype = causal ? SAGE_DTYPE_BF16 : SAGE_DTYPE_FP16;
+      s.seed = seed + uint64_t(&c - cases) * 2 + causal;
+      const ref::TrainingInputs in = ref::make_training_inputs(s);
+      const ref::Problem p = problem_of(s, causal ? SAGE_MASK_CAUSAL_BOTTOM_RIGHT : SAGE_MASK_NONE);
+      SCOPED_TRACE(std::string(c.name) + (causal ? " causal bf16 D128" : " fp16 D64"));
+      const Exact t = exact_grads(p, in);
+      std::vector<double> o(size_t(p.out_elems())), lse(size_t(p.lse_elems()));
+      ref::attention_exact(p, in.q_view(), in.k_view(), in.v_view(), o.data(), lse.data(), 2);
+      std::vector<uint16_t> bits(o.size());
+      std::vector<float> o32(o.begin(), o.end()), o16(o.size()), lf(lse.begin(), lse.end());
+      for (size_t i = 0; i < o.size(); ++i) {
+        ref::store_element(bits.data(), s.dtype, int64_t(i), o[i]);
+        o16[i] = ref::load_element(bits.data(), s.dtype, int64_t(i));
+      }
+      auto run = [&](const sage_backward_config& with, const std::vector<float>& of,
+                     ref::BackwardCheck* check) {
+        std::vector<float> dq(t.dq.size()), dk(t.dk.size()), dv(t.dv.size());
+        ref::attention_backward_quant(p, with, in.q_view(), in.k_view(), in.v_view(),
+                                      in.d_o_view(), dq.data(), dk.data(), dv.data(), 2, nullptr,
+                                      check, 0, of.data(), lf.data());
+        return std::vector<double>{cosine(t.dq, dq), cosine(t.dk, dk), cosine(t.dv, dv)};
+      };
+      ref::BackwardCheck check;
+      const std::vector<double> exact_o = run(cfg, o32, &check);
+      for (double e : check.head_error) EXPECT_EQ(e, 0.0);  // (no INT8 scores)
+      const bool outliers = c.kind == TrainingClass::kOutlierScale ||
+                            c.kind == TrainingClass::kOutlierSink || c.strength > 20;
+      if (!outliers) {
+        EXPECT_FALSE(check.untrusted);
+      }
+      if (check.untrusted) {
+        ++refused;
+      } else {
+        for (int x = 0; x < 3; ++x) EXPECT_GE(exact_o[size_t(x)], 0.9995) << "gradient " << x;
+      }
+      ref::BackwardCheck check16, unused;
+      const std::vector<double> rounded_o = run(cfg, o16, &check16);
+      const std::vector<double> sixteen = run(all16, o16, &unused);
+      if (!check16.untrusted) {
+        for (int x = 0; x < 3; ++x) {
+          EXPECT_LT(1.0 - rounded_o[size_t(x)], 1.5 * (1.0 - sixteen[size_t(x)]) + 3e-4)
+              << "gradient " << x << ": INT8 " << rounded_o[size_t(x)] << ", 16 bits "
+              << sixteen[size_t(x)];
+        }
+      }
+      if (c.kind == TrainingClass::kOutlierScale && c.strength == 64 && causal) {
+        sage_backward_config block = cfg;
+        block.channel_scales = 0;
+        ref::BackwardCheck per_block;
+        run(block, o32, &per_block);
+        EXPECT_GT(per_block.dk_error[0], 4.0 * check.dk_error[0]);
+      }
+    }
+  }
+  std::printf("    %d of %zu calls refused (outlier classes)\n", refused, 2 * std::size(cases));
+}
+
+// The forward's normalizer needs S computed as the forward did (16 bits), and the forward's O
+// and LSE; a channel scale needs an INT8 product with a per-channel operand. The GPU runs none
+// of these forms yet: its plan refuses them.
+TEST(BackwardCheck, ForwardNormalizerAndChannelScalesAreChecked) {
+  sage_backward_config c = ref::backward_preset();
+  c.normalizer = SAGE_BWD_NORM_FORWARD;
+  EXPECT_NE(ref::backward_config_error(c).find("16 bits"), std::string::npos);
+  c.int8 &= ~SAGE_BWD_INT8_QK;
+  EXPECT_EQ(ref::backward_config_error(c), "");
+  c.normalizer = 7;
+  EXPECT_NE(ref::backward_config_error(c).find("normalizer"), std::string::npos);
+  c = ref::backward_preset();
+  c.channel_scales = SAGE_BWD_INT8_PDO;
+  EXPECT_NE(ref::backward_config_error(c).find("channel_scales"), std::string::npos);
+  c.channel_scales = SAGE_BWD_INT8_DSQ | SAGE_BWD_INT8_DSK;
+  EXPECT_EQ(ref::backward_config_error(c), "");
+  // Through the C entry point: without o and lse the forward's normalizer is refused by name.
+  ref::TrainingSpec s;
+  s.seq_q = s.seq_kv = 40;
+  const ref::TrainingInputs in = ref::make_training_inputs(s);
+  std::vector<uint16_t> dq(in.q.size()), dk(in.k.size()), dv(in.k.size());
+  sage_backward_args a;
+  sage_backward_args_init(&a);
+  a.q = in.q.data(), a.k = in.k.data(), a.v = in.v.data(), a.d_o = in.d_o.data();
+  a.dq = dq.data(), a.dk = dk.data(), a.dv = dv.data();
+  a.batch = 1, a.heads_q = s.heads_q, a.heads_kv = s.heads_kv, a.seq_q = s.seq_q;
+  a.seq_kv = s.seq_kv, a.head_dim = s.head_dim, a.dtype = s.dtype;
+  a.variant = SAGE_VARIANT_CUSTOM;
+  a.config = ref::backward_preset();
+  a.config.int8 &= ~SAGE_BWD_INT8_QK;
+  a.config.normalizer = SAGE_BWD_NORM_FORWARD;
+  EXPECT_EQ(sage_attention_backward(&a), SAGE_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(sage_last_error()).find("o and lse"), std::string::npos)
+      << sage_last_error();
 }
 
 // On the preset the score check decides: across the training classes the product check never
