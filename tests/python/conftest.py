@@ -60,11 +60,22 @@ def naive_attention(q, k, v, layout="HND", causal=None, scale=None):
 
 
 @pytest.fixture
-def rng():
+def rng(request):
     # Fresh inputs on every run; the seed is printed on failure so a run can be repeated.
     seed = int(os.environ.get("SAGE_TEST_SEED", np.random.SeedSequence().entropy % (2**32)))
     print(f"SAGE_TEST_SEED={seed}")
+    # Also kept with the test's report (junit XML properties, the summary below): a log that
+    # keeps only the summary (-q --tb=no, a CI's failure list) still has it.
+    request.node.user_properties.append(("SAGE_TEST_SEED", seed))
     return np.random.default_rng(seed)
+
+
+def pytest_terminal_summary(terminalreporter):
+    # One line per failed test that drew a seed: how to repeat it.
+    for rep in terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", []):
+        seeds = [v for k, v in getattr(rep, "user_properties", ()) if k == "SAGE_TEST_SEED"]
+        if seeds:
+            terminalreporter.write_line(f"SAGE_TEST_SEED={seeds[-1]} {rep.nodeid}")
 
 
 @pytest.fixture(autouse=True)

@@ -402,7 +402,14 @@ def test_gpu_sd_and_dit_head_dims(gen, d, dtype, qk_bits, layout, causal):
         assert m["cos"] > 0.97, m
     live = torch.isfinite(ref_lse)
     err = (lse.cpu().double()[live] - ref_lse[live]).abs()
-    assert err.max() < (0.1 if qk_bits == 8 else 0.3), err.max()
+    if qk_bits == 8:
+        assert err.max() < 0.1, err.max()
+    else:
+        # A row whose softmax is nearly one key (a rare row on these inputs) has that key's
+        # score for its LSE, and so the whole INT4 error of one score, now and then past 0.3 on
+        # fresh seeds; other rows average many keys' errors. The mean holds the LSE's accuracy
+        # (one 128-row tile's LSE off by 0.2 moves it past the bound), the max catches a broken row.
+        assert err.max() < 0.75 and err.mean() < 0.03, (err.max(), err.mean())
 
 
 @gpu
