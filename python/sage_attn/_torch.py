@@ -338,6 +338,12 @@ def set_backward_retry(enabled: bool) -> None:
 
 
 def _kind(q, k, layout, mask, d_lse):
+    """The kind of backward call set_backward_retry remembers, or None where it does not apply:
+    the policy off, a tracer's tensors, CUDA-graph capture (no verdict can be read there, and a
+    captured graph should not depend on the calls before it)."""
+    if not _retry or _traced(q) or (q.device.type == "cuda" and
+                                    torch.cuda.is_current_stream_capturing()):
+        return None
     hi = 1 if layout == _lib.LAYOUT_HND else q.dim() - 2
     return (q.device, q.dtype, layout, mask, d_lse is None, q.shape[hi], k.shape[hi],
             q.shape[-1])
@@ -478,7 +484,7 @@ def _sage_backward(op, q, k, v, d_o, d_lse, layout, mask, scale, family=0):
     (one host synchronization a call reads it; the refusal is counted and warned about); or the
     check kept refusing this kind of call, which then skips the attempt (set_backward_retry;
     counted). Under CUDA-graph capture or while compiling nothing can be read: the NaN stays."""
-    kind = _kind(q, k, layout, mask, d_lse) if _retry and not _traced(q) else None
+    kind = _kind(q, k, layout, mask, d_lse)
     if kind is not None and _skip_8bit(kind):
         _count_fallbacks(1)
         return None
@@ -845,7 +851,7 @@ class _VarlenAttention(torch.autograd.Function):
         untrusted = torch.zeros((max(batch, 1),), dtype=torch.int32, device=q.device)
         runs, ws = [], None
         # (Sequences of one packed call are one call of their kind for set_backward_retry.)
-        kind = _kind(q, k, _lib.LAYOUT_NHD, mask, d_lse) if _retry and not _traced(q) else None
+        kind = _kind(q, k, _lib.LAYOUT_NHD, mask, d_lse)
         direct = kind is not None and _skip_8bit(kind)
         for b in range(batch):
             q0, q1 = starts_q[b], min(starts_q[b + 1], q.shape[0])
