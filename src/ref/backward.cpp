@@ -379,8 +379,8 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       const int64_t ib = i / bq, visible = std::min(Nk, p.visible_keys(i));
       if (visible <= 0) continue;
       if (fwd_norm) {
-        // The forward's normalizer (log2 units) and D = dO·O - g from its O, in double as a
-        // kernel's fp32 sum would only round more finely.
+        // The forward's normalizer (log2 units) and D = dO·O - g from its O (summed in double: a
+        // kernel's fp32 sum differs from it by its own rounding only).
         const float* oi = fwd_o + (bh * Nq + i) * D;
         double dsum = 0.0;
         for (int64_t d = 0; d < D; ++d) dsum += double(doi[d]) * oi[d];
