@@ -351,7 +351,7 @@ def _kind(q, k, layout, mask, d_lse):
 
 def _skip_8bit(kind):
     """Whether this backward call goes straight to 16 bits (and takes one call off the run)."""
-    st = _skips.get(kind) if _retry else None
+    st = _skips.get(kind)
     if st is None or st[1] == 0:
         return False
     st[1] -= 1
@@ -359,8 +359,6 @@ def _skip_8bit(kind):
 
 
 def _record_verdict(kind, refused):
-    if not _retry:
-        return
     if not refused:
         _skips.pop(kind, None)
         return
@@ -862,26 +860,24 @@ class _VarlenAttention(torch.autograd.Function):
                      ((q, q0, q1), (k, k0, k1), (v, k0, k1), (d_o, q0, q1))]
             dl = d_lse[:, q0:q1].unsqueeze(0) if d_lse is not None else None
             out = (dq[q0:q1].unsqueeze(0), dk[k0:k1].unsqueeze(0), dv[k0:k1].unsqueeze(0))
-            if direct:
-                for dst, src in zip(out, _backward_16bit(*views, dl, _lib.LAYOUT_NHD, mask,
-                                                         scale)):
-                    dst.copy_(src)
-                _count_fallbacks(1)
-                continue
-            ws = _launch_backward(*views, dl, _lib.LAYOUT_NHD, mask, scale, family, out,
-                                  untrusted[b:b + 1], ws)
+            if not direct:
+                ws = _launch_backward(*views, dl, _lib.LAYOUT_NHD, mask, scale, family, out,
+                                      untrusted[b:b + 1], ws)
             runs.append((b, views, dl, out))
-        if runs and _verdicts_readable(untrusted):
+        sixteen = []  # the sequences computed in 16 bits
+        if direct:
+            sixteen = runs
+            _count_fallbacks(len(runs))
+        elif runs and _verdicts_readable(untrusted):
             flags = untrusted.tolist()
+            sixteen = [r for r in runs if flags[r[0]]]
             if kind is not None:
-                _record_verdict(kind, any(flags[r[0]] for r in runs))
-            refused = [r for r in runs if flags[r[0]]]
-            for _, views, dl, out in refused:
-                for dst, src in zip(out, _backward_16bit(*views, dl, _lib.LAYOUT_NHD, mask,
-                                                         scale)):
-                    dst.copy_(src)
-            if refused:
-                _note_fallback(len(refused))
+                _record_verdict(kind, bool(sixteen))
+            if sixteen:
+                _note_fallback(len(sixteen))
+        for _, views, dl, out in sixteen:
+            for dst, src in zip(out, _backward_16bit(*views, dl, _lib.LAYOUT_NHD, mask, scale)):
+                dst.copy_(src)
         return dq, dk, dv, *(None,) * 9
 
 
@@ -1041,8 +1037,8 @@ def _shorter_than_routed(shape, device):
     and device to torch by its length alone (under _sdpa_below of its device; the crossover
     switch on) and D is in the GPU's head-dim range (a multiple of 8 up to 256, sage.h; any
     other meets the plan, which refuses it with a warning): the drop-in's and the registered
-    flash op's route skip the rest of the decision for it. (The query's shape and device as read by the caller, which
-    reuses them.)"""
+    flash op's route skip the rest of the decision for it. (The query's shape and device as read
+    by the caller, which reuses them.)"""
     return (_use_crossover and shape[2] < _sdpa_below.get(device, 0)
             and shape[3] % 8 == 0 and 0 < shape[3] <= 256)
 
