@@ -167,18 +167,19 @@ BlockQuant psi_rows_channels(const std::vector<float>& x, int64_t rows, int64_t 
   return r;
 }
 
-// Σ_d Δ_d² of each block of a BlockQuant (its steps' squares over the channels: D·Δ² with one
-// scale a block): the product check's weight of an operand's rounding.
-std::vector<double> step2_sums(const BlockQuant& b, int64_t blocks, int64_t dim) {
+// Σ_d Δ_d² of each block of a BlockQuant (its steps' squares over the channels): of psi_rows'
+// (one scale a block: D·Δ²) or, per_channel, of psi_rows_channels'. The product check's weight
+// of an operand's rounding.
+std::vector<double> step2_sums(const BlockQuant& b, int64_t blocks, int64_t dim,
+                               bool per_channel) {
   std::vector<double> r(size_t(blocks), 0.0);
-  const bool per_channel = int64_t(b.scale.size()) == blocks * dim && dim > 1;
   for (int64_t bl = 0; bl < blocks; ++bl) {
     if (per_channel) {
       for (int64_t d = 0; d < dim; ++d) {
         const double x = b.scale[size_t(bl * dim + d)];
         r[size_t(bl)] += x * x;
       }
-    } else if (bl < int64_t(b.scale.size())) {
+    } else {
       const double x = b.scale[size_t(bl)];
       r[size_t(bl)] = double(dim) * x * x;
     }
@@ -319,7 +320,7 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
       }
     s.k8 = psi_rows(ks, Nk, D, bk);
     if (ch_dsk) s.k8c = psi_rows_channels(ks, Nk, D, bk);
-    s.k_step2 = step2_sums(ch_dsk ? s.k8c : s.k8, k_blocks, D);
+    s.k_step2 = step2_sums(ch_dsk ? s.k8c : s.k8, k_blocks, D, ch_dsk);
     if (i8_dov) {
       s.v8 = psi_rows(s.v, Nk, D, bk);
       s.v_norm2.assign(size_t(Nk), 0.0);
@@ -353,7 +354,7 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
     }
     s.q8 = psi_rows(s.q, Nq, D, bq);
     if (ch_dsq) s.q8c = psi_rows_channels(s.q, Nq, D, bq);
-    s.q_step2 = step2_sums(ch_dsq ? s.q8c : s.q8, q_blocks, D);
+    s.q_step2 = step2_sums(ch_dsq ? s.q8c : s.q8, q_blocks, D, ch_dsq);
     s.do8 = psi_rows(s.d_o, Nq, D, bq);
     s.lse2.assign(size_t(Nq), std::numeric_limits<float>::infinity());
     s.delta.assign(size_t(Nq), 0.0f);
