@@ -59,6 +59,19 @@ def naive_attention(q, k, v, layout="HND", causal=None, scale=None):
     return o, lse
 
 
+def count_calls(monkeypatch, owner, name):
+    """Wraps owner.name (for the test) so that each call appends its positional arguments to
+    the returned list, then runs the real one."""
+    calls, real = [], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 @pytest.fixture
 def rng(request):
     # Fresh inputs on every run; the seed is printed on failure so a run can be repeated.

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 import sage_attn  # noqa: E402
+from conftest import count_calls  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU with sm_89 or newer")
@@ -303,14 +304,7 @@ def test_cpu_repeated_refusals_skip_the_8bit_attempt(gen, monkeypatch):
     ends the run; another kind is not affected; set_backward_retry(False) tries every call.
     Every call's gradients are the 16-bit ones where 8 bits were refused or skipped."""
     from sage_attn import _torch as st
-    attempts = []
-    real = st._backward_op
-
-    def counted(*args):
-        attempts.append(args[0].shape[-1])
-        return real(*args)
-
-    monkeypatch.setattr(st, "_backward_op", counted)
+    attempts = count_calls(monkeypatch, st, "_backward_op")
     bad = structured(gen, "outliers", 16.0, 1, 4, 2, 75, 64, torch.float32, "cpu")
     plain = structured(gen, "outliers", 1.0, 1, 4, 2, 75, 64, torch.float32, "cpu")
     other = structured(gen, "outliers", 16.0, 1, 4, 2, 75, 32, torch.float32, "cpu")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import sage_attn
-from conftest import naive_attention
+from conftest import count_calls, naive_attention
 
 LENS_Q, LENS_K = [1, 17, 100, 0, 9], [17, 1, 100, 5, 0]
 
@@ -272,16 +272,23 @@ def test_cpu_backward_is_each_sequences_dense_backward(rng, causal, with_lse):
                                                       LENS_K, causal, with_lse, gen))
 
 
-def test_cpu_backward_refuses_one_sequence_alone(rng):
-    """A sequence with outlier channels x16 goes to 16 bits; its neighbours stay SageBwd's."""
-    torch = pytest.importorskip("torch")
-    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+def _outliers_in_sequence_1(torch, rng):
+    """Three packed sequences (40, 90, 64 tokens; 2 heads, D 64, float32) whose second has four
+    channels of Q and K x16, which SageBwd's check refuses: lens, q, k, v, cu_q, cu_k."""
     lens = [40, 90, 64]
     q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in packed(rng, lens, lens, 2, 2, 64,
                                                                 np.float32))
     ch = torch.arange(4) * 16
     for x in (q, k):
-        x[40:130, :, ch] *= 16.0  # sequence 1
+        x[40:130, :, ch] *= 16.0
+    return lens, q, k, v, cu_q, cu_k
+
+
+def test_cpu_backward_refuses_one_sequence_alone(rng):
+    """A sequence with outlier channels x16 goes to 16 bits; its neighbours stay SageBwd's."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    lens, q, k, v, cu_q, cu_k = _outliers_in_sequence_1(torch, rng)
     before = sage_attn.backward_fallbacks()
     with pytest.warns(sage_attn.SageBwdFallbackWarning):
         (gq, gk, gv), dense = _varlen_grads_vs_dense(torch, q, k, v, cu_q, cu_k, lens, lens, True,
@@ -299,20 +306,8 @@ def test_cpu_backward_repeated_refusals_go_straight_to_16_bits(rng, monkeypatch)
     sequence, with the 16-bit gradients."""
     torch = pytest.importorskip("torch")
     from sage_attn import _torch as st
-    launches = []
-    real = st._launch_backward
-
-    def counted(*args, **kw):
-        launches.append(1)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(st, "_launch_backward", counted)
-    lens = [40, 90, 64]
-    q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in packed(rng, lens, lens, 2, 2, 64,
-                                                                np.float32))
-    ch = torch.arange(4) * 16
-    for x in (q, k):
-        x[40:130, :, ch] *= 16.0  # sequence 1
+    launches = count_calls(monkeypatch, st, "_launch_backward")
+    lens, q, k, v, cu_q, cu_k = _outliers_in_sequence_1(torch, rng)
     d_o = torch.from_numpy(rng.standard_normal(q.shape).astype(np.float32))
     grads, counts, fallbacks = [], [], []
     for _ in range(3):
