@@ -148,6 +148,8 @@ typedef enum sage_kernel {
 #define SAGE_OPTION_PREPASS_Q 1u /* sm90: Q quantized by the pre-pass instead of inside the kernel */
 #define SAGE_OPTION_PREPASS_KV_SPLIT 2u /* K/V pre-pass in three launches (statistics, finalize,
                                            quantize) where it would run as one cluster launch */
+#define SAGE_OPTION_WHOLE_TILES 4u /* sm90: no split tail: the last round's tiles run whole, one
+                                      CTA each (sage_quant_config.split_tiles) */
 
 /* Smoothing flags: quantize X - mean(X) over tokens instead of X, and add the mean's part back
  * exactly (K: a constant per score row, which the softmax ignores and the LSE adds back; Q: ΔS
@@ -181,6 +183,14 @@ typedef struct sage_quant_config {
                               takes a degree-3 polynomial 2^x when (4·((j mod 128) / 8) +
                               2·((r mod 16) / 8) + j mod 2) mod n = n - 1: register i mod n = n - 1
                               of the wgmma accumulator (the sm90 kernel: 8 at D = 128) */
+  int32_t split_tiles; /* the sm90 kernel's split tail (sage_plan_info.emulation sets it; the
+                          sm90 softmax form only): the call's last split_tiles tiles of block_q
+                          rows (numbered batch, head, query block) have their softmax blocks
+                          cut into split_ctas ranges of near-equal length in that order; each
+                          part of a tile runs its online softmax and P·V accumulator from a
+                          fresh state, and the parts' (m, l, O) are merged in order at the end.
+                          0: none (then split_ctas is 0 too); else split_tiles <= split_ctas */
+  int32_t split_ctas;
 } sage_quant_config;
 
 /* Strides in elements for the batch, head and token dimensions; the last (head_dim, or nothing for

@@ -27,7 +27,7 @@ GRANULARITY_PER_THREAD_MMA, GRANULARITY_PER_THREAD_WGMMA, GRANULARITY_PER_TOKEN,
 V_SCALE_PER_CHANNEL, V_SCALE_PER_BLOCK_CHANNEL, V_SCALE_PER_BLOCK = range(3)
 PV_ACCUM_FP32, PV_ACCUM_HW, PV_ACCUM_TWO_LEVEL, PV_ACCUM_ALIGNED = range(4)
 KERNEL_AUTO, KERNEL_MMA, KERNEL_SM90, KERNEL_FP4 = range(4)
-OPTION_PREPASS_Q, OPTION_PREPASS_KV_SPLIT = 1, 2
+OPTION_PREPASS_Q, OPTION_PREPASS_KV_SPLIT, OPTION_WHOLE_TILES = 1, 2, 4
 SMOOTH_Q, SMOOTH_K, SMOOTH_V = 1, 2, 4
 BWD_INT8_QK, BWD_INT8_PDO, BWD_INT8_DOV, BWD_INT8_DSK, BWD_INT8_DSQ = 1, 2, 4, 8, 16
 BWD_INT8_DEFAULT = BWD_INT8_QK | BWD_INT8_PDO | BWD_INT8_DSK | BWD_INT8_DSQ
@@ -82,6 +82,8 @@ class QuantConfig(ctypes.Structure):
         ("k_mean_tokens", ctypes.c_int32),
         ("softmax_block_k", ctypes.c_int32),
         ("exp2_poly_every", ctypes.c_int32),
+        ("split_tiles", ctypes.c_int32),
+        ("split_ctas", ctypes.c_int32),
     ]
 
 

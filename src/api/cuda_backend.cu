@@ -171,6 +171,9 @@ sm90::Params sm90_params(const api::Resolved& r, const sage_attention_args& a,
   const quant::PrepassPlan& w = plan.prepass;
   s.k_mean = reinterpret_cast<const float*>(ws + w.k_mean);  // fused Q's LSE shift
   s.tile_counter = reinterpret_cast<unsigned*>(ws + w.tile_counter);
+  s.split_tiles = plan.split.tiles, s.split_ctas = plan.split.ctas;
+  s.split_parts = reinterpret_cast<float*>(ws + w.split_parts);
+  s.split_flags = s.tile_counter + 2;  // after the causal scheduler's two (quant/layout.h)
   s.kv_bad = reinterpret_cast<const unsigned long long*>(ws + w.kv_bad);
   s.q_in = a.q, s.q_in_batch = r.packed() ? 0 : r.q.batch, s.q_in_head = r.q.head;
   s.q_in_token = r.q.token;

@@ -49,6 +49,30 @@ int sm90_block_k(int64_t head_dim) {
   return head_dim == 256 ? sm90::Traits<256, 2>::kBlockK : sm90::Traits<128, 2>::kBlockK;
 }
 
+// The sm90 kernel's split tail (attn/sm90/split.h) for a call of `tiles` tiles of `blocks` key
+// blocks on `sms` SMs: the last round's tiles shared among more CTAs where that shortens the
+// call's critical path, else none. Costs in key blocks: a unit (a tile or a part of one) pays
+// about kUnitBlocks blocks' worth besides its own blocks (its first block alone, the last P·V
+// alone, the epilogue: docs/sm90-kernel.md, "What limits it"), and a CTA's share of the tail
+// holds at most two units; parts are kept at least kMinPart blocks long.
+sm90::SplitTail sm90_split(int64_t tiles, int64_t blocks, int sms) {
+  constexpr int64_t kUnitBlocks = 4, kMinPart = 4;
+  if (sms <= 0 || tiles <= 0 || blocks <= 0) return {};
+  const int64_t rest = tiles % sms;  // the last round's tiles (all of them under one round)
+  if (rest == 0) return {};
+  const int64_t steps = rest * blocks;
+  const int64_t ctas = std::min<int64_t>(sms, std::max<int64_t>(rest, steps / kMinPart));
+  if (ctas <= rest) return {};
+  const int64_t share = (steps + ctas - 1) / ctas;
+  if (share + 2 * kUnitBlocks >= blocks + kUnitBlocks) return {};
+  return {rest, blocks, ctas};
+}
+
+// The split tail's slot a CTA: each consumer thread's O (D/2 floats), m and l (two each).
+size_t sm90_part_bytes(int64_t head_dim, int consumers) {
+  return size_t(consumers) * 128 * size_t(head_dim / 2 + 4) * 4;
+}
+
 // The one FP4 combination the GPU computes (src/fp4), variant SAGE3_FP4's with any Q/K
 // smoothing and K-mean sampling: the first field that departs from it, as "field = value", or
 // an empty string.
@@ -189,7 +213,8 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   const bool kernel_shape = c.granularity == SAGE_GRANULARITY_PER_THREAD_MMA &&
                             c.block_q == mma::kBlockQ && c.warps == mma::kWarps &&
                             c.block_k == mma::kBlockK && (c.softmax_block_k == 0 ||
-                                                          c.softmax_block_k == c.block_k);
+                                                          c.softmax_block_k == c.block_k) &&
+                            c.split_tiles == 0;
   const bool kernel_pv = c.pv_format == SAGE_PV_FP8_E4M3 && c.v_scale == SAGE_V_SCALE_PER_CHANNEL &&
                          c.pv_accum == SAGE_PV_ACCUM_TWO_LEVEL && c.pv_flush_interval == 1 &&
                          c.exp2_poly_every == 0;
@@ -199,7 +224,8 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
                      "quant: no GPU kernel for this combination; the GPU kernels take qk_format "
                      "INT8/INT4, granularity PER_THREAD_MMA with block_q %d, warps %d, block_k %d "
                      "(softmax_block_k 0), pv_format FP8_E4M3, v_scale PER_CHANNEL, pv_accum "
-                     "TWO_LEVEL with pv_flush_interval 1, exp2_poly_every 0 (any smoothing); "
+                     "TWO_LEVEL with pv_flush_interval 1, exp2_poly_every 0, split_tiles 0 (any "
+                     "smoothing); "
                      "sage_attention_plan() reports what the chosen kernel computes",
                      mma::kBlockQ, mma::kWarps, mma::kBlockK);
   if (reinterpret_cast<uintptr_t>(a.o) % 4 != 0 || r.o.batch % 2 || r.o.head % 2 || r.o.token % 2)
@@ -266,6 +292,22 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   // extent is D and its box Dk: TMA fills the channels past D with zeros, so any D takes it);
   // SAGE_OPTION_PREPASS_Q keeps the pre-pass's quant_q (to compare the two).
   plan.fused_q = plan.family == Family::kSm90 && !(a.options & SAGE_OPTION_PREPASS_Q) && q_map;
+  quant::SplitRegions split_regions;
+  if (plan.family == Family::kSm90) {
+    // A packed batch: two consumers (its instantiations, attn/sm90/launch.cuh; the emulation is
+    // the same either way: the polynomial share depends on the head dim only).
+    plan.consumers = r.packed() ? 2 : sm90_consumers(Dk, causal, p.seq_q, plan.fused_q);
+    plan.block_q = 64 * plan.consumers;
+    plan.block_k = sm90_block_k(Dk);
+    // The split tail: dense non-causal calls (causal and packed ones draw their tiles from a
+    // counter, which balances them already).
+    if (!causal && !r.packed() && !(a.options & SAGE_OPTION_WHOLE_TILES)) {
+      const int64_t tiles = p.batch * p.heads_q * ((p.seq_q + plan.block_q - 1) / plan.block_q);
+      plan.split = sm90_split(tiles, (p.seq_kv + plan.block_k - 1) / plan.block_k, dev.sms);
+      split_regions.flags = plan.split.tiles * plan.consumers;
+      split_regions.part_bytes = size_t(plan.split.ctas) * sm90_part_bytes(Dk, plan.consumers);
+    }
+  }
   plan.prepass = quant::make_prepass_plan(
       p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_kv, Dk, D, bits8 ? 8 : 4, smooth_q,
       c.smooth & SAGE_SMOOTH_K, c.smooth & SAGE_SMOOTH_V,
@@ -279,7 +321,7 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       /*quantize_q=*/!plan.fused_q, /*lse=*/a.lse != nullptr, c.k_mean_tokens,
       // A packed batch: p.seq_q, p.seq_kv are the longest sequences (the grids' extents), the
       // workspace rows come from the totals (quant/layout.h, SeqRows).
-      r.cu_seqlens_q, r.cu_seqlens_k, r.total_q, r.total_k);
+      r.cu_seqlens_q, r.cu_seqlens_k, r.total_q, r.total_k, split_regions);
   // The pre-pass's loads: 16 bytes wide where every row of the tensor is 16-byte aligned (the
   // kernels' kVec instantiations), with a packed batch's batch stride read as 0, as the backend
   // passes it.
@@ -314,11 +356,6 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   e.accum_chunk = 32;  // keys of one k32 MMA step
   e.block_k = quant::kBlockK;
   if (plan.family == Family::kSm90) {
-    // A packed batch: two consumers (its instantiations, attn/sm90/launch.cuh; the emulation is
-    // the same either way: the polynomial share depends on the head dim only).
-    plan.consumers = r.packed() ? 2 : sm90_consumers(Dk, causal, p.seq_q, plan.fused_q);
-    plan.block_q = 64 * plan.consumers;
-    plan.block_k = sm90_block_k(Dk);
     // The wgmma E4M3 accumulator: each k32 step's products aligned to its largest addend and cut
     // to 13 bits after its leading one (docs/fp8-accumulator.md), over the whole sequence.
     e.pv_accum = SAGE_PV_ACCUM_ALIGNED;
@@ -327,6 +364,8 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
     e.warps = plan.block_q / 16;
     e.softmax_block_k = plan.block_k;
     e.exp2_poly_every = sm90_poly_every(Dk, plan.consumers);
+    e.split_tiles = int32_t(plan.split.tiles);
+    e.split_ctas = int32_t(plan.split.ctas);
     // At D = 256 the softmax block is the 64-key K block: the wgmma groups with the aligned
     // accumulator select the kernel's softmax form there (ref::sm90_softmax_form; the groups are
     // the mma ones at 16 rows a warp, so D = 64 and 128 keep PER_THREAD_MMA).

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "api/backend.h"
+#include "attn/sm90/split.h"
 #include "bwd/params.h"
 #include "fp4/layout.h"
 #include "quant/layout.h"
@@ -34,6 +35,7 @@ struct Plan {
   int block_q = 0, block_k = 0;
   int consumers = 0;       // sm90: consumer warpgroups (tile rows = 64 · consumers)
   bool fused_q = false;    // sm90: Q quantized inside the kernel (no quant_q launch)
+  sm90::SplitTail split;   // sm90: the last round's tiles shared among the CTAs (tiles 0: none)
   bool two_level = false;  // mma: P·V in a fresh accumulator per key block, added into fp32
   bool prefer_sdpa = false;
   bool prefer_sdpa_training = false;

@@ -234,7 +234,8 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
                  args->struct_size, sizeof(sage_attention_args));
   const sage_attention_args& a = *args;
   SAGE_RETURN_IF_ERROR(check_common(a));
-  SAGE_CHECK_ARG((a.options & ~(SAGE_OPTION_PREPASS_Q | SAGE_OPTION_PREPASS_KV_SPLIT)) == 0u,
+  SAGE_CHECK_ARG((a.options & ~(SAGE_OPTION_PREPASS_Q | SAGE_OPTION_PREPASS_KV_SPLIT |
+                                SAGE_OPTION_WHOLE_TILES)) == 0u,
                  "options = 0x%x has unknown flag bits", unsigned(a.options));
 
   Resolved r;

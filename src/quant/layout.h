@@ -160,13 +160,23 @@ struct PrepassPlan {
   // make_prepass_plan).
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
          kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, tile_counter = 0,
-         kv_bad = 0, total = 0;
+         kv_bad = 0, split_parts = 0, total = 0;
+  // The 32-bit counters at tile_counter the pre-pass zeroes: the causal scheduler's two, then the
+  // split tail's flags (SplitRegions).
+  int64_t counters = 2;
   int64_t kv_stats_stride = 0;  // bytes from one KV head's statistics to the next
 };
 
 // Per (kv head, chunk, channel): Σk over the chunk's sampled tokens and Σv (double), max v and
 // min v (float).
 constexpr int64_t kKvStatBytes = 24;
+
+// The sm90 kernel's split tail (attn/sm90/split.h): a flag per (split tile, consumer warpgroup)
+// after the scheduler's counters, and the later parts' softmax states, a slot per CTA.
+struct SplitRegions {
+  int64_t flags = 0;
+  size_t part_bytes = 0;
+};
 
 inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t heads_kv,
                                      int64_t seq_q, int64_t seq_kv, int64_t head_dim,
@@ -175,7 +185,7 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
                                      bool quantize_q, bool lse, int32_t k_mean_tokens = 0,
                                      const int32_t* cu_q = nullptr,
                                      const int32_t* cu_k = nullptr, int64_t total_q = 0,
-                                     int64_t total_k = 0) {
+                                     int64_t total_k = 0, SplitRegions split = {}) {
   PrepassPlan p;
   p.batch = batch, p.heads_q = heads_q, p.heads_kv = heads_kv;
   p.seq_q = seq_q, p.seq_kv = seq_kv, p.head_dim = head_dim, p.channels = channels, p.bits = bits;
@@ -236,12 +246,15 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   p.v_mean = take(size_t(bk * head_dim) * 4);
   p.v_scale = take(size_t(bk * head_dim) * 4);
   p.v_inv = take(size_t(bk * head_dim) * 4);
-  // The sm90 kernel's causal tile scheduler: {next tile, CTAs done}, zeroed by the pre-pass
-  // (kv_finalize) and reset by the kernel's last CTA.
-  p.tile_counter = take(8);
+  // The sm90 kernel's causal tile scheduler: {next tile, CTAs done}, and the split tail's flags,
+  // zeroed by the pre-pass (kv_finalize, kv_prepass) and reset by the kernel (the causal
+  // scheduler's last CTA, each split tile's merger).
+  p.counters = 2 + split.flags;
+  p.tile_counter = take(size_t(p.counters) * 4);
   // Per KV head: the first key whose K or V row holds Inf/NaN (kKvBadNone: none), for the rows
   // the pre-pass or the sm90 kernel's Q quantization marks as poisoned.
   p.kv_bad = take(size_t(bk) * 8);
+  p.split_parts = take(split.part_bytes);
   p.total = carve.total;
   return p;
 }

@@ -94,7 +94,7 @@ Parts parts_of(const Plan& p, const PrepassInputs& in, uint8_t* ws) {
   x.smoothing = {p.smooth_k, p.smooth_v};
   x.stats = {reinterpret_cast<KvStat*>(ws + p.kv_stats)};
   x.final_out = {f32(p.k_mean), f32(p.v_mean), f32(p.v_scale), f32(p.v_inv),
-                 reinterpret_cast<unsigned*>(ws + p.tile_counter), kv_bad};
+                 reinterpret_cast<unsigned*>(ws + p.tile_counter), kv_bad, int32_t(p.counters)};
   x.final_in = {f32(p.k_mean), f32(p.v_mean), f32(p.v_inv), kv_bad};
   x.kv_out = {ws + p.k, f32(p.k_scale), ws + p.v};
   x.q_in = {in.q, in.q_strides, dim};

@@ -117,6 +117,16 @@ std::string quant_config_error(const sage_quant_config& c) {
   if (c.exp2_poly_every != 0 && c.exp2_poly_every != 2 && c.exp2_poly_every != 4 &&
       c.exp2_poly_every != 8 && c.exp2_poly_every != 16)
     return bad("exp2_poly_every (0, 2, 4, 8 or 16)", c.exp2_poly_every);
+  if (c.split_tiles < 0 || c.split_ctas < 0 || (c.split_tiles == 0) != (c.split_ctas == 0) ||
+      c.split_ctas < c.split_tiles)
+    return "quant.split_tiles = " + std::to_string(c.split_tiles) +
+           ", split_ctas = " + std::to_string(c.split_ctas) +
+           " are invalid (both 0, or 0 < split_tiles <= split_ctas)";
+  if (c.split_tiles > 0 && !sm90_softmax_form(c))
+    return "quant.split_tiles = " + std::to_string(c.split_tiles) +
+           " is the sm90 kernel's split tail, modelled with its softmax form only "
+           "(softmax_block_k > block_k, exp2_poly_every > 0, or granularity PER_THREAD_WGMMA "
+           "with pv_accum ALIGNED)";
   // The sm90 kernel's softmax form (sm90_softmax_form) is modelled with per-channel V scales
   // only: a per-key-block V scale would have to act inside a softmax block (the kernel has none
   // of these).

@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attn/sm90/split.h"
 #include "common/exp2_poly.h"
 #include "ref/emulate.h"
 
@@ -59,16 +60,29 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
   // 1. The pre-pass: Q, K, V smoothed and quantized.
   const Prepass<Real> pre = prepass<Real>(p, cfg, q, k, v, threads);
 
-  // 2. The attention kernel: one item per (batch, q head, tile of block_q rows).
-  const int64_t q_blocks = (Nq + bq - 1) / bq;
-  parallel_for(p.batch * p.heads_q * q_blocks, threads, [&](int64_t item) {
+  // 2. The attention kernel: one item per (batch, q head, tile of block_q rows). The split tail
+  // (cfg.split_tiles > 0, attn/sm90/split.h): the last split_tiles tiles run their key blocks in
+  // parts, each from a fresh softmax state, merged in order at the end.
+  const int64_t q_blocks = (Nq + bq - 1) / bq, tiles = p.batch * p.heads_q * q_blocks;
+  const sm90::SplitTail split{std::min<int64_t>(cfg.split_tiles, tiles),
+                              (p.seq_kv + sbk - 1) / sbk, cfg.split_ctas};
+  parallel_for(tiles, threads, [&](int64_t item) {
     const Tile<Real> t = pre.tile(p, bq, item);
     const std::vector<Real> ds = delta_s(p, cfg, t);
     // Per row: running max m (base 2), the sums of the row's four threads t (t holds keys
     // {8a + 2t, 8a + 2t + 1}) in units of P~·p_scale, and the P·V state (R: the wgmma
     // accumulator).
-    std::vector<Real> m(size_t(t.rows), neg_inf<Real>()), l4(size_t(t.rows * 4), Real(0));
-    RowAccumulators<Real> ra(t.rows, D, cfg.accum_chunk);
+    struct State {
+      std::vector<Real> m, l4;
+      RowAccumulators<Real> ra;
+      State(int64_t rows, int64_t D, int chunk)
+          : m(size_t(rows), neg_inf<Real>()), l4(size_t(rows * 4), Real(0)), ra(rows, D, chunk) {}
+      // Row r's P·V sum as the kernel's accumulator register holds it at the end.
+      Real o(int64_t r, int64_t d) const {
+        const size_t at = size_t(r * ra.D + d);
+        return ra.O[at] + Real(ra.R[at]);
+      }
+    };
     std::vector<Real> s(static_cast<size_t>(sbk)), phat(s.size()), qk(s.size()), fk(s.size());
     // A cut of the accumulator without products: a wgmma step whose keys the row does not see
     // still aligns the held value to its own grid.
@@ -80,73 +94,115 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
     // polynomial 2^x.
     const int64_t tile_visible = p.visible_keys(t.r0);
 
-    for (int64_t j0 = 0; j0 < t.visible_max; j0 += sbk) {
-      const int64_t j1 = std::min(p.seq_kv, j0 + sbk);
-      const bool full_block = j0 + sbk <= tile_visible;
-      for (int64_t r = 0; r < t.rows; ++r) {
-        const int64_t i = t.r0 + r, n = p.visible_keys(i);
-        double* acc = ra.acc(r);
-        if (j0 >= n) {
-          // Fully masked for this row: the wgmma still adds its zero products (alpha = 1,
-          // nothing added to l).
-          if (aligned) idle_step(acc);
-          continue;
-        }
-        // S in base 2: Q^K^ · f in the kernel's form, else as the mma kernel forms it.
-        Real row_max = neg_inf<Real>();
-        if (kernel_scores) {
-          const Real* qi = &t.q.q.values[size_t(i * D)];
-          const Real q_scale_log2 = t.q.q.scale[size_t(i)] * scale_log2;
-          for (int64_t j = j0; j < j1; ++j) {
-            if (j >= n) {
-              s[size_t(j - j0)] = neg_inf<Real>();
-              continue;
-            }
-            const Real a = Real(dot<float>(qi, &t.kv.k.values[size_t(j * D)], D));
-            const Real f = q_scale_log2 * t.kv.k.scale[size_t(j)];
-            qk[size_t(j - j0)] = a;
-            fk[size_t(j - j0)] = f;
-            s[size_t(j - j0)] = a * f;
-            row_max = std::max(row_max, s[size_t(j - j0)]);
+    // The softmax blocks of keys [k0, k1) into st.
+    auto run_blocks = [&](State& st, int64_t k0, int64_t k1) {
+      std::vector<Real>& m = st.m;
+      std::vector<Real>& l4 = st.l4;
+      RowAccumulators<Real>& ra = st.ra;
+      for (int64_t j0 = k0; j0 < k1; j0 += sbk) {
+        const int64_t j1 = std::min(p.seq_kv, j0 + sbk);
+        const bool full_block = j0 + sbk <= tile_visible;
+        for (int64_t r = 0; r < t.rows; ++r) {
+          const int64_t i = t.r0 + r, n = p.visible_keys(i);
+          double* acc = ra.acc(r);
+          if (j0 >= n) {
+            // Fully masked for this row: the wgmma still adds its zero products (alpha = 1,
+            // nothing added to l).
+            if (aligned) idle_step(acc);
+            continue;
           }
-        } else {
-          row_max = row_scores(cfg, t, ds.data(), D, i, n, j0, j1, scale_log2, Real(0), s.data());
-        }
-        const Real m_new = std::max(m[size_t(r)], row_max);
-        const Real alpha = std::exp2(m[size_t(r)] - m_new);  // 0 on the first block
-        // e = P~·p_scale = 2^(s - m + log2 p_scale); summed per thread t and 32-key quarter, in
-        // key order, then l_t = l_t·alpha + ((p0 + p1) + (p2 + p3)) (the kernel's part[]).
-        Real part[4][4] = {};
-        const Real m_shift = m_new - log2_p_scale;
-        for (int64_t j = j0; j < j1; ++j) {
-          Real e = 0;
-          if (j < n) {
-            Real x = s[size_t(j - j0)] - m_shift;
-            if constexpr (std::is_same_v<Real, float>) {
-              if (full_block && kernel_scores) {
-                const float f = fk[size_t(j - j0)];
-                x = std::fmaf(kMagicF + qk[size_t(j - j0)], f, -std::fmaf(kMagicF, f, m_shift));
+          // S in base 2: Q^K^ · f in the kernel's form, else as the mma kernel forms it.
+          Real row_max = neg_inf<Real>();
+          if (kernel_scores) {
+            const Real* qi = &t.q.q.values[size_t(i * D)];
+            const Real q_scale_log2 = t.q.q.scale[size_t(i)] * scale_log2;
+            for (int64_t j = j0; j < j1; ++j) {
+              if (j >= n) {
+                s[size_t(j - j0)] = neg_inf<Real>();
+                continue;
               }
+              const Real a = Real(dot<float>(qi, &t.kv.k.values[size_t(j * D)], D));
+              const Real f = q_scale_log2 * t.kv.k.scale[size_t(j)];
+              qk[size_t(j - j0)] = a;
+              fk[size_t(j - j0)] = f;
+              s[size_t(j - j0)] = a * f;
+              row_max = std::max(row_max, s[size_t(j - j0)]);
             }
-            e = full_block && exp2_poly_at(i, j, cfg.exp2_poly_every) ? exp2_poly(x)
-                                                                      : std::exp2(x);
+          } else {
+            row_max =
+                row_scores(cfg, t, ds.data(), D, i, n, j0, j1, scale_log2, Real(0), s.data());
           }
-          part[((j - j0) % 8) / 2][((j - j0) / 32) % 4] += e;
-          phat[size_t(j - j0)] = pv.quantize(e);  // P^
+          const Real m_new = std::max(m[size_t(r)], row_max);
+          const Real alpha = std::exp2(m[size_t(r)] - m_new);  // 0 on the first block
+          // e = P~·p_scale = 2^(s - m + log2 p_scale); summed per thread t and 32-key quarter,
+          // in key order, then l_t = l_t·alpha + ((p0 + p1) + (p2 + p3)) (the kernel's part[]).
+          Real part[4][4] = {};
+          const Real m_shift = m_new - log2_p_scale;
+          for (int64_t j = j0; j < j1; ++j) {
+            Real e = 0;
+            if (j < n) {
+              Real x = s[size_t(j - j0)] - m_shift;
+              if constexpr (std::is_same_v<Real, float>) {
+                if (full_block && kernel_scores) {
+                  const float f = fk[size_t(j - j0)];
+                  x = std::fmaf(kMagicF + qk[size_t(j - j0)], f, -std::fmaf(kMagicF, f, m_shift));
+                }
+              }
+              e = full_block && exp2_poly_at(i, j, cfg.exp2_poly_every) ? exp2_poly(x)
+                                                                        : std::exp2(x);
+            }
+            part[((j - j0) % 8) / 2][((j - j0) / 32) % 4] += e;
+            phat[size_t(j - j0)] = pv.quantize(e);  // P^
+          }
+          Real* lt = &l4[size_t(r * 4)];
+          for (int th = 0; th < 4; ++th) {
+            lt[th] *= alpha;
+            lt[th] += (part[th][0] + part[th][1]) + (part[th][2] + part[th][3]);
+          }
+          m[size_t(r)] = m_new;
+          ra.rescale(r, alpha);
+          // P^·V^ into the accumulator. The kernel runs all sbk / accum_chunk steps of a block;
+          // those past Nk add zero products (the held value cut to its own grid).
+          accumulate_pv(cfg, phat.data(), t.kv.v.data(), j0, j1, D, acc, ra.scratch);
+          const int64_t steps_run = (j1 - j0 + cfg.accum_chunk - 1) / cfg.accum_chunk;
+          if (aligned && steps_run * cfg.accum_chunk < sbk) idle_step(acc);
+          ra.flush_if_due(cfg, r, [](int64_t, Real a) { return a; });
         }
-        Real* lt = &l4[size_t(r * 4)];
+      }
+    };
+
+    // The tile's parts: key blocks [cut[i], cut[i + 1]) (one part unless the tile is split).
+    std::vector<int64_t> cut{0};
+    const int64_t tail = item - (tiles - split.tiles);
+    if (split.tiles > 0 && tail >= 0) {
+      const int64_t first = tail * split.blocks, last = first + split.blocks - 1;
+      for (int64_t c = split.owner(first) + 1; c <= split.owner(last); ++c)
+        cut.push_back(split.begin(c) - first);
+    }
+    cut.push_back(split.tiles > 0 && tail >= 0 ? split.blocks : (t.visible_max + sbk - 1) / sbk);
+    State st(t.rows, D, cfg.accum_chunk);
+    run_blocks(st, 0, std::min(t.visible_max, cut[1] * sbk));
+    std::vector<Real> o(size_t(t.rows * D));
+    for (int64_t r = 0; r < t.rows; ++r)
+      for (int64_t d = 0; d < D; ++d) o[size_t(r * D + d)] = st.o(r, d);
+    // Each later part merged into the first, in order (the merger's arithmetic, attn/sm90
+    // mainloop.cuh): m = max, each side scaled by 2^(its m - m), l and O as a·x + (b·y).
+    for (size_t c = 1; c + 1 < cut.size(); ++c) {
+      State pt(t.rows, D, cfg.accum_chunk);
+      run_blocks(pt, cut[c] * sbk, std::min(t.visible_max, cut[c + 1] * sbk));
+      for (int64_t r = 0; r < t.rows; ++r) {
+        const Real mn = std::max(st.m[size_t(r)], pt.m[size_t(r)]);
+        const Real mu = mn == neg_inf<Real>() ? Real(0) : mn;
+        const Real a = std::exp2(st.m[size_t(r)] - mu), b = std::exp2(pt.m[size_t(r)] - mu);
         for (int th = 0; th < 4; ++th) {
-          lt[th] *= alpha;
-          lt[th] += (part[th][0] + part[th][1]) + (part[th][2] + part[th][3]);
+          Real& l = st.l4[size_t(r * 4 + th)];
+          l = std::fma(l, a, pt.l4[size_t(r * 4 + th)] * b);
         }
-        m[size_t(r)] = m_new;
-        ra.rescale(r, alpha);
-        // P^·V^ into the accumulator. The kernel runs all sbk / accum_chunk steps of a block;
-        // those past Nk add zero products (the held value cut to its own grid).
-        accumulate_pv(cfg, phat.data(), t.kv.v.data(), j0, j1, D, acc, ra.scratch);
-        const int64_t steps_run = (j1 - j0 + cfg.accum_chunk - 1) / cfg.accum_chunk;
-        if (aligned && steps_run * cfg.accum_chunk < sbk) idle_step(acc);
-        ra.flush_if_due(cfg, r, [](int64_t, Real a) { return a; });
+        for (int64_t d = 0; d < D; ++d) {
+          Real& x = o[size_t(r * D + d)];
+          x = std::fma(x, a, pt.o(r, d) * b);
+        }
+        st.m[size_t(r)] = mn;
       }
     }
 
@@ -156,16 +212,14 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
       const int64_t i = t.r0 + r;
       if (special_row(p, t, i, out, lse)) continue;
       Real* dst = out + (t.bh * Nq + i) * D;
-      const Real* lt = &l4[size_t(r * 4)];
+      const Real* lt = &st.l4[size_t(r * 4)];
       const Real lsum = (lt[0] + lt[1]) + (lt[2] + lt[3]);
       const Real inv = Real(1) / lsum;
-      for (int64_t d = 0; d < D; ++d) {
-        const Real o = ra.O[size_t(r * D + d)] + Real(ra.R[size_t(r * D + d)]);
-        dst[d] = o * (t.kv.v_scale[size_t(d)] * inv) + t.kv.v_mean[size_t(d)];
-      }
+      for (int64_t d = 0; d < D; ++d)
+        dst[d] = o[size_t(r * D + d)] * (t.kv.v_scale[size_t(d)] * inv) + t.kv.v_mean[size_t(d)];
       if (lse)
         lse[t.bh * Nq + i] =
-            (m[size_t(r)] + std::log2(lsum * (Real(1) / Real(pv.p_scale)))) * Real(kLn2) +
+            (st.m[size_t(r)] + std::log2(lsum * (Real(1) / Real(pv.p_scale)))) * Real(kLn2) +
             t.q.lse_shift[size_t(i)];
     }
   });

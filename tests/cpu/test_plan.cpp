@@ -89,6 +89,58 @@ TEST(Planner, ChoosesTheFamilyPerArchitectureAndVariant) {
   EXPECT_EQ(forced4.plan(kH100, &p), SAGE_ERROR_UNSUPPORTED);
 }
 
+// The split tail (attn/sm90/split.h): a dense non-causal call whose last round of tiles would
+// leave most SMs idle shares that round's key blocks among them, and its emulation config says
+// so; causal calls, exact rounds, a last round the split would not shorten, the mma.sync kernel
+// and SAGE_OPTION_WHOLE_TILES keep whole tiles.
+TEST(Planner, Sm90SplitTailSharesTheLastRoundWhereItShortensTheCall) {
+  // Flux.1 at 1024² (B 1, H 24, N 4608, D 128): 864 tiles on 132 SMs, the last 72 shared by all.
+  Call flux(4608, 4608, 128);
+  flux.with_heads(24, 24).a.batch = 1;
+  const Plan f = must_plan(flux, kH100);
+  EXPECT_EQ(f.split.tiles, 72);
+  EXPECT_EQ(f.split.blocks, 36);
+  EXPECT_EQ(f.split.ctas, 132);
+  EXPECT_EQ(f.emulation.split_tiles, 72);
+  EXPECT_EQ(f.emulation.split_ctas, 132);
+  EXPECT_EQ(f.prepass.total - f.prepass.split_parts, size_t(132 * 2 * 128 * (64 + 4) * 4));
+  EXPECT_EQ(f.prepass.counters, 2 + 72 * 2);
+  // Fewer tiles than SMs (B 2, H 4, N 3000: 192 tiles, 60 in the last round).
+  const Plan few = must_plan(Call(3000, 3000, 128), kH100);
+  EXPECT_EQ(few.split.tiles, 60);
+  EXPECT_EQ(few.split.ctas, 132);
+  // SDXL's first level (B 2, H 10, N 4096, D 64): three consumers' 192-row tiles, 22 a head,
+  // 440 in all; the last 44 of 32 key blocks shared.
+  Call sdxl(4096, 4096, 64);
+  sdxl.with_heads(10, 10);
+  const Plan d64 = must_plan(sdxl, kH100);
+  ASSERT_EQ(d64.consumers, 3);
+  EXPECT_EQ(d64.split.tiles, 44);
+  EXPECT_EQ(d64.split.ctas, 132);
+  EXPECT_EQ(d64.prepass.counters, 2 + 44 * 3);
+  EXPECT_EQ(d64.prepass.total - d64.prepass.split_parts, size_t(132 * 3 * 128 * (32 + 4) * 4));
+  // 128 tiles on 132 SMs: a share (32 blocks of 4096 over 132) is no shorter than a tile.
+  EXPECT_EQ(must_plan(Call(3000, 4096, 64), kH100).split.tiles, 0);
+  auto none = [](const Plan& p) {
+    return p.split.tiles == 0 && p.split.ctas == 0 && p.emulation.split_tiles == 0 &&
+           p.emulation.split_ctas == 0 && p.prepass.counters == 2 &&
+           p.prepass.split_parts == p.prepass.total;
+  };
+  Call causal(4608, 4608, 128, SAGE_MASK_CAUSAL_TOP_LEFT);
+  causal.with_heads(24, 24).a.batch = 1;
+  EXPECT_TRUE(none(must_plan(causal, kH100)));
+  Call whole(4608, 4608, 128);
+  whole.with_heads(24, 24).a.batch = 1;
+  whole.a.options = SAGE_OPTION_WHOLE_TILES;
+  EXPECT_TRUE(none(must_plan(whole, kH100)));
+  Call exact(4096, 4096, 128);  // 32 tiles a head x 33 heads = 8 rounds of 132
+  exact.with_heads(33, 33).a.batch = 1;
+  EXPECT_TRUE(none(must_plan(exact, kH100)));
+  // 64 tiles of 8 blocks: a share of 4 blocks and two units' set-up cost a whole tile's time.
+  EXPECT_TRUE(none(must_plan(Call(1000, 1000, 128), kH100)));
+  EXPECT_TRUE(none(must_plan(Call(4608, 4608, 128), kAda)));  // mma.sync
+}
+
 TEST(Planner, Sm90TileAndFusedQ) {
   const Plan d128 = must_plan(Call(3000, 3000, 128), kH100);
   EXPECT_EQ(d128.consumers, 2);
@@ -114,8 +166,11 @@ TEST(Planner, Sm90TileAndFusedQ) {
   // The workspace holds Q^, its scales and the rows' LSE shifts (B·Hq·(nq·(D + 2) + 4·Nq) bytes)
   // only where the pre-pass quantizes Q (without the LSE): a caller caching the size per shape
   // keys it on Q's 16-byte alignment too.
+  // (Compared up to the counters, the split tail's flags and parts: two and three consumers'
+  // tiles split differently.)
   const size_t q_bytes = 2 * 4 * (3072 * (64 + 2) + 4 * 3000);
-  EXPECT_EQ(pq.prepass.total, must_plan(Call(3000, 3000, 64), kH100).prepass.total + q_bytes);
+  EXPECT_EQ(pq.prepass.tile_counter,
+            must_plan(Call(3000, 3000, 64), kH100).prepass.tile_counter + q_bytes);
   EXPECT_EQ(must_plan(odd, kH100).prepass.total, pq.prepass.total);
 }
 
@@ -400,15 +455,19 @@ size_t up256(int64_t bytes) {
   return size_t((bytes + 255) / 256 * 256);
 }
 
-size_t documented_workspace(const Shape& s, int bits, bool prepass_q, bool smooth_q, bool lse) {
+// split: the plan's split tail (sage_plan_info.emulation's split_tiles s and split_ctas S) and its
+// consumer warpgroups c.
+size_t documented_workspace(const Shape& s, int bits, bool prepass_q, bool smooth_q, bool lse,
+                            const sage::sm90::SplitTail& split = {}, int consumers = 2) {
   const int64_t nq = (s.Nq + 127) / 128 * 128, nk = (s.Nk + 63) / 64 * 64, r = s.D * bits / 8;
   const int64_t bq = s.B * s.Hq, bk = s.B * s.Hkv;
   size_t w = up256(bk * nk * r)          // K^
              + up256(bk * nk / 4)        // K scales: 4 floats a 64-key block
              + up256(bk * s.D * nk)      // V^ᵀ (E4M3)
              + 4 * up256(4 * bk * s.D)   // K mean, V mean, V scale, 1 / V scale
-             + 256                       // the sm90 tile counter
-             + up256(8 * bk);            // each KV head's first non-finite key
+             + up256(4 * (2 + split.tiles * consumers))  // the sm90 tile counters, split flags
+             + up256(8 * bk)             // each KV head's first non-finite key
+             + up256(split.ctas * consumers * 512 * (s.D / 2 + 4));  // the split tail's parts
   if (prepass_q) w += up256(bq * nq * r) + up256(2 * bq * nq);  // Q^, 64 scales a 128-row block
   if (smooth_q) w += up256(4 * bq * (nq / 128) * s.D);          // Q's block means
   if (prepass_q || lse) w += up256(4 * bq * s.Nq);              // each row's LSE shift
@@ -444,17 +503,21 @@ Plan plan_of(const Shape& s, const Device& dev, sage_variant variant, bool lse,
 TEST(Workspace, OutputPlusKvAndScalesAt32k) {
   // B=1, H=32, N=32k, D=128, 8-bit on the H100 (the wgmma kernel, Q quantized in the kernel), no
   // LSE: K^ and V^ (128 MiB each), K's scales (256 KiB), the four per-channel vectors (16 KiB
-  // each), the tile counter and the heads' first non-finite keys (256 bytes each); with the
-  // output (256 MiB), 512.3 MiB in all.
+  // each), the tile counters and the heads' first non-finite keys (256 bytes each), and the
+  // split tail's parts (8192 tiles on 132 SMs: the last 8 shared among the 132, a 68 KiB slot
+  // each); with the output (256 MiB), 521.1 MiB in all.
   const Shape s{1, 32, 32, 32768, 32768, 128};
   constexpr size_t kMiB = size_t(1) << 20;
   const Plan p = plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, /*lse=*/false);
   ASSERT_EQ(p.family, Family::kSm90);
   ASSERT_TRUE(p.fused_q);
+  EXPECT_EQ(p.split.tiles, 8);
+  EXPECT_EQ(p.split.ctas, 132);
   const size_t output = size_t(s.B * s.Hq * s.Nq * s.D) * 2;
-  EXPECT_EQ(p.prepass.total, 256 * kMiB + 256 * 1024 + 4 * 16 * 1024 + 256 + 256);
-  EXPECT_EQ(p.prepass.total, documented_workspace(s, 8, false, false, false));
-  EXPECT_LE(output + p.prepass.total, 512 * kMiB + kMiB / 2);
+  const size_t parts = 132 * 2 * 128 * (64 + 4) * 4;
+  EXPECT_EQ(p.prepass.total, 256 * kMiB + 256 * 1024 + 4 * 16 * 1024 + 256 + 256 + parts);
+  EXPECT_EQ(p.prepass.total, documented_workspace(s, 8, false, false, false, p.split));
+  EXPECT_LE(output + p.prepass.total, 521 * kMiB + kMiB / 8);
   // With the LSE: 4 bytes a query row more (4 MiB), as the LSE itself.
   EXPECT_EQ(plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, true).prepass.total,
             p.prepass.total + 4 * kMiB);
@@ -464,7 +527,8 @@ TEST(Workspace, OutputPlusKvAndScalesAt32k) {
   const Plan sq = plan_of(s, kH100, SAGE_VARIANT_SAGE2_8B, false,
                           SAGE_SMOOTH_Q | SAGE_SMOOTH_K | SAGE_SMOOTH_V);
   ASSERT_EQ(sq.family, Family::kMma);
-  EXPECT_EQ(sq.prepass.total, p.prepass.total + 128 * kMiB + 2 * kMiB + 4 * kMiB + 4 * kMiB);
+  EXPECT_EQ(sq.prepass.total,
+            p.prepass.total - parts + 128 * kMiB + 2 * kMiB + 4 * kMiB + 4 * kMiB);
   // INT4 halves K^ and Q^.
   const Plan q4 = plan_of(s, kH100, SAGE_VARIANT_SAGE2_4B, false);
   EXPECT_EQ(q4.prepass.total, sq.prepass.total - 2 * 64 * kMiB);
@@ -509,7 +573,8 @@ TEST(Workspace, MatchesTheDocumentedFormulaOverShapesAndConfigs) {
         SCOPED_TRACE(c.name);
         const sage::quant::PrepassPlan& w = c.plan.prepass;
         EXPECT_EQ(w.quantize_q, c.prepass_q);
-        EXPECT_EQ(w.total, documented_workspace(s, c.bits, c.prepass_q, c.smooth_q, lse));
+        EXPECT_EQ(w.total, documented_workspace(s, c.bits, c.prepass_q, c.smooth_q, lse,
+                                                c.plan.split, c.plan.consumers));
         sage_plan_info info;
         sage::api::describe(c.plan, &info);
         EXPECT_EQ(info.workspace_size, w.total);

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "attn/sm90/split.h"
 #include "common/exp2_poly.h"  // kMagicF
 #include "common/test_util.h"
 
@@ -107,11 +108,22 @@ TEST(Exp2Poly, RelativeErrorAboutOneIn1e4AndFloatIsTheDoublePolynomialRounded) {
 // 2^(s_j - m_b(j) + log2 448) (the polynomial where the block is whole for the tile's first row
 // and the position rule picks (i, j)), P^ = E4M3(e_j), O = Σ P^ V^ 2^(m_b - M) / Σ e 2^(m_b - M)
 // · δV, LSE = (M + log2(Σ e 2^(m_b - M) / 448)) · ln 2. Q and K unquantized, V per channel.
+// With a split tail (sage.h, split_tiles): the running max starts afresh at each part's first
+// block (one head: tile = row / block_q).
 struct Sm90Definition {
   int64_t Nq, Nk, D, block_q, sbk;
   int every;
   sage_mask mask;
   double scale;
+  sm90::SplitTail split{};
+  // Whether row i's running max restarts at block b (a split tile's part begins there).
+  bool restarts(int64_t i, int64_t b) const {
+    const int64_t tiles = (Nq + block_q - 1) / block_q, tail = i / block_q - (tiles - split.tiles);
+    if (split.tiles == 0 || tail < 0 || b == 0) return false;
+    for (int64_t c = 1; c < split.ctas; ++c)
+      if (split.begin(c) == tail * split.blocks + b) return true;
+    return false;
+  }
   void run(const std::vector<double>& Q, const std::vector<double>& K,
            const std::vector<double>& V, std::vector<double>* out,
            std::vector<double>* lse) const {
@@ -139,10 +151,12 @@ struct Sm90Definition {
       }
       double run_max = -std::numeric_limits<double>::infinity();
       for (int64_t b0 = 0; b0 < n; b0 += sbk) {
+        if (restarts(i, b0 / sbk)) run_max = -std::numeric_limits<double>::infinity();
         for (int64_t j = b0; j < std::min(n, b0 + sbk); ++j) run_max = std::max(run_max, s[size_t(j)]);
         for (int64_t j = b0; j < std::min(n, b0 + sbk); ++j) mb[size_t(j)] = run_max;
       }
-      const double M = run_max;
+      double M = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j < n; ++j) M = std::max(M, mb[size_t(j)]);
       double sum = 0;
       std::vector<double> o(static_cast<size_t>(D), 0.0);
       for (int64_t j = 0; j < n; ++j) {
@@ -233,6 +247,135 @@ TEST(Sm90Form, KnobsChangeTheResultSlightly) {
   EXPECT_LT(blocks_vs_base.rel_l1, 5e-3);  // P~ rounded against another running max
   EXPECT_GT(poly_vs_blocks.rel_l1, 0.0);
   EXPECT_LT(poly_vs_blocks.rel_l1, 2e-3);  // 1e-4 on one score in eight
+}
+
+// The split tail's cut (attn/sm90/split.h): every (tile, block) step of the split tiles in exactly
+// one unit; at most two units a CTA; a cut tile's first part merges the count of its other parts,
+// which are the first units of the next CTAs in order, and is its CTA's last unit.
+TEST(Sm90Split, UnitsCoverTheTailOnceAndNameTheirMerger) {
+  for (int64_t tiles = 1; tiles <= 9; ++tiles)
+    for (int64_t blocks : {1, 2, 3, 7, 36})
+      for (int64_t ctas = tiles; ctas <= std::min<int64_t>(tiles * blocks, 40); ++ctas) {
+        SCOPED_TRACE(::testing::Message() << tiles << " tiles of " << blocks << " blocks on "
+                                          << ctas << " CTAs");
+        const sm90::SplitTail sp{tiles, blocks, ctas};
+        std::vector<int> seen(size_t(tiles * blocks), 0);
+        std::vector<int64_t> merger(size_t(tiles), -1), parts(size_t(tiles), 0);
+        std::vector<std::vector<int64_t>> later(static_cast<size_t>(tiles));
+        for (int64_t c = 0; c < ctas; ++c) {
+          EXPECT_EQ(sp.unit(c, 2).n, 0);
+          for (int u = 0; u < 2; ++u) {
+            const sm90::SplitTail::Unit x = sp.unit(c, u);
+            if (x.n == 0) {
+              EXPECT_EQ(sp.unit(c, 1).n, 0) << "a second unit without a first";
+              break;
+            }
+            ASSERT_GE(x.tile, 0);
+            ASSERT_LT(x.tile, tiles);
+            ASSERT_LE(x.kb0 + x.n, blocks);
+            for (int64_t b = x.kb0; b < x.kb0 + x.n; ++b) ++seen[size_t(x.tile * blocks + b)];
+            if (x.part == 0) {
+              EXPECT_TRUE(x.kb0 == 0 && x.n == blocks);
+            } else if (x.part > 0) {
+              EXPECT_EQ(x.kb0, 0);
+              EXPECT_EQ(merger[size_t(x.tile)], -1);
+              merger[size_t(x.tile)] = c;
+              parts[size_t(x.tile)] = x.part;
+              EXPECT_EQ(sp.unit(c, u + 1).n, 0) << "a merger is its CTA's last unit";
+            } else {
+              EXPECT_EQ(x.part, -1);
+              EXPECT_GT(x.kb0, 0);
+              EXPECT_EQ(u, 0) << "a later part is its CTA's first unit";
+              later[size_t(x.tile)].push_back(c);
+            }
+          }
+        }
+        for (int v : seen) EXPECT_EQ(v, 1);
+        for (int64_t t = 0; t < tiles; ++t) {
+          EXPECT_EQ(int64_t(later[size_t(t)].size()), parts[size_t(t)]) << "tile " << t;
+          for (size_t j = 0; j < later[size_t(t)].size(); ++j)
+            EXPECT_EQ(later[size_t(t)][j], merger[size_t(t)] + 1 + int64_t(j)) << "tile " << t;
+        }
+      }
+}
+
+// The double emulation with a split tail against the definition (each part's running max from
+// its own first block), every mask, cuts at several places; the split changes the result where a
+// cut lies inside the keys a row sees (the comparison is not passing on a no-op), by little.
+TEST(Sm90Split, EmulationMatchesTheDefinition) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t Nq = 45, Nk = 300, D = 64, sbk = 32;  // 3 tiles of 16 rows, 10 blocks
+  const Fp16Tensor q = test::random_tensor(rng, 1, 1, Nq, D, 0.0f, 2.0f);
+  const Fp16Tensor k = test::random_tensor(rng, 1, 1, Nk, D);
+  const Fp16Tensor v = test::random_tensor(rng, 1, 1, Nk, D, 4.0f);
+  const std::vector<double> Q = test::head_matrix(q, 0, Nq, D), K = test::head_matrix(k, 0, Nk, D),
+                            V = test::head_matrix(v, 0, Nk, D);
+  for (sage_mask mask :
+       {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_MASK_CAUSAL_BOTTOM_RIGHT})
+    for (const sm90::SplitTail split :
+         {sm90::SplitTail{2, 10, 5}, sm90::SplitTail{3, 10, 7}, sm90::SplitTail{1, 10, 3},
+          sm90::SplitTail{2, 10, 2}}) {
+      SCOPED_TRACE(::testing::Message() << "mask " << mask << ", split " << split.tiles
+                                        << " tiles on " << split.ctas << " CTAs");
+      const Problem p{1, 1, 1, Nq, Nk, D, 0.125, mask};
+      sage_quant_config cfg = quant_preset(SAGE_VARIANT_EXACT);
+      cfg.pv_format = SAGE_PV_FP8_E4M3;
+      cfg.block_q = 16;
+      cfg.warps = 1;
+      cfg.block_k = 32;
+      cfg.softmax_block_k = int32_t(sbk);
+      cfg.exp2_poly_every = 8;
+      sage_quant_config whole = cfg;
+      cfg.split_tiles = int32_t(split.tiles);
+      cfg.split_ctas = int32_t(split.ctas);
+      std::vector<double> got(size_t(p.out_elems())), got_lse(size_t(p.lse_elems()));
+      std::vector<double> base(got.size()), base_lse(got_lse.size());
+      attention_quant(p, cfg, q.view(), k.view(), v.view(), got.data(), got_lse.data());
+      attention_quant(p, whole, q.view(), k.view(), v.view(), base.data(), base_lse.data());
+      Sm90Definition def{Nq, Nk, D, 16, sbk, 8, mask, 0.125};
+      def.split = split;
+      std::vector<double> want, want_lse;
+      def.run(Q, K, V, &want, &want_lse);
+      for (size_t i = 0; i < want.size(); ++i)
+        ASSERT_NEAR(got[i], want[i], 1e-9 * (1 + std::fabs(want[i]))) << "element " << i;
+      for (size_t i = 0; i < want_lse.size(); ++i) {
+        if (std::isinf(want_lse[i])) {
+          ASSERT_EQ(got_lse[i], want_lse[i]) << "lse " << i;
+        } else {
+          ASSERT_NEAR(got_lse[i], want_lse[i], 1e-12 * (1 + std::fabs(want_lse[i])))
+              << "lse " << i;
+        }
+      }
+      if (split.ctas > split.tiles) {
+        std::vector<float> gf(got.begin(), got.end());
+        const Metrics vs_whole = compare(base.data(), gf.data(), p.out_elems());
+        // P~ rounded against other running maxima (top-left causal: the split tiles' rows see
+        // at most two blocks, so most cuts lie past their keys)
+        if (mask != SAGE_MASK_CAUSAL_TOP_LEFT || split.tiles == 3) EXPECT_GT(vs_whole.rel_l1, 1e-6);
+        EXPECT_LT(vs_whole.rel_l1, 5e-3);
+      } else {  // a CTA a tile: nothing cut
+        EXPECT_EQ(0, std::memcmp(got.data(), base.data(), got.size() * sizeof(double)));
+      }
+    }
+}
+
+// The split tail's knobs are validated: both zero, or 0 < split_tiles <= split_ctas, and only
+// with the sm90 softmax form.
+TEST(Sm90Split, InvalidKnobsAreRejectedByName) {
+  sage_quant_config c = quant_preset(SAGE_VARIANT_SAGE2_8B);
+  c.softmax_block_k = 128;
+  EXPECT_EQ(quant_config_error(c), "");
+  for (const auto& [tiles, ctas] : {std::pair{1, 0}, std::pair{0, 1}, std::pair{3, 2},
+                                    std::pair{-1, 4}}) {
+    c.split_tiles = tiles, c.split_ctas = ctas;
+    EXPECT_NE(quant_config_error(c).find("split_tiles"), std::string::npos) << tiles << " " << ctas;
+  }
+  c.split_tiles = 2, c.split_ctas = 5;
+  EXPECT_EQ(quant_config_error(c), "");
+  c.softmax_block_k = 0;  // the mma form
+  EXPECT_NE(quant_config_error(c).find("sm90"), std::string::npos);
 }
 
 TEST(Sm90Form, SoftmaxBlockEqualToBlockKIsTheDefaultBitForBit) {

@@ -30,8 +30,8 @@
 namespace sage::sm90 {
 
 // kPacked: a packed variable-length batch (the scheduler finds each tile's sequence from
-// cu_seqlens; scheduler.cuh).
-template <int D, typename OutT, bool kCausal, int kCons, bool kPacked>
+// cu_seqlens; scheduler.cuh). kSplit: the split tail (split.h; dense non-causal calls).
+template <int D, typename OutT, bool kCausal, int kCons, bool kPacked, bool kSplit>
 __global__ void __launch_bounds__(Traits<D, kCons>::kThreads, 1)
     attention_kernel(const Params p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(Traits<D, kCons>::kThreads, 1)
 
   if (threadIdx.x < 128) {  // ---- the producer warpgroup ----
     ptx::setmaxnreg_dec<Tr::kProducerRegs>();
-    const Producer<D, OutT, kCausal, kCons, kPacked> producer{p, maps, sh, tiles};
+    const Producer<D, OutT, kCausal, kCons, kPacked, kSplit> producer{p, maps, sh, tiles};
     if (fused_q && threadIdx.x >= 32)
       producer.quantize_tiles();  // warps 1-3: Q of each tile, a tile ahead
     else if (threadIdx.x == 0)
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(Traits<D, kCons>::kThreads, 1)
 
   // ---- the consumer warpgroups ----
   ptx::setmaxnreg_inc<Tr::kConsumerRegs>();
-  Consumer<D, OutT, kCausal, kCons, kPacked> c{p, sh, tiles, trace, fused_q};
+  Consumer<D, OutT, kCausal, kCons, kPacked, kSplit> c{p, sh, tiles, trace, fused_q};
   c.start();
   for (int it = 0;; ++it) {
     tile_event(trace, it, 0);
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(Traits<D, kCons>::kThreads, 1)
     } else {
       c.skip_tile();
     }
-    c.end_tile();  // O / l · v_scale + v_mean, LSE
+    c.end_tile();  // O / l · v_scale + v_mean, LSE (a split tile: its parts merged first)
   }
 #endif
 }

@@ -110,19 +110,21 @@ inline cudaError_t make_q_in_map(CUtensorMap* map, const Params& p, int d, int r
                       CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
-template <int D, typename OutT, bool kCausal, int kCons, bool kPacked>
+template <int D, typename OutT, bool kCausal, int kCons, bool kPacked, bool kSplit = false>
 cudaError_t launch_one(const Params& p, const TmaMaps& maps, const LaunchConfig& cfg,
                        cudaStream_t stream) {
   using Tr = Traits<D, kCons>;
-  constexpr auto kernel = attention_kernel<D, OutT, kCausal, kCons, kPacked>;
+  constexpr auto kernel = attention_kernel<D, OutT, kCausal, kCons, kPacked, kSplit>;
   const cudaError_t e = set_max_dynamic_smem_once<kernel>(cfg.device, Tr::kBytesFused);
   if (e != cudaSuccess) return e;
-  // Persistent: one CTA per SM (at most one per tile), each walking its tiles (scheduler.cuh).
+  // Persistent: one CTA per SM (at most one per tile, or as many as share the split tail),
+  // each walking its tiles (scheduler.cuh).
   const int64_t tiles = (p.seq_q + Tr::kBlockQ - 1) / Tr::kBlockQ * p.batch * p.heads_q;
   if (tiles <= 0) return cudaSuccess;
+  const int64_t grid = std::max(std::min<int64_t>(tiles, cfg.sms), kSplit ? p.split_ctas : 0);
   // Programmatic dependent launch: the CTAs may start (barrier set-up) while the pre-pass's last
   // kernel drains; griddepcontrol.wait in the kernel holds every global read until it is done.
-  const LaunchShape shape{dim3(unsigned(std::min<int64_t>(tiles, cfg.sms))), dim3(Tr::kThreads),
+  const LaunchShape shape{dim3(unsigned(grid)), dim3(Tr::kThreads),
                           size_t(p.fused_q ? Tr::kBytesFused : Tr::kBytes)};
   const cudaError_t le = launch_pdl(kernel, shape, stream, p, maps);
   if (le != cudaSuccess) return le;
@@ -155,11 +157,17 @@ cudaError_t launch_with(const Params& p, const LaunchConfig& cfg, cudaStream_t s
   if (e != cudaSuccess) return e;
   auto run = [&](auto packed_flag) {
     constexpr bool kPacked = decltype(packed_flag)::value;
-    if (cfg.bf16)
-      return cfg.causal ? launch_one<D, __nv_bfloat16, true, kCons, kPacked>(p, maps, cfg, stream)
-                        : launch_one<D, __nv_bfloat16, false, kCons, kPacked>(p, maps, cfg, stream);
-    return cfg.causal ? launch_one<D, __half, true, kCons, kPacked>(p, maps, cfg, stream)
-                      : launch_one<D, __half, false, kCons, kPacked>(p, maps, cfg, stream);
+    // The split tail's instantiations (dense, non-causal) where the plan splits: the others'
+    // code stays as it was.
+    const bool split = !kPacked && !cfg.causal && p.split_tiles > 0;
+    if (cfg.bf16) {
+      if (cfg.causal) return launch_one<D, __nv_bfloat16, true, kCons, kPacked>(p, maps, cfg, stream);
+      if (split) return launch_one<D, __nv_bfloat16, false, kCons, false, true>(p, maps, cfg, stream);
+      return launch_one<D, __nv_bfloat16, false, kCons, kPacked>(p, maps, cfg, stream);
+    }
+    if (cfg.causal) return launch_one<D, __half, true, kCons, kPacked>(p, maps, cfg, stream);
+    if (split) return launch_one<D, __half, false, kCons, false, true>(p, maps, cfg, stream);
+    return launch_one<D, __half, false, kCons, kPacked>(p, maps, cfg, stream);
   };
   // A packed batch: its own instantiations (kPacked), two consumer warpgroups only (the planner's
   // choice for it: fewer instantiations).

@@ -56,7 +56,9 @@ struct KeySight {
 // (C7514, C7512). Hence block 0 alone before the loop (first_block), two blocks a turn of the
 // loop (the ring's stage is then a compile-time constant: descriptors, barriers and offsets fold
 // into immediates), the odd last one after it, and the last P̃·V alone (last_pv).
-template <int D, typename OutT, bool kCausal, int kCons, bool kPacked>
+// kSplit: the split tail's units (split.h): a part of a tile starts at its key block kb0; a later
+// part saves its softmax state for the tile's first part, which merges them before its epilogue.
+template <int D, typename OutT, bool kCausal, int kCons, bool kPacked, bool kSplit>
 struct Consumer {
   using Tr = Traits<D, kCons>;
   static constexpr bool kTurnAfterMax = Tr::turn_after_max(kCausal);
@@ -75,6 +77,7 @@ struct Consumer {
 
   // The tile in hand, and its sequence (a packed batch's, else the call's: scheduler.cuh).
   int it, qbuf, n_blocks, first_masked_block, k_blocks;
+  int kb0 = 0, part = 0, split_tile = 0;  // the split tail's unit (TileInfo; kSplit only)
   int64_t b, h, bh, bhk, row_a;
   int32_t seq_q, tok0_q;
   int32_t seq_kv, causal_offset;
@@ -130,6 +133,10 @@ struct Consumer {
     row_a = first_row + warp * 16 + g;
     const int64_t min_end = kCausal ? min(s.seq_kv, first_row + s.causal_offset + 1) : s.seq_kv;
     first_masked_block = min_end > 0 ? int(min_end / kBlockK) : 0;  // blocks before: unmasked
+    if constexpr (kSplit) {
+      kb0 = ti.kb0, part = ti.part, split_tile = ti.split_tile;
+      first_masked_block -= kb0;  // (the loop counts the unit's blocks from 0)
+    }
     // This warpgroup's 64 Q rows are the A operand of Q·Kᵀ straight from shared memory (A from
     // registers held across the loop was miscompiled at D = 128: ptxas gave the P^ fragments the
     // Q fragments' registers).
@@ -140,7 +147,8 @@ struct Consumer {
     // (Dense: bhk · k_blocks groups in; packed: the sequence's rows of its KV head's slab.)
     k_scale = kPacked ? p.k_scale + (s.k_slab * p.kv_rows.pitch + s.k_row) / quant::kBlockK *
                                         quant::kKGroups
-                      : p.k_scale + bhk * p.k_blocks * quant::kKGroups;
+                      : p.k_scale + (bhk * p.k_blocks + key_block(0) * Tr::kKGroupsPerBlock) *
+                                        quant::kKGroups;
     load_v_stats<D>(p, sh.v_stat[qbuf][consumer], bhk);
     m[0] = m[1] = -INFINITY;
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
@@ -164,13 +172,18 @@ struct Consumer {
     v_desc = ptx::wgmma_desc<kBlockK>(tiles.v);
   }
 
-  // The scale products f of each 64 keys of block kb (their K scale groups).
+  // The call's key block of the unit's block kb (a split tail's part starts at kb0).
+  __device__ __forceinline__ int key_block(int kb) const { return kSplit ? kb0 + kb : kb; }
+
+  // The scale products f of each 64 keys of block kb (their K scale groups; k_scale points at the
+  // unit's first).
   __device__ __forceinline__ void scales(int kb, float (&f)[Tr::kKGroupsPerBlock]) const {
     if constexpr (Tr::kKGroupsPerBlock == 1) {
       f[0] = q_scale_log2 * k_scale[kb * quant::kKGroups + t];
     } else {
       f[0] = q_scale_log2 * k_scale[(2 * kb) * quant::kKGroups + t];
-      f[1] = q_scale_log2 * k_scale[min(2 * kb + 1, k_blocks_of() - 1) * quant::kKGroups + t];
+      f[1] = q_scale_log2 *
+             k_scale[min(2 * kb + 1, k_blocks_of() - 1 - 2 * key_block(0)) * quant::kKGroups + t];
     }
   }
 
@@ -211,7 +224,8 @@ struct Consumer {
     softmax_block<Tr::kPolyEvery>(
         sacc, kb < first_masked_block, f, m, l, alpha, t,
         [&](int (&vis)[2]) {
-          attn::visible_keys<kCausal, kBlockK>(sight(), row_a, int64_t(kb) * kBlockK, vis);
+          attn::visible_keys<kCausal, kBlockK>(sight(), row_a, int64_t(key_block(kb)) * kBlockK,
+                                               vis);
         },
         [] {
           if constexpr (kTurnAfterMax) pass_turn();
@@ -302,7 +316,73 @@ struct Consumer {
   // A tile no key is visible to (causal): Q was never read.
   __device__ __forceinline__ void skip_tile() const { release(&sh.bar.empty_q[qbuf]); }
 
+  // The split tail's parts. Slot c (CTA c's later part): [value][consumer thread], O's D/2, then
+  // m and l's two each: each thread's stores and loads are its own, a warp's coalesced.
+  static constexpr int kPartThreads = kCons * 128, kPartValues = D / 2 + 4;
+  __device__ __forceinline__ float* part_slot(int64_t cta) const {
+    return p.split_parts + cta * (kPartThreads * kPartValues) + (threadIdx.x - 128);
+  }
+  __device__ __forceinline__ unsigned* part_flag() const {
+    return p.split_flags + int64_t(split_tile) * kCons + consumer;
+  }
+
+  // A later part: this thread's O, m and l (l before the quad's sum) into the CTA's slot, then
+  // one count in the tile's flag for this warpgroup (its stores ordered before the count by the
+  // barrier and the counting thread's fence). Stores through L2: the merger runs on another SM.
+  __device__ __forceinline__ void save_part() {
+    ptx::cp_async_wait<0>();  // (this unit's V statistics: nobody reads them, but they land here)
+    float* slot = part_slot(blockIdx.x);
+    for (int i = 0; i < D / 2; ++i) __stcg(slot + i * kPartThreads, o[i]);
+    for (int r = 0; r < 2; ++r) {
+      __stcg(slot + (D / 2 + r) * kPartThreads, m[r]);
+      __stcg(slot + (D / 2 + 2 + r) * kPartThreads, l[r]);
+    }
+    ptx::named_bar_sync(Tr::kBarEpilogue + consumer, 128);
+    if (threadIdx.x % 128 == 0) {
+      __threadfence();
+      atomicAdd(part_flag(), 1u);
+    }
+  }
+
+  // The first part, which merges `part` later ones (CTAs blockIdx.x + 1 ..): one thread waits for
+  // their counts (and zeroes the flag for the next launch), then each is added in CTA order:
+  // m the max, each side scaled by 2^(its m - m), l and O as a·x + (b·y) (the emulation's order,
+  // src/ref/emulate_sm90.cpp).
+  __device__ __forceinline__ void merge_parts() {
+    if (threadIdx.x % 128 == 0) {
+      unsigned* flag = part_flag();
+      while (ptx::ld_acquire_gpu(reinterpret_cast<const int*>(flag)) != part) {
+      }
+      *flag = 0u;
+    }
+    ptx::named_bar_sync(Tr::kBarEpilogue + consumer, 128);
+    for (int j = 1; j <= part; ++j) {
+      const float* slot = part_slot(int64_t(blockIdx.x) + j);
+      float a[2], c[2];
+      for (int r = 0; r < 2; ++r) {
+        const float mj = __ldcg(slot + (D / 2 + r) * kPartThreads);
+        const float lj = __ldcg(slot + (D / 2 + 2 + r) * kPartThreads);
+        const float mn = fmaxf(m[r], mj), mu = mn == -INFINITY ? 0.0f : mn;
+        a[r] = ptx::ex2(m[r] - mu), c[r] = ptx::ex2(mj - mu);
+        l[r] = __fmaf_rn(l[r], a[r], __fmul_rn(lj, c[r]));
+        m[r] = mn;
+      }
+      for (int i = 0; i < D / 2; ++i)
+        o[i] = __fmaf_rn(o[i], a[Frag::half(i)],
+                         __fmul_rn(__ldcg(slot + i * kPartThreads), c[Frag::half(i)]));
+    }
+  }
+
   __device__ __forceinline__ void end_tile() {
+    if constexpr (kSplit) {
+      if (part < 0) {  // a later part: saved for its tile's first part, nothing stored here
+        save_part();
+        tile_event(trace, it, 6);
+        phase.next_tile(n_blocks);
+        return;
+      }
+      if (part > 0) merge_parts();
+    }
     store_tile<D, OutT>(p, o, m, l, sh.v_stat[qbuf][consumer], Tr::kBarEpilogue + consumer, b, h,
                         row_a, t, kPacked ? seq_q : p.seq_q, kPacked ? tok0_q : 0,
                         shift_row0<kPacked>(p, kPacked ? tok0_q : 0, b, h, bh));

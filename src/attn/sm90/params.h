@@ -47,6 +47,13 @@ struct Params {
   // or a packed head's). A packed batch's q_in, o and lse have batch strides 0.
   quant::SeqRows q_rows, kv_rows, shift_rows;
   bool bottom_right;       // packed, causal: each sequence's offset is its Nk - Nq (else 0)
+  // The split tail (split.h; the kSplit instantiations): the call's last split_tiles tiles have
+  // their key blocks shared among CTAs 0 .. split_ctas - 1 after their whole tiles. The later
+  // parts' softmax states, a slot per CTA ([value][consumer thread]: O's D/2, then m and l's two
+  // each), and a flag per (split tile, consumer warpgroup), 0 on entry and on exit.
+  int64_t split_tiles, split_ctas;
+  float* split_parts;
+  unsigned* split_flags;
 
   // The K/V head (batch · heads_kv + KV head) query head h of batch b reads (GQA).
   SAGE_HOST_DEVICE int64_t kv_head(int64_t b, int64_t h) const {

@@ -190,7 +190,7 @@ __device__ __forceinline__ void quantize_q(const Params& p, SharedStorage<D, kCo
   ptx::fence_proxy_async_smem();
 }
 
-template <int D, typename InT, bool kCausal, int kCons, bool kPacked>
+template <int D, typename InT, bool kCausal, int kCons, bool kPacked, bool kSplit>
 struct Producer {
   using Tr = Traits<D, kCons>;
   const Params& p;
@@ -243,7 +243,7 @@ struct Producer {
   // Thread 0: draws each round's tile one round ahead, publishes it, and issues its loads: Q
   // (pre-pass Q) and the K/Vᵀ blocks into the ring as stages free up.
   __device__ __forceinline__ void load_tiles(bool fused_q) const {
-    const TileScheduler<kCausal, Tr::kBlockQ, kPacked, Tr::kBlockK> sched(p);
+    const TileScheduler<kCausal, Tr::kBlockQ, kPacked, Tr::kBlockK, kSplit> sched(p);
     RingPhase phase;
     TileInfo ti = sched.next(0);
     // The first tile's Q before any K/V load: every CTA starts at once, and queued behind the
@@ -262,7 +262,8 @@ struct Producer {
                   ti.qb * Tr::kBlockQ, int(ti.bh));
       }
       const TileSeq seq = tile_seq<kPacked>(p, ti.b, ti.bhk);
-      const int k_row = int(seq.k_row);
+      // (A split tail's part starts at its key block kb0.)
+      const int k_row = int(seq.k_row) + (kSplit ? ti.kb0 * Tr::kBlockK : 0);
       for (int kb = 0; kb < ti.n_blocks; ++kb) {
         const int s = kb % kStages;
         const uint32_t parity = phase.empty(kb, s);

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "attn/sm90/params.h"
+#include "attn/sm90/split.h"
 #include "attn/sm90/traits.h"
 #include "ptx/tma.cuh"
 
@@ -20,6 +21,9 @@ struct TileInfo {
   int32_t b, h;      // batch, query head
   int32_t bhk;       // batch · heads_kv + its KV head
   int32_t done;      // past the last tile: the loops end here
+  // The split tail (kSplit; else 0): the unit's first key block (n_blocks from there), its part
+  // (SplitTail::Unit: 0 whole, k > 0 merges k more, -1 a later part) and its split tile's index.
+  int32_t kb0, part, split_tile;
 };
 
 // The sequence of a tile of batch entry b (KV head bhk): the call's own for a dense call (the
@@ -65,8 +69,11 @@ __device__ __forceinline__ int64_t shift_row0(const Params& p, int64_t tok0_q, i
 // then the next untaken tile from a global counter whenever the CTA starts a round, the order in
 // which the hardware dispatched one CTA per tile; a static snake that balanced the tiles' block
 // counts measured slower (docs/sm90-kernel.md, "Tile scheduler", has the figures).
-template <bool kCausal, int kBlockQ, bool kPacked, int kBlockKeys = kBlockK>
+// kSplit (non-causal, dense): the whole tiles' rounds, then this CTA's units of the split tail
+// (split.h).
+template <bool kCausal, int kBlockQ, bool kPacked, int kBlockKeys = kBlockK, bool kSplit = false>
 struct TileScheduler {
+  static_assert(!kSplit || (!kCausal && !kPacked), "the split tail is for dense non-causal calls");
   const Params& p;
   int64_t q_tiles_n, tiles;
 
@@ -74,6 +81,16 @@ struct TileScheduler {
       : p(params),
         q_tiles_n((params.seq_q + kBlockQ - 1) / kBlockQ),
         tiles(q_tiles_n * params.batch * params.heads_q) {}
+
+  // Unit u of this CTA's share of the split tail (done when it has none).
+  __device__ __forceinline__ TileInfo split_unit(int u) const {
+    const SplitTail split{p.split_tiles, (p.seq_kv + kBlockKeys - 1) / kBlockKeys, p.split_ctas};
+    const SplitTail::Unit x = split.unit(blockIdx.x, u);
+    if (u > 1 || x.n == 0) return decode(tiles);
+    TileInfo ti = decode(tiles - split.tiles + x.tile);
+    ti.kb0 = x.kb0, ti.n_blocks = x.n, ti.part = x.part, ti.split_tile = int32_t(x.tile);
+    return ti;
+  }
 
   // The tile of this CTA's round (the producer thread only: the causal counter is drawn here).
   static constexpr bool kDynamic = kCausal || kPacked;
@@ -104,6 +121,10 @@ struct TileScheduler {
   // The tile of this CTA's round: tile_of's, or (a packed batch) the next non-empty one drawn
   // from the counter.
   __device__ __forceinline__ TileInfo next(int round) const {
+    if constexpr (kSplit) {
+      const int full = int((tiles - p.split_tiles) / gridDim.x);  // rounds of whole tiles
+      if (round >= full) return split_unit(round - full);
+    }
     TileInfo ti = decode(tile_of(round));
     if constexpr (kPacked)
       while (!ti.done && int64_t(ti.qb) * kBlockQ >= tile_seq<kPacked>(p, ti.b, ti.bhk).seq_q)

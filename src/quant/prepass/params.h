@@ -62,8 +62,9 @@ struct ChunkStatsOut {
 };
 
 // What the finalize step writes per (sequence, KV head, channel): the means, V's E4M3 scale and
-// its inverse; and the sm90 kernel's tile counters (zeroed) and each head's first Inf/NaN key
-// (reset to kKvBadNone; the quantization lowers it).
+// its inverse; and the sm90 kernel's `counters` counters from tile_counter on (zeroed:
+// PrepassPlan::counters) and each head's first Inf/NaN key (reset to kKvBadNone; the
+// quantization lowers it).
 struct HeadFinalOut {
   float* k_mean;
   float* v_mean;
@@ -71,6 +72,7 @@ struct HeadFinalOut {
   float* v_inv;
   unsigned* tile_counter;
   unsigned long long* kv_bad;
+  int32_t counters;
 };
 
 // The same, as the three-launch quantization reads it (kv_bad: lowered).
