@@ -260,7 +260,7 @@ typedef struct sage_attention_args {
    * The CUDA backend runs packed batches on the wgmma kernel on sm_90 (AUTO or SM90: 8-bit, no Q
    * smoothing, Q rows 16-byte aligned, no SAGE_OPTION_PREPASS_Q), else on the mma.sync kernel
    * (8-bit and 4-bit, not FP4; kernel = MMA forces it): each sequence gives the bits the same kernel gives it as a dense
-   * call of batch 1. The workspace holds each sequence's rows padded to a multiple of 128 (no
+   * call of batch 1 with SAGE_OPTION_WHOLE_TILES (a packed call never splits its tiles). The workspace holds each sequence's rows padded to a multiple of 128 (no
    * padding to seq_q/seq_kv): docs/c-api.md, "Device memory". */
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;

@@ -176,6 +176,8 @@ void expect_per_sequence(const Packed& p, const Options& opt, const Result& pack
     }
     Options dense_opt = opt;
     dense_opt.kernel = packed.plan.kernel;
+    // (Whole tiles: a dense call may split its last round's tiles, a packed one never does.)
+    dense_opt.options |= SAGE_OPTION_WHOLE_TILES;
     const Result d = run_dense(p, dense_opt, b, q, k, v);
     ASSERT_EQ(d.status, SAGE_OK) << d.error;
     for (int64_t i = 0; i < s.nq * H * D; ++i)
