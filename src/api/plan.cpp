@@ -51,20 +51,26 @@ int sm90_block_k(int64_t head_dim) {
 
 // The sm90 kernel's split tail (attn/sm90/split.h) for a call of `tiles` tiles of `blocks` key
 // blocks on `sms` SMs: the last round's tiles shared among more CTAs where that shortens the
-// call's critical path, else none. Costs in key blocks: a unit (a tile or a part of one) pays
-// about kUnitBlocks blocks' worth besides its own blocks (its first block alone, the last P·V
-// alone, the epilogue: docs/sm90-kernel.md, "What limits it"), and a CTA's share of the tail
-// holds at most two units; parts are kept at least kMinPart blocks long.
+// call's critical path by at least kMinSaving, else none. Costs in key blocks: a unit (a tile or
+// a part of one) pays about kUnitBlocks blocks' worth besides its own blocks (its first block
+// alone, the last P·V alone, the epilogue: docs/sm90-kernel.md, "What limits it"), and a CTA's
+// share of the tail holds at most two units; parts are kept at least kMinPart blocks long. The
+// split measured slower than whole tiles where this model predicted small savings, for reasons it
+// does not capture: a split is taken only where it predicts a large one (docs/sm90-kernel.md,
+// "The split tail").
 sm90::SplitTail sm90_split(int64_t tiles, int64_t blocks, int sms) {
   constexpr int64_t kUnitBlocks = 4, kMinPart = 4;
+  constexpr double kMinSaving = 0.06;
   if (sms <= 0 || tiles <= 0 || blocks <= 0) return {};
   const int64_t rest = tiles % sms;  // the last round's tiles (all of them under one round)
   if (rest == 0) return {};
   const int64_t steps = rest * blocks;
   const int64_t ctas = std::min<int64_t>(sms, std::max<int64_t>(rest, steps / kMinPart));
   if (ctas <= rest) return {};
-  const int64_t share = (steps + ctas - 1) / ctas;
-  if (share + 2 * kUnitBlocks >= blocks + kUnitBlocks) return {};
+  const int64_t share = (steps + ctas - 1) / ctas, rounds = tiles / sms;
+  const double whole = double((rounds + 1) * (blocks + kUnitBlocks));
+  const double split = double(rounds * (blocks + kUnitBlocks) + share + 2 * kUnitBlocks);
+  if (split > (1.0 - kMinSaving) * whole) return {};
   return {rest, blocks, ctas};
 }
 
