@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(Traits<D, kCons>::kThreads, 1)
   using Tr = Traits<D, kCons>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ SharedStorage<D, kCons> sh;
-  const Tiles<Tr> tiles(smem_raw, Tr::q_bufs(kSplit));
+  const Tiles<Tr> tiles(smem_raw);
 #ifdef SAGE_SM90_TRACE
   uint32_t* const trace = maps.trace;
 #else

@@ -115,7 +115,7 @@ cudaError_t launch_one(const Params& p, const TmaMaps& maps, const LaunchConfig&
                        cudaStream_t stream) {
   using Tr = Traits<D, kCons>;
   constexpr auto kernel = attention_kernel<D, OutT, kCausal, kCons, kPacked, kSplit>;
-  const cudaError_t e = set_max_dynamic_smem_once<kernel>(cfg.device, Tr::bytes(true, kSplit));
+  const cudaError_t e = set_max_dynamic_smem_once<kernel>(cfg.device, Tr::kBytesFused);
   if (e != cudaSuccess) return e;
   // Persistent: one CTA per SM (at most one per tile, or as many as share the split tail),
   // each walking its tiles (scheduler.cuh).
@@ -125,7 +125,7 @@ cudaError_t launch_one(const Params& p, const TmaMaps& maps, const LaunchConfig&
   // Programmatic dependent launch: the CTAs may start (barrier set-up) while the pre-pass's last
   // kernel drains; griddepcontrol.wait in the kernel holds every global read until it is done.
   const LaunchShape shape{dim3(unsigned(grid)), dim3(Tr::kThreads),
-                          size_t(Tr::bytes(p.fused_q, kSplit))};
+                          size_t(p.fused_q ? Tr::kBytesFused : Tr::kBytes)};
   const cudaError_t le = launch_pdl(kernel, shape, stream, p, maps);
   if (le != cudaSuccess) return le;
 #ifdef SAGE_SM90_TRACE

@@ -64,7 +64,6 @@ struct Consumer {
   static constexpr bool kTurnAfterMax = Tr::turn_after_max(kCausal);
   static constexpr int kBlockK = Tr::kBlockK, kScores = Tr::kScores;
   static_assert(kStages == 2, "the loop is unrolled over a two-stage ring");
-  using QB = QBuffers<Tr::q_bufs(kSplit)>;
 
   const Params& p;
   SharedStorage<D, kCons>& sh;
@@ -77,7 +76,7 @@ struct Consumer {
   RingPhase phase;  // the K/Vᵀ ring's phases, in step with the producer's
 
   // The tile in hand, and its sequence (a packed batch's, else the call's: scheduler.cuh).
-  int it, qbuf, vbuf, n_blocks, first_masked_block, k_blocks;  // vbuf: the V statistics' copy
+  int it, qbuf, n_blocks, first_masked_block, k_blocks;
   int kb0 = 0, part = 0, split_tile = 0;  // the split tail's unit (TileInfo; kSplit only)
   int64_t b, h, bh, bhk, row_a;
   int32_t seq_q, tok0_q;
@@ -124,8 +123,7 @@ struct Consumer {
   // in place (with fused Q, the CTA's first tile quantized here by every consumer warp too).
   __device__ __forceinline__ void begin_tile(const TileInfo& ti, int tile_index) {
     it = tile_index;
-    qbuf = QB::buf(it);
-    vbuf = it & 1;
+    qbuf = it & 1;
     n_blocks = ti.n_blocks;
     b = ti.b, h = ti.h, bh = ti.bh, bhk = ti.bhk;
     const TileSeq s = tile_seq<kPacked>(p, ti.b, ti.bhk);
@@ -151,7 +149,7 @@ struct Consumer {
                                         quant::kKGroups
                       : p.k_scale + (bhk * p.k_blocks + key_block(0) * Tr::kKGroupsPerBlock) *
                                         quant::kKGroups;
-    load_v_stats<D>(p, sh.v_stat[vbuf][consumer], bhk);
+    load_v_stats<D>(p, sh.v_stat[qbuf][consumer], bhk);
     m[0] = m[1] = -INFINITY;
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
     l[0] = l[1] = 0.0f;
@@ -164,7 +162,7 @@ struct Consumer {
                                             Tr::kFirstQWarps, kv_first_bad);
       ptx::named_bar_sync(Tr::kBarFirstQ, Tr::kFirstQWarps * 32);
     }
-    ptx::mbar_wait(&sh.bar.full_q[qbuf], QB::lap(it));
+    ptx::mbar_wait(&sh.bar.full_q[qbuf], (it >> 1) & 1);
     if (fused_q) q_scale_log2 = sh.q_sc[qbuf][warp * 8 + g];
     q_scale_log2 *= p.scale_log2;
     tile_event(trace, it, 2);
@@ -385,7 +383,7 @@ struct Consumer {
       }
       if (part > 0) merge_parts();
     }
-    store_tile<D, OutT>(p, o, m, l, sh.v_stat[vbuf][consumer], Tr::kBarEpilogue + consumer, b, h,
+    store_tile<D, OutT>(p, o, m, l, sh.v_stat[qbuf][consumer], Tr::kBarEpilogue + consumer, b, h,
                         row_a, t, kPacked ? seq_q : p.seq_q, kPacked ? tok0_q : 0,
                         shift_row0<kPacked>(p, kPacked ? tok0_q : 0, b, h, bh));
     tile_event(trace, it, 6);

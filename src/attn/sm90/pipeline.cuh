@@ -10,18 +10,16 @@
 
 namespace sage::sm90 {
 
-// Q: kQBufs buffers (tile i of a CTA uses buffer i % kQBufs: QBuffers); full when the Q tile is
-// in place (TMA's bytes, or every quantizing thread's arrival with fused Q), empty once every
-// consumer warp's Q·Kᵀ of the tile has landed. staged: the caller's fp16/bf16 Q tile loaded for
-// fused Q.
+// Q: two buffers (tile i of a CTA uses buffer i & 1); full when the Q tile is in place (TMA's
+// bytes, or every quantizing thread's arrival with fused Q), empty once every consumer warp's
+// Q·Kᵀ of the tile has landed. staged: the caller's fp16/bf16 Q tile loaded for fused Q.
 // K and Vᵀ: a ring of kStages stages, full on TMA bytes, empty when every consumer warp is done.
-constexpr int kMaxQBufs = 3;
 struct Barriers {
-  uint64_t full_q[kMaxQBufs], empty_q[kMaxQBufs], staged;
+  uint64_t full_q[2], empty_q[2], staged;
   uint64_t full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages];
 
   __device__ __forceinline__ void init(uint32_t q_producers, uint32_t consumer_warps) {
-    for (int i = 0; i < kMaxQBufs; ++i) {
+    for (int i = 0; i < 2; ++i) {
       ptx::mbar_init(&full_q[i], q_producers);
       ptx::mbar_init(&empty_q[i], consumer_warps);
     }
@@ -32,21 +30,6 @@ struct Barriers {
       ptx::mbar_init(&empty_k[s], consumer_warps);
       ptx::mbar_init(&empty_v[s], consumer_warps);
     }
-  }
-};
-
-// The Q buffers: two, or three for the split tail (Traits::q_bufs), where a CTA's last two units
-// are short and its last one's Q would otherwise be quantized only once the one before starts.
-// Tile `it` of a CTA takes buffer it % kBufs, on that buffer's (it / kBufs)-th use.
-template <int kBufs>
-struct QBuffers {
-  static_assert(kBufs == 2 || kBufs == 3, "two or three Q buffers");
-  __device__ __forceinline__ static int buf(int it) {
-    return kBufs == 2 ? (it & 1) : int(unsigned(it) % kBufs);
-  }
-  // The parity of the buffer's full barrier at tile it (the empty one's: this ^ 1).
-  __device__ __forceinline__ static uint32_t lap(int it) {
-    return kBufs == 2 ? uint32_t(it >> 1) & 1 : (unsigned(it) / kBufs) & 1;
   }
 };
 
@@ -78,14 +61,14 @@ class RingPhase {
 template <int D, int kCons>
 struct SharedStorage {
   float v_stat[2][kCons][2][D];  // [tile parity][consumer warpgroup]: V scales, V means
-  float q_sc[kMaxQBufs][Traits<D, kCons>::kQGroups];  // fused Q: each Q buffer's group scales
-  float poison[kMaxQBufs][Traits<D, kCons>::kBlockQ];  // fused Q: per row 0, or NaN (row_poison)
+  float q_sc[2][Traits<D, kCons>::kQGroups];  // fused Q: the Q group scales of each Q buffer
+  float poison[2][Traits<D, kCons>::kBlockQ];  // fused Q: per row 0, or NaN (attn::row_poison)
   Barriers bar;
   SchedRing sched;
 };
 
 // The swizzled tiles in dynamic shared memory (aligned to 1024 bytes, the 128-byte swizzle's
-// period): q_bufs Q buffers, kStages K and Vᵀ stages, and fused Q's staged 16-bit tile.
+// period): two Q buffers, kStages K and Vᵀ stages, and fused Q's staged 16-bit tile.
 template <class Tr>
 struct Tiles {
   uint8_t* q;
@@ -93,9 +76,9 @@ struct Tiles {
   uint8_t* v;
   uint8_t* q_staged;
 
-  __device__ __forceinline__ explicit Tiles(uint8_t* smem_raw, int q_bufs = 2) {
+  __device__ __forceinline__ explicit Tiles(uint8_t* smem_raw) {
     q = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-    k = q + q_bufs * Tr::kQTile;
+    k = q + 2 * Tr::kQTile;
     v = k + kStages * Tr::kKTile;
     q_staged = v + kStages * Tr::kVTile;
   }

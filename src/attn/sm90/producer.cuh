@@ -193,7 +193,6 @@ __device__ __forceinline__ void quantize_q(const Params& p, SharedStorage<D, kCo
 template <int D, typename InT, bool kCausal, int kCons, bool kPacked, bool kSplit>
 struct Producer {
   using Tr = Traits<D, kCons>;
-  using QB = QBuffers<Tr::q_bufs(kSplit)>;
   const Params& p;
   const TmaMaps& maps;
   SharedStorage<D, kCons>& sh;
@@ -216,10 +215,10 @@ struct Producer {
     const int qt = threadIdx.x - 32;
     TileInfo ti = sh.sched.read(0);
     for (int it = 0; !ti.done; ++it) {
-      const int qbuf = QB::buf(it);
+      const int qbuf = it & 1;
       const unsigned long long kv_first_bad = p.kv_bad[ti.bhk];  // in flight during the waits
       ptx::mbar_wait(&sh.bar.staged, it & 1);
-      ptx::mbar_wait(&sh.bar.empty_q[qbuf], QB::lap(it) ^ 1);  // the first lap passes at once
+      ptx::mbar_wait(&sh.bar.empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first lap passes at once
       quantize_q<D, InT, kCausal, kPacked>(p, sh, tiles, ti, qbuf, qt,
                                            it == 0 ? Tr::kFirstQWarps : kQuantWarps,
                                            kv_first_bad);
@@ -241,13 +240,10 @@ struct Producer {
       ptx::tma_load_3d(dst + c * panel_bytes, map, bar, c * Tr::kRowBytes, row, head);
   }
 
-  // Thread 0: draws each round's tile one round ahead (two with the split tail: its last units
-  // are short, and their Q is quantized into the third Q buffer while the CTA's last whole tile
-  // runs), publishes it, and issues its loads: Q (pre-pass Q) and the K/Vᵀ blocks into the ring
-  // as stages free up.
+  // Thread 0: draws each round's tile one round ahead, publishes it, and issues its loads: Q
+  // (pre-pass Q) and the K/Vᵀ blocks into the ring as stages free up.
   __device__ __forceinline__ void load_tiles(bool fused_q) const {
     const TileScheduler<kCausal, Tr::kBlockQ, kPacked, Tr::kBlockK, kSplit> sched(p);
-    constexpr bool kTwoAhead = Tr::q_bufs(kSplit) == 3;
     RingPhase phase;
     TileInfo ti = sched.next(0);
     // The first tile's Q before any K/V load: every CTA starts at once, and queued behind the
@@ -255,22 +251,12 @@ struct Producer {
     // without it (docs/sm90-kernel.md, "Fused Q quantization").
     if (fused_q && !ti.done) stage_q(ti);
     sh.sched.publish(0, ti);
-    if (kTwoAhead && !ti.done) sh.sched.publish(1, sched.next(1));
     for (int it = 0; !ti.done; ++it) {
-      // The quantizing warps prepare the Q of what is published during this tile. Nothing is
-      // published past the first round with no tile (its readers stop there); a slot this thread
-      // published is read back from the ring (rewritten only once every reader is past it).
-      TileInfo next;
-      if constexpr (kTwoAhead) {
-        next = sh.sched.slot[(it + 1) % kSchedSlots];
-        if (!next.done) sh.sched.publish(it + 2, sched.next(it + 2));
-      } else {
-        next = sched.next(it + 1);
-        sh.sched.publish(it + 1, next);
-      }
-      const int qbuf = QB::buf(it);
+      const TileInfo next = sched.next(it + 1);
+      sh.sched.publish(it + 1, next);  // the quantizing warps prepare its Q during this tile
+      const int qbuf = it & 1;
       if (!fused_q) {
-        ptx::mbar_wait(&sh.bar.empty_q[qbuf], QB::lap(it) ^ 1);  // the first lap at once
+        ptx::mbar_wait(&sh.bar.empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first lap at once
         ptx::mbar_arrive_expect_tx(&sh.bar.full_q[qbuf], Tr::kQTile);
         load_rows(tiles.q + qbuf * Tr::kQTile, Tr::kQPanel, &maps.q, &sh.bar.full_q[qbuf],
                   ti.qb * Tr::kBlockQ, int(ti.bh));

@@ -75,12 +75,6 @@ struct Traits {
   static constexpr int kQStaged = kBlockQ * D * 2;  // [kBlockQ rows][D elements], not swizzled
   static constexpr int kBytes = 2 * kQTile + kStages * (kKTile + kVTile) + 1024;  // + alignment
   static constexpr int kBytesFused = kBytes + kQStaged;
-  // Q buffers: a third for the split tail (pipeline.cuh, QBuffers) where it fits (not D = 256:
-  // 225 KB of tiles, past the SM's 227 KB with the static shared memory).
-  static constexpr int q_bufs(bool split) { return split && D <= 128 ? 3 : 2; }
-  static constexpr int bytes(bool fused_q, bool split) {
-    return (fused_q ? kBytesFused : kBytes) + (q_bufs(split) - 2) * kQTile;
-  }
 
   // One score in kPolyEvery takes 2^x from a polynomial on the FMA pipe instead of MUFU.EX2
   // (16 results per SM per clock), at register positions i % kPolyEvery == kPolyEvery - 1 of the
