@@ -74,11 +74,6 @@ sm90::SplitTail sm90_split(int64_t tiles, int64_t blocks, int sms) {
   return {rest, blocks, ctas};
 }
 
-// The split tail's slot a CTA: each consumer thread's O (D/2 floats), m and l (two each).
-size_t sm90_part_bytes(int64_t head_dim, int consumers) {
-  return size_t(consumers) * 128 * size_t(head_dim / 2 + 4) * 4;
-}
-
 // The one FP4 combination the GPU computes (src/fp4), variant SAGE3_FP4's with any Q/K
 // smoothing and K-mean sampling: the first field that departs from it, as "field = value", or
 // an empty string.
@@ -311,7 +306,8 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
       const int64_t tiles = p.batch * p.heads_q * ((p.seq_q + plan.block_q - 1) / plan.block_q);
       plan.split = sm90_split(tiles, (p.seq_kv + plan.block_k - 1) / plan.block_k, dev.sms);
       split_regions.flags = plan.split.tiles * plan.consumers;
-      split_regions.part_bytes = size_t(plan.split.ctas) * sm90_part_bytes(Dk, plan.consumers);
+      split_regions.part_bytes =
+          size_t(plan.split.ctas * sm90::split_part_floats(Dk, plan.consumers)) * 4;
     }
   }
   plan.prepass = quant::make_prepass_plan(

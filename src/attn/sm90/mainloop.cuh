@@ -14,6 +14,7 @@
 #include "attn/sm90/pipeline.cuh"
 #include "attn/sm90/producer.cuh"
 #include "attn/sm90/softmax.cuh"
+#include "attn/sm90/split.h"
 #include "attn/sm90/trace.cuh"
 #include "attn/sm90/traits.h"
 #include "common/fragment.cuh"
@@ -316,11 +317,12 @@ struct Consumer {
   // A tile no key is visible to (causal): Q was never read.
   __device__ __forceinline__ void skip_tile() const { release(&sh.bar.empty_q[qbuf]); }
 
-  // The split tail's parts. Slot c (CTA c's later part): [value][consumer thread], O's D/2, then
-  // m and l's two each: each thread's stores and loads are its own, a warp's coalesced.
-  static constexpr int kPartThreads = kCons * 128, kPartValues = D / 2 + 4;
+  // The split tail's parts. Slot c (CTA c's later part, split_part_floats): [value][consumer
+  // thread], O's D/2, then m and l's two each: each thread's stores and loads are its own, a
+  // warp's coalesced.
+  static constexpr int kPartThreads = kCons * 128;
   __device__ __forceinline__ float* part_slot(int64_t cta) const {
-    return p.split_parts + cta * (kPartThreads * kPartValues) + (threadIdx.x - 128);
+    return p.split_parts + cta * split_part_floats(D, kCons) + (threadIdx.x - 128);
   }
   __device__ __forceinline__ unsigned* part_flag() const {
     return p.split_flags + int64_t(split_tile) * kCons + consumer;

@@ -24,6 +24,12 @@
 
 namespace sage::sm90 {
 
+// A later part's softmax state, the floats of a CTA's slot in the workspace: each consumer
+// thread's O (head_dim / 2) and its two rows' m and l, stored [value][thread].
+SAGE_HOST_DEVICE constexpr int64_t split_part_floats(int64_t head_dim, int consumers) {
+  return int64_t(consumers) * 128 * (head_dim / 2 + 4);
+}
+
 struct SplitTail {
   int64_t tiles = 0;   // the split tiles: the call's last ones (0: no split)
   int64_t blocks = 0;  // key blocks per tile
