@@ -500,48 +500,63 @@ TEST(GpuAttention, OneLaunchKvPrepassMatchesThreeLaunches) {
   }
 }
 
-// The causal kernel's CTAs draw tiles from a counter in the workspace; the pre-pass zeroes it and
-// the kernel's last CTA resets it, so the kernel alone may run again on a prepared workspace (the
-// benchmark's kernel-only figure). Each relaunch must cover every tile of a grid with more tiles
-// than SMs and give the same bits (a counter left behind would skip tiles: NaN poison stays).
-TEST(GpuAttention, PersistentCausalKernelRelaunchCoversEveryTile) {
+// The causal kernel's CTAs draw tiles from a counter in the workspace, and the split tail's
+// mergers wait on flags there; the pre-pass zeroes both and the kernel resets them (the causal
+// scheduler's last CTA, each merger its own flag), so the kernel alone may run again on a
+// prepared workspace (the benchmark's kernel-only figure). Each relaunch must cover every tile
+// and give the same bits: a counter left behind would skip tiles (NaN poison stays), a flag left
+// behind would hang or merge early, and the split's merge order is fixed. Causal: a grid with more
+// tiles than SMs; non-causal: a call whose tiles (48) the plan splits among the SMs.
+TEST(GpuAttention, PersistentKernelRelaunchCoversEveryTile) {
   SAGE_REQUIRE_GPU();
   std::mt19937_64 rng(sage::test::fresh_seed());
-  const int64_t B = 2, Hq = 8, Hkv = 2, N = 2100, D = 128;  // 17 x 16 = 272 tiles
-  const Fp16Tensor q = sage::test::random_tensor(rng, B, Hq, N, D, 2.0f);
-  const Fp16Tensor k = sage::test::random_tensor(rng, B, Hkv, N, D, 4.0f);
-  const Fp16Tensor v = sage::test::random_tensor(rng, B, Hkv, N, D, 4.0f);
-  const size_t o_bytes = size_t(B * Hq * N * D) * 2;
-  DeviceBuffer dq(q.data.size() * 2), dk(k.data.size() * 2), dv(v.data.size() * 2),
-      dout(o_bytes);
-  SAGE_ASSERT_CUDA(cudaMemcpy(dq.ptr, q.data.data(), q.data.size() * 2, cudaMemcpyHostToDevice));
-  SAGE_ASSERT_CUDA(cudaMemcpy(dk.ptr, k.data.data(), k.data.size() * 2, cudaMemcpyHostToDevice));
-  SAGE_ASSERT_CUDA(cudaMemcpy(dv.ptr, v.data.data(), v.data.size() * 2, cudaMemcpyHostToDevice));
-  sage_attention_args args;
-  sage_attention_args_init(&args);
-  args.q = dq.ptr, args.k = dk.ptr, args.v = dv.ptr, args.o = dout.ptr;
-  args.batch = B, args.heads_q = Hq, args.heads_kv = Hkv, args.seq_q = N, args.seq_kv = N;
-  args.head_dim = D, args.mask = kBR, args.variant = k8;
-  size_t ws = 0;
-  ASSERT_EQ(sage_attention_workspace_size(&args, &ws), SAGE_OK) << sage_last_error();
-  DeviceBuffer dws(ws);
-  args.workspace = dws.ptr, args.workspace_size = ws;
-  sage::api::Resolved r;
-  ASSERT_EQ(sage::api::validate(&args, &r), SAGE_OK) << sage_last_error();
-  std::vector<std::vector<uint16_t>> outs;
-  for (int call = 0; call < 3; ++call) {
-    SAGE_ASSERT_CUDA(cudaMemset(dout.ptr, 0xFF, o_bytes));  // NaN
-    const int stages = call == 0 ? sage::cuda::kStagePrepass | sage::cuda::kStageKernel
-                                 : sage::cuda::kStageKernel;
-    ASSERT_EQ(sage::cuda::attention_stages(r, args, stages), SAGE_OK) << sage_last_error();
-    SAGE_ASSERT_CUDA(cudaDeviceSynchronize());
-    outs.emplace_back(o_bytes / 2);
-    SAGE_ASSERT_CUDA(cudaMemcpy(outs.back().data(), dout.ptr, o_bytes, cudaMemcpyDeviceToHost));
+  struct Shape {
+    int64_t B, Hq, Hkv, N;
+    sage_mask mask;
+  };
+  for (const Shape sh : {Shape{2, 8, 2, 2100, kBR}, Shape{1, 3, 3, 2000, kNone}}) {
+    SCOPED_TRACE("mask " + std::to_string(int(sh.mask)));
+    const int64_t B = sh.B, Hq = sh.Hq, Hkv = sh.Hkv, N = sh.N, D = 128;
+    const Fp16Tensor q = sage::test::random_tensor(rng, B, Hq, N, D, 2.0f);
+    const Fp16Tensor k = sage::test::random_tensor(rng, B, Hkv, N, D, 4.0f);
+    const Fp16Tensor v = sage::test::random_tensor(rng, B, Hkv, N, D, 4.0f);
+    const size_t o_bytes = size_t(B * Hq * N * D) * 2;
+    DeviceBuffer dq(q.data.size() * 2), dk(k.data.size() * 2), dv(v.data.size() * 2),
+        dout(o_bytes);
+    SAGE_ASSERT_CUDA(cudaMemcpy(dq.ptr, q.data.data(), q.data.size() * 2, cudaMemcpyHostToDevice));
+    SAGE_ASSERT_CUDA(cudaMemcpy(dk.ptr, k.data.data(), k.data.size() * 2, cudaMemcpyHostToDevice));
+    SAGE_ASSERT_CUDA(cudaMemcpy(dv.ptr, v.data.data(), v.data.size() * 2, cudaMemcpyHostToDevice));
+    sage_attention_args args;
+    sage_attention_args_init(&args);
+    args.q = dq.ptr, args.k = dk.ptr, args.v = dv.ptr, args.o = dout.ptr;
+    args.batch = B, args.heads_q = Hq, args.heads_kv = Hkv, args.seq_q = N, args.seq_kv = N;
+    args.head_dim = D, args.mask = sh.mask, args.variant = k8;
+    sage_plan_info info{};
+    info.struct_size = sizeof info;
+    ASSERT_EQ(sage_attention_plan(&args, &info), SAGE_OK) << sage_last_error();
+    if (sh.mask == kNone && info.kernel == SAGE_KERNEL_SM90)
+      ASSERT_GT(info.emulation.split_tiles, 0) << "the plan no longer splits this call";
+    size_t ws = 0;
+    ASSERT_EQ(sage_attention_workspace_size(&args, &ws), SAGE_OK) << sage_last_error();
+    DeviceBuffer dws(ws);
+    args.workspace = dws.ptr, args.workspace_size = ws;
+    sage::api::Resolved r;
+    ASSERT_EQ(sage::api::validate(&args, &r), SAGE_OK) << sage_last_error();
+    std::vector<std::vector<uint16_t>> outs;
+    for (int call = 0; call < 3; ++call) {
+      SAGE_ASSERT_CUDA(cudaMemset(dout.ptr, 0xFF, o_bytes));  // NaN
+      const int stages = call == 0 ? sage::cuda::kStagePrepass | sage::cuda::kStageKernel
+                                   : sage::cuda::kStageKernel;
+      ASSERT_EQ(sage::cuda::attention_stages(r, args, stages), SAGE_OK) << sage_last_error();
+      SAGE_ASSERT_CUDA(cudaDeviceSynchronize());
+      outs.emplace_back(o_bytes / 2);
+      SAGE_ASSERT_CUDA(cudaMemcpy(outs.back().data(), dout.ptr, o_bytes, cudaMemcpyDeviceToHost));
+    }
+    for (size_t i = 0; i < outs[0].size(); ++i)
+      ASSERT_TRUE(std::isfinite(sage::decode_float(sage::kFp16, outs[0][i]))) << "output " << i;
+    EXPECT_EQ(outs[0], outs[1]) << "first kernel-only relaunch";
+    EXPECT_EQ(outs[0], outs[2]) << "second kernel-only relaunch";
   }
-  for (size_t i = 0; i < outs[0].size(); ++i)
-    ASSERT_TRUE(std::isfinite(sage::decode_float(sage::kFp16, outs[0][i]))) << "output " << i;
-  EXPECT_EQ(outs[0], outs[1]) << "first kernel-only relaunch";
-  EXPECT_EQ(outs[0], outs[2]) << "second kernel-only relaunch";
 }
 
 TEST(GpuAttention, DeterministicAndStridedOutputPaddingUntouched) {
