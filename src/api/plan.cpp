@@ -60,7 +60,7 @@ int sm90_block_k(int64_t head_dim) {
 // "The split tail").
 sm90::SplitTail sm90_split(int64_t tiles, int64_t blocks, int sms) {
   constexpr int64_t kUnitBlocks = 4, kMinPart = 4;
-  constexpr double kMinSaving = 0.06;
+  constexpr double kMinSaving = 0.03;
   if (sms <= 0 || tiles <= 0 || blocks <= 0) return {};
   const int64_t rest = tiles % sms;  // the last round's tiles (all of them under one round)
   if (rest == 0) return {};

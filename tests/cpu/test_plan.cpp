@@ -42,12 +42,12 @@ struct Call {
     a.mask = mask;
     a.variant = variant;
   }
-  // Other head counts (the buffers resized, zero again).
-  Call& with_heads(int64_t hq, int64_t hkv) {
-    q.assign(size_t(2 * hq * a.seq_q * a.head_dim), 0), o.assign(q.size(), 0);
-    k.assign(size_t(2 * hkv * a.seq_kv * a.head_dim), 0), v.assign(k.size(), 0);
+  // Other head counts and batch (the buffers resized, zero again).
+  Call& with_heads(int64_t hq, int64_t hkv, int64_t batch = 2) {
+    q.assign(size_t(batch * hq * a.seq_q * a.head_dim), 0), o.assign(q.size(), 0);
+    k.assign(size_t(batch * hkv * a.seq_kv * a.head_dim), 0), v.assign(k.size(), 0);
     a.q = q.data(), a.k = k.data(), a.v = v.data(), a.o = o.data();
-    a.heads_q = hq, a.heads_kv = hkv;
+    a.batch = batch, a.heads_q = hq, a.heads_kv = hkv;
     return *this;
   }
   sage_status plan(const Device& dev, Plan* p) const {
@@ -90,7 +90,7 @@ TEST(Planner, ChoosesTheFamilyPerArchitectureAndVariant) {
 }
 
 // The split tail (attn/sm90/split.h): a dense non-causal call whose last round of tiles would
-// leave most SMs idle shares that round's key blocks among them where that saves at least 6 %
+// leave most SMs idle shares that round's key blocks among them where that saves at least 3 %
 // of the critical path, and its emulation config says so; causal calls, exact rounds, a last
 // round the split would not shorten enough, the mma.sync kernel and SAGE_OPTION_WHOLE_TILES keep
 // whole tiles.
@@ -138,15 +138,26 @@ TEST(Planner, Sm90SplitTailSharesTheLastRoundWhereItShortensTheCall) {
   Call exact(4096, 4096, 128);  // 32 tiles a head x 33 heads = 8 rounds of 132
   exact.with_heads(33, 33).a.batch = 1;
   EXPECT_TRUE(none(must_plan(exact, kH100)));
-  // Flux.1 at 1024² (24 heads of 4608): 6.5 rounds, a split would save 4 % (7 rounds of 40
-  // blocks' time against 6 and a share of 20 with two units); 128 heads of 4k: 31 rounds and 4
-  // tiles, 2 %.
+  // Flux.1 at 1024² (24 heads of 4608): 6.5 rounds; the split saves 4 % (7 rounds of 40
+  // blocks' time against 6 and a share of 20 with two units): the last 72 tiles over 132 CTAs.
   Call flux(4608, 4608, 128);
   flux.with_heads(24, 24).a.batch = 1;
-  EXPECT_TRUE(none(must_plan(flux, kH100)));
+  const Plan fx = must_plan(flux, kH100);
+  EXPECT_EQ(fx.split.tiles, 72);
+  EXPECT_EQ(fx.split.ctas, 132);
+  // 128 heads of 4k: 31 rounds and 4 tiles, 2 %; B 4 H 32 at 16k (D 64 and 128) and SD3.5's
+  // joint call (B 2, H 38, N 4429, D 64) under 1 %.
   Call grid(4096, 4096, 128);
   grid.with_heads(64, 64);
   EXPECT_TRUE(none(must_plan(grid, kH100)));
+  for (const int d : {64, 128}) {
+    Call longer(16384, 16384, d);
+    longer.with_heads(32, 32, 4);
+    EXPECT_TRUE(none(must_plan(longer, kH100))) << "D " << d;
+  }
+  Call sd35(4429, 4429, 64);
+  sd35.with_heads(38, 38);
+  EXPECT_TRUE(none(must_plan(sd35, kH100)));
   // 64 tiles of 8 blocks: a share of 4 blocks and two units' set-up cost a whole tile's time.
   EXPECT_TRUE(none(must_plan(Call(1000, 1000, 128), kH100)));
   EXPECT_TRUE(none(must_plan(Call(4608, 4608, 128), kAda)));  // mma.sync
