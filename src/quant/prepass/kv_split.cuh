@@ -91,13 +91,16 @@ __device__ __forceinline__ void quant_kv(const QuantKvParams& p) {
   __shared__ __align__(16) float vi[D];
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
-  const int64_t bh = cta_outer_index();
-  if (bh >= p.bk) return;
+  // The blocks in the reverse of kv_stats' order (it reads V head by head, chunk by chunk): the
+  // V rows it read last are the likeliest to be still in L2, so they are read first here.
+  const int64_t outer = cta_outer_index();
+  if (outer >= p.bk) return;
+  const int64_t bh = p.bk - 1 - outer;
   const BatchHead bhd = batch_head(bh, p.heads_kv);
   const int b = int(bhd.b), h = int(bhd.h);
   const SeqRows& kv_rows = p.kv_rows;
   const SeqSpan sp = kv_rows.span(b);
-  const int64_t kb = blockIdx.x, seq_kv = sp.len;
+  const int64_t kb = int64_t(gridDim.x) - 1 - blockIdx.x, seq_kv = sp.len;
   if (kb * kBlockK >= seq_kv) return;  // past this sequence's keys (a packed batch)
   KvBlock<D> x =
       load_block_global<T, D, kVec>(k, v, p.ks, p.vs, p.dim, b, h, sp.tok0, kb, seq_kv);
