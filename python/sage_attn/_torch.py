@@ -1133,6 +1133,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if route.reason is not None:
         if route.reason:
             _warn_once(route.reason)
+        if scale is None and not enable_gqa:  # (torch parses keyword arguments more slowly)
+            return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal)
         return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                            enable_gqa=enable_gqa)
     if (route.direct and (_dispatch_stack_len is None or _dispatch_stack_len() == 0)
