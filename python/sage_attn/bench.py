@@ -146,8 +146,9 @@ def graph_ms(fn, target_s=0.25, est_ms=None):
 
 def interleaved_ms(fns, target_s, rounds, report):
     """name -> median GPU ms per call under CUDA-graph replay, the implementations' graphs
-    replayed in turn for `rounds` rounds (target_s split over them), so that a drift of the GPU's
-    clocks during a row weighs on every implementation alike; None for one that failed."""
+    replayed in turn for `rounds` rounds (target_s split over them), the order rotated by round,
+    so that a drift of the GPU's clocks during a row (or a first replay after the row's set-up)
+    weighs on every implementation alike; None for one that failed."""
     graphs = {}
     for name, fn in fns.items():
         try:
@@ -155,8 +156,10 @@ def interleaved_ms(fns, target_s, rounds, report):
         except Exception as e:  # a report, not a reason to stop
             report(f"{name} failed ({type(e).__name__}: {str(e).splitlines()[0]})")
     times = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, (graph, calls) in graphs.items():
+    names = list(graphs)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)] if names else []:
+            graph, calls = graphs[name]
             times[name].append(time_ms(graph.replay, target_s / rounds) / calls)
     del graphs
     return {name: statistics.median(times[name]) if name in times else None for name in fns}

@@ -150,9 +150,10 @@ def test_bench_models_table_is_well_formed():
 
 
 def test_interleaved_ms_alternates_and_takes_medians(monkeypatch):
-    """The implementations' graphs are replayed in turn, round after round; each gets the
-    median of its rounds (per call: a replay's time over the calls in the graph); one whose
-    capture fails is reported and gets None, the others still run."""
+    """The implementations' graphs are replayed in turn, round after round, the order rotated
+    by round (none always first); each gets the median of its rounds (per call: a replay's time
+    over the calls in the graph); one whose capture fails is reported and gets None, the others
+    still run."""
     pytest.importorskip("torch")
     from sage_attn import bench
     order = []
@@ -177,7 +178,7 @@ def test_interleaved_ms_alternates_and_takes_medians(monkeypatch):
     reports = []
     got = bench.interleaved_ms({"a": lambda: "a", "bad": lambda: "bad", "b": lambda: "b"}, 0.3, 3,
                                reports.append)
-    assert order == ["a", "b"] * 3
+    assert order == ["a", "b", "b", "a", "a", "b"]
     assert got == {"a": 1.0, "bad": None, "b": 10.0}  # medians 2 and 20, over 2 calls a replay
     assert reports == ["bad failed (RuntimeError: capture failed)"]
 
