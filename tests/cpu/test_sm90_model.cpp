@@ -175,6 +175,33 @@ struct Sm90Definition {
   }
 };
 
+// One head of the definition tests' inputs (q with a spread of 2, v with a bias of 4), as
+// tensors for the emulation and as double matrices for Sm90Definition.
+struct DefinitionInputs {
+  Fp16Tensor q, k, v;
+  std::vector<double> Q, K, V;
+  DefinitionInputs(std::mt19937_64& rng, int64_t Nq, int64_t Nk, int64_t D)
+      : q(test::random_tensor(rng, 1, 1, Nq, D, 0.0f, 2.0f)),
+        k(test::random_tensor(rng, 1, 1, Nk, D)),
+        v(test::random_tensor(rng, 1, 1, Nk, D, 4.0f)),
+        Q(test::head_matrix(q, 0, Nq, D)),
+        K(test::head_matrix(k, 0, Nk, D)),
+        V(test::head_matrix(v, 0, Nk, D)) {}
+};
+
+// The definition tests' emulation config: E4M3 P̃·V, 16-row tiles of one warp (several tiles,
+// some partly causal), 32-key quantization blocks, these softmax blocks and polynomial share.
+sage_quant_config definition_config(int64_t softmax_block_k, int exp2_poly_every) {
+  sage_quant_config cfg = quant_preset(SAGE_VARIANT_EXACT);
+  cfg.pv_format = SAGE_PV_FP8_E4M3;
+  cfg.block_q = 16;
+  cfg.warps = 1;
+  cfg.block_k = 32;
+  cfg.softmax_block_k = int32_t(softmax_block_k);
+  cfg.exp2_poly_every = exp2_poly_every;
+  return cfg;
+}
+
 // The double emulation's O and LSE (got) against the definition's (want). Same quantization,
 // ideal arithmetic in both: only double rounding (the running max folded in another order, Q·K
 // summed in another order) remains. An E4M3 tie flipped by it would show as ~1e-3: none in 200
@@ -199,11 +226,7 @@ TEST(Sm90Form, SoftmaxBlocksAndPolynomialMatchTheDefinition) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const int64_t Nq = 45, Nk = 300, D = 64;
-  const Fp16Tensor q = test::random_tensor(rng, 1, 1, Nq, D, 0.0f, 2.0f);
-  const Fp16Tensor k = test::random_tensor(rng, 1, 1, Nk, D);
-  const Fp16Tensor v = test::random_tensor(rng, 1, 1, Nk, D, 4.0f);
-  const std::vector<double> Q = test::head_matrix(q, 0, Nq, D), K = test::head_matrix(k, 0, Nk, D),
-                            V = test::head_matrix(v, 0, Nk, D);
+  const DefinitionInputs in(rng, Nq, Nk, D);
   for (sage_mask mask :
        {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_MASK_CAUSAL_BOTTOM_RIGHT})
     for (int64_t sbk : {32, 96, 128})
@@ -211,18 +234,13 @@ TEST(Sm90Form, SoftmaxBlocksAndPolynomialMatchTheDefinition) {
         SCOPED_TRACE("mask " + std::to_string(mask) + " softmax_block_k " + std::to_string(sbk) +
                      " exp2_poly_every " + std::to_string(every));
         const Problem p{1, 1, 1, Nq, Nk, D, 0.125, mask};
-        sage_quant_config cfg = quant_preset(SAGE_VARIANT_EXACT);
-        cfg.pv_format = SAGE_PV_FP8_E4M3;
-        cfg.block_q = 16;  // tiles of 16 rows: several tiles, some partly causal
-        cfg.warps = 1;
-        cfg.block_k = 32;
-        cfg.softmax_block_k = int32_t(sbk);
-        cfg.exp2_poly_every = every;
+        const sage_quant_config cfg = definition_config(sbk, every);
         std::vector<double> got(size_t(p.out_elems())), got_lse(size_t(p.lse_elems()));
-        attention_quant(p, cfg, q.view(), k.view(), v.view(), got.data(), got_lse.data());
+        attention_quant(p, cfg, in.q.view(), in.k.view(), in.v.view(), got.data(),
+                        got_lse.data());
         const Sm90Definition def{Nq, Nk, D, 16, sbk, every, mask, 0.125};
         std::vector<double> want, want_lse;
-        def.run(Q, K, V, &want, &want_lse);
+        def.run(in.Q, in.K, in.V, &want, &want_lse);
         ASSERT_NO_FATAL_FAILURE(expect_definition(got, got_lse, want, want_lse));
       }
 }
@@ -312,11 +330,7 @@ TEST(Sm90Split, EmulationMatchesTheDefinition) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const int64_t Nq = 45, Nk = 300, D = 64, sbk = 32;  // 3 tiles of 16 rows, 10 blocks
-  const Fp16Tensor q = test::random_tensor(rng, 1, 1, Nq, D, 0.0f, 2.0f);
-  const Fp16Tensor k = test::random_tensor(rng, 1, 1, Nk, D);
-  const Fp16Tensor v = test::random_tensor(rng, 1, 1, Nk, D, 4.0f);
-  const std::vector<double> Q = test::head_matrix(q, 0, Nq, D), K = test::head_matrix(k, 0, Nk, D),
-                            V = test::head_matrix(v, 0, Nk, D);
+  const DefinitionInputs in(rng, Nq, Nk, D);
   for (sage_mask mask :
        {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_MASK_CAUSAL_BOTTOM_RIGHT})
     for (const sm90::SplitTail split :
@@ -325,24 +339,19 @@ TEST(Sm90Split, EmulationMatchesTheDefinition) {
       SCOPED_TRACE(::testing::Message() << "mask " << mask << ", split " << split.tiles
                                         << " tiles on " << split.ctas << " CTAs");
       const Problem p{1, 1, 1, Nq, Nk, D, 0.125, mask};
-      sage_quant_config cfg = quant_preset(SAGE_VARIANT_EXACT);
-      cfg.pv_format = SAGE_PV_FP8_E4M3;
-      cfg.block_q = 16;
-      cfg.warps = 1;
-      cfg.block_k = 32;
-      cfg.softmax_block_k = int32_t(sbk);
-      cfg.exp2_poly_every = 8;
-      sage_quant_config whole = cfg;
+      const sage_quant_config whole = definition_config(sbk, 8);
+      sage_quant_config cfg = whole;
       cfg.split_tiles = int32_t(split.tiles);
       cfg.split_ctas = int32_t(split.ctas);
       std::vector<double> got(size_t(p.out_elems())), got_lse(size_t(p.lse_elems()));
       std::vector<double> base(got.size()), base_lse(got_lse.size());
-      attention_quant(p, cfg, q.view(), k.view(), v.view(), got.data(), got_lse.data());
-      attention_quant(p, whole, q.view(), k.view(), v.view(), base.data(), base_lse.data());
+      attention_quant(p, cfg, in.q.view(), in.k.view(), in.v.view(), got.data(), got_lse.data());
+      attention_quant(p, whole, in.q.view(), in.k.view(), in.v.view(), base.data(),
+                      base_lse.data());
       Sm90Definition def{Nq, Nk, D, 16, sbk, 8, mask, 0.125};
       def.split = split;
       std::vector<double> want, want_lse;
-      def.run(Q, K, V, &want, &want_lse);
+      def.run(in.Q, in.K, in.V, &want, &want_lse);
       ASSERT_NO_FATAL_FAILURE(expect_definition(got, got_lse, want, want_lse));
       if (split.ctas > split.tiles) {
         std::vector<float> gf(got.begin(), got.end());
