@@ -98,7 +98,7 @@ TEST(Planner, Sm90SplitTailSharesTheLastRoundWhereItShortensTheCall) {
   // 26 heads of 4608 tokens, D 128: 936 tiles on 132 SMs, the last 12 (36 key blocks each)
   // shared by 108 CTAs (4 blocks each: parts of at least 4).
   Call h26(4608, 4608, 128);
-  h26.with_heads(26, 26).a.batch = 1;
+  h26.with_heads(26, 26, 1);
   const Plan f = must_plan(h26, kH100);
   EXPECT_EQ(f.split.tiles, 12);
   EXPECT_EQ(f.split.blocks, 36);
@@ -129,19 +129,19 @@ TEST(Planner, Sm90SplitTailSharesTheLastRoundWhereItShortensTheCall) {
            p.prepass.split_parts == p.prepass.total;
   };
   Call causal(4608, 4608, 128, SAGE_MASK_CAUSAL_TOP_LEFT);
-  causal.with_heads(24, 24).a.batch = 1;
+  causal.with_heads(24, 24, 1);
   EXPECT_TRUE(none(must_plan(causal, kH100)));
   Call whole(4608, 4608, 128);
-  whole.with_heads(24, 24).a.batch = 1;
+  whole.with_heads(24, 24, 1);
   whole.a.options = SAGE_OPTION_WHOLE_TILES;
   EXPECT_TRUE(none(must_plan(whole, kH100)));
   Call exact(4096, 4096, 128);  // 32 tiles a head x 33 heads = 8 rounds of 132
-  exact.with_heads(33, 33).a.batch = 1;
+  exact.with_heads(33, 33, 1);
   EXPECT_TRUE(none(must_plan(exact, kH100)));
   // Flux.1 at 1024² (24 heads of 4608): 6.5 rounds; the split saves 4 % (7 rounds of 40
   // blocks' time against 6 and a share of 20 with two units): the last 72 tiles over 132 CTAs.
   Call flux(4608, 4608, 128);
-  flux.with_heads(24, 24).a.batch = 1;
+  flux.with_heads(24, 24, 1);
   const Plan fx = must_plan(flux, kH100);
   EXPECT_EQ(fx.split.tiles, 72);
   EXPECT_EQ(fx.split.ctas, 132);
