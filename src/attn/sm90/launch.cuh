@@ -155,19 +155,20 @@ cudaError_t launch_with(const Params& p, const LaunchConfig& cfg, cudaStream_t s
     e = make_map(&maps.k, p.k, D, nk, bk, D, nk * D, Tr::kRowBytes, Tr::kBlockK);
   if (e == cudaSuccess) e = make_map(&maps.v, p.v, nk, D, bk, nk, nk * D, Tr::kBlockK, D);
   if (e != cudaSuccess) return e;
-  auto run = [&](auto packed_flag) {
+  // (out: a null pointer of the output type, selecting it)
+  auto run_typed = [&](auto packed_flag, auto* out) {
     constexpr bool kPacked = decltype(packed_flag)::value;
+    using OutT = std::remove_pointer_t<decltype(out)>;
+    if (cfg.causal) return launch_one<D, OutT, true, kCons, kPacked>(p, maps, cfg, stream);
     // The split tail's instantiations (dense, non-causal) where the plan splits: the others'
     // code stays as it was.
-    const bool split = !kPacked && !cfg.causal && p.split_tiles > 0;
-    if (cfg.bf16) {
-      if (cfg.causal) return launch_one<D, __nv_bfloat16, true, kCons, kPacked>(p, maps, cfg, stream);
-      if (split) return launch_one<D, __nv_bfloat16, false, kCons, false, true>(p, maps, cfg, stream);
-      return launch_one<D, __nv_bfloat16, false, kCons, kPacked>(p, maps, cfg, stream);
-    }
-    if (cfg.causal) return launch_one<D, __half, true, kCons, kPacked>(p, maps, cfg, stream);
-    if (split) return launch_one<D, __half, false, kCons, false, true>(p, maps, cfg, stream);
-    return launch_one<D, __half, false, kCons, kPacked>(p, maps, cfg, stream);
+    if (!kPacked && p.split_tiles > 0)
+      return launch_one<D, OutT, false, kCons, false, true>(p, maps, cfg, stream);
+    return launch_one<D, OutT, false, kCons, kPacked>(p, maps, cfg, stream);
+  };
+  auto run = [&](auto packed_flag) {
+    return cfg.bf16 ? run_typed(packed_flag, static_cast<__nv_bfloat16*>(nullptr))
+                    : run_typed(packed_flag, static_cast<__half*>(nullptr));
   };
   // A packed batch: its own instantiations (kPacked), two consumer warpgroups only (the planner's
   // choice for it: fewer instantiations).
