@@ -144,23 +144,46 @@ def graph_ms(fn, target_s=0.25, est_ms=None):
         del graph
 
 
-def interleaved_ms(fns, target_s, rounds, report):
-    """name -> median GPU ms per call under CUDA-graph replay, the implementations' graphs
-    replayed in turn for `rounds` rounds (target_s split over them), the order rotated by round,
-    so that a drift of the GPU's clocks during a row (or a first replay after the row's set-up)
-    weighs on every implementation alike; None for one that failed."""
-    graphs = {}
+def interleaved_ms(fns, target_s, rounds, report, event=None, sync=None):
+    """name -> median GPU ms per call under CUDA-graph replay; None for one that failed. The
+    implementations' graphs are replayed in turn, one replay each a cycle (the order rotated by
+    cycle), each replay between its own pair of events, so that a drift of the GPU's clocks
+    weighs on every implementation alike: graphs of the same kernels then time alike, where
+    timing each graph for a stretch of its own left several per cent between them. The cycles
+    (enough for about target_s of each implementation, at least 3 a round) are queued in
+    `rounds` batches, read after each batch's synchronize. event/sync: a timing-event factory and
+    a device synchronize (torch.cuda's by default)."""
+    graphs, est = {}, {}
     for name, fn in fns.items():
         try:
-            graphs[name] = capture_graph(fn, time_ms(fn, target_s=0.02, samples=2))
+            once = time_ms(fn, target_s=0.02, samples=2)
+            graphs[name] = capture_graph(fn, once)
+            est[name] = once * graphs[name][1]
         except Exception as e:  # a report, not a reason to stop
             report(f"{name} failed ({type(e).__name__}: {str(e).splitlines()[0]})")
-    times = {name: [] for name in graphs}
     names = list(graphs)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)] if names else []:
-            graph, calls = graphs[name]
-            times[name].append(time_ms(graph.replay, target_s / rounds) / calls)
+    if not names:
+        return {name: None for name in fns}
+    event = event or (lambda: torch.cuda.Event(enable_timing=True))
+    sync = sync or torch.cuda.synchronize
+    per_round = max(3, math.ceil(target_s * 1e3 / rounds / statistics.mean(est.values())))
+    for name in names:  # (a first replay of each, untimed)
+        graphs[name][0].replay()
+    times = {name: [] for name in names}
+    cycle = 0
+    for _ in range(rounds):
+        marks = []
+        for _ in range(per_round):
+            for name in names[cycle % len(names):] + names[:cycle % len(names)]:
+                start, end = event(), event()
+                start.record()
+                graphs[name][0].replay()
+                end.record()
+                marks.append((name, start, end))
+            cycle += 1
+        sync()
+        for name, start, end in marks:
+            times[name].append(start.elapsed_time(end) / graphs[name][1])
     del graphs
     return {name: statistics.median(times[name]) if name in times else None for name in fns}
 

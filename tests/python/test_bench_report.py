@@ -150,37 +150,46 @@ def test_bench_models_table_is_well_formed():
 
 
 def test_interleaved_ms_alternates_and_takes_medians(monkeypatch):
-    """The implementations' graphs are replayed in turn, round after round, the order rotated
-    by round (none always first); each gets the median of its rounds (per call: a replay's time
-    over the calls in the graph); one whose capture fails is reported and gets None, the others
-    still run."""
+    """The implementations' graphs are replayed in turn, one replay each a cycle, the order
+    rotated by cycle (none always first), each replay between its own events, the cycles queued
+    in `rounds` batches each read after a synchronize; each implementation gets the median of its
+    replays' times over the calls in its graph; one whose capture fails is reported and gets
+    None, the others still run."""
     pytest.importorskip("torch")
     from sage_attn import bench
-    order = []
-    times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([10.0, 30.0, 20.0])}
+    log, clock = [], [0.0]
+    cost = {"a": [3.0, 1.0, 2.0, 2.0, 9.0, 2.0], "b": [10.0, 30.0, 20.0, 20.0, 20.0, 40.0]}
 
-    def capture(fn, est_ms=None):
+    def capture(fn, est):
         name = fn()
         if name == "bad":
             raise RuntimeError("capture failed\nmore")
-        return types.SimpleNamespace(replay=lambda: name), 2  # 2 calls a replay
+        assert est == 1.0
 
-    def time_ms(fn, target_s=0.25, samples=5):
-        name = fn()
-        if target_s == 0.02:  # the estimate before capture
-            return 1.0
-        order.append(name)
-        assert target_s == pytest.approx(0.3 / 3)
-        return times[name].__next__()
+        def replay():
+            log.append(name)
+            if len([x for x in log if x == name]) > 1:  # (the first replay is not timed)
+                clock[0] += cost[name].pop(0)
+        return types.SimpleNamespace(replay=replay), 2  # 2 calls a replay
 
-    monkeypatch.setattr(bench, "capture_graph", lambda fn, est: capture(fn, est))
-    monkeypatch.setattr(bench, "time_ms", time_ms)
+    class Event:
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    monkeypatch.setattr(bench, "capture_graph", capture)
+    monkeypatch.setattr(bench, "time_ms", lambda fn, target_s=0.25, samples=5: 1.0)
     reports = []
-    got = bench.interleaved_ms({"a": lambda: "a", "bad": lambda: "bad", "b": lambda: "b"}, 0.3, 3,
-                               reports.append)
-    assert order == ["a", "b", "b", "a", "a", "b"]
+    # 0.012 s over 2 rounds at 2 ms a replay: 3 cycles a round
+    got = bench.interleaved_ms({"a": lambda: "a", "bad": lambda: "bad", "b": lambda: "b"}, 0.012,
+                               2, reports.append, event=Event, sync=lambda: log.append("sync"))
+    assert log == ["a", "b", "a", "b", "b", "a", "a", "b", "sync",
+                   "b", "a", "a", "b", "b", "a", "sync"]
     assert got == {"a": 1.0, "bad": None, "b": 10.0}  # medians 2 and 20, over 2 calls a replay
     assert reports == ["bad failed (RuntimeError: capture failed)"]
+    assert all(not c for c in cost.values())
 
 
 def test_paired_host_us_holds_rotates_and_pairs():
