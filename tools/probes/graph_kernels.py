@@ -2,12 +2,11 @@
 # holds, per implementation of bench_models' rows (sage, SDPA cuDNN, SDPA with torch's own
 # choice, the drop-in): each graph is captured as bench_models captures it (warm-up on a side
 # stream, then one call), replayed once under torch.profiler after a GPU sleep, and its kernels
-# are listed with their device times; then every graph's replay time, the graphs replayed in
-# turn with the order rotated by round. For the drop-in calls that hand a call to torch: does
+# are listed with their device times; then every implementation's time under graph replay
+# (sage_attn.bench.interleaved_ms). For the drop-in calls that hand a call to torch: does
 # the graph hold torch's kernel, and the same one as torch's own call?
 # Run: python tools/probes/graph_kernels.py [--shape flux|sdxl|pixart|auraflow] [--rounds N]
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 import sage_attn
-from sage_attn.bench import capture_graph, time_ms
+from sage_attn.bench import capture_graph, interleaved_ms
 
 SHAPES = {"flux": (1, 24, 4608, 128), "sdxl": (2, 10, 4096, 64), "pixart": (2, 16, 4096, 72),
           "auraflow": (2, 24, 4352, 128)}
@@ -61,14 +60,10 @@ def main():
         print(f"-- {name}")
         for kernel, us in kernels_of(graph):
             print(f"   {us:9.1f} us  {kernel[:110]}")
-    times = {name: [] for name in graphs}
-    names = list(graphs)
-    for r in range(a.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(time_ms(graphs[name].replay, 0.05))
-    for name in names:
-        print(f"{name:13s} {statistics.median(times[name]):.4f} ms "
-              f"({min(times[name]):.4f}-{max(times[name]):.4f})")
+    del graphs
+    times = interleaved_ms(fns, 0.25, a.rounds, print)
+    for name, ms in times.items():
+        print(f"{name:13s} {ms:.4f} ms")
 
 
 if __name__ == "__main__":
