@@ -146,13 +146,15 @@ def graph_ms(fn, target_s=0.25, est_ms=None):
 
 def interleaved_ms(fns, target_s, rounds, report, event=None, sync=None):
     """name -> median GPU ms per call under CUDA-graph replay; None for one that failed. The
-    implementations' graphs are replayed in turn, one replay each a cycle (the order rotated by
-    cycle), each replay between its own pair of events, so that a drift of the GPU's clocks
-    weighs on every implementation alike: graphs of the same kernels then time alike, where
-    timing each graph for a stretch of its own left several per cent between them. The cycles
-    (enough for about target_s of each implementation, at least 3 a round) are queued in
-    `rounds` batches, read after each batch's synchronize. event/sync: a timing-event factory and
-    a device synchronize (torch.cuda's by default)."""
+    implementations' graphs are replayed in turn, one replay each a cycle, each replay between
+    its own pair of events, so that a drift of the GPU's clocks weighs on every implementation
+    alike: graphs of the same kernels then time alike, where timing each graph for a stretch of
+    its own left several per cent between them. The order is rotated by cycle and reversed every
+    other lap of len(fns) cycles, so that each implementation follows each of its neighbours
+    equally often (the clock a replay starts at depends on the power its predecessor drew). The
+    cycles (enough for about target_s of each implementation, at least 3 a round and two laps
+    in all) are queued in `rounds` batches, read after each batch's synchronize. event/sync: a
+    timing-event factory and a device synchronize (torch.cuda's by default)."""
     graphs, est = {}, {}
     for name, fn in fns.items():
         try:
@@ -166,7 +168,9 @@ def interleaved_ms(fns, target_s, rounds, report, event=None, sync=None):
         return {name: None for name in fns}
     event = event or (lambda: torch.cuda.Event(enable_timing=True))
     sync = sync or torch.cuda.synchronize
-    per_round = max(3, math.ceil(target_s * 1e3 / rounds / statistics.mean(est.values())))
+    n = len(names)
+    per_round = max(3, math.ceil(2 * n / rounds),
+                    math.ceil(target_s * 1e3 / rounds / statistics.mean(est.values())))
     for name in names:  # (a first replay of each, untimed)
         graphs[name][0].replay()
     times = {name: [] for name in names}
@@ -174,7 +178,8 @@ def interleaved_ms(fns, target_s, rounds, report, event=None, sync=None):
     for _ in range(rounds):
         marks = []
         for _ in range(per_round):
-            for name in names[cycle % len(names):] + names[:cycle % len(names)]:
+            lap = names if (cycle // n) % 2 == 0 else names[::-1]
+            for name in lap[cycle % n:] + lap[:cycle % n]:
                 start, end = event(), event()
                 start.record()
                 graphs[name][0].replay()

@@ -151,14 +151,16 @@ def test_bench_models_table_is_well_formed():
 
 def test_interleaved_ms_alternates_and_takes_medians(monkeypatch):
     """The implementations' graphs are replayed in turn, one replay each a cycle, the order
-    rotated by cycle (none always first), each replay between its own events, the cycles queued
-    in `rounds` batches each read after a synchronize; each implementation gets the median of its
-    replays' times over the calls in its graph; one whose capture fails is reported and gets
-    None, the others still run."""
+    rotated by cycle (none always first) and reversed every other lap (each follows each
+    neighbour), each replay between its own events, the cycles queued in `rounds` batches each
+    read after a synchronize; each implementation gets the median of its replays' times over the
+    calls in its graph; one whose capture fails is reported and gets None, the others still
+    run."""
     pytest.importorskip("torch")
     from sage_attn import bench
     log, clock = [], [0.0]
-    cost = {"a": [3.0, 1.0, 2.0, 2.0, 9.0, 2.0], "b": [10.0, 30.0, 20.0, 20.0, 20.0, 40.0]}
+    cost = {"a": [3.0, 1.0, 2.0, 2.0, 9.0, 2.0], "b": [10.0, 30.0, 20.0, 20.0, 20.0, 40.0],
+            "c": [4.0] * 6}
 
     def capture(fn, est):
         name = fn()
@@ -182,12 +184,15 @@ def test_interleaved_ms_alternates_and_takes_medians(monkeypatch):
     monkeypatch.setattr(bench, "capture_graph", capture)
     monkeypatch.setattr(bench, "time_ms", lambda fn, target_s=0.25, samples=5: 1.0)
     reports = []
-    # 0.012 s over 2 rounds at 2 ms a replay: 3 cycles a round
-    got = bench.interleaved_ms({"a": lambda: "a", "bad": lambda: "bad", "b": lambda: "b"}, 0.012,
-                               2, reports.append, event=Event, sync=lambda: log.append("sync"))
-    assert log == ["a", "b", "a", "b", "b", "a", "a", "b", "sync",
-                   "b", "a", "a", "b", "b", "a", "sync"]
-    assert got == {"a": 1.0, "bad": None, "b": 10.0}  # medians 2 and 20, over 2 calls a replay
+    # 0.012 s over 2 rounds at 2 ms a replay: 3 cycles a round, two laps of 3
+    got = bench.interleaved_ms({"a": lambda: "a", "bad": lambda: "bad", "b": lambda: "b",
+                                "c": lambda: "c"}, 0.012, 2, reports.append, event=Event,
+                               sync=lambda: log.append("sync"))
+    assert log == ["a", "b", "c",  # untimed
+                   "a", "b", "c", "b", "c", "a", "c", "a", "b", "sync",  # a b c, rotated
+                   "c", "b", "a", "b", "a", "c", "a", "c", "b", "sync"]  # reversed, rotated
+    # medians 2, 20 and 4 over 2 calls a replay
+    assert got == {"a": 1.0, "bad": None, "b": 10.0, "c": 2.0}
     assert reports == ["bad failed (RuntimeError: capture failed)"]
     assert all(not c for c in cost.values())
 
