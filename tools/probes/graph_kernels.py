@@ -5,7 +5,8 @@
 # are listed with their device times; then every implementation's time under graph replay
 # (sage_attn.bench.interleaved_ms). For the drop-in calls that hand a call to torch: does
 # the graph hold torch's kernel, and the same one as torch's own call?
-# Run: python tools/probes/graph_kernels.py [--shape flux|sdxl|pixart|auraflow] [--rounds N]
+# Run: python tools/probes/graph_kernels.py [--shape flux|sdxl|pixart|auraflow|wan|mochi]
+#      [--rounds N]
 import argparse
 
 import torch
@@ -17,7 +18,7 @@ import sage_attn
 from sage_attn.bench import capture_graph, interleaved_ms
 
 SHAPES = {"flux": (1, 24, 4608, 128), "sdxl": (2, 10, 4096, 64), "pixart": (2, 16, 4096, 72),
-          "auraflow": (2, 24, 4352, 128)}
+          "auraflow": (2, 24, 4352, 128), "wan": (1, 40, 32760, 128), "mochi": (1, 24, 44520, 128)}
 
 
 def kernels_of(graph):
