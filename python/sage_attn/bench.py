@@ -144,17 +144,36 @@ def graph_ms(fn, target_s=0.25, est_ms=None):
         del graph
 
 
+def pair_circuit(n):
+    """A cyclic order of range(n) in which every ordered pair of distinct items stands next to
+    each other exactly once (an Euler circuit of the complete directed graph: n·(n-1) places,
+    each item n-1 times, after each other item once); [0] for n = 1."""
+    if n < 2:
+        return [0] * n
+    left = {u: [v for v in range(n) if v != u] for u in range(n)}
+    stack, circuit = [0], []
+    while stack:  # Hierholzer's walk
+        u = stack[-1]
+        if left[u]:
+            stack.append(left[u].pop())
+        else:
+            circuit.append(stack.pop())
+    return circuit[::-1][:-1]
+
+
 def interleaved_ms(fns, target_s, rounds, report, event=None, sync=None):
-    """name -> median GPU ms per call under CUDA-graph replay; None for one that failed. The
-    implementations' graphs are replayed in turn, one replay each a cycle, each replay between
-    its own pair of events, so that a drift of the GPU's clocks weighs on every implementation
-    alike: graphs of the same kernels then time alike, where timing each graph for a stretch of
-    its own left several per cent between them. The order is rotated by cycle and reversed every
-    other lap of len(fns) cycles, so that each implementation follows each of its neighbours
-    equally often (the clock a replay starts at depends on the power its predecessor drew). The
-    cycles (enough for about target_s of each implementation, at least 3 a round and two laps
-    in all) are queued in `rounds` batches, read after each batch's synchronize. event/sync: a
-    timing-event factory and a device synchronize (torch.cuda's by default)."""
+    """name -> GPU ms per call under CUDA-graph replay; None for one that failed. The
+    implementations' graphs are replayed in turn, each replay between its own pair of events, in
+    the order of pair_circuit: each implementation follows every other one equally often. The
+    clock a replay runs at depends on the power drawn before it (at its power limit the GPU
+    lowers the clock for a kernel that draws more: docs/performance.md), so a fixed order
+    favours whichever follows the frugal one, and timing each graph for a stretch of its own
+    gives each the clock of its own power draw instead of a shared one. The circuits (enough
+    for about target_s of each implementation, at least one a round) are queued in `rounds`
+    batches, each after an untimed replay of the circuit's last implementation, and read after
+    the batch's synchronize. The figure: per circuit the mean of an implementation's replays,
+    then the median over circuits. event/sync: a timing-event factory and a device synchronize
+    (torch.cuda's by default)."""
     graphs, est = {}, {}
     for name, fn in fns.items():
         try:
@@ -168,29 +187,30 @@ def interleaved_ms(fns, target_s, rounds, report, event=None, sync=None):
         return {name: None for name in fns}
     event = event or (lambda: torch.cuda.Event(enable_timing=True))
     sync = sync or torch.cuda.synchronize
-    n = len(names)
-    per_round = max(3, math.ceil(2 * n / rounds),
-                    math.ceil(target_s * 1e3 / rounds / statistics.mean(est.values())))
-    for name in names:  # (a first replay of each, untimed)
-        graphs[name][0].replay()
-    times = {name: [] for name in names}
-    cycle = 0
+    order = [names[i] for i in pair_circuit(len(names))]
+    per_impl = max(1, len(names) - 1)  # an implementation's replays a circuit
+    circuits = max(1, math.ceil(target_s * 1e3 / rounds /
+                                (per_impl * statistics.mean(est.values()))))
+    means = {name: [] for name in names}
     for _ in range(rounds):
+        graphs[order[-1]][0].replay()  # (the first timed replay's predecessor, as in the circuit)
         marks = []
-        for _ in range(per_round):
-            lap = names if (cycle // n) % 2 == 0 else names[::-1]
-            for name in lap[cycle % n:] + lap[:cycle % n]:
+        for _ in range(circuits):
+            for name in order:
                 start, end = event(), event()
                 start.record()
                 graphs[name][0].replay()
                 end.record()
                 marks.append((name, start, end))
-            cycle += 1
         sync()
-        for name, start, end in marks:
-            times[name].append(start.elapsed_time(end) / graphs[name][1])
+        for c in range(circuits):
+            mine = {name: [] for name in names}
+            for name, start, end in marks[c * len(order):(c + 1) * len(order)]:
+                mine[name].append(start.elapsed_time(end) / graphs[name][1])
+            for name in names:
+                means[name].append(statistics.mean(mine[name]))
     del graphs
-    return {name: statistics.median(times[name]) if name in times else None for name in fns}
+    return {name: statistics.median(means[name]) if name in means else None for name in fns}
 
 
 def host_us(fn, est_ms, calls=20, samples=5):

@@ -149,18 +149,32 @@ def test_bench_models_table_is_well_formed():
         assert isinstance(causal, bool), call
 
 
+def test_pair_circuit_puts_every_ordered_pair_side_by_side_once():
+    pytest.importorskip("torch")
+    from sage_attn import bench
+    assert bench.pair_circuit(1) == [0]
+    for n in range(2, 8):
+        c = bench.pair_circuit(n)
+        pairs = [(c[i], c[(i + 1) % len(c)]) for i in range(len(c))]
+        assert len(c) == n * (n - 1)
+        assert sorted(pairs) == [(u, v) for u in range(n) for v in range(n) if u != v]
+
+
 def test_interleaved_ms_alternates_and_takes_medians(monkeypatch):
-    """The implementations' graphs are replayed in turn, one replay each a cycle, the order
-    rotated by cycle (none always first) and reversed every other lap (each follows each
-    neighbour), each replay between its own events, the cycles queued in `rounds` batches each
-    read after a synchronize; each implementation gets the median of its replays' times over the
-    calls in its graph; one whose capture fails is reported and gets None, the others still
-    run."""
+    """The implementations' graphs are replayed in the order of pair_circuit (each follows every
+    other once a circuit), each replay between its own events, the circuits queued in `rounds`
+    batches, each batch led by an untimed replay of the circuit's last implementation and read
+    after a synchronize; an implementation's figure is the median over circuits of the mean of
+    its replays' times (over the calls in its graph); one whose capture fails is reported and
+    gets None, the others still run."""
     pytest.importorskip("torch")
     from sage_attn import bench
     log, clock = [], [0.0]
-    cost = {"a": [3.0, 1.0, 2.0, 2.0, 9.0, 2.0], "b": [10.0, 30.0, 20.0, 20.0, 20.0, 40.0],
-            "c": [4.0] * 6}
+    # a: 2 replays a circuit; circuit means 2, 1, 5, 2 -> median 2 (1 over 2 calls a replay)
+    cost = {"a": [3.0, 1.0, 1.0, 1.0, 9.0, 1.0, 2.0, 2.0],
+            "b": [10.0, 30.0, 20.0, 20.0, 20.0, 40.0, 10.0, 10.0],
+            "c": [4.0] * 8}
+    untimed = set()
 
     def capture(fn, est):
         name = fn()
@@ -170,28 +184,35 @@ def test_interleaved_ms_alternates_and_takes_medians(monkeypatch):
 
         def replay():
             log.append(name)
-            if len([x for x in log if x == name]) > 1:  # (the first replay is not timed)
+            if clock_on[0]:
                 clock[0] += cost[name].pop(0)
         return types.SimpleNamespace(replay=replay), 2  # 2 calls a replay
 
+    clock_on = [False]
+
     class Event:
         def record(self):
+            clock_on[0] = True
             self.t = clock[0]
 
         def elapsed_time(self, end):
             return end.t - self.t
 
+    def sync():
+        log.append("sync")
+        clock_on[0] = False
+
     monkeypatch.setattr(bench, "capture_graph", capture)
     monkeypatch.setattr(bench, "time_ms", lambda fn, target_s=0.25, samples=5: 1.0)
     reports = []
-    # 0.012 s over 2 rounds at 2 ms a replay: 3 cycles a round, two laps of 3
+    # 0.016 s over 2 rounds at 2 ms a replay and 2 replays an implementation a circuit:
+    # 2 circuits a round
     got = bench.interleaved_ms({"a": lambda: "a", "bad": lambda: "bad", "b": lambda: "b",
-                                "c": lambda: "c"}, 0.012, 2, reports.append, event=Event,
-                               sync=lambda: log.append("sync"))
-    assert log == ["a", "b", "c",  # untimed
-                   "a", "b", "c", "b", "c", "a", "c", "a", "b", "sync",  # a b c, rotated
-                   "c", "b", "a", "b", "a", "c", "a", "c", "b", "sync"]  # reversed, rotated
-    # medians 2, 20 and 4 over 2 calls a replay
+                                "c": lambda: "c"}, 0.016, 2, reports.append, event=Event,
+                               sync=sync)
+    circuit = [["a", "b", "c"][i] for i in bench.pair_circuit(3)]
+    assert log == ([circuit[-1]] + circuit * 2 + ["sync"]) * 2
+    # b: circuit means 20, 20, 30, 10 -> 20; c: 4
     assert got == {"a": 1.0, "bad": None, "b": 10.0, "c": 2.0}
     assert reports == ["bad failed (RuntimeError: capture failed)"]
     assert all(not c for c in cost.values())
