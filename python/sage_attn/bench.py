@@ -1,7 +1,8 @@
 """python -m sage_attn.bench: the standard grid (docs/performance.md) with the baselines in the same
 process. For every (head_dim, N, causal) and implementation: eager end-to-end TOPS (fp16 in, fp16
 out, CUDA events, median of samples), TOPS under CUDA-graph replay (the GPU's time alone: the
-figure the bar is judged on), host microseconds per eager call, sage's kernel-only TOPS (the
+figure the bar is judged on; a shape's implementations timed in turn at a shared clock,
+interleaved_ms), host microseconds per eager call, sage's kernel-only TOPS (the
 attention kernel's own duration read with torch.profiler/CUPTI), cuDNN's FP8 attention on inputs
 quantized beforehand (kernel-only, the anchor), and accuracy (cos, rel-L1, RMSE, max-abs) against
 float64 on the first heads. Writes <out>/<date>-<gpu>[-tag].json (the fields of
@@ -357,12 +358,15 @@ def host_time(args, gpu, commit):
 class Impl:
     """What the bench runs for one row: `fn` (the timed call), `output()` (the result of the last
     call, for accuracy), the drop-in's choice, and a context every call of the row runs in (SDPA's
-    backend choice: entered once, so that its cost is not in the host time)."""
+    backend choice: entered once, so that its cost is not in the host time); `graph_fn`, the call
+    as the shape's shared graph timing captures it outside that context (fn by default)."""
 
-    def __init__(self, fn, output=None, choice=None, kernel_only=False, context=None):
+    def __init__(self, fn, output=None, choice=None, kernel_only=False, context=None,
+                 graph_fn=None):
         self.fn, self.kernel_only, self.choice = fn, kernel_only, choice
         self._output = output
         self.context = context if context is not None else contextlib.nullcontext()
+        self.graph_fn = graph_fn if graph_fn is not None else fn
 
     def first_output(self):
         out = self.fn()
@@ -399,8 +403,12 @@ def make_impl(impl, q, k, v, causal):
         anchor = CudnnFp8Attention(q, k, v, causal)
         return Impl(anchor, output=anchor.result, kernel_only=True)
     backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}[impl]
+
+    def in_backend():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return Impl(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                context=sdpa_kernel(backend))
+                context=sdpa_kernel(backend), graph_fn=in_backend)
 
 
 def gpu_info():
@@ -424,8 +432,10 @@ def _shape(d, n, causal):
 
 
 def measure(name, q, k, v, causal, ref, args):
-    """One row: every figure that applies to `name`, null where it does not or where a step
-    failed (each failure printed on one line; the bench goes on)."""
+    """(row, graph_fn): every figure that applies to `name` but the graph column, null where it
+    does not or where a step failed (each failure printed on one line; the bench goes on), and
+    the call for the shape's shared graph timing (graph_rows), None where the row did not run
+    or is timed as a kernel alone."""
     b, h, n, d = q.shape
     row = new_row(name, d, n, b, h, causal)
     label = f"{name:11s} {_shape(d, n, causal)}"
@@ -433,13 +443,40 @@ def measure(name, q, k, v, causal, ref, args):
         impl = make_impl(name, q, k, v, causal)
     except Exception as e:  # an impl that cannot be set up (or is missing): a null row
         print(f"{label}: not run ({_why(e)})", flush=True)
-        return row
+        return row, None
     try:
         with impl.context:
-            return _measure(impl, row, label, q, causal, ref, args)
+            row = _measure(impl, row, label, q, causal, ref, args)
     except Exception as e:  # a failure while timing: the figures so far, the rest null
         print(f"{label}: stopped ({_why(e)})", flush=True)
-        return row
+        return row, None
+    ran = row["ms"] is not None and not impl.kernel_only
+    return row, impl.graph_fn if ran else None
+
+
+def graph_rows(rows_fns, q, causal, args):
+    """The graph column of one shape's rows: the implementations that ran, their graphs timed
+    in turn at a shared clock (interleaved_ms), so that the column compares them under the same
+    conditions. (A row's capture that fails leaves its column null, with a line saying why.)"""
+    b, h, n, d = q.shape
+    fns = {row["impl"]: fn for row, fn in rows_fns if fn is not None}
+    if not fns:
+        return
+    shape = _shape(d, n, causal)
+    times = interleaved_ms(fns, args.seconds, 3,
+                           lambda msg: print(f"graph {shape}: {msg}", flush=True))
+    fl = flops(b, h, n, d, causal)
+    for row, _ in rows_fns:
+        ms = times.get(row["impl"])
+        if ms is not None:
+            row["graph_tops"] = tops(fl, ms)
+    print(f"graph {shape}: " + "  ".join(
+        f"{row['impl']} {row['graph_tops']:.1f}" for row, _ in rows_fns
+        if row["graph_tops"] is not None) + " TOPS", flush=True)
+    try:
+        torch.cuda.synchronize()
+    except Exception:
+        pass
 
 
 def _measure(impl, row, label, q, causal, ref, args):
@@ -456,7 +493,6 @@ def _measure(impl, row, label, q, causal, ref, args):
     fl = flops(b, h, n, d, causal)
     ms = time_ms(impl.fn, args.seconds)
     row["ms"] = round(ms, 4)
-    notes = []
     if impl.kernel_only:
         row["kernel_tops"] = tops(fl, ms)
     else:
@@ -466,22 +502,12 @@ def _measure(impl, row, label, q, causal, ref, args):
             row["kernel_tops"] = tops(fl, kms)
         if not args.no_host:
             row["host_us"] = round(host_us(impl.fn, ms), 1)
-    if not args.no_graph:
-        try:
-            row["graph_tops"] = tops(fl, graph_ms(impl.fn, args.seconds, ms))
-        except Exception as e:  # not capturable: the column stays null
-            notes.append(f"no CUDA graph ({_why(e)})")
-            try:
-                torch.cuda.synchronize()
-            except Exception:
-                pass
     fmt = lambda x, f="{:7.1f}": "      -" if x is None else f.format(x)  # noqa: E731
     acc = (f" | cos {row['cos']:.5f} rel-L1 {row['rel_l1']:.4f} rmse {row['rmse']:.2e} "
            f"max {row['max_abs']:.3f}") if row["cos"] is not None else ""
-    print(f"{label} {ms:9.3f} ms  eager {fmt(row['e2e_tops'])}  graph {fmt(row['graph_tops'])}  "
+    print(f"{label} {ms:9.3f} ms  eager {fmt(row['e2e_tops'])}  "
           f"kernel {fmt(row['kernel_tops'])} TOPS  host {fmt(row['host_us'])} us"
-          + (f"  choice {row['choice']}" if row["choice"] else "") + acc
-          + "".join(f"\n{label}: {x}" for x in notes), flush=True)
+          + (f"  choice {row['choice']}" if row["choice"] else "") + acc, flush=True)
     return row
 
 
@@ -522,9 +548,13 @@ def main(argv=None):
                 if args.accuracy_heads > 0:
                     ah = min(args.accuracy_heads, h)
                     ref = reference64(q[0, :ah], k[0, :ah], v[0, :ah], causal)
+                shape_rows = []
                 for impl in args.impls:
-                    rows.append(measure(impl, q, k, v, causal, ref, args))
+                    shape_rows.append(measure(impl, q, k, v, causal, ref, args))
                     torch.cuda.empty_cache()
+                if not args.no_graph:
+                    graph_rows(shape_rows, q, causal, args)
+                rows.extend(row for row, _ in shape_rows)
                 del q, k, v, ref
                 torch.cuda.empty_cache()
     date = datetime.date.today().isoformat()

@@ -244,3 +244,29 @@ def test_paired_host_us_holds_rotates_and_pairs():
     times["b"] = [5.0, 9.0, 6.0]
     assert bench.paired_summary(times, "b", "a") == pytest.approx((6.0, 4.0, 3.0, 7.0))
 
+
+
+def test_grid_graph_column_times_a_shapes_rows_together(monkeypatch):
+    """The grid's graph column: the implementations of one shape that ran (a graph call each)
+    timed together by interleaved_ms; a row that did not run, or is timed as a kernel alone, is
+    not timed and keeps a null column, and so does one whose capture failed."""
+    pytest.importorskip("torch")
+    from sage_attn import bench
+    seen = {}
+
+    def interleaved(fns, target_s, rounds, report):
+        seen.update(fns)
+        report("sdpa-flash failed (RuntimeError: capture)")
+        return {"sage-8b": 2.0, "sdpa-cudnn": 4.0, "sdpa-flash": None}
+
+    monkeypatch.setattr(bench, "interleaved_ms", interleaved)
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    q = types.SimpleNamespace(shape=(4, 32, 1024, 128))
+    rows = [(bc.new_row(name, 128, 1024, 4, 32, False), fn) for name, fn in
+            (("sage-8b", "f1"), ("sdpa-cudnn", "f2"), ("sdpa-flash", "f3"), ("cudnn-fp8", None))]
+    bench.graph_rows(rows, q, False, types.SimpleNamespace(seconds=0.3))
+    assert seen == {"sage-8b": "f1", "sdpa-cudnn": "f2", "sdpa-flash": "f3"}
+    fl = bc.flops(4, 32, 1024, 128, False)
+    got = {row["impl"]: row["graph_tops"] for row, _ in rows}
+    assert got == {"sage-8b": bc.tops(fl, 2.0), "sdpa-cudnn": bc.tops(fl, 4.0),
+                   "sdpa-flash": None, "cudnn-fp8": None}
