@@ -174,7 +174,6 @@ def test_interleaved_ms_alternates_and_takes_medians(monkeypatch):
     cost = {"a": [3.0, 1.0, 1.0, 1.0, 9.0, 1.0, 2.0, 2.0],
             "b": [10.0, 30.0, 20.0, 20.0, 20.0, 40.0, 10.0, 10.0],
             "c": [4.0] * 8}
-    untimed = set()
 
     def capture(fn, est):
         name = fn()
@@ -243,7 +242,6 @@ def test_paired_host_us_holds_rotates_and_pairs():
         "a": [2.0] * 3, "b": [5.0] * 3, "c": [1.0] * 3}
     times["b"] = [5.0, 9.0, 6.0]
     assert bench.paired_summary(times, "b", "a") == pytest.approx((6.0, 4.0, 3.0, 7.0))
-
 
 
 def test_grid_graph_column_times_a_shapes_rows_together(monkeypatch):
