@@ -670,8 +670,16 @@ TEST(Planner, CrossoverModelBounds) {
   EXPECT_FALSE(sage::api::prefer_sdpa(kH100, 128, SAGE_MASK_NONE, 32760, 32760, false, wan));
   EXPECT_FALSE(sage::api::prefer_sdpa(kH100, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, 32768, 32768,
                                       false, {1, 32, 8, 128}));
-  // A GPU of a measured architecture that no sweep ran on (here an H200's wider memory bus)
-  // takes the narrowest-memory GPU's rows: with the same SMs, the same choices as the H100's.
+  // The H200 (6016-bit bus) has rows of its own: at real models' shapes, Flux.1 1024² (24 heads
+  // at 4608, D 128) goes to SDPA, SD3.5 (2 x 38 heads at 4096 + 333, D 64) and Wan 2.1 to sage.
+  const Device h200{0, 90, 132, 8, 6016};
+  EXPECT_TRUE(sage::api::prefer_sdpa(h200, 128, SAGE_MASK_NONE, 4608, 4608, false,
+                                     {1, 24, 24, 128}));
+  EXPECT_FALSE(sage::api::prefer_sdpa(h200, 64, SAGE_MASK_NONE, 4429, 4429, false,
+                                      {2, 38, 38, 64}));
+  EXPECT_FALSE(sage::api::prefer_sdpa(h200, 128, SAGE_MASK_NONE, 32760, 32760, false, wan));
+  // A GPU of a measured architecture that no sweep ran on (here a 6144-bit bus) takes the
+  // narrowest-memory GPU's rows: with the same SMs, the same choices as the H100's.
   const Device other{0, 90, 132, 8, 6144};
   for (const int64_t n : {2048, 4096, 8192, 16384})
     for (const int64_t h : {8, 32, 128})
@@ -690,7 +698,7 @@ TEST(Planner, CrossoverModelBounds) {
 // such call must be one the model sends there, on every head dim, mask and shape; and the bound is
 // no stand-in (calls at and above it do go to sage). Unmeasured GPUs never prefer SDPA by length.
 TEST(Planner, SdpaBelowBoundsEveryCallTheModelHandsToSdpaByLength) {
-  const Device h200{0, 90, 132, 8, 6144};
+  const Device h200{0, 90, 132, 8, 6016};
   for (const Device& dev : {kH100, h200}) {
     const int64_t below = sage::api::sdpa_below(dev);
     ASSERT_GT(below, 1);
