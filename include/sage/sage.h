@@ -282,8 +282,9 @@ typedef struct sage_plan_info {
   int32_t launches;        /* kernels launched per call */
   int32_t prefer_sdpa;     /* 1: on this GPU a dense fp16 SDPA (cuDNN) is predicted faster for
                               this call's batch, heads, lengths, head dim and mask (the
-                              crossover model fitted to measurements, src/api/plan.cpp): the
-                              SDPA drop-in hands such calls to torch; sage_attention() still
+                              crossover model fitted to measurements, src/api/plan.cpp), or
+                              this kind of GPU was never measured (every call: Ada, Blackwell):
+                              the SDPA drop-in hands such calls to torch; sage_attention() still
                               runs them */
   size_t workspace_size;   /* bytes of device workspace (sage_attention_workspace_size) */
   sage_quant_config emulation; /* the config whose CPU emulation (SAGE_VARIANT_CUSTOM on host
@@ -301,9 +302,9 @@ typedef struct sage_plan_info {
                                    table): the SDPA drop-in trains such calls with torch */
   int64_t sdpa_below;      /* CUDA: on this GPU every call with a query or key length under this
                               has prefer_sdpa set, whatever its batch, heads, head dim and mask
-                              (the crossover model's least routed length; 0: none by length
-                              alone), so a router can hand such calls to SDPA unplanned; the CPU
-                              backend: 0 */
+                              (the crossover model's least routed length; INT64_MAX on a kind
+                              of GPU never measured), so a router can hand such calls to SDPA
+                              unplanned; the CPU backend: 0 */
 } sage_plan_info;
 
 /* ---- The backward pass: SageBwd (SageAttention3 paper, Algorithm 3) -----------------------------

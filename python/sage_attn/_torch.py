@@ -931,7 +931,8 @@ _use_crossover = True
 
 def set_dropin_crossover(enabled: bool) -> None:
     """The SDPA drop-in hands shapes where the library's crossover model (fitted per GPU
-    architecture, head dim and mask) says torch's own SDPA is faster to torch (the default).
+    architecture, head dim and mask) says torch's own SDPA is faster to torch, and every call on
+    a kind of GPU the model has no measurements of (the default).
     set_dropin_crossover(False): the drop-in runs sage wherever it can."""
     global _use_crossover
     if not isinstance(enabled, bool):
@@ -968,6 +969,11 @@ def _dropin_plan(q, k, v, mask, scale, training=False):
     except _lib.SageUnsupportedError as e:
         return f"no kernel for this call ({e})", None
     _sdpa_below[q.device] = prep.sdpa_below
+    if prep.sdpa_below >= _NEVER_MEASURED and _use_crossover:
+        major, minor = torch.cuda.get_device_capability(q.device)
+        _warn_once(f"this GPU (sm_{major}{minor}) was never measured against torch's SDPA, so the "
+                   "SDPA drop-in hands it every call (set_dropin_crossover(False) runs sage "
+                   "wherever it can)")
     if training and not prep.has_backward:
         return f"no backward kernel for head_dim {q.shape[-1]} (training)", None
     faster = prep.prefer_sdpa_training if training else prep.prefer_sdpa
@@ -1030,6 +1036,9 @@ _routes: dict = {}
 # call (ViT, DiT, a low UNet level) then goes to torch's SDPA on three reads of the query, not the
 # whole signature; the calls it skips would all have routed there silently.
 _sdpa_below: dict = {}
+# sdpa_below on a kind of GPU the crossover model has no measurements of (INT64_MAX): every call
+# goes to torch's SDPA there.
+_NEVER_MEASURED = (1 << 63) - 1
 
 
 def _shorter_than_routed(shape, device):
@@ -1113,8 +1122,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     SageAttn2-8b where it can and is faster, by torch's SDPA otherwise: arguments the library
     does not take (a one-time warning per reason; a training call whose backward the library
     does not have is one), and shapes where the library's crossover model says torch's SDPA is
-    faster on this GPU (silently; set_dropin_crossover(False) turns that off; under
-    torch.compile the same choice is made inside the op). So
+    faster on this GPU (silently; on a kind of GPU the model has no measurements of, every call,
+    with one warning; set_dropin_crossover(False) turns that off; under torch.compile the same
+    choice is made inside the op). So
     `F.scaled_dot_product_attention = sage_attn.scaled_dot_product_attention` is safe anywhere
     and not slower than SDPA where the table was measured."""
     if torch.compiler.is_compiling():

@@ -3,6 +3,7 @@
 #include "api/plan.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "attn/mma/params.h"
@@ -126,7 +127,10 @@ bool prefer_sdpa(const Device& dev, int64_t head_dim, sage_mask mask, int64_t se
       if (exact) { m = &r; break; }
       if (m == nullptr || r.bus < m->bus) m = &r;
     }
-  if (m == nullptr) return false;  // the forward was never measured slower there
+  // A GPU no sweep measured sage against SDPA on (another architecture: Ada, Blackwell) gets
+  // torch's SDPA: a router sends a call to sage only where sage measured faster on that kind of
+  // GPU, and here nothing was measured (sage_attention() still runs any call it is given).
+  if (m == nullptr) return true;
   if (seq_q < m->min_seq || seq_kv < m->min_seq) return true;
   const int sms = dev.sms > 0 ? dev.sms : m->sms;
   const double visit = causal ? 0.5 : 1.0;  // the share of keys a query tile visits on average
@@ -155,21 +159,13 @@ bool prefer_sdpa(const Device& dev, int64_t head_dim, sage_mask mask, int64_t se
 
 int64_t sdpa_below(const Device& dev) {
   // prefer_sdpa takes one row of this GPU's architecture per (kernel head dim, mask) and sends
-  // lengths under its least length to torch; the least over every row of the architecture is
-  // then a bound for any call. A (head dim, mask) with no row is never sent to torch by length.
-  int64_t least = -1;
-  for (const int64_t hd : {64, 128, 256})
-    for (const bool causal : {false, true}) {
-      int64_t row_least = 0;
-      bool found = false;
-      for (const Model& r : kModels)
-        if (r.cc == dev.cc && r.head_dim == hd && r.causal == causal) {
-          row_least = found ? std::min(row_least, r.min_seq) : r.min_seq;
-          found = true;
-        }
-      least = least < 0 ? row_least : std::min(least, row_least);
-    }
-  return std::max<int64_t>(least, 0);
+  // lengths under its least length to torch; a (head dim, mask) without a row sends every call
+  // there. So the least over the architecture's rows bounds any call, and on an architecture
+  // without rows every length is under it.
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (const Model& r : kModels)
+    if (r.cc == dev.cc) least = std::min(least, r.min_seq);
+  return least;
 }
 
 sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Device& dev,

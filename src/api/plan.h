@@ -61,14 +61,14 @@ struct CallShape {
 
 // The crossover model: true where a dense fp16 SDPA (cuDNN) is predicted faster than this
 // library's call of this shape at this (kernel, native) head dim and mask on this GPU; fitted to
-// measurements (src/api/crossover_model.inc, tools/crossover.py). Unmeasured architectures:
-// false for the forward, true for training (see plan.cpp).
+// measurements (src/api/crossover_model.inc, tools/crossover.py). Architectures without
+// measurements (no row: Ada, Blackwell): true (see plan.cpp).
 bool prefer_sdpa(const Device& dev, int64_t head_dim, sage_mask mask, int64_t seq_q,
                  int64_t seq_kv, bool training = false, CallShape shape = {});
 
 // The least length from which prefer_sdpa can route a forward call on this GPU to the library:
 // every call whose query or key length is under it prefers SDPA, whatever its batch, heads, head
-// dim and mask (0: none does by length alone; unmeasured architectures).
+// dim and mask (on an architecture without measurements: every length, INT64_MAX).
 int64_t sdpa_below(const Device& dev);
 
 // A CUDA backward call's plan: the main kernel's family (the stats pass, pre-pass, dQ store and

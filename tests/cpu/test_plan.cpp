@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <set>
 #include <string>
@@ -685,9 +686,14 @@ TEST(Planner, CrossoverModelBounds) {
     for (const int64_t h : {8, 32, 128})
       EXPECT_EQ(sage::api::prefer_sdpa(other, 128, SAGE_MASK_NONE, n, n, false, {1, h, h, 128}),
                 sage::api::prefer_sdpa(kH100, 128, SAGE_MASK_NONE, n, n, false, {1, h, h, 128}));
-  // Unmeasured architectures keep sage for inference.
-  EXPECT_FALSE(must_plan(Call(1024, 1024, 128), kAda).prefer_sdpa);
-  EXPECT_FALSE(sage::api::prefer_sdpa(kBlackwell, 128, SAGE_MASK_NONE, 512, 512));
+  // Architectures never measured against SDPA prefer it everywhere, however long the call (a
+  // router sends a call to sage only where sage measured faster on that kind of GPU).
+  for (const Device& dev : {kAda, kBlackwell})
+    for (const sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT})
+      for (const int64_t hd : {64, 128, 256}) {
+        EXPECT_TRUE(must_plan(Call(131072, 131072, hd, mask).with_heads(64, 8), dev).prefer_sdpa);
+        EXPECT_TRUE(sage::api::prefer_sdpa(dev, hd, mask, 512, 512));
+      }
   // Training (forward + SageBwd): no model, so torch trains every shape and GPU.
   EXPECT_TRUE(must_plan(Call(32768, 32768, 128), kH100).prefer_sdpa_training);
   for (const Device& dev : {kAda, kH100, kBlackwell})
@@ -696,7 +702,8 @@ TEST(Planner, CrossoverModelBounds) {
 
 // sdpa_below: a router may hand a call shorter than it to SDPA without planning it, so every
 // such call must be one the model sends there, on every head dim, mask and shape; and the bound is
-// no stand-in (calls at and above it do go to sage). Unmeasured GPUs never prefer SDPA by length.
+// no stand-in (calls at and above it do go to sage). On GPUs never measured every length is under
+// it.
 TEST(Planner, SdpaBelowBoundsEveryCallTheModelHandsToSdpaByLength) {
   const Device h200{0, 90, 132, 8, 6016};
   for (const Device& dev : {kH100, h200}) {
@@ -722,8 +729,9 @@ TEST(Planner, SdpaBelowBoundsEveryCallTheModelHandsToSdpaByLength) {
     EXPECT_TRUE(some_sage);
   }
   for (const Device& dev : {kAda, kBlackwell}) {
-    EXPECT_EQ(sage::api::sdpa_below(dev), 0);
-    EXPECT_EQ(must_plan(Call(1000, 1000, 128), dev).sdpa_below, 0);
+    EXPECT_EQ(sage::api::sdpa_below(dev), std::numeric_limits<int64_t>::max());
+    EXPECT_EQ(must_plan(Call(1000, 1000, 128), dev).sdpa_below,
+              std::numeric_limits<int64_t>::max());
   }
 }
 

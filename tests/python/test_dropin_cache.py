@@ -512,6 +512,29 @@ def test_calls_under_the_least_routed_length_go_to_torch_unplanned(crossover_on)
         assert len(checks) == 2
 
 
+def test_a_gpu_never_measured_hands_every_call_to_torch(crossover_on, monkeypatch):
+    """On a kind of GPU the crossover model has no measurements of, the plan prefers SDPA for
+    every call and says so by an unbounded least routed length: the drop-in hands every call
+    to torch, however long, warns once that the GPU was never measured (naming the switch),
+    and after the first plan takes the length shortcut; with the crossover off it runs sage."""
+    monkeypatch.setattr(T, "_warned", set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    with host.cuda_stand_in(prefer_sdpa=True, sdpa_below=T._NEVER_MEASURED) as stand:
+        dropin = sage_attn.scaled_dot_product_attention
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for shape in ((1, 4, 96, 64), (1, 4, 96, 64), (1, 2, 4096, 128), (2, 8, 32, 64)):
+                dropin(*qkv(shape))
+        assert stand.sdpa == 4 and stand.runs == 0 and stand.plans == 1
+        assert len(w) == 1, [str(x.message) for x in w]
+        assert "sm_89" in str(w[0].message) and "set_dropin_crossover(False)" in str(w[0].message)
+        assert T._dropin_route_of(*qkv((1, 2, 4096, 128)), None, 0.0, False, None,
+                                  False) is T._SHORT
+        sage_attn.set_dropin_crossover(False)
+        dropin(*qkv((1, 4, 96, 64)))
+        assert stand.runs == 1
+
+
 def test_random_calls_get_the_answer_of_every_check(crossover_on):
     """Random calls around the least routed length, each asked through the signature (with the
     others cached) and with every check: the same answer, but that the shortcut's silent
