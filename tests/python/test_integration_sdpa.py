@@ -137,12 +137,20 @@ def test_gpu_flash_impl_runs_sage_and_falls_back(rng):
             got_short = F.scaled_dot_product_attention(*short, is_causal=True)
     finally:
         restore_flash_attention_impl()
-    assert sage_attn.dropin_backend(*long, is_causal=True) == "sage"
-    # (the registered forward always computes the LSE, the op returns one)
-    assert torch.equal(got_long, sage_attn.sageattn(*long, is_causal=True, return_lse=True)[0])
-    assert not torch.equal(got_long, torch_long)
-    rel = ((got_long.float() - torch_long.float()).abs().sum() / torch_long.float().abs().sum())
-    assert rel < 0.05, rel
+    if torch.cuda.get_device_capability() != (9, 0):
+        # A kind of GPU the crossover model has no measurements of: every call stays with
+        # torch's own flash kernel.
+        assert sage_attn.dropin_backend(*long, is_causal=True) == "sdpa"
+        assert torch.equal(got_long, torch_long)
+    else:
+        assert sage_attn.dropin_backend(*long, is_causal=True) == "sage"
+        # (the registered forward always computes the LSE, the op returns one)
+        assert torch.equal(got_long,
+                           sage_attn.sageattn(*long, is_causal=True, return_lse=True)[0])
+        assert not torch.equal(got_long, torch_long)
+        rel = ((got_long.float() - torch_long.float()).abs().sum() /
+               torch_long.float().abs().sum())
+        assert rel < 0.05, rel
     assert sage_attn.dropin_backend(*short, is_causal=True) == "sdpa"
     assert torch.equal(got_short, torch_short)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # restored: torch's kernel again
