@@ -208,6 +208,9 @@ def _attention(c: _Call, prep=None):
         if q.is_cuda:
             _on_device(q.device, _run_cuda, c, o, lse, prep)
         else:
+            if q.device.type != "cpu":  # (a meta or other device's tensor has no host data)
+                raise ValueError(f"q: device {q.device} is not supported; pass CUDA or CPU "
+                                 "tensors")
             a = _build_args(c, o, lse)
             a.backend = _lib.BACKEND_CPU
             _lib.run(a)
@@ -883,7 +886,8 @@ class _VarlenAttention(torch.autograd.Function):
 
 def _scale(scale, head_dim, name):
     if scale is None:
-        return 1.0 / math.sqrt(head_dim)
+        # (head_dim 0: any scale; the library refuses the head dim by name)
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{name} = {scale!r}: must be a number or None")
     if not (scale > 0 and math.isfinite(scale)):

@@ -1,7 +1,6 @@
 """The torch front end: sageattn, the SDPA drop-in, the custom op under torch.compile and CUDA
 graphs, the stream, errors. GPU tests skip themselves (with the reason) without a CUDA device;
 without torch the whole file skips."""
-import math
 import warnings
 
 import numpy as np
@@ -218,6 +217,8 @@ def test_patching_functional_sdpa_does_not_recurse(gen, monkeypatch):
     (lambda q: (q, q[:, :3], q[:, :3]), ValueError, "heads_kv"),
     (lambda q: (q.transpose(-1, -2), q, q), ValueError, "contiguous"),
     (lambda q: (np.zeros(3), q, q), TypeError, "q"),
+    (lambda q: (q[..., :0], q[..., :0], q[..., :0]), sage_attn.SageArgumentError, "head_dim = 0"),
+    (lambda q: (q.to("meta"), q.to("meta"), q.to("meta")), ValueError, "device meta"),
 ])
 def test_bad_input_cpu(gen, make, exc, words):
     q = randn(gen, (1, 4, 64, 64), torch.float32, "cpu")
