@@ -333,6 +333,14 @@ def check_packed_qkv(q, k, v):
         raise ValueError(f"k: head_dim {k.shape[2]} must equal q's {q.shape[2]}")
 
 
+def check_cu_seqlens_counts(entries_q, entries_k):
+    """cu_seqlens_q and cu_seqlens_k (numpy arrays or torch tensors) of one packed call: the
+    same number of entries, batch + 1 >= 2."""
+    if entries_q != entries_k or entries_q < 2:
+        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: need the same batch + 1 >= 2 entries "
+                         f"each (got {entries_q} and {entries_k})")
+
+
 def check_flag(name, value):
     """A smoothing keyword: True, False or None (the preset); anything else is a TypeError."""
     if value is not None and not isinstance(value, bool):

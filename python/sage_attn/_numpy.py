@@ -111,9 +111,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                             f"lengths), got {getattr(cu, 'dtype', type(cu).__name__)}")
         cus.append(np.ascontiguousarray(cu))
     cu_q, cu_k = cus
-    if cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
-        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: need batch + 1 >= 2 entries each (got "
-                         f"{cu_q.shape[0]} and {cu_k.shape[0]})")
+    _lib.check_cu_seqlens_counts(cu_q.shape[0], cu_k.shape[0])
     variant, cfg = _lib.quant_settings(qk_bits, smooth_q, smooth_k, smooth_v, exact)
     o = np.empty(q.shape, dtype=q.dtype)
     lse = np.empty((q.shape[1], q.shape[0]), dtype=np.float32) if return_lse else None

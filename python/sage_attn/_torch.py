@@ -761,9 +761,7 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         if cu.dtype != torch.int32 or cu.dim() != 1:
             raise TypeError(f"{name}: expected a 1-D int32 tensor (batch + 1 cumulative "
                             f"lengths), got {cu.dtype} of shape {tuple(cu.shape)}")
-    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
-        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: need batch + 1 >= 2 entries each (got "
-                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]})")
+    _lib.check_cu_seqlens_counts(cu_seqlens_q.shape[0], cu_seqlens_k.shape[0])
     for name, value in (("smooth_q", smooth_q), ("smooth_k", smooth_k), ("smooth_v", smooth_v)):
         _lib.check_flag(name, value)
     kernel_code = _kernel_code(kernel)

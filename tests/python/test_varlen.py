@@ -72,6 +72,9 @@ def test_errors_name_the_argument(rng):
         sage_attn.attention_varlen_numpy(q, k, v, cu_q, cu_k, 8, 8.0)
     with pytest.raises(ValueError, match="dimensions"):
         sage_attn.attention_varlen_numpy(q[None], k, v, cu_q, cu_k, 8, 8)
+    # cu_seqlens of different counts: named as such (not as too few entries)
+    with pytest.raises(ValueError, match="the same batch . 1 >= 2 entries each .got 3 and 2"):
+        sage_attn.attention_varlen_numpy(q, k, v, cu_q, cu_k[[0, 2]], 8, 8)
 
 
 def test_torch_cpu_matches_numpy(rng):
