@@ -15,6 +15,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/test_util.h"
@@ -144,9 +145,17 @@ TEST(Tool, BadInputsAreClearErrors) {
   const std::string unknown = run(std::string(SAGE_TOOL_PATH) + " accuracy --bogus 2>&1", &status);
   EXPECT_NE(status, 0);
   EXPECT_NE(unknown.find("--bogus"), std::string::npos) << unknown;
-  const std::string badnum = run(std::string(SAGE_TOOL_PATH) + " accuracy --seq abc 2>&1", &status);
-  EXPECT_NE(status, 0);
-  EXPECT_NE(badnum.find("not a number"), std::string::npos) << badnum;
+  // A value that is not wholly a number is named with its option ("64x" is not 64).
+  const std::pair<const char*, const char*> bad[] = {
+      {" accuracy --seq abc", "--seq abc: not a number"},
+      {" accuracy --heads 2 --seq 64x", "--seq 64x: not a number"},
+      {" accuracy --seed -3 --seq 64", "--seed -3: not a number"},
+      {" bench --seqs 1024,2k", "--seqs 2k: not a number"}};
+  for (const auto& [args, says] : bad) {
+    const std::string badnum = run(std::string(SAGE_TOOL_PATH) + args + " 2>&1", &status);
+    EXPECT_NE(status, 0) << args;
+    EXPECT_NE(badnum.find(says), std::string::npos) << badnum;
+  }
   const std::string info = run(std::string(SAGE_TOOL_PATH) + " info", &status);
   EXPECT_EQ(status, 0);
   EXPECT_NE(info.find("CUDA architectures built"), std::string::npos) << info;

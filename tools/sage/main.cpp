@@ -83,6 +83,38 @@ struct Options {
   bool flag(const std::string& k) const { return flags.count(k) != 0; }
 };
 
+// A numeric option's value that is not wholly a number ("abc", "64x", "1e3" for an integer): the
+// commands report it by the option's name.
+struct BadNumber {
+  std::string option, value;
+};
+
+// `text` as a T, every character of it (std::stoll alone takes "64x" as 64); else BadNumber.
+template <typename T>
+T parse_number(const std::string& option, const std::string& text) {
+  size_t used = 0;
+  T value{};
+  try {
+    if constexpr (std::is_floating_point_v<T>)
+      value = T(std::stod(text, &used));
+    else if constexpr (std::is_unsigned_v<T>)  // (std::stoull takes "-1" as 2^64 - 1)
+      value = text.find('-') == std::string::npos ? T(std::stoull(text, &used)) : T(0);
+    else
+      value = T(std::stoll(text, &used));
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) throw BadNumber{option, text};
+  return value;
+}
+
+// --name as a T, or `fallback` when it is not given.
+template <typename T>
+T number(const Options& o, const std::string& name, T fallback) {
+  auto it = o.values.find(name);
+  return it == o.values.end() ? fallback : parse_number<T>(name, it->second);
+}
+
 // A command: its usage, the options it takes (any other is an error, so that an option of
 // another command is not silently ignored) and what runs it.
 struct Command {
@@ -271,26 +303,26 @@ int cmd_accuracy(const Options& o) {
   const bool user = !o.get("q", "").empty() || !o.get("k", "").empty() || !o.get("v", "").empty();
   int threads = 0;
   try {
-    threads = std::stoi(o.get("threads", "0"));
+    threads = number<int>(o, "threads", 0);
     if (user) {
       if (!load_user_inputs(o, &in)) return 2;
     } else {
       ref::SyntheticSpec s;
-      s.batch = std::stoll(o.get("batch", "1"));
-      s.heads_q = std::stoll(o.get("heads", "2"));
-      s.heads_kv = std::stoll(o.get("kv-heads", std::to_string(s.heads_q)));
-      s.seq_q = std::stoll(o.get("seq", "2048"));
-      s.seq_kv = std::stoll(o.get("seq-kv", std::to_string(s.seq_q)));
-      s.head_dim = std::stoll(o.get("dim", "128"));
-      s.seed = std::stoull(o.get("seed", "1"));
-      s.q_bias = std::stof(o.get("q-bias", std::to_string(s.q_bias)));
-      s.q_outlier = std::stof(o.get("q-outlier", std::to_string(s.q_outlier)));
-      s.k_bias = std::stof(o.get("k-bias", std::to_string(s.k_bias)));
-      s.k_outlier = std::stof(o.get("k-outlier", std::to_string(s.k_outlier)));
-      s.v_bias = std::stof(o.get("v-bias", std::to_string(s.v_bias)));
-      s.outlier_channels = std::stoll(o.get("outlier-channels", std::to_string(s.outlier_channels)));
-      s.token_spread = std::stof(o.get("token-spread", std::to_string(s.token_spread)));
-      s.sink = std::stof(o.get("sink", std::to_string(s.sink)));
+      s.batch = number<int64_t>(o, "batch", 1);
+      s.heads_q = number<int64_t>(o, "heads", 2);
+      s.heads_kv = number<int64_t>(o, "kv-heads", s.heads_q);
+      s.seq_q = number<int64_t>(o, "seq", 2048);
+      s.seq_kv = number<int64_t>(o, "seq-kv", s.seq_q);
+      s.head_dim = number<int64_t>(o, "dim", 128);
+      s.seed = number<uint64_t>(o, "seed", 1);
+      s.q_bias = number<float>(o, "q-bias", s.q_bias);
+      s.q_outlier = number<float>(o, "q-outlier", s.q_outlier);
+      s.k_bias = number<float>(o, "k-bias", s.k_bias);
+      s.k_outlier = number<float>(o, "k-outlier", s.k_outlier);
+      s.v_bias = number<float>(o, "v-bias", s.v_bias);
+      s.outlier_channels = number<int64_t>(o, "outlier-channels", s.outlier_channels);
+      s.token_spread = number<float>(o, "token-spread", s.token_spread);
+      s.sink = number<float>(o, "sink", s.sink);
       if (s.batch < 1 || s.heads_q < 1 || s.heads_kv < 1 || s.heads_q % s.heads_kv != 0 ||
           s.seq_q < 1 || s.seq_kv < 1 || s.head_dim < 1 || s.head_dim > api::kMaxHeadDim) {
         std::fprintf(stderr, "sage accuracy: the problem sizes are invalid (need >= 1, heads %% "
@@ -299,8 +331,9 @@ int cmd_accuracy(const Options& o) {
       }
       in = ref::make_inputs(s);
     }
-  } catch (const std::exception&) {
-    std::fprintf(stderr, "sage accuracy: a numeric option has a value that is not a number\n");
+  } catch (const BadNumber& e) {
+    std::fprintf(stderr, "sage accuracy: --%s %s: not a number\n", e.option.c_str(),
+                 e.value.c_str());
     return 2;
   }
   const ref::Problem p =
@@ -367,7 +400,7 @@ int cmd_accuracy(const Options& o) {
 }
 
 template <typename T>
-std::vector<T> parse_list(const std::string& text) {
+std::vector<T> parse_list(const std::string& option, const std::string& text) {
   std::vector<T> out;
   size_t start = 0;
   while (start <= text.size()) {
@@ -376,7 +409,7 @@ std::vector<T> parse_list(const std::string& text) {
     if constexpr (std::is_same_v<T, std::string>) {
       out.push_back(item);
     } else {
-      out.push_back(T(std::stoll(item)));
+      out.push_back(parse_number<T>(option, item));
     }
     start = end + 1;
   }
@@ -386,17 +419,20 @@ std::vector<T> parse_list(const std::string& text) {
 int cmd_bench(const Options& o) {
   tool::BenchOptions b;
   try {
-    if (!o.get("variants", "").empty()) b.variants = parse_list<std::string>(o.get("variants", ""));
-    if (!o.get("dims", "").empty()) b.dims = parse_list<int64_t>(o.get("dims", ""));
-    if (!o.get("seqs", "").empty()) b.seqs = parse_list<int64_t>(o.get("seqs", ""));
-    if (!o.get("causal", "").empty()) b.causal = parse_list<int>(o.get("causal", ""));
-    b.batch = std::stoll(o.get("batch", "4"));
-    b.heads = std::stoll(o.get("heads", "32"));
-    b.seconds = std::stod(o.get("seconds", "0.5"));
-    b.accuracy_rows = std::stoi(o.get("accuracy-rows", "64"));
-    b.threads = std::stoi(o.get("threads", "0"));
-  } catch (const std::exception&) {
-    std::fprintf(stderr, "sage bench: a bench option has a value that is not a number\n");
+    const std::string variants = o.get("variants", ""), dims = o.get("dims", ""),
+                      seqs = o.get("seqs", ""), causal = o.get("causal", "");
+    if (!variants.empty()) b.variants = parse_list<std::string>("variants", variants);
+    if (!dims.empty()) b.dims = parse_list<int64_t>("dims", dims);
+    if (!seqs.empty()) b.seqs = parse_list<int64_t>("seqs", seqs);
+    if (!causal.empty()) b.causal = parse_list<int>("causal", causal);
+    b.batch = number<int64_t>(o, "batch", 4);
+    b.heads = number<int64_t>(o, "heads", 32);
+    b.seconds = number<double>(o, "seconds", 0.5);
+    b.accuracy_rows = number<int>(o, "accuracy-rows", 64);
+    b.threads = number<int>(o, "threads", 0);
+  } catch (const BadNumber& e) {
+    std::fprintf(stderr, "sage bench: --%s %s: not a number\n", e.option.c_str(),
+                 e.value.c_str());
     return 2;
   }
   for (const std::string& v : b.variants)
