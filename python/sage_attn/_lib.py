@@ -358,6 +358,12 @@ def quant_settings(qk_bits, smooth_q, smooth_k, smooth_v, exact=False):
     4b. Smoothing V is on by default because it costs nothing in the kernel (delta_V is added in
     the epilogue) and cuts the error on V with a channel bias several-fold."""
     if exact:
+        given = [name for name, value in (("qk_bits", qk_bits), ("smooth_q", smooth_q),
+                                          ("smooth_k", smooth_k), ("smooth_v", smooth_v))
+                 if value is not None]
+        if given:  # (they choose a quantization, and exact has none: not silently dropped)
+            raise ValueError(f"exact=True computes float64 attention, with no quantization: "
+                             f"{', '.join(given)} cannot be given with it")
         return VARIANT_EXACT, preset(VARIANT_SAGE2_8B)
     if qk_bits == QK_BITS_FP4 and not isinstance(qk_bits, bool):  # sageattn3's internal code
         return VARIANT_SAGE3_FP4, preset(VARIANT_SAGE3_FP4)

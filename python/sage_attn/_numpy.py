@@ -29,7 +29,8 @@ def attention(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retu
               causal_align="bottom_right", exact=False, num_threads=0, quant=None):
     """Attention of numpy arrays on the CPU reference.
 
-    exact=True gives float64 attention of the (fp16/fp32) inputs; otherwise the bit-faithful
+    exact=True gives float64 attention of the (fp16/fp32) inputs (not with qk_bits or the
+    smoothing flags, which choose a quantization); otherwise the bit-faithful
     emulation of the SageAttn2 kernel chosen by qk_bits and the smoothing flags (None = preset).
     quant, a _lib.QuantConfig (for example _lib.preset(_lib.VARIANT_SAGE3_FP4), SageAttention3's
     FP4 attention), runs that config as given instead (SAGE_VARIANT_CUSTOM; not with qk_bits,

@@ -99,6 +99,11 @@ def test_inputs_untouched(rng):
      "head_dim"),
     (lambda q, k, v: sage_attn.attention_numpy(q, k, v[:, :, :5]), ValueError, "v"),
     (lambda q, k, v: sage_attn.attention_numpy(q[:, :3], k, v), ValueError, "heads"),
+    # exact is float64 attention: a quantization keyword with it is refused, not dropped.
+    (lambda q, k, v: sage_attn.attention_numpy(q, k, v, exact=True, qk_bits=4), ValueError,
+     "qk_bits cannot be given"),
+    (lambda q, k, v: sage_attn.attention_numpy(q, k, v, exact=True, smooth_k=False), ValueError,
+     "smooth_k cannot be given"),
 ])
 def test_bad_arguments_raise_naming_the_argument(rng, call, exc, words):
     q, k, v = rand(rng, (1, 4, 20, 64)), rand(rng, (1, 2, 20, 64)), rand(rng, (1, 2, 20, 64))
