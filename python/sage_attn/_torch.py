@@ -974,8 +974,8 @@ def _dropin_plan(q, k, v, mask, scale, training=False):
     if prep.sdpa_below >= _NEVER_MEASURED and _use_crossover:
         major, minor = torch.cuda.get_device_capability(q.device)
         _warn_once(f"this GPU (sm_{major}{minor}) was never measured against torch's SDPA, so the "
-                   "SDPA drop-in hands it every call (set_dropin_crossover(False) runs sage "
-                   "wherever it can)")
+                   "SDPA drop-in and the integrations hand it every call "
+                   "(set_dropin_crossover(False) runs sage wherever it can)")
     if training and not prep.has_backward:
         return f"no backward kernel for head_dim {q.shape[-1]} (training)", None
     faster = prep.prefer_sdpa_training if training else prep.prefer_sdpa

@@ -5,9 +5,13 @@ library, for code written against that package (diffusers' "sage" attention back
 Every function runs this library's SageAttention2-8b (INT8 Q·Kᵀ, FP8 P̃·V, its own quantization
 groups and accumulator), whatever kernel its name names: qk_quant_gran, pv_accum_dtype and
 quantization_backend are checked against the values the official package takes and otherwise
-have no effect. smooth_k and smooth_v are honoured. Where the library cannot compute a call it
-falls back, with a one-time warning per reason, to torch's SDPA: an attn_mask or dropout_p > 0
-(which the official package silently ignores), and head dims without a kernel. return_lse=True
+have no effect. smooth_k and smooth_v are honoured. Like the SDPA drop-in, a call goes to sage
+only where sage measured faster: on CUDA, eagerly and without return_lse, the shapes where the
+library's crossover model says torch's SDPA is faster on this GPU (every shape on a kind of GPU
+never measured), and calls that train, run torch's SDPA instead, silently
+(sage_attn.set_dropin_crossover(False) sends them to sage). Where the library cannot compute a
+call it falls back, with a one-time warning per reason, to torch's SDPA: an attn_mask or
+dropout_p > 0 (which the official package silently ignores), and head dims without a kernel. return_lse=True
 gives the LSE [B, H, Nq] (natural log) as the official package does, and cannot fall back
 (a ValueError names the argument). Causal masks are bottom-right aligned (the official package
 documents is_causal for Nq == Nk only, where the alignments agree). CPU tensors run the
@@ -74,6 +78,23 @@ def _sdpa_fallback(q, k, v, tensor_layout, is_causal, sm_scale, attn_mask, dropo
     return o.transpose(1, 2) if tensor_layout == "NHD" else o
 
 
+def _crossover_prefers_sdpa(q, k, v, tensor_layout, is_causal, sm_scale):
+    """True where the library's crossover model hands this call to torch's SDPA, as the SDPA
+    drop-in would (silently): a shape where SDPA measured faster on this GPU, any call on a kind
+    of GPU never measured, a call that trains (SageBwd never measured faster). Eager CUDA calls
+    only: CPU tensors run the CPU reference, and under torch.compile the call runs sage.
+    set_dropin_crossover(False) turns it off."""
+    if (not _t._use_crossover or type(q) is not torch.Tensor or not q.is_cuda
+            or torch.compiler.is_compiling()):
+        return False
+    _t._check_tensors(q, k, v, tensor_layout)  # (the errors sageattn gives, before the plan)
+    if tensor_layout == "NHD":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    mask = _lib.MASK_CAUSAL_BOTTOM_RIGHT if is_causal else _lib.MASK_NONE
+    scale = _t._scale(sm_scale, q.shape[-1], "sm_scale")
+    return _t._dropin_prefers_sdpa(q, k, v, mask, scale, training=_t._training(q, k, v))
+
+
 def _run(fn, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, smooth_k, smooth_v,
          kwargs):
     attn_mask, dropout_p = _extras(fn, kwargs)
@@ -86,6 +107,9 @@ def _run(fn, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, smooth_k, 
         raise TypeError(f"dropout_p = {dropout_p!r}: must be a number")
     elif dropout_p != 0.0:
         reason = "dropout_p > 0 is not supported by the quantized kernel"
+    if reason is None and not return_lse and _crossover_prefers_sdpa(q, k, v, tensor_layout,
+                                                                     is_causal, sm_scale):
+        return _sdpa_fallback(q, k, v, tensor_layout, is_causal, sm_scale, None, 0.0)
     if reason is None:
         try:
             return _t.sageattn(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,

@@ -24,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 import sage_attn  # noqa: E402
 from sage_attn import sageattention as sa  # noqa: E402
 from sage_attn import _torch as _t  # noqa: E402
-from conftest import naive_attention  # noqa: E402
+from conftest import load_tool, naive_attention  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU with sm_89 or newer")
@@ -68,6 +68,38 @@ def test_diffusers_and_comfyui_call_forms(rng):
     assert torch.equal(o1, o2)
     ref, _ = naive_attention(q.numpy(), k.numpy(), v.numpy(), layout="NHD", scale=0.2)
     assert np.abs(o1.double().numpy() - ref).sum() / np.abs(ref).sum() < 0.06
+
+
+def test_cuda_calls_follow_the_crossover_model(rng):
+    """On CUDA (CPU tensors standing in: tools/dropin_host.py) the official functions send a
+    call to sage only where the library's crossover model does, as the SDPA drop-in: a shape it
+    hands to torch, in either layout, and a call that trains run torch's SDPA, silently; a
+    longer shape, a call asking for the LSE (SDPA returns none) and every call with the
+    crossover off run sage."""
+    host = load_tool("dropin_host")
+    with host.cuda_stand_in(prefer_sdpa=lambda a: a.seq_q < 64) as stand:
+        def ran(fn, *args, **kw):
+            runs, sdpa = stand.runs, stand.sdpa
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # (the crossover's choice is silent)
+                fn(*args, **kw)
+            return {(1, 0): "sage", (0, 1): "sdpa"}[(stand.runs - runs, stand.sdpa - sdpa)]
+
+        for layout in ("HND", "NHD"):
+            short = [x.half() for x in _qkv(rng, 1, 4, 2, 32, 32, 64, layout)]
+            long = [x.half() for x in _qkv(rng, 1, 4, 2, 96, 96, 64, layout)]
+            for fn in (sa.sageattn, sa.sageattn_qk_int8_pv_fp8_cuda_sm90):
+                assert ran(fn, *short, tensor_layout=layout) == "sdpa"
+                assert ran(fn, *short, tensor_layout=layout, is_causal=True) == "sdpa"
+                assert ran(fn, *long, tensor_layout=layout) == "sage"
+                assert ran(fn, *short, tensor_layout=layout, return_lse=True) == "sage"
+            grad = [x.clone().requires_grad_() for x in long]
+            assert ran(sa.sageattn, *grad, tensor_layout=layout) == "sdpa"
+            sage_attn.set_dropin_crossover(False)
+            try:
+                assert ran(sa.sageattn, *short, tensor_layout=layout) == "sage"
+            finally:
+                sage_attn.set_dropin_crossover(True)
 
 
 def test_mask_and_dropout_fall_back_to_sdpa(rng):
@@ -171,7 +203,9 @@ _FLUX_SCRIPT = """
     sa._run = spy
     import diffusers
     from diffusers import FluxTransformer2DModel
-    cfg, seed, device, dtype, n_img, n_txt = json.loads(sys.argv[1] if len(sys.argv) > 1 else %r)
+    cfg, seed, device, dtype, n_img, n_txt, crossover = json.loads(
+        sys.argv[1] if len(sys.argv) > 1 else %r)
+    sage_attn.set_dropin_crossover(crossover)
     dtype = getattr(torch, dtype)
     torch.manual_seed(seed)
     model = FluxTransformer2DModel(**cfg).to(device, dtype).eval()
@@ -203,9 +237,9 @@ _FLUX_SCRIPT = """
 """
 
 
-def _flux(cfg, seed, device, dtype, n_img, n_txt):
+def _flux(cfg, seed, device, dtype, n_img, n_txt, crossover=True):
     pytest.importorskip("diffusers")
-    args = json.dumps([cfg, seed, device, dtype, n_img, n_txt])
+    args = json.dumps([cfg, seed, device, dtype, n_img, n_txt, crossover])
     return _fresh_python(_FLUX_SCRIPT % args)
 
 
@@ -247,8 +281,11 @@ def test_diffusers_under_scoped_switch(rng, monkeypatch):
 @gpu
 def test_gpu_flux_real_config(rng):
     # Flux.1's transformer dims (24 heads of 128, joint text+image attention), 1 double and 1
-    # single block, random weights, bf16, 1024x1024's 4096 image tokens + 512 text tokens.
-    out = _flux(FLUX_REAL, int(rng.integers(2**31)), "cuda", "bfloat16", 4096, 512)
+    # single block, random weights, bf16, 1024x1024's 4096 image tokens + 512 text tokens. Its
+    # joint call sits at the crossover on Hopper (torch's SDPA there by the model): the
+    # crossover off, so that sage computes every block.
+    out = _flux(FLUX_REAL, int(rng.integers(2**31)), "cuda", "bfloat16", 4096, 512,
+                crossover=False)
     print("flux real config, sage backend vs native:", out)
     assert out["calls"] == 2 and not out["equal"]
     assert out["rel"] < FLUX_REL_L2 * 5 and out["cos"] > 0.999, out
