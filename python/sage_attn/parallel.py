@@ -15,6 +15,7 @@ Each rank holds a shard of the sequence (all heads); the collectives are torch.d
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Callable
 
@@ -87,6 +88,15 @@ def merge_attention(o1, lse1, o2, lse2, tensor_layout="HND"):
 # --- local kernels -------------------------------------------------------------------------------
 def _sage_kernel(**options):
     from ._torch import sageattn
+    # Options the schemes do not set themselves, checked here rather than at the first call on
+    # every rank: sageattn's keyword-only ones (qk_bits, the smoothing flags, causal_align,
+    # kernel).
+    known = [n for n, p in inspect.signature(sageattn).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"local='sage': unknown options {unknown} (sageattn takes "
+                         f"{', '.join(known)})")
 
     def run(q, k, v, tensor_layout, is_causal, sm_scale):
         return sageattn(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,

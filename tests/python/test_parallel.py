@@ -307,6 +307,17 @@ def test_merge_checks_arguments():
         parallel.merge_attention(o.numpy(), lse, o, lse)
 
 
+def test_local_kernel_checks_its_options():
+    # A misspelt option is refused when the kernel is made, not at each rank's first call.
+    with pytest.raises(ValueError, match="unknown options \\['qkbits'\\]"):
+        parallel.local_kernel("sage", qkbits=4)
+    with pytest.raises(ValueError, match="takes no options"):
+        parallel.local_kernel("sdpa", qk_bits=4)
+    with pytest.raises(ValueError, match="local = 'foo'"):
+        parallel.local_kernel("foo")
+    assert callable(parallel.local_kernel("sage", qk_bits=4, smooth_q=True))
+
+
 def test_zigzag_round_trip_and_refusal():
     x = torch.arange(24).reshape(1, 1, 24, 1)
     parts = [parallel.zigzag_shard(x, r, 3, dim=2) for r in range(3)]
