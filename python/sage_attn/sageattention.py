@@ -4,18 +4,18 @@ library, for code written against that package (diffusers' "sage" attention back
 
 Every function runs this library's SageAttention2-8b (INT8 Q·Kᵀ, FP8 P̃·V, its own quantization
 groups and accumulator), whatever kernel its name names: qk_quant_gran, pv_accum_dtype and
-quantization_backend are checked against the values the official package takes and otherwise
-have no effect. smooth_k and smooth_v are honoured. Like the SDPA drop-in, a call goes to sage
-only where sage measured faster: on CUDA, eagerly and without return_lse, the shapes where the
-library's crossover model says torch's SDPA is faster on this GPU (every shape on a kind of GPU
-never measured), and calls that train, run torch's SDPA instead, silently
-(sage_attn.set_dropin_crossover(False) sends them to sage). Where the library cannot compute a
-call it falls back, with a one-time warning per reason, to torch's SDPA: an attn_mask or
-dropout_p > 0 (which the official package silently ignores), and head dims without a kernel. return_lse=True
-gives the LSE [B, H, Nq] (natural log) as the official package does, and cannot fall back
-(a ValueError names the argument). Causal masks are bottom-right aligned (the official package
-documents is_causal for Nq == Nk only, where the alignments agree). CPU tensors run the
-library's CPU reference (slow; for tests). An unknown keyword is a TypeError naming it.
+quantization_backend are checked against the values the official package takes and otherwise have
+no effect. smooth_k and smooth_v are honoured. Like the SDPA drop-in, a call goes to sage only
+where sage measured faster: on CUDA, eagerly and without return_lse, the shapes where the library's
+crossover model says torch's SDPA is faster on this GPU (every shape on a kind of GPU never
+measured), and calls that train, run torch's SDPA instead, silently
+(sage_attn.set_dropin_crossover(False) sends them to sage). Where the library cannot compute a call
+it falls back, with a one-time warning per reason, to torch's SDPA: an attn_mask or dropout_p > 0
+(which the official package silently ignores), and head dims without a kernel. return_lse=True
+gives the LSE [B, H, Nq] (natural log) as the official package does, and cannot fall back (a
+ValueError names the argument). Causal masks are bottom-right aligned (the official package
+documents is_causal for Nq == Nk only, where the alignments agree). CPU tensors run the library's
+CPU reference (slow; for tests). An unknown keyword is a TypeError naming it.
 
 `import sageattention` resolves to this module only after
 `sage_attn.install_sageattention_alias()` (opt-in; see there).
