@@ -584,6 +584,9 @@ _attention_op.register_autograd(_attention_grad, setup_context=_setup_context)
 
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+# torch.func transforms (vmap, grad): their tensors pass for plain ones but hold no storage of
+# their own, so a call under one goes through the op (vmap: torch's per-slice fallback).
+_functorch_on = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
 def _traced(x):
@@ -597,16 +600,18 @@ def _traced(x):
 
 def _call(c: _Call, prep=None):
     """_attention directly where nothing needs to see the op: eager, plain tensors (no
-    subclass such as FakeTensor), no gradient wanted, no dispatch or function mode (profilers,
-    flop counters, fake-tensor tracing); the custom op everywhere else. prep: the call's
-    _Prepared where the caller has it (used by the direct path only: the op plans its own)."""
+    subclass such as FakeTensor), no gradient wanted, no torch.func transform, no dispatch or
+    function mode (profilers, flop counters, fake-tensor tracing); the custom op everywhere
+    else. prep: the call's _Prepared where the caller has it (used by the direct path only: the
+    op plans its own)."""
     q, k, v = c.q, c.k, c.v
     eager = (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
              and not torch.compiler.is_compiling()
              and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
                                                    v.requires_grad))
              and (_dispatch_stack_len is None or _dispatch_stack_len() == 0)
-             and (_function_mode_on is None or not _function_mode_on()))
+             and (_function_mode_on is None or not _function_mode_on())
+             and (_functorch_on is None or not _functorch_on()))
     if eager:
         return _attention(c, prep)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -1150,7 +1155,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                            enable_gqa=enable_gqa)
     if (route.direct and (_dispatch_stack_len is None or _dispatch_stack_len() == 0)
-            and (_function_mode_on is None or not _function_mode_on())):
+            and (_function_mode_on is None or not _function_mode_on())
+            and (_functorch_on is None or not _functorch_on())):
         # What _call -> _attention -> _run_cuda do for this call, with what the route knows.
         o = query.new_empty(*route.shape)
         device = route.device

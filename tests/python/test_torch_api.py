@@ -190,6 +190,17 @@ def test_unknown_keyword_is_type_error(gen):
         sage_attn.scaled_dot_product_attention(q, q, q, need_weights=False)
 
 
+def test_vmap_runs_each_slice(gen):
+    # torch.func.vmap's tensors pass for plain ones but have no storage of their own: the call
+    # goes through the op, whose per-slice fallback gives each slice's own call, bit for bit.
+    x = randn(gen, (3, 1, 2, 17, 64), torch.float16, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's note that the op has no batching rule)
+        got = torch.vmap(lambda t: sage_attn.sageattn(t, t, t, is_causal=True))(x)
+    want = torch.stack([sage_attn.sageattn(t, t, t, is_causal=True) for t in x])
+    assert torch.equal(got, want)
+
+
 def test_sdpa_drop_in_on_cpu_falls_back_exactly(gen):
     q, k, v = (randn(gen, (2, 4, 10, 32), torch.float32, "cpu") for _ in range(3))
     with warnings.catch_warnings(record=True):
