@@ -1000,13 +1000,17 @@ class _Route:
     reason to warn about ("": the crossover model's choice, silent). direct: sage runs the
     inputs as given, planned (prep), and nothing needs to see the op (plain tensors, no
     gradient wanted; dispatch and function modes are asked each call): the drop-in launches it
-    itself, on an output of `shape` (the query's) on `device` (the query's)."""
-    __slots__ = ("reason", "mask", "scale", "copy", "prep", "direct", "shape", "device")
+    itself, on an output of `shape` (the query's) on `device` (the query's). fallback: the
+    op's _FALLBACK_SDPA where the op itself decides (a call under a torch.func transform, whose
+    tensors have no storage to plan with: the op decides per slice), else _FALLBACK_SDPA_ROUTED."""
+    __slots__ = ("reason", "mask", "scale", "copy", "prep", "direct", "shape", "device",
+                 "fallback")
 
     def __init__(self, reason, mask=None, scale=None, copy=False, prep=None, direct=False,
-                 shape=None, device=None):
+                 shape=None, device=None, fallback=_FALLBACK_SDPA_ROUTED):
         self.reason, self.mask, self.scale, self.copy, self.prep = reason, mask, scale, copy, prep
         self.direct, self.shape, self.device = direct, shape, device
+        self.fallback = fallback
 
 
 # The answer for a call shorter than its device's least routed length (_dropin_route_of): torch's
@@ -1025,6 +1029,9 @@ def _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     q, k, v = _dropin_args(query, key, value)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
+    if _functorch_on is not None and _functorch_on():
+        return _Route(None, mask, s, q is not query or k is not key or v is not value,
+                      fallback=_FALLBACK_SDPA)
     training = _training(query, key, value)
     reason, prep = _dropin_plan(q, k, v, mask, s, training)
     copy = q is not query or k is not key or v is not value
@@ -1171,5 +1178,5 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return o
     q, k, v = _dropin_args(query, key, value) if route.copy else (query, key, value)
     o, _ = _call(_dropin_call(q, k, v, _lib.LAYOUT_HND, route.mask, route.scale,
-                              _FALLBACK_SDPA_ROUTED), route.prep)
+                              route.fallback), route.prep)
     return o

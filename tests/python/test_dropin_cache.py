@@ -535,6 +535,24 @@ def test_a_gpu_never_measured_hands_every_call_to_torch(crossover_on, monkeypatc
         assert stand.runs == 1
 
 
+def test_vmap_decides_in_the_op_per_slice(crossover_on):
+    """Under torch.func.vmap the tensors have no storage to plan with: the drop-in leaves the
+    choice to the op, which makes it per slice (torch's per-slice fallback): sage for each
+    slice, or torch's SDPA for each where the model prefers it; nothing is cached."""
+    x = torch.randn(3, 1, 2, 96, 64, dtype=torch.float16)
+    for prefer in (False, True):
+        with warnings.catch_warnings(), host.cuda_stand_in(prefer_sdpa=prefer) as stand:
+            warnings.simplefilter("ignore")  # (torch's note that the op has no batching rule)
+            stand_sdpa = T._torch_sdpa  # (returns its query: the op's output may not alias it)
+            T._torch_sdpa = lambda *a, **kw: stand_sdpa(*a, **kw).clone()
+            try:
+                out = torch.vmap(lambda t: sage_attn.scaled_dot_product_attention(t, t, t))(x)
+            finally:
+                T._torch_sdpa = stand_sdpa
+            assert out.shape == x.shape and not T._routes
+            assert (stand.runs, stand.sdpa) == ((0, 3) if prefer else (3, 0))
+
+
 def test_random_calls_get_the_answer_of_every_check(crossover_on):
     """Random calls around the least routed length, each asked through the signature (with the
     others cached) and with every check: the same answer, but that the shortcut's silent
