@@ -82,10 +82,12 @@ def _crossover_prefers_sdpa(q, k, v, tensor_layout, is_causal, sm_scale):
     """True where the library's crossover model hands this call to torch's SDPA, as the SDPA
     drop-in would (silently): a shape where SDPA measured faster on this GPU, any call on a kind
     of GPU never measured, a call that trains (SageBwd never measured faster). Eager CUDA calls
-    only: CPU tensors run the CPU reference, and under torch.compile the call runs sage.
+    only: CPU tensors run the CPU reference, and under torch.compile or a torch.func transform
+    (whose tensors have no storage to plan with) the call runs sage.
     set_dropin_crossover(False) turns it off."""
     if (not _t._use_crossover or type(q) is not torch.Tensor or not q.is_cuda
-            or torch.compiler.is_compiling()):
+            or torch.compiler.is_compiling()
+            or (_t._functorch_on is not None and _t._functorch_on())):
         return False
     _t._check_tensors(q, k, v, tensor_layout)  # (the errors sageattn gives, before the plan)
     if tensor_layout == "NHD":

@@ -100,6 +100,13 @@ def test_cuda_calls_follow_the_crossover_model(rng):
                 assert ran(sa.sageattn, *short, tensor_layout=layout) == "sage"
             finally:
                 sage_attn.set_dropin_crossover(True)
+        # Under torch.func.vmap (tensors without storage to plan with) each slice runs sage.
+        x = torch.randn(3, 1, 2, 32, 64, dtype=torch.float16)
+        runs = stand.runs
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch's note that the op has no batching rule)
+            assert torch.vmap(lambda t: sa.sageattn(t, t, t))(x).shape == x.shape
+        assert stand.runs - runs == 3
 
 
 def test_mask_and_dropout_fall_back_to_sdpa(rng):
