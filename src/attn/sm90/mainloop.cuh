@@ -267,26 +267,26 @@ struct Consumer {
   __device__ __forceinline__ void step(int kb) {
     int sacc[kScores];
     float f[Tr::kKGroupsPerBlock];
-    trace_event(trace, kb, 0);
+    trace_event(trace, it, kb, 0);
     issue_qk<st>(sacc, f, kb);
-    trace_event(trace, kb, 1);
+    trace_event(trace, it, kb, 1);
     issue_pv<1 - st>(kb - 1);
-    trace_event(trace, kb, 2);
+    trace_event(trace, it, kb, 2);
     ptx::wgmma_wait<1>();  // Q·Kᵀ(kb) is ready; P̃·V(kb-1) may still run
     ptx::wgmma_fence_regs(sacc);
     if constexpr (!kTurnAfterMax) pass_turn();
-    trace_event(trace, kb, 3);
+    trace_event(trace, it, kb, 3);
     release(&sh.bar.empty_k[st]);
     float alpha[2];
     softmax(sacc, kb, f, alpha);
-    trace_event(trace, kb, 4);
+    trace_event(trace, it, kb, 4);
     ptx::wgmma_wait<0>();  // P̃·V(kb-1) landed: O may be rescaled, pf rewritten
     ptx::wgmma_fence_regs(o);
-    trace_event(trace, kb, 5);
+    trace_event(trace, it, kb, 5);
     release(&sh.bar.empty_v[1 - st]);
     rescale_o(alpha);
     pack_p(sacc);
-    trace_event(trace, kb, 6);
+    trace_event(trace, it, kb, 6);
   }
 
   // The last block's P̃·V, in turn like every GEMM issue (each consumer takes and passes the turn
