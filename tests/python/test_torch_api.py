@@ -190,15 +190,36 @@ def test_unknown_keyword_is_type_error(gen):
         sage_attn.scaled_dot_product_attention(q, q, q, need_weights=False)
 
 
-def test_vmap_runs_each_slice(gen):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_vmap_runs_each_slice(gen, device):
     # torch.func.vmap's tensors pass for plain ones but have no storage of their own: the call
     # goes through the op, whose per-slice fallback gives each slice's own call, bit for bit.
-    x = randn(gen, (3, 1, 2, 17, 64), torch.float16, "cpu")
+    x = randn(gen, (3, 1, 2, 17, 64), torch.float16, device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (torch's note that the op has no batching rule)
         got = torch.vmap(lambda t: sage_attn.sageattn(t, t, t, is_causal=True))(x)
     want = torch.stack([sage_attn.sageattn(t, t, t, is_causal=True) for t in x])
     assert torch.equal(got, want)
+
+
+@gpu
+@pytest.mark.parametrize("crossover", [True, False])
+def test_gpu_dropin_under_vmap_is_each_slices_call(gen, crossover):
+    """The SDPA drop-in under torch.func.vmap on CUDA: each slice gets what the drop-in gives
+    that slice called alone (torch's SDPA at this short length with the crossover on, sage with
+    it off), bit for bit."""
+    x = randn(gen, (3, 1, 2, 96, 64))
+    sage_attn.set_dropin_crossover(crossover)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # (torch's note that the op has no batching rule)
+            got = torch.vmap(lambda t: sage_attn.scaled_dot_product_attention(t, t, t))(x)
+            want = torch.stack([sage_attn.scaled_dot_product_attention(t, t, t) for t in x])
+            exact = torch.stack([TORCH_SDPA(t, t, t) for t in x])
+    finally:
+        sage_attn.set_dropin_crossover(True)
+    assert torch.equal(got, want)
+    assert torch.equal(got, exact) == crossover  # (sage's 8-bit result is not torch's bits)
 
 
 def test_sdpa_drop_in_on_cpu_falls_back_exactly(gen):
