@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import sage_attn  # noqa: E402
 from conftest import naive_attention  # noqa: E402
-from test_torch_api import HAS_GPU, call_emulation  # noqa: E402
+from test_torch_api import HAS_GPU, call_emulation, metrics  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU with sm_89 or newer")
 
@@ -91,16 +91,6 @@ def to_call(x, c):
     return x.to(device="cuda", dtype=dt).contiguous()
 
 
-def rel_l1(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return float((a - b).abs().sum() / b.abs().sum().clamp_min(1e-300))
-
-
-def cos(a, b):
-    a, b = a.double().cpu().flatten(), b.double().cpu().flatten()
-    return float(a @ b / (a.norm() * b.norm()).clamp_min(1e-300))
-
-
 @pytest.mark.parametrize("case", range(40))
 def test_gpu_random_call_matches_emulation_and_float64(rng, case):
     c = draw(rng)
@@ -121,7 +111,7 @@ def test_gpu_random_call_matches_emulation_and_float64(rng, case):
     emu, emu_lse = call_emulation(hnd(q), hnd(k), hnd(v), c["causal"], c["scale"],
                                   kernel=c["kernel"], return_lse=True)
     assert torch.isfinite(o).all(), c
-    err = rel_l1(o_h, emu)
+    err = metrics(o_h, emu)["rel_l1"]
     assert err < 5e-4, (c, err)
     live = torch.isfinite(emu_lse)
     got = lse.cpu()
@@ -134,7 +124,8 @@ def test_gpu_random_call_matches_emulation_and_float64(rng, case):
                                    c["causal"], c["scale"])
     ref = torch.from_numpy(ref)
     if float(ref.abs().max()) > 0:
-        assert cos(o_h, ref) > 0.99, (c, cos(o_h, ref))
+        m = metrics(o_h, ref)
+        assert m["cos"] > 0.99, (c, m)
     assert np.array_equal(np.isfinite(ref_lse), live.numpy()), c
 
 
@@ -161,4 +152,5 @@ def test_gpu_random_sdpa_dropin_call(rng, case):
     assert got.shape == want.shape and got.dtype == q.dtype, c
     assert torch.isfinite(got).all(), c
     if float(want.abs().max()) > 0:
-        assert cos(got, want) > 0.99, (c, cos(got, want))
+        m = metrics(got, want)
+        assert m["cos"] > 0.99, (c, m)
