@@ -582,11 +582,13 @@ def _attention_grad(ctx, d_o, d_lse):
 _attention_op.register_autograd(_attention_grad, setup_context=_setup_context)
 
 
-_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
-_function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
-# torch.func transforms (vmap, grad): their tensors pass for plain ones but hold no storage of
-# their own, so a call under one goes through the op (vmap: torch's per-slice fallback).
-_functorch_on = getattr(torch._C, "_are_functorch_transforms_active", None)
+# What sends a call through the op instead of the direct path: a dispatch or function mode, and
+# torch.func transforms (vmap, grad), whose tensors pass for plain ones but hold no storage of
+# their own (vmap: torch's per-slice fallback). A torch without one of these probes has none of
+# what it asks about.
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+_function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
+_functorch_on = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def _traced(x):
@@ -609,9 +611,8 @@ def _call(c: _Call, prep=None):
              and not torch.compiler.is_compiling()
              and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
                                                    v.requires_grad))
-             and (_dispatch_stack_len is None or _dispatch_stack_len() == 0)
-             and (_function_mode_on is None or not _function_mode_on())
-             and (_functorch_on is None or not _functorch_on()))
+             and _dispatch_stack_len() == 0 and not _function_mode_on()
+             and not _functorch_on())
     if eager:
         return _attention(c, prep)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -1029,7 +1030,7 @@ def _dropin_decide(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     q, k, v = _dropin_args(query, key, value)
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
-    if _functorch_on is not None and _functorch_on():
+    if _functorch_on():
         return _Route(None, mask, s, q is not query or k is not key or v is not value,
                       fallback=_FALLBACK_SDPA)
     training = _training(query, key, value)
@@ -1161,9 +1162,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal)
         return _torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                            enable_gqa=enable_gqa)
-    if (route.direct and (_dispatch_stack_len is None or _dispatch_stack_len() == 0)
-            and (_function_mode_on is None or not _function_mode_on())
-            and (_functorch_on is None or not _functorch_on())):
+    if (route.direct and _dispatch_stack_len() == 0 and not _function_mode_on()
+            and not _functorch_on()):
         # What _call -> _attention -> _run_cuda do for this call, with what the route knows.
         o = query.new_empty(*route.shape)
         device = route.device

@@ -87,7 +87,7 @@ def _crossover_prefers_sdpa(q, k, v, tensor_layout, is_causal, sm_scale):
     set_dropin_crossover(False) turns it off."""
     if (not _t._use_crossover or type(q) is not torch.Tensor or not q.is_cuda
             or torch.compiler.is_compiling()
-            or (_t._functorch_on is not None and _t._functorch_on())):
+            or _t._functorch_on()):
         return False
     _t._check_tensors(q, k, v, tensor_layout)  # (the errors sageattn gives, before the plan)
     if tensor_layout == "NHD":

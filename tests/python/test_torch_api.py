@@ -83,7 +83,7 @@ def _fast_path_checks(q, k, v):
         sage_attn.sageattn(q, k, v)
     assert any("sage_attn.attention" in op for op in rec.ops), rec.ops
     # And outside any mode nothing is dispatched through the op.
-    assert T._dispatch_stack_len is None or T._dispatch_stack_len() == 0
+    assert T._dispatch_stack_len() == 0
 
 
 def test_cpu_eager_fast_path_equals_the_op(gen):
