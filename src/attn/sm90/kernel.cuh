@@ -81,12 +81,13 @@ __global__ void __launch_bounds__(Traits<D, kCons>::kThreads, 1)
     c.begin_tile(ti, it);  // V statistics on their way, softmax state reset, Q in place
     if (ti.n_blocks > 0) {
       c.first_block();  // Q·Kᵀ(0), softmax(0)
-      int kb = 1;
-      for (; kb + 1 < ti.n_blocks; kb += 2) {  // Q·Kᵀ(kb) + P̃·V(kb-1), softmax(kb), ...
+      // Q·Kᵀ(kb) + P̃·V(kb-1), softmax(kb), two blocks a turn; an odd count leaves after the
+      // first (no wgmma is in flight between steps), so the step exists twice, not three times.
+      for (int kb = 1; kb < ti.n_blocks; kb += 2) {
         c.template step<1>(kb);
+        if (kb + 1 == ti.n_blocks) break;
         c.template step<0>(kb + 1);
       }
-      if (kb < ti.n_blocks) c.template step<1>(kb);
       c.last_pv();  // P̃·V(n-1)
     } else {
       c.skip_tile();
