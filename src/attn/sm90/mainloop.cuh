@@ -121,7 +121,8 @@ struct Consumer {
   }
 
   // Tile ti (this CTA's it-th): its V statistics on their way, the softmax state reset, and its Q
-  // in place (with fused Q, the CTA's first tile quantized here by every consumer warp too).
+  // in place (with fused Q and a causal mask, the CTA's first tile quantized here by every
+  // consumer warp too).
   __device__ __forceinline__ void begin_tile(const TileInfo& ti, int tile_index) {
     it = tile_index;
     qbuf = it & 1;
@@ -154,7 +155,7 @@ struct Consumer {
     m[0] = m[1] = -INFINITY;
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
     l[0] = l[1] = 0.0f;
-    if (fused_q && it == 0) {
+    if (Tr::first_q_help(kCausal) && fused_q && it == 0) {
       // The CTA's first Q tile: quantized with warps 1-3 (kFirstQWarps), then released by them.
       const unsigned long long kv_first_bad = p.kv_bad[bhk];
       ptx::mbar_wait(&sh.bar.staged, 0);

@@ -171,7 +171,7 @@ __device__ __forceinline__ void quantize_q_tile(uint8_t* staged, uint8_t* q_tile
 }
 
 // Tile ti's staged Q quantized into Q buffer qbuf by quantizing thread qt of n_warps warps (warps
-// 1-3 every tile; with every consumer warp for the CTA's first) and made visible to the wgmma
+// 1-3 every tile; with every consumer warp for a causal CTA's first) and made visible to the wgmma
 // (the async proxy). The caller then syncs its quantizing threads. kv_first_bad: p.kv_bad of the
 // tile's KV head, loaded by the caller before its waits.
 template <int D, typename InT, bool kCausal, bool kPacked, int kCons>
@@ -210,7 +210,8 @@ struct Producer {
   // Warps 1-3 (fused Q): each tile's Q, staged by TMA, quantized into the Q buffer once the
   // consumers have released it (the buffer frees when the tile before last is done); the next
   // tile's staging load goes out as soon as every quantizing thread has read this one. The CTA's
-  // first tile, staged by the scheduling thread, is quantized with every consumer warp.
+  // first tile is staged by the scheduling thread (and under a causal mask quantized with every
+  // consumer warp: Traits::first_q_help).
   __device__ __forceinline__ void quantize_tiles() const {
     const int qt = threadIdx.x - 32;
     TileInfo ti = sh.sched.read(0);
@@ -219,10 +220,10 @@ struct Producer {
       const unsigned long long kv_first_bad = p.kv_bad[ti.bhk];  // in flight during the waits
       ptx::mbar_wait(&sh.bar.staged, it & 1);
       ptx::mbar_wait(&sh.bar.empty_q[qbuf], ((it >> 1) & 1) ^ 1);  // the first lap passes at once
+      const bool helped = Tr::first_q_help(kCausal) && it == 0;  // the consumers quantize too
       quantize_q<D, InT, kCausal, kPacked>(p, sh, tiles, ti, qbuf, qt,
-                                           it == 0 ? Tr::kFirstQWarps : kQuantWarps,
-                                           kv_first_bad);
-      if (it == 0)  // every quantizing thread, the consumers' too: the staged tile is free
+                                           helped ? Tr::kFirstQWarps : kQuantWarps, kv_first_bad);
+      if (helped)  // every quantizing thread, the consumers' too: the staged tile is free
         ptx::named_bar_sync(Tr::kBarFirstQ, Tr::kFirstQWarps * 32);
       else
         ptx::named_bar_sync(Tr::kBarQuant, kQuantWarps * 32);
