@@ -56,7 +56,8 @@ struct KeySight {
 // in flight across the merge of an if/else, made ptxas serialize every wgmma of the kernel
 // (C7514, C7512). Hence block 0 alone before the loop (first_block), two blocks a turn of the
 // loop (the ring's stage is then a compile-time constant: descriptors, barriers and offsets fold
-// into immediates), the odd last one after it, and the last P̃·V alone (last_pv).
+// into immediates), an odd count leaving the turn after its first step (between steps no wgmma is
+// in flight), and the last P̃·V alone (last_pv).
 // kSplit: the split tail's units (split.h): a part of a tile starts at its key block kb0; a later
 // part saves its softmax state for the tile's first part, which merges them before its epilogue.
 template <int D, typename OutT, bool kCausal, int kCons, bool kPacked, bool kSplit>

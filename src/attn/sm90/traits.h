@@ -60,11 +60,11 @@ struct Traits {
     kBarFirstQ = 2 + 2 * kCons,   // the quantizing warps with every consumer warp (first Q tile)
   };
   // Under a causal mask the CTA's first Q tile is quantized by warps 1-3 and every consumer
-  // warp: nothing can start before it, the consumer warps have nothing else to do yet, and the
-  // first tiles are the longest ones (heaviest query blocks first), which the kernel's end waits
-  // on. Without a mask warps 1-3 quantize it alone: the consumers' copy of the quantizer is code
-  // each CTA runs once, cold from the instruction cache, and costs more than it saves
-  // (docs/sm90-kernel.md, "Fused Q quantization").
+  // warp: nothing can start before it, the consumer warps have nothing else to do yet, and a
+  // causal CTA's first tile is one of its heaviest (heaviest query blocks first). Without a mask
+  // warps 1-3 quantize it alone: the consumers' copy of the quantizer is code each CTA runs once,
+  // cold from the instruction cache, and costs more than the faster Q saves there
+  // (docs/sm90-kernel.md, "Fused Q quantization", has the measurements).
   static constexpr bool first_q_help(bool causal) { return causal; }
   static constexpr int kFirstQWarps = kQuantWarps + kConsumerWarps;
 
