@@ -150,6 +150,9 @@ typedef enum sage_kernel {
                                            quantize) where it would run as one cluster launch */
 #define SAGE_OPTION_WHOLE_TILES 4u /* sm90: no split tail: the last round's tiles run whole, one
                                       CTA each (sage_quant_config.split_tiles) */
+#define SAGE_OPTION_PREPASS_KV_BLOCKS 8u /* the three-launch K/V pre-pass quantizes with a CTA per
+                                            64-key block, not the staged grid that pipelines
+                                            them (the same bits) */
 
 /* Smoothing flags: quantize X - mean(X) over tokens instead of X, and add the mean's part back
  * exactly (K: a constant per score row, which the softmax ignores and the LSE adds back; Q: ΔS

@@ -329,6 +329,16 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   };
   plan.prepass.vec_kv = rows16(a.k, r.k) && rows16(a.v, r.v);
   plan.prepass.vec_q = rows16(a.q, r.q);
+  // The three launches' quantization staged and pipelined at Dk = 64 (where the device holds its
+  // CTAs): a grid of the CTAs the SMs hold at once, fewer for a call with fewer blocks. At
+  // Dk = 128 the staged grid measured no faster than a CTA per block (docs/sm90-kernel.md, Tried
+  // 51), at 256 a stage does not fit beside a second. SAGE_OPTION_PREPASS_KV_BLOCKS keeps a CTA
+  // per block (to compare the two).
+  if (!plan.prepass.kv_cluster && Dk == 64 && dev.staged_kv_ctas > 0 &&
+      !(a.options & SAGE_OPTION_PREPASS_KV_BLOCKS)) {
+    const int64_t blocks = plan.prepass.batch * plan.prepass.heads_kv * plan.prepass.k_blocks;
+    plan.prepass.kv_grid = std::min(blocks, int64_t(dev.staged_kv_ctas) * dev.sms);
+  }
   plan.launches = (plan.prepass.kv_cluster ? 1 : 3) + (plan.fused_q ? 0 : 1) + 1;
   // A padded head dim looks up its kernel's row: it does Dk's work while SDPA does D's, so Dk's
   // crossover is the least length from which it could win (not measured at the padded dims).

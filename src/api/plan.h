@@ -21,6 +21,7 @@ struct Device {
   int sms = 0;  // multiprocessors
   int kv_cluster = 0;  // the largest cluster K/V's one-launch pre-pass runs with (0: none)
   int mem_bus_bits = 0;  // the memory bus width (bits): tells an H100 SXM from an H200 (0: unknown)
+  int staged_kv_ctas = 0;  // CTAs of the staged K/V quantization (D = 64) an SM holds (0: none)
 };
 
 enum class Family { kMma, kSm90, kFp4 };

@@ -235,7 +235,7 @@ sage_status validate(const sage_attention_args* args, Resolved* out) {
   const sage_attention_args& a = *args;
   SAGE_RETURN_IF_ERROR(check_common(a));
   SAGE_CHECK_ARG((a.options & ~(SAGE_OPTION_PREPASS_Q | SAGE_OPTION_PREPASS_KV_SPLIT |
-                                SAGE_OPTION_WHOLE_TILES)) == 0u,
+                                SAGE_OPTION_WHOLE_TILES | SAGE_OPTION_PREPASS_KV_BLOCKS)) == 0u,
                  "options = 0x%x has unknown flag bits", unsigned(a.options));
 
   Resolved r;

@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace sage::quant {
 
@@ -73,6 +74,25 @@ __device__ __forceinline__ uint32_t zero_special2(uint32_t w) {
   const uint32_t s = special2<T>(w);  // bit 15 / 31 set for a special element
   const uint32_t keep = ~((s >> 15) * 0xFFFFu);  // bit 15 -> low half's mask, bit 31 -> high's
   return w & keep;
+}
+
+// Folds a word of two elements into acc's Inf/NaN test: x·0 is ±0 for a finite x and NaN for an
+// Inf or NaN, so one packed FMA a word (acc = x·0 + acc) leaves acc NaN exactly when some folded
+// element was special; special2 of acc then tells (acc starts at 0). One instruction a word where
+// special2 on every word takes two or three. (The pre-pass's K/V test uses it; the sm90 kernel's
+// Q quantization keeps special_any, whose fold measured slower there under a causal mask.)
+template <typename T>
+__device__ __forceinline__ uint32_t special_fold(uint32_t acc, uint32_t w) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&w), __half2(0.0f, 0.0f),
+                              *reinterpret_cast<const __half2*>(&acc));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  } else {
+    const __nv_bfloat162 r =
+        __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&w), __nv_bfloat162(0.0f, 0.0f),
+                *reinterpret_cast<const __nv_bfloat162*>(&acc));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
 }
 
 // Non-zero when an element of the chunks is Inf or NaN (special2 over every word).
@@ -154,11 +174,28 @@ __device__ __forceinline__ void store8(uint8_t* row, int64_t d0, const uint32_t 
 struct RowPlace {
   __device__ int operator()(int d0) const { return d0; }
 };
+// Eight centered values y of the chunk at element d0, quantized with inv and stored at place(d0)
+// (the pre-pass's K, centered once for its group max and its quantization: kv_block.cuh).
+template <int kBits, typename Place>
+__device__ __forceinline__ void quantize_store8(uint8_t* dst, int d0, const float (&y)[8],
+                                                float inv, float qmax, bool fast, uint32_t keep,
+                                                Place place) {
+  uint32_t qv[8];
+  if (fast) {
+    for (int e = 0; e < 8; ++e)
+      qv[e] = __float_as_uint(__fadd_rn(__fmul_rn(y[e], inv), 12582912.0f));
+  } else {
+    for (int e = 0; e < 8; ++e) qv[e] = quantize_bits(y[e], inv, qmax);
+  }
+  store8<kBits>(dst, place(d0), qv, keep);
+}
 template <typename T, int D, int kBits, typename Center, typename Place = RowPlace>
 __device__ __forceinline__ void quantize_store_row_part(uint8_t* dst, const uint4 (&raw)[D / 32],
                                                         Center center, int part, float inv,
                                                         float qmax, bool fast, uint32_t keep,
                                                         Place place = {}) {
+  // (Its own loop rather than quantize_store8's: the sm90 kernel, which inlines it, measured
+  // slower under a causal mask with the shared form, its code laid out otherwise.)
   #pragma unroll
   for (int ci = 0; ci < D / 32; ++ci) {
     const int d0 = (ci * 4 + part) * 8;

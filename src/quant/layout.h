@@ -148,6 +148,11 @@ struct PrepassPlan {
   // 2 bytes. vec_kv: K and V both; vec_q: Q (quant_q). The planner sets them from the call's
   // pointers and strides (make_prepass_plan leaves them false); they change no product, no size.
   bool vec_kv = false, vec_q = false;
+  // The three-launch path's quantization: 0, a CTA per 64-key block (quant_kv); else the staged
+  // quant_kv's grid (head dim 64), about the CTAs the SMs hold at once, each pipelining its share
+  // of the blocks through shared memory. The planner sets it from the device (make_prepass_plan
+  // leaves it 0); it changes no product, no size.
+  int64_t kv_grid = 0;
   // Grid extents: a packed batch's from its longest sequences (a CTA past its own sequence's
   // end exits), so no launch depends on cu_seqlens' contents.
   int64_t q_blocks = 0, k_blocks = 0, nq_pad = 0, nk_pad = 0, row_bytes = 0, stat_chunks = 0;

@@ -150,8 +150,22 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     check(launch_pdl(kv_finalize_kernel<D>, {dim3(unsigned(x.heads.bk)), dim3(kFinalize)}, st,
                      KvFinalizeParams{x.stats, x.heads, x.sampling, x.smoothing, x.final_out}));
     if (err != cudaSuccess) return;
-    check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(kKvThreads)},
-                     st, QuantKvParams{x.kv_in, x.heads, x.final_in, x.kv_out}));
+    const QuantKvParams qp{x.kv_in, x.heads, x.final_in, x.kv_out};
+    if (p.kv_grid > 0) {
+      if constexpr (D == 64) {
+        constexpr auto kernel = quant_kv_staged_kernel<T, D, kBits, kVec>;
+        check(set_max_dynamic_smem_once<kernel>(device, kStagedQuantKvBytes<D>));
+        check(launch_pdl(kernel,
+                         {dim3(unsigned(p.kv_grid)), dim3(kKvThreads),
+                          size_t(kStagedQuantKvBytes<D>)},
+                         st, qp));
+      } else {
+        check(cudaErrorInvalidConfiguration);  // planned for D = 64 only (plan.cpp)
+      }
+    } else {
+      check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(kKvThreads)},
+                       st, qp));
+    }
   };
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
@@ -211,6 +225,28 @@ int max_kv_cluster(int device) {
     return kCluster;
   cudaGetLastError();
   return 0;
+}
+
+namespace {
+// CTAs of `kernel` an SM of `device` holds with `bytes` of dynamic shared memory (0: none, or the
+// query failed).
+template <auto kKernel>
+int ctas_per_sm(int device, int bytes) {
+  int n = 0;
+  if (set_max_dynamic_smem_once<kKernel>(device, bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kKvThreads, bytes) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+}  // namespace
+
+int staged_quant_kv_ctas(int device) {
+  // The fp16 INT8 16-byte-load instantiation stands for all: the others differ in nothing that
+  // limits residency (the same shared memory; registers under the same bounds).
+  return ctas_per_sm<quant_kv_staged_kernel<__half, 64, 8, true>>(device, kStagedQuantKvBytes<64>);
 }
 
 cudaError_t run_prepass(const Plan& plan, const PrepassInputs& in, uint8_t* workspace, int device,

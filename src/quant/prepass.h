@@ -37,4 +37,8 @@ cudaError_t run_prepass(const PrepassPlan& plan, const PrepassInputs& in, uint8_
 // (PrepassPlan::kv_cluster) can be resident on device `device` (sm_90+; queried once a device).
 int max_kv_cluster(int device);
 
+// The CTAs of the staged quant_kv (PrepassPlan::kv_grid, head dim 64) one SM of device `device`
+// holds at once, 0 where none fits (queried once a device).
+int staged_quant_kv_ctas(int device);
+
 }  // namespace sage::quant

@@ -27,7 +27,9 @@ using sage::api::Family;
 using sage::api::Plan;
 
 using sage::api::CallShape;
-constexpr Device kH100{0, 90, 132, 8, 5120}, kAda{0, 89, 128}, kBlackwell{0, 120, 84}, kAmpere{0, 86, 84};
+// kH100 as the backend queries an H100: 8-CTA clusters, four CTAs of the staged K/V quantization
+// (D = 64) an SM.
+constexpr Device kH100{0, 90, 132, 8, 5120, 4}, kAda{0, 89, 128}, kBlackwell{0, 120, 84}, kAmpere{0, 86, 84};
 
 // Host buffers standing in for device tensors (the planner reads shapes, strides and pointer
 // alignment only).
@@ -215,6 +217,37 @@ TEST(Planner, KvPrepassOneLaunchWhereAClusterHoldsTheHead) {
   EXPECT_EQ(must_plan(Call(700, 2048, 64), kH100).prepass.kv_cluster, 0);
   EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).prepass.kv_cluster, 0);
   EXPECT_EQ(must_plan(Call(700, 1000, 128), kAda).launches, 5);  // 3 K/V, quant_q, attention
+}
+
+// The three launches' K/V quantization runs on the staged grid at D = 64 where the device holds
+// its CTAs: the CTAs all SMs hold at once, or one per 64-key block where the call has fewer; a
+// CTA per block with SAGE_OPTION_PREPASS_KV_BLOCKS, at D = 128 and 256, on the cluster path and
+// on a device that reports none. The workspace and the launch count are the same either way.
+TEST(Planner, StagedKvQuantizationGridFromTheDevice) {
+  struct Row {
+    int64_t nk, d, batch, hkv;
+  };
+  for (const Row r : {Row{4608, 128, 1, 24}, Row{4096, 64, 2, 10}, Row{1025, 64, 1, 1},
+                      Row{2048, 64, 4, 32}, Row{33000, 64, 1, 1}, Row{2000, 256, 1, 2}}) {
+    Call c(700, r.nk, r.d);
+    c.with_heads(r.hkv, r.hkv, r.batch);
+    const Plan p = must_plan(c, kH100);
+    const int64_t blocks = r.batch * r.hkv * ((r.nk + 63) / 64);
+    const int64_t resident = int64_t(kH100.staged_kv_ctas) * kH100.sms;
+    EXPECT_EQ(p.prepass.kv_cluster, 0) << r.nk;
+    EXPECT_EQ(p.prepass.kv_grid, r.d == 64 ? std::min(blocks, resident) : 0) << r.nk << " " << r.d;
+    Call b = c;
+    b.a.options = SAGE_OPTION_PREPASS_KV_BLOCKS;
+    const Plan pb = must_plan(b, kH100);
+    EXPECT_EQ(pb.prepass.kv_grid, 0) << r.nk;
+    EXPECT_EQ(pb.prepass.total, p.prepass.total) << r.nk;
+    EXPECT_EQ(pb.launches, p.launches) << r.nk;
+  }
+  EXPECT_EQ(must_plan(Call(700, 1000, 64), kH100).prepass.kv_grid, 0);  // one cluster launch
+  EXPECT_EQ(must_plan(Call(700, 4096, 64), kAda).prepass.kv_grid, 0);
+  Call split(700, 1000, 64);
+  split.a.options = SAGE_OPTION_PREPASS_KV_SPLIT;
+  EXPECT_EQ(must_plan(split, kH100).prepass.kv_grid, 2 * 2 * 16);  // fewer blocks than the grid
 }
 
 // The pre-pass's loads are 16 bytes wide (its kVec instantiations) where every row of the tensor

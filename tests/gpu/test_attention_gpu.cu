@@ -500,6 +500,56 @@ TEST(GpuAttention, OneLaunchKvPrepassMatchesThreeLaunches) {
   }
 }
 
+// The three launches' K/V quantization on the staged grid (about the CTAs the SMs hold, each
+// taking every grid-th 64-key block through a two-stage shared-memory pipeline; sm_90, D = 64)
+// and a CTA per block (SAGE_OPTION_PREPASS_KV_BLOCKS) run the same arithmetic on the same bytes,
+// so O and LSE must agree bit for bit: for rows 16-byte aligned (cp.async) and one element off
+// (plain loads), lengths that end inside a block, a head of one key, GQA, both masks, fp16 and
+// bf16, D 64 and the zero-padded 40 and 56, both kernel families and the 4-bit mma kernel, and
+// calls of more blocks than the grid (a CTA takes several, across heads). (At D = 128 both plans
+// run a CTA per block: the same comparison, which stays as a check of the option.)
+TEST(GpuAttention, StagedKvQuantizationMatchesOneCtaABlock) {
+  SAGE_REQUIRE_GPU();
+  const std::vector<KernelChoice> kernels = kernels_of_this_gpu();
+  if (kernels.empty()) GTEST_SKIP() << "no SageAttention2 kernel below sm_89";
+  std::mt19937_64 rng(sage::test::fresh_seed());
+  constexpr uint32_t kSplit = SAGE_OPTION_PREPASS_KV_SPLIT;
+  for (const Case& c : {Case{1, 4, 2, 70, 1, 64, kNone, kHND, kF16, k8, 4},
+                        Case{2, 4, 2, 90, 1089, 64, kBR, kNHD, kBF16, k8, 4},
+                        Case{1, 3, 3, 130, 65, 64, kNone, kHND, kF16, k8, 4},
+                        Case{2, 8, 4, 100, 7001, 64, kNone, kNHD, kF16, k8, 4},
+                        Case{3, 6, 6, 64, 3000, 64, kTL, kHND, kBF16, k8, 4},
+                        Case{1, 2, 2, 200, 1300, 40, kNone, kNHD, kF16, k8, 4},
+                        Case{1, 2, 2, 100, 1200, 56, kBR, kHND, kF16, k8, 4},
+                        Case{1, 2, 2, 257, 1500, 64, kNone, kHND, kF16, k4, 4},
+                        Case{1, 2, 2, 90, 2000, 128, kNone, kHND, kBF16, k8, 4}}) {
+    SCOPED_TRACE(name(c));
+    const Inputs in = draw_inputs(rng, c);
+    for (const KernelChoice& kc : kernels) {
+      if (kc.options != 0u || (kc.kernel == SAGE_KERNEL_SM90 && c.variant == k4)) continue;
+      SCOPED_TRACE(kc.label);
+      const KernelChoice staged{kc.kernel, kSplit, "staged"};
+      const KernelChoice blocks{kc.kernel, kSplit | SAGE_OPTION_PREPASS_KV_BLOCKS, "blocks"};
+      const GpuRun ref = run_gpu(c, in.qd, in.kd, in.vd, blocks);
+      const GpuRun s = run_gpu(c, in.qd, in.kd, in.vd, staged);
+      const GpuRun ref_off = run_gpu(c, in.qd, in.kd, in.vd, blocks, 0.0f, 1);
+      const GpuRun s_off = run_gpu(c, in.qd, in.kd, in.vd, staged, 0.0f, 1);
+      for (const GpuRun* g : {&ref, &s, &ref_off, &s_off}) ASSERT_EQ(g->status, SAGE_OK) << g->error;
+      for (const auto& [a, b] : {std::pair{&ref, &s}, std::pair{&ref_off, &s_off}}) {
+        size_t differ = 0, lse_differ = 0;
+        for (size_t i = 0; i < a->o.size(); ++i) differ += a->o[i] != b->o[i];
+        for (size_t i = 0; i < a->lse.size(); ++i)
+          lse_differ += std::memcmp(&a->lse[i], &b->lse[i], 4) != 0;
+        EXPECT_EQ(differ, 0u) << "O differs in " << differ << " of " << a->o.size();
+        EXPECT_EQ(lse_differ, 0u) << "LSE differs in " << lse_differ << " of " << a->lse.size();
+      }
+      size_t nan = 0;
+      for (uint16_t x : s.o) nan += (x & 0x7FFFu) > (c.dtype == kF16 ? 0x7C00u : 0x7F80u);
+      EXPECT_EQ(nan, 0u) << "poison left in O";
+    }
+  }
+}
+
 // The causal kernel's CTAs draw tiles from a counter in the workspace, and the split tail's
 // mergers wait on flags there; the pre-pass zeroes both and the kernel resets them (the causal
 // scheduler's last CTA, each merger its own flag), so the kernel alone may run again on a

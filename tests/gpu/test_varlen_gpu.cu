@@ -228,9 +228,13 @@ void long_and_short_sequences(sage_kernel kernel, bool four_bit) {
     if (variant == SAGE_VARIANT_SAGE2_4B && !four_bit) continue;
     for (sage_mask mask : {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_BOTTOM_RIGHT}) {
       const Packed p = make_packed(rng, seqs, 128, SAGE_DTYPE_BF16);
-      const Options opt{SAGE_DTYPE_BF16, variant, mask, kernel, 0u};
-      SCOPED_TRACE(describe(opt, 128));
-      expect_per_sequence(p, opt, run_packed(p, opt), p.q, p.k, p.v);
+      // The three launches' quantization on the staged grid (a CTA steps over the blocks of
+      // every sequence, skipping those past a shorter one's keys) and a CTA per block.
+      for (uint32_t options : {0u, unsigned(SAGE_OPTION_PREPASS_KV_BLOCKS)}) {
+        const Options opt{SAGE_DTYPE_BF16, variant, mask, kernel, options};
+        SCOPED_TRACE(describe(opt, 128));
+        expect_per_sequence(p, opt, run_packed(p, opt), p.q, p.k, p.v);
+      }
     }
   }
 }

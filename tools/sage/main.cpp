@@ -34,6 +34,7 @@ std::string bench_impl_name(const std::string& variant, const BenchOptions& opt)
   if (opt.options & SAGE_OPTION_PREPASS_Q) name += "-prepass-q";
   if (opt.options & SAGE_OPTION_PREPASS_KV_SPLIT) name += "-kv-split";
   if (opt.options & SAGE_OPTION_WHOLE_TILES) name += "-whole-tiles";
+  if (opt.options & SAGE_OPTION_PREPASS_KV_BLOCKS) name += "-kv-blocks";
   return name;
 }
 
@@ -70,6 +71,8 @@ const char* const kBenchOptions =
     "                         (SAGE_OPTION_PREPASS_KV_SPLIT)\n"
     "  --whole-tiles          sm90: no split tail, the last round's tiles whole\n"
     "                         (SAGE_OPTION_WHOLE_TILES)\n"
+    "  --kv-blocks            the three-launch K/V quantization a CTA per 64-key block, not\n"
+    "                         the staged grid (SAGE_OPTION_PREPASS_KV_BLOCKS)\n"
     "  --out FILE             JSON in the bench/results schema; --commit C labels it\n";
 
 struct Options {
@@ -142,7 +145,7 @@ const Command kCommands[] = {
     {"bench",
      "GPU speed over the standard grid (end-to-end and kernel-only TOPS) with\n"
      "             accuracy vs float64 on sampled rows; needs a CUDA build and a GPU",
-     kBenchOptions, {"bias", "prepass-q", "kv-split", "whole-tiles"},
+     kBenchOptions, {"bias", "prepass-q", "kv-split", "whole-tiles", "kv-blocks"},
      {"variants", "dims", "seqs", "causal", "batch", "heads", "seconds", "accuracy-rows",
       "threads", "kernel", "out", "commit"},
      cmd_bench},
@@ -456,6 +459,7 @@ int cmd_bench(const Options& o) {
   if (o.flag("prepass-q")) b.options |= SAGE_OPTION_PREPASS_Q;
   if (o.flag("kv-split")) b.options |= SAGE_OPTION_PREPASS_KV_SPLIT;
   if (o.flag("whole-tiles")) b.options |= SAGE_OPTION_WHOLE_TILES;
+  if (o.flag("kv-blocks")) b.options |= SAGE_OPTION_PREPASS_KV_BLOCKS;
   if (o.flag("bias")) b.q_bias = 4, b.k_bias = 8, b.v_bias = 8;
   // Without a usable GPU, the reason in plain words, not the CUDA error of the first allocation.
   bool has_gpu = false;

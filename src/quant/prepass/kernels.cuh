@@ -68,6 +68,18 @@ __global__ void __launch_bounds__(kKvThreads, D <= 64 ? 4 : D <= 128 ? 3 : 2)
   quant_kv<T, D, kBits, kVec>(p);
 }
 
+// The staged quantization (planned at D = 64): a grid of about the CTAs the SMs hold
+// (PrepassPlan::kv_grid), two stages of a block each in dynamic shared memory
+// (kStagedQuantKvBytes).
+template <typename T, int D, int kBits, bool kVec>
+__global__ void __launch_bounds__(kKvThreads, D <= 64 ? 4 : 3)
+    quant_kv_staged_kernel(const QuantKvParams params) {
+  const auto p = in_registers(params);
+  pdl_enter();
+  extern __shared__ __align__(16) uint8_t stage[];
+  quant_kv_staged<T, D, kBits, kVec>(p, stage);
+}
+
 // Q (PrepassPlan::quantize_q). At D = 256, one CTA an SM: 128 registers for the row's 32 words.
 template <typename T, int D, int kBits, bool kVec, bool kSmooth>
 __global__ void __launch_bounds__(kQThreads, D <= 128 ? 2 : 1)

@@ -39,11 +39,19 @@ struct KvBlock {
   template <typename T>
   __device__ void zero_special_keys(int64_t key0, unsigned long long* kv_bad) {
     unsigned long long first = kKvBadNone;
-    if (zero_special<T>(kr) != 0u) first = static_cast<unsigned long long>(key0 + key());
-    uint32_t v_bad = 0u;
+    uint32_t k_acc = 0u;
+    for (int ci = 0; ci < kChunks; ++ci) {
+      k_acc = special_fold<T>(k_acc, kr[ci].x), k_acc = special_fold<T>(k_acc, kr[ci].y);
+      k_acc = special_fold<T>(k_acc, kr[ci].z), k_acc = special_fold<T>(k_acc, kr[ci].w);
+    }
+    if (special2<T>(k_acc) != 0u) {  // rare: the zeroing
+      zero_special<T>(kr);
+      first = static_cast<unsigned long long>(key0 + key());
+    }
+    uint32_t v_acc = 0u;
     for (int u = 0; u < 4; ++u)
-      for (int i = 0; i < kW / 2; ++i) v_bad |= special2<T>(vr[u][i]);
-    if (v_bad != 0u)  // rare: which rows, and their zeroing
+      for (int i = 0; i < kW / 2; ++i) v_acc = special_fold<T>(v_acc, vr[u][i]);
+    if (special2<T>(v_acc) != 0u)  // rare: which rows, and their zeroing
       for (int u = 0; u < 4; ++u) {
         uint32_t bad = 0u;
         for (int i = 0; i < kW / 2; ++i) {
@@ -99,18 +107,18 @@ __device__ __forceinline__ KvBlock<D> load_block_global(const T* k, const T* v,
   return x;
 }
 
-// Loads the block at stage row r0 (kv_prepass_kernel: rows past the sequence were zero-filled).
-template <int D>
+// Loads the block at row r0 of stage S (kv_prepass_kernel: a chunk's stage; the staged
+// quant_kv: a block's; rows past the sequence were zero-filled).
+template <int D, typename S = Stage<D>>
 __device__ __forceinline__ KvBlock<D> load_block_staged(const uint8_t* smem, int r0, int64_t key0,
                                                         int64_t seq_kv) {
   using B = KvBlock<D>;
   B x;
-  const uint8_t* krow = smem + (r0 + B::key()) * Stage<D>::kPitch;
+  const uint8_t* krow = smem + (r0 + B::key()) * S::kPitch;
   for (int ci = 0; ci < B::kChunks; ++ci)
     x.kr[ci] = *reinterpret_cast<const uint4*>(krow + (ci * 4 + B::part()) * 16);
   for (int u = 0; u < 4; ++u) {
-    const uint8_t* vrow = smem + Stage<D>::kV + (r0 + B::vkey(u)) * Stage<D>::kPitch +
-                          B::slice() * B::kW * 2;
+    const uint8_t* vrow = smem + S::kV + (r0 + B::vkey(u)) * S::kPitch + B::slice() * B::kW * 2;
     if constexpr (B::kW >= 8) {
       for (int i = 0; i < B::kW / 8; ++i) {
         const uint4 w = *reinterpret_cast<const uint4*>(vrow + 16 * i);
@@ -145,15 +153,19 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
   const int64_t key = kb * kBlockK + j;
   const bool valid = key < seq_kv;
 
-  // K: max |k - k_mean| of the part, then over the 4 parts of a key and its pair key (j ^ 1 is
-  // 4 lanes away): one group in this warp.
+  // K: k - k_mean (kept for the quantization after the barrier), max |k - k_mean| of the part,
+  // then over the 4 parts of a key and its pair key (j ^ 1 is 4 lanes away): one group in this
+  // warp.
+  float kc[B::kChunks][8];
   uint32_t abits = 0u;
   for (int ci = 0; ci < B::kChunks; ++ci) {
     const float4 m0 = *reinterpret_cast<const float4*>(&km[(ci * 4 + part) * 8]);
     const float4 m1 = *reinterpret_cast<const float4*>(&km[(ci * 4 + part) * 8 + 4]);
     const float mk[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
-    for (int e = 0; e < 8; ++e)
-      abits = max(abits, __float_as_uint(fabsf(__fsub_rn(elem_float<T>(x.kr[ci], e), mk[e]))));
+    for (int e = 0; e < 8; ++e) {
+      kc[ci][e] = __fsub_rn(elem_float<T>(x.kr[ci], e), mk[e]);
+      abits = max(abits, __float_as_uint(fabsf(kc[ci][e])));
+    }
   }
   float amax = valid ? __uint_as_float(abits) : 0.0f;
   for (int m : {1, 2, 4}) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
@@ -185,9 +197,9 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
     k_scale[(krow0 / kBlockK + kb) * kKGroups + t] = s.scale;
   const bool fast = finite_scale(amax, s.inv);
   const uint32_t keep = valid ? 0xFFFFFFFFu : 0u;
-  quantize_store_row_part<T, D, kBits>(
-      kq + (krow0 + key) * (D * kBits / 8), x.kr,
-      [&](float y, int c) { return __fsub_rn(y, km[c]); }, part, s.inv, qmax, fast, keep);
+  uint8_t* const krow = kq + (krow0 + key) * (D * kBits / 8);
+  for (int ci = 0; ci < B::kChunks; ++ci)
+    quantize_store8<kBits>(krow, (ci * 4 + part) * 8, kc[ci], s.inv, qmax, fast, keep, RowPlace{});
 }
 
 // A packed batch's sequence whose keys end in the first half of a 128-key block (kb, its last

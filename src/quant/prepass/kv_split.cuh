@@ -118,5 +118,98 @@ __device__ __forceinline__ void quant_kv(const QuantKvParams& p) {
   zero_v_tail<D>(kv_rows, kb, (seq_kv + kBlockK - 1) / kBlockK, vcol0, p.vq);
 }
 
+// The staged quantization (PrepassPlan::kv_grid > 0; D <= 128, planned at 64, where it measured
+// faster than a CTA a block: docs/sm90-kernel.md, Tried 51): the blocks of quant_kv, dealt
+// to a grid of about the CTAs the SMs hold at once, each CTA taking every gridDim.x-th block (in
+// quant_kv's order: the last head's last block first) through a two-stage pipeline. A block's K
+// and V rows and its head's k_mean, v_mean and 1/v_scale are copied (cp.async) into one stage
+// while the CTA quantizes the block in the other, so a CTA's loads stay in flight through its
+// arithmetic instead of each block waiting for its own. The arithmetic is quant_kv's.
+// `smem`: kStagedQuantKvBytes<D> of dynamic shared memory.
+template <int D>
+struct QuantKvStage {
+  using Rows = Stage<D, kBlockK>;
+  static constexpr int kMeans = Rows::kBytes;          // k_mean, v_mean, 1/v_scale: [3][D] floats
+  static constexpr int kBytes = kMeans + 3 * D * 4;    // one stage
+};
+template <int D>
+constexpr int kStagedQuantKvBytes = 2 * QuantKvStage<D>::kBytes;
+
+template <typename T, int D, int kBits, bool kVec>
+__device__ __forceinline__ void quant_kv_staged(const QuantKvParams& p, uint8_t* smem) {
+  static_assert(D <= 128, "a 64-key stage of D = 256 rows is planned with the direct quant_kv");
+  using St = QuantKvStage<D>;
+  __shared__ float group_max[2][8][4];
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  const SeqRows& kv_rows = p.kv_rows;
+  // Unit u: outer index o = u / k_blocks (KV head bk - 1 - o), block k_blocks - 1 - u % k_blocks;
+  // a CTA steps u by gridDim.x, kept as a quotient and a remainder (no division a block).
+  const int64_t k_blocks = (kv_rows.len + kBlockK - 1) / kBlockK;
+  const int64_t units = p.bk * k_blocks, step = gridDim.x;
+  const int64_t step_q = step / k_blocks, step_r = step % k_blocks;
+  struct Unit {
+    int64_t u, o, r;  // u = o·k_blocks + r
+    int b, h;
+    SeqSpan sp;
+    int64_t kb;
+    bool live;  // a block of this sequence's keys (a packed batch's shorter ones have fewer)
+  };
+  auto locate = [&](Unit& w) {
+    w.live = w.u < units;
+    if (!w.live) return;
+    const uint32_t bh = uint32_t(p.bk - 1 - w.o);  // bk < 2^31 (check_batch_heads)
+    w.b = int(bh / uint32_t(p.heads_kv)), w.h = int(bh % uint32_t(p.heads_kv));
+    w.sp = kv_rows.span(w.b);
+    w.kb = k_blocks - 1 - w.r;
+    w.live = w.kb * kBlockK < w.sp.len;
+  };
+  // Copies unit w's rows and its head's means into stage `st`, one committed group (empty for a
+  // unit that is not live, so the group count stays one a unit).
+  auto issue = [&](const Unit& w, uint8_t* st) {
+    if (w.live) {
+      const int64_t n0 = w.kb * kBlockK;
+      const int rows = int(min(int64_t(kBlockK), w.sp.len - n0));
+      issue_rows<T, D, kVec, typename St::Rows>(k, v, p.ks, p.vs, p.dim, w.b, w.h, w.sp.tok0, n0,
+                                                rows, 1u, true, st);
+      const int64_t bh = p.bk - 1 - w.o;
+      if (threadIdx.x < 3 * D / 4) {  // 16 bytes each: D / 4 a vector
+        const int vec = threadIdx.x / (D / 4), at = threadIdx.x % (D / 4) * 4;
+        const float* src = (vec == 0 ? p.k_mean : vec == 1 ? p.v_mean : p.v_inv) + bh * D + at;
+        ptx::cp_async_16(st + St::kMeans + (vec * D + at) * 4, src);
+      }
+    }
+    ptx::cp_async_commit();
+  };
+  Unit cur{int64_t(blockIdx.x), int64_t(blockIdx.x) / k_blocks, int64_t(blockIdx.x) % k_blocks};
+  locate(cur);
+  issue(cur, smem);
+  for (int i = 0; cur.u < units; ++i) {
+    Unit next{cur.u + step, cur.o + step_q, cur.r + step_r};
+    if (next.r >= k_blocks) next.r -= k_blocks, ++next.o;
+    locate(next);
+    uint8_t* const here = smem + (i % 2) * St::kBytes;
+    issue(next, smem + ((i + 1) % 2) * St::kBytes);
+    ptx::cp_async_wait<1>();  // this unit's group; the next one's stays in flight
+    __syncthreads();
+    if (cur.live) {
+      const int64_t bh = p.bk - 1 - cur.o, seq_kv = cur.sp.len;
+      KvBlock<D> x = load_block_staged<D, typename St::Rows>(here, 0, cur.kb * kBlockK, seq_kv);
+      x.template zero_special_keys<T>(cur.kb * kBlockK, p.kv_bad + bh);
+      const float* means = reinterpret_cast<const float*>(here + St::kMeans);
+      const int64_t vcol0 = v_base(kv_rows, cur.b, cur.h, cur.sp, D);
+      quant_kv_block<T, D, kBits>(x, cur.kb, kv_rows.row0(cur.b, cur.h, cur.sp), vcol0,
+                                  kv_rows.pitch, means, means + D, means + 2 * D, group_max[i % 2],
+                                  seq_kv, p.kq, p.k_scale, p.vq);
+      zero_v_tail<D>(kv_rows, cur.kb, (seq_kv + kBlockK - 1) / kBlockK, vcol0, p.vq);
+    }
+    // (No barrier here: quant_kv_block reads the stage only before its own barrier, so every
+    // thread is done with it before any issues the copies that refill it, the next unit's; the
+    // barrier above, one a unit, orders group_max's two buffers.)
+    cur = next;
+  }
+  ptx::cp_async_wait<0>();  // (the last, empty group)
+}
+
 }  // namespace
 }  // namespace sage::quant
