@@ -452,6 +452,34 @@ TEST(GpuAttention, FusedQQuantizationMatchesPrepass) {
   }
 }
 
+// Case c run with pre-pass choices a and b, each on rows 16-byte aligned and on K and V one
+// element off (2-byte aligned rows: plain loads where the aligned runs use cp.async), where the
+// two choices compute the same bytes by the same operations: the four O and LSE must equal a's
+// bit for bit, and no poison is left in O. Returns a's and b's aligned runs.
+std::pair<GpuRun, GpuRun> expect_same_bits(const Case& c, const Inputs& in, const KernelChoice& a,
+                                           const KernelChoice& b) {
+  GpuRun ra = run_gpu(c, in.qd, in.kd, in.vd, a);
+  GpuRun rb = run_gpu(c, in.qd, in.kd, in.vd, b);
+  const GpuRun a_off = run_gpu(c, in.qd, in.kd, in.vd, a, 0.0f, 1);
+  const GpuRun b_off = run_gpu(c, in.qd, in.kd, in.vd, b, 0.0f, 1);
+  const GpuRun* const runs[] = {&ra, &rb, &a_off, &b_off};
+  for (const GpuRun* g : runs) EXPECT_EQ(g->status, SAGE_OK) << g->error;
+  if (ra.status != SAGE_OK) return {std::move(ra), std::move(rb)};
+  for (const GpuRun* g : runs) {
+    if (g == &ra || g->status != SAGE_OK) continue;
+    size_t differ = 0, lse_differ = 0;
+    for (size_t i = 0; i < ra.o.size(); ++i) differ += ra.o[i] != g->o[i];
+    for (size_t i = 0; i < ra.lse.size(); ++i)
+      lse_differ += std::memcmp(&ra.lse[i], &g->lse[i], 4) != 0;
+    EXPECT_EQ(differ, 0u) << "O differs in " << differ << " of " << ra.o.size();
+    EXPECT_EQ(lse_differ, 0u) << "LSE differs in " << lse_differ << " of " << ra.lse.size();
+  }
+  size_t nan = 0;
+  for (uint16_t x : ra.o) nan += (x & 0x7FFFu) > (c.dtype == kF16 ? 0x7C00u : 0x7F80u);
+  EXPECT_EQ(nan, 0u) << "poison left in O";
+  return {std::move(ra), std::move(rb)};
+}
+
 // K/V's pre-pass as one cluster launch (a CTA per 128-token chunk, a cluster per KV head) and as
 // three launches (SAGE_OPTION_PREPASS_KV_SPLIT) take the same statistics in the same order and
 // quantize with the same operations, so O and LSE must agree bit for bit: for rows 16-byte
@@ -476,26 +504,11 @@ TEST(GpuAttention, OneLaunchKvPrepassMatchesThreeLaunches) {
       if (kc.options != 0u || (kc.kernel == SAGE_KERNEL_SM90 && c.variant == k4)) continue;
       SCOPED_TRACE(kc.label);
       const KernelChoice split{kc.kernel, SAGE_OPTION_PREPASS_KV_SPLIT, "split"};
-      const GpuRun one = run_gpu(c, in.qd, in.kd, in.vd, kc);
-      const GpuRun three = run_gpu(c, in.qd, in.kd, in.vd, split);
-      const GpuRun one_off = run_gpu(c, in.qd, in.kd, in.vd, kc, 0.0f, 1);
-      const GpuRun three_off = run_gpu(c, in.qd, in.kd, in.vd, split, 0.0f, 1);
-      for (const GpuRun* g : {&one, &three, &one_off, &three_off}) ASSERT_EQ(g->status, SAGE_OK) << g->error;
+      const auto [one, three] = expect_same_bits(c, in, kc, split);
       if (compute_capability() == 90 && c.Nk <= 1024)
         EXPECT_EQ(three.plan.launches, one.plan.launches + 2);
       std::printf("    %-6s %s: launches %d (one-launch K/V plan) / %d (split)\n", kc.label,
                   name(c).c_str(), one.plan.launches, three.plan.launches);
-      for (const GpuRun* g : {&three, &one_off, &three_off}) {
-        size_t differ = 0, lse_differ = 0;
-        for (size_t i = 0; i < one.o.size(); ++i) differ += one.o[i] != g->o[i];
-        for (size_t i = 0; i < one.lse.size(); ++i)
-          lse_differ += std::memcmp(&one.lse[i], &g->lse[i], 4) != 0;
-        EXPECT_EQ(differ, 0u) << "O differs in " << differ << " of " << one.o.size();
-        EXPECT_EQ(lse_differ, 0u) << "LSE differs in " << lse_differ << " of " << one.lse.size();
-      }
-      size_t nan = 0;
-      for (uint16_t x : one.o) nan += (x & 0x7FFFu) > (c.dtype == kF16 ? 0x7C00u : 0x7F80u);
-      EXPECT_EQ(nan, 0u) << "poison left in O";
     }
   }
 }
@@ -530,22 +543,7 @@ TEST(GpuAttention, StagedKvQuantizationMatchesOneCtaABlock) {
       SCOPED_TRACE(kc.label);
       const KernelChoice staged{kc.kernel, kSplit, "staged"};
       const KernelChoice blocks{kc.kernel, kSplit | SAGE_OPTION_PREPASS_KV_BLOCKS, "blocks"};
-      const GpuRun ref = run_gpu(c, in.qd, in.kd, in.vd, blocks);
-      const GpuRun s = run_gpu(c, in.qd, in.kd, in.vd, staged);
-      const GpuRun ref_off = run_gpu(c, in.qd, in.kd, in.vd, blocks, 0.0f, 1);
-      const GpuRun s_off = run_gpu(c, in.qd, in.kd, in.vd, staged, 0.0f, 1);
-      for (const GpuRun* g : {&ref, &s, &ref_off, &s_off}) ASSERT_EQ(g->status, SAGE_OK) << g->error;
-      for (const auto& [a, b] : {std::pair{&ref, &s}, std::pair{&ref_off, &s_off}}) {
-        size_t differ = 0, lse_differ = 0;
-        for (size_t i = 0; i < a->o.size(); ++i) differ += a->o[i] != b->o[i];
-        for (size_t i = 0; i < a->lse.size(); ++i)
-          lse_differ += std::memcmp(&a->lse[i], &b->lse[i], 4) != 0;
-        EXPECT_EQ(differ, 0u) << "O differs in " << differ << " of " << a->o.size();
-        EXPECT_EQ(lse_differ, 0u) << "LSE differs in " << lse_differ << " of " << a->lse.size();
-      }
-      size_t nan = 0;
-      for (uint16_t x : s.o) nan += (x & 0x7FFFu) > (c.dtype == kF16 ? 0x7C00u : 0x7F80u);
-      EXPECT_EQ(nan, 0u) << "poison left in O";
+      expect_same_bits(c, in, blocks, staged);
     }
   }
 }
