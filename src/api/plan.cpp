@@ -332,8 +332,8 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   // The three launches' quantization staged and pipelined at Dk = 64 (where the device holds its
   // CTAs): a grid of the CTAs the SMs hold at once, fewer for a call with fewer blocks. At
   // Dk = 128 the staged grid measured no faster than a CTA per block (docs/sm90-kernel.md, Tried
-  // 51), at 256 a stage does not fit beside a second. SAGE_OPTION_PREPASS_KV_BLOCKS keeps a CTA
-  // per block (to compare the two).
+  // 51); at 256 two stages (141 KB) would leave one CTA an SM, and it is not built there.
+  // SAGE_OPTION_PREPASS_KV_BLOCKS keeps a CTA per block (to compare the two).
   if (!plan.prepass.kv_cluster && Dk == 64 && dev.staged_kv_ctas > 0 &&
       !(a.options & SAGE_OPTION_PREPASS_KV_BLOCKS)) {
     const int64_t blocks = plan.prepass.batch * plan.prepass.heads_kv * plan.prepass.k_blocks;
