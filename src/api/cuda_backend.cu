@@ -105,12 +105,12 @@ sage_status current_device(api::Device* out) {
       bus = 0;
     }
     entry.dev.mem_bus_bits = bus;
-    // K/V's one-launch pre-pass needs thread-block clusters (sm_90+) that hold a head's chunks.
-    if (entry.err == cudaSuccess && entry.dev.cc >= 90)
+    if (entry.err == cudaSuccess && entry.dev.cc >= 90) {
+      // K/V's one-launch pre-pass needs thread-block clusters (sm_90+) that hold a head's chunks.
       entry.dev.kv_cluster = quant::max_kv_cluster(index);
-    // The staged K/V quantization: on sm_90+ only, where it was measured.
-    if (entry.err == cudaSuccess && entry.dev.cc >= 90)
+      // The staged K/V quantization: on sm_90+ only, where it was measured.
       entry.dev.staged_kv_ctas = quant::staged_quant_kv_ctas(index);
+    }
   });
   if (entry.err != cudaSuccess)
     return set_error(SAGE_ERROR_CUDA, "cannot query device %d: %s", index,
