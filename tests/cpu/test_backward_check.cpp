@@ -347,7 +347,9 @@ TEST(BackwardCheck, ForwardNormalizedSixteenBitScoresHoldEveryClass) {
         block.channel_scales = 0;
         ref::BackwardCheck per_block;
         run(block, o32, &per_block);
-        EXPECT_GT(per_block.dk_error[0], 4.0 * check.dk_error[0]);
+        // (The ratio varies with the draw: over random seeds its median is about 5 and its 1st
+        // percentile about 4, so the bound sits below the tail, not at it.)
+        EXPECT_GT(per_block.dk_error[0], 3.0 * check.dk_error[0]);
       }
     }
   }
