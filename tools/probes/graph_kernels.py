@@ -22,16 +22,19 @@ SHAPES = {"flux": (1, 24, 4608, 128), "sdxl": (2, 10, 4096, 64), "pixart": (2, 1
 
 
 def kernels_of(graph):
-    """[(kernel name, device µs)] of one replay of the graph, in start order."""
+    """[(kernel name, start µs, end µs)] of one replay of the graph, in start order, the times
+    from the first kernel's start (tools/probes/prepass_timeline.py reads them too)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.cuda._sleep(100_000)  # the replay queues behind it, so none of its launches waits
         graph.replay()
         torch.cuda.synchronize()
-    events = [e for e in prof.events()
-              if e.device_type == torch.autograd.DeviceType.CUDA and "sleep" not in e.name]
+    # (torch.cuda._sleep's kernel, at::cuda's spin_kernel, need not say "sleep" in its name)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+              and "sleep" not in e.name and "spin_kernel" not in e.name]
     events.sort(key=lambda e: e.time_range.start)
-    return [(e.name, e.time_range.elapsed_us()) for e in events]
+    t0 = events[0].time_range.start if events else 0
+    return [(e.name, e.time_range.start - t0, e.time_range.end - t0) for e in events]
 
 
 def main():
@@ -59,8 +62,8 @@ def main():
     graphs = {name: capture_graph(fn)[0] for name, fn in fns.items()}
     for name, graph in graphs.items():
         print(f"-- {name}")
-        for kernel, us in kernels_of(graph):
-            print(f"   {us:9.1f} us  {kernel[:110]}")
+        for kernel, start, end in kernels_of(graph):
+            print(f"   {end - start:9.1f} us  {kernel[:110]}")
     del graphs
     times = interleaved_ms(fns, 0.25, a.rounds, print)
     for name, ms in times.items():

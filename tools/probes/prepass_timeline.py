@@ -1,18 +1,18 @@
 # Probe (CUDA GPU, torch and an installed sage_attn): when each kernel of one sageattn call starts
 # and ends. Per shape, the call is captured in a CUDA graph (sage_attn.bench.capture_graph) and
 # replayed after a GPU sleep, so its launches are all queued before the first runs, under
-# torch.profiler; the kernels' start and end offsets from the first one's start are the medians
-# of seven replays. Shows the K/V pre-pass's launches (kv_stats, kv_finalize, quant_kv or the
-# one-launch kv_prepass) and how far into the call the attention kernel starts and ends (it
-# starts early as a programmatic dependent and waits). Results in bench/results/probes/.
+# torch.profiler (graph_kernels.kernels_of); the kernels' start and end offsets from the first one's
+# start are the medians of seven replays. Shows the K/V pre-pass's launches (kv_stats, kv_finalize,
+# quant_kv or the one-launch kv_prepass) and how far into the call the attention kernel starts and
+# ends (it starts early as a programmatic dependent and waits). Results in bench/results/probes/.
 # Run: python tools/probes/prepass_timeline.py
 import re
 import statistics
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import sage_attn
+from graph_kernels import kernels_of  # (this script's folder is on sys.path when it is run)
 from sage_attn.bench import capture_graph
 
 # (name, B, H, N, D): Flux.1 and SDXL's first level at 1024², prompts of 1k-4k tokens.
@@ -27,31 +27,18 @@ def short(name):
     return re.sub(r"^.*::", "", base.replace("void ", ""))[-28:]
 
 
-def one(graph):
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.cuda._sleep(100_000)
-        graph.replay()
-        torch.cuda.synchronize()
-    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    ev = [e for e in ev if "sleep" not in e.name and "spin" not in e.name]
-    ev.sort(key=lambda e: e.time_range.start)
-    t0 = ev[0].time_range.start
-    return [(short(e.name), e.time_range.start - t0, e.time_range.end - t0) for e in ev]
-
-
 def main():
     for name, b, h, n, d in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn((b, h, n, d), generator=gen, device="cuda", dtype=torch.float16)
                    for _ in range(3))
         g, _ = capture_graph(lambda: sage_attn.sageattn(q, k, v))
-        runs = [one(g) for _ in range(7)]
+        runs = [kernels_of(g) for _ in range(7)]
         print(f"== {name} B{b} H{h} N{n} D{d}")
         for i, (kn, _, _) in enumerate(runs[0]):
             s = statistics.median(r[i][1] for r in runs)
             e = statistics.median(r[i][2] for r in runs)
-            print(f"  {kn:28s} start {s:8.1f} end {e:8.1f} dur {e - s:7.1f} us")
+            print(f"  {short(kn):28s} start {s:8.1f} end {e:8.1f} dur {e - s:7.1f} us")
         del g
 
 
