@@ -10,6 +10,11 @@ prints a markdown table.
 
     python -m sage_attn.bench_models --out bench/results
     python -m sage_attn.bench_models --only flux,sdxl --dtype bf16
+    python -m sage_attn.bench_models --set more          # calls outside the README's table
+    python -m sage_attn.bench_models --calls "mine:2:16:16:4096:4096:72:0;lm:1:32:8:2048:2048:128:1"
+
+--calls takes your own calls, ';'-separated, each label:B:Hq:Hkv:Nq:Nk:D:causal (causal 0 or 1;
+a causal call needs Nq = Nk).
 """
 from __future__ import annotations
 
@@ -72,9 +77,87 @@ MODELS = (
     ("clip", "clip text encoder", 64, 12, 12, 77, 64, False),
 )
 
+# More calls (--set more), none of them among the shapes the crossover model was fitted to: other
+# resolutions and sizes of the models above, cross-attention (Nq != Nk), other head dims and
+# encoders. (model, call, B, Hq, Hkv, Nq, Nk, D, causal).
+MORE_CALLS = (
+    # Flux.1 at 768² (48² patches + 512 text), 1024x768 and 2048².
+    ("flux", "flux.1 768² joint", 1, 24, 24, 2816, 2816, 128, False),
+    ("flux", "flux.1 1024x768 joint", 1, 24, 24, 3584, 3584, 128, False),
+    ("flux", "flux.1 2048² joint", 1, 24, 24, 16896, 16896, 128, False),
+    # SD3.5 Medium (24 heads of 64) at 1024² and SD3 Medium at 512² (1024 + 333 tokens).
+    ("sd3.5", "sd3.5-medium 1024² joint", 2, 24, 24, 4429, 4429, 64, False),
+    ("sd3.5", "sd3-medium 512² joint", 2, 24, 24, 1357, 1357, 64, False),
+    # SDXL at 768² (96² latent): self-attention at 48² and 24²; its first level's cross-attention
+    # to 77 text tokens at 1024². SD 1.5's first level's cross-attention.
+    ("sdxl", "sdxl 768² level 1", 2, 10, 10, 2304, 2304, 64, False),
+    ("sdxl", "sdxl 768² level 2", 2, 20, 20, 576, 576, 64, False),
+    ("sdxl", "sdxl 1024² level 1 cross", 2, 10, 10, 4096, 77, 64, False),
+    ("sd1.5", "sd1.5 512² level 1 cross", 2, 8, 8, 4096, 77, 40, False),
+    # PixArt-Σ at 2048² (128² patches) and its cross-attention to 300 T5 tokens at 1024².
+    ("pixart", "pixart-sigma 2048²", 2, 16, 16, 16384, 16384, 72, False),
+    ("pixart", "pixart-sigma 1024² cross", 2, 16, 16, 4096, 300, 72, False),
+    # Hunyuan-DiT at 1024²: 64² patches, 16 heads of 88.
+    ("hunyuan-dit", "hunyuan-dit 1024²", 2, 16, 16, 4096, 4096, 88, False),
+    # Video: Wan 2.1 1.3B at 480p (12 heads), 14B at 720p (21 latent frames of 45x80), its
+    # cross-attention to 512 text tokens; CogVideoX-2B (30 heads); HunyuanVideo at 544x960x129;
+    # LTX-Video at 704x1216x121 (16 latent frames of 22x38).
+    ("wan", "wan2.1-1.3b 480p", 1, 12, 12, 32760, 32760, 128, False),
+    ("wan", "wan2.1-14b 720p", 1, 40, 40, 75600, 75600, 128, False),
+    ("wan", "wan2.1-14b 480p cross", 1, 40, 40, 32760, 512, 128, False),
+    ("cogvideox", "cogvideox-2b", 2, 30, 30, 17776, 17776, 64, False),
+    ("hunyuan", "hunyuanvideo 544p", 1, 24, 24, 67576, 67576, 128, False),
+    ("ltx", "ltx-video 704x1216x121", 2, 32, 32, 13376, 13376, 64, False),
+    # LLM prefill: Llama 3.2 1B (D 64) and 3B, a batch of four 2k prompts on Llama 3 8B, Qwen2.5
+    # 0.5B (14 heads of 64 over 2) and 72B, Gemma 2 9B (D 256), Phi-3 mini (D 96).
+    ("llama3.2-1b", "llama3.2-1b prefill 2k", 1, 32, 8, 2048, 2048, 64, True),
+    ("llama3.2-1b", "llama3.2-1b prefill 8k", 1, 32, 8, 8192, 8192, 64, True),
+    ("llama3.2-3b", "llama3.2-3b prefill 4k", 1, 24, 8, 4096, 4096, 128, True),
+    ("llama3-8b", "llama3-8b prefill 4x2k", 4, 32, 8, 2048, 2048, 128, True),
+    ("qwen2.5-0.5b", "qwen2.5-0.5b prefill 4k", 1, 14, 2, 4096, 4096, 64, True),
+    ("qwen2.5-0.5b", "qwen2.5-0.5b prefill 32k", 1, 14, 2, 32768, 32768, 64, True),
+    ("qwen2.5-72b", "qwen2.5-72b prefill 8k", 1, 64, 8, 8192, 8192, 128, True),
+    ("gemma2-9b", "gemma2-9b prefill 8k", 1, 16, 8, 8192, 8192, 256, True),
+    ("phi3-mini", "phi-3-mini prefill 4k", 1, 32, 32, 4096, 4096, 96, True),
+    # Encoders: ViT-H/14 224² (16 heads of 80), DINOv2-L/14 at 518², CLIP ViT-L/14 at 336²,
+    # Whisper large-v3's encoder (30 s: 1500 frames, 20 heads of 64), BERT-base at 512 tokens.
+    ("vit", "vit-h/14 224²", 32, 16, 16, 257, 257, 80, False),
+    ("dinov2", "dinov2-l/14 518²", 8, 16, 16, 1370, 1370, 64, False),
+    ("clip", "clip vit-l/14 336²", 32, 16, 16, 577, 577, 64, False),
+    ("whisper", "whisper-large-v3 encoder", 8, 20, 20, 1500, 1500, 64, False),
+    ("bert", "bert-base 512", 32, 12, 12, 512, 512, 64, False),
+)
 
-def _flops(b, h, n, d, causal):
-    return 4.0 * b * h * n * n * d / (2 if causal else 1)
+
+def _table(name):
+    """The calls of --set NAME as (model, call, B, Hq, Hkv, Nq, Nk, D, causal)."""
+    table = tuple((m, c, b, hq, hkv, n, n, d, causal) for m, c, b, hq, hkv, n, d, causal in MODELS)
+    return {"table": table, "more": MORE_CALLS, "all": table + MORE_CALLS}[name]
+
+
+def parse_calls(text):
+    """--calls: 'label:B:Hq:Hkv:Nq:Nk:D:causal' items separated by ';' -> call tuples."""
+    calls = []
+    for item in (x.strip() for x in text.split(";")):
+        if not item:
+            continue
+        parts = item.split(":")
+        if len(parts) != 8:
+            raise ValueError(f"--calls: {item!r} is not label:B:Hq:Hkv:Nq:Nk:D:causal")
+        label = parts[0]
+        try:
+            b, hq, hkv, nq, nk, d, c = (int(x) for x in parts[1:])
+        except ValueError:
+            raise ValueError(f"--calls: {item!r}: B, Hq, Hkv, Nq, Nk, D and causal are integers")
+        if min(b, hq, hkv, nq, nk, d) < 1 or hq % hkv or c not in (0, 1) or (c and nq != nk):
+            raise ValueError(f"--calls: {item!r}: sizes >= 1, Hq a multiple of Hkv, causal 0 or 1 "
+                             "(and Nq = Nk when causal)")
+        calls.append((label, label, b, hq, hkv, nq, nk, d, bool(c)))
+    return tuple(calls)
+
+
+def _flops(b, h, nq, nk, d, causal):
+    return 4.0 * b * h * nq * nk * d / (2 if causal else 1)
 
 
 def _impls(q, k, v, causal, hq, hkv):
@@ -106,12 +189,20 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--only", default="", help="comma list of model names (default: all)")
+    ap.add_argument("--set", default="table", choices=["table", "more", "all"],
+                    help="the README's table (default), the calls outside it, or both")
+    ap.add_argument("--calls", default="",
+                    help="your own calls instead: label:B:Hq:Hkv:Nq:Nk:D:causal;...")
     ap.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     ap.add_argument("--seconds", type=float, default=0.25, help="timing target per figure")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds the implementations' graphs are replayed in turn (median)")
     ap.add_argument("--commit", default="unknown")
     args = ap.parse_args(argv)
+    try:
+        calls = parse_calls(args.calls) if args.calls else _table(args.set)
+    except ValueError as e:
+        ap.error(str(e))
     if cuda_missing("sage_attn.bench_models", torch):
         return 2
     from .bench import interleaved_ms
@@ -119,14 +210,14 @@ def main(argv=None):
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for model, call, b, hq, hkv, n, d, causal in MODELS:
+    for model, call, b, hq, hkv, n, nk, d, causal in calls:
         if only and model not in only:
             continue
         q = torch.randn((b, hq, n, d), generator=gen, device="cuda", dtype=dtype)
-        k = torch.randn((b, hkv, n, d), generator=gen, device="cuda", dtype=dtype)
-        v = torch.randn((b, hkv, n, d), generator=gen, device="cuda", dtype=dtype)
+        k = torch.randn((b, hkv, nk, d), generator=gen, device="cuda", dtype=dtype)
+        v = torch.randn((b, hkv, nk, d), generator=gen, device="cuda", dtype=dtype)
         row = {"model": model, "call": call, "batch": b, "heads_q": hq, "heads_kv": hkv,
-               "seq_len": n, "head_dim": d, "causal": causal,
+               "seq_len": n, "seq_len_kv": nk, "head_dim": d, "causal": causal,
                "choice": sage_attn.dropin_backend(q, k, v, is_causal=causal,
                                                   enable_gqa=hq != hkv)}
         times = interleaved_ms(_impls(q, k, v, causal, hq, hkv), args.seconds, args.rounds,
@@ -141,10 +232,11 @@ def main(argv=None):
         dflt = row["sdpa-default_ms"]
         row["dropin_vs_default"] = (dflt / row["sdpa-dropin_ms"] if dflt and row["sdpa-dropin_ms"]
                                     else None)
-        row["tops_sage"] = _flops(b, hq, n, d, causal) / row["sage-8b_ms"] / 1e9 \
+        row["tops_sage"] = _flops(b, hq, n, nk, d, causal) / row["sage-8b_ms"] / 1e9 \
             if row["sage-8b_ms"] else None
         rows.append(row)
-        print(f"{call:28s} B={b:<3d} H={hq:<3d}/{hkv:<3d} N={n:<7d} D={d:<4d} "
+        nkv = "" if nk == n else f"/{nk}"
+        print(f"{call:28s} B={b:<3d} H={hq:<3d}/{hkv:<3d} N={n}{nkv:<7s} D={d:<4d} "
               f"sage {row['sage-8b_ms']} ms, cudnn {row['sdpa-cudnn_ms']}, "
               f"flash {row['sdpa-flash_ms']}, drop-in {row['sdpa-dropin_ms']} ({row['choice']})",
               flush=True)
@@ -157,7 +249,8 @@ def main(argv=None):
         return "-" if x is None else fmt.format(x)
 
     for r in rows:
-        print(f"| {r['call']} | {r['batch']} | {r['heads_q']}/{r['heads_kv']} | {r['seq_len']} | "
+        nkv = "" if r["seq_len_kv"] == r["seq_len"] else f"/{r['seq_len_kv']}"
+        print(f"| {r['call']} | {r['batch']} | {r['heads_q']}/{r['heads_kv']} | {r['seq_len']}{nkv} | "
               f"{r['head_dim']} | {'yes' if r['causal'] else 'no'} | {f(r['sage-8b_ms'])} | "
               f"{f(r['sdpa-cudnn_ms'])} | {f(r['sdpa-flash_ms'])} | {f(r['sdpa-default_ms'])} | "
               f"{f(r['sage_vs_sdpa'], '{:.2f}x')} | {r['choice']} | "
@@ -169,7 +262,11 @@ def main(argv=None):
             "date": datetime.date.today().isoformat(), "timing": "CUDA-graph replay, median"}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{meta['date']}-{gpu_slug(name)}-models.json"
+    tag = "models" if args.set == "table" and not args.calls else \
+        ("calls" if args.calls else f"models-{args.set}")
+    if args.dtype != "fp16":
+        tag += "-" + args.dtype
+    path = out / f"{meta['date']}-{gpu_slug(name)}-{tag}.json"
     path.write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     print("wrote", path)
     return 0

@@ -149,6 +149,32 @@ def test_bench_models_table_is_well_formed():
         assert isinstance(causal, bool), call
 
 
+def test_bench_models_more_calls_and_own_calls():
+    """--set more: calls named once, none already in the README's table, the library's head dims
+    and GQA groups, causal only where Nq = Nk. --calls parses label:B:Hq:Hkv:Nq:Nk:D:causal and
+    names what is wrong with a bad item."""
+    from sage_attn.bench_models import MODELS, MORE_CALLS, _table, parse_calls
+    calls = [m[1] for m in MORE_CALLS]
+    assert len(calls) == len(set(calls)) and not set(calls) & {m[1] for m in MODELS}
+    shapes = {m[2:] for m in _table("table")}
+    for model, call, b, hq, hkv, nq, nk, d, causal in MORE_CALLS:
+        assert (b, hq, hkv, nq, nk, d, causal) not in shapes, call
+        assert min(b, nq, nk) >= 1 and hq % hkv == 0, call
+        assert d % 8 == 0 and 8 <= d <= 256, call
+        assert isinstance(causal, bool) and (not causal or nq == nk), call
+    assert len(_table("all")) == len(MODELS) + len(MORE_CALLS)
+    got = parse_calls(" a:2:16:16:4096:77:72:0 ; lm:1:32:8:2048:2048:128:1;")
+    assert got == (("a", "a", 2, 16, 16, 4096, 77, 72, False),
+                   ("lm", "lm", 1, 32, 8, 2048, 2048, 128, True))
+    for bad, what in (("a:2:16:16:4096:77:72", "label:B:Hq:Hkv:Nq:Nk:D:causal"),
+                      ("a:2:16:x:4096:77:72:0", "integers"),
+                      ("a:2:16:6:4096:4096:72:0", "multiple"),
+                      ("a:2:16:16:4096:77:72:1", "Nq = Nk"),
+                      ("a:0:16:16:4096:77:72:0", "sizes >= 1")):
+        with pytest.raises(ValueError, match=what):
+            parse_calls(bad)
+
+
 def test_pair_circuit_puts_every_ordered_pair_side_by_side_once():
     pytest.importorskip("torch")
     from sage_attn import bench
