@@ -79,11 +79,12 @@ __device__ __forceinline__ float row_poison(const Params& p, int64_t bh, int64_t
 // LSE = (m + log2 l)·ln 2 + the smoothing shift. A row with l = 0 saw no key (0, LSE -inf); a
 // poisoned row's l is NaN (row_poison), so are its output and LSE. o_at(i, e) reads element e of
 // channel tile i. kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 when
-// it sums the E4M3-range values P~ · 448 the kernel computed directly. vsc / vmean: this head's V
+// it sums the E4M3-range values P~ · 448 the kernel computed directly; kOUnit the same for O's
+// P^ (P~ · kOUnit · V^). vsc / vmean: this head's V
 // scales and means (D floats each), from global memory or staged in shared memory by the caller.
 // Only the caller's p.head_dim channels are stored (a padded head dim's zero channels past it
 // would land in memory that is not the output's); a pair never straddles it (an even head_dim).
-template <int D, typename OutT, int kLUnit, typename Params, typename OAt>
+template <int D, typename OutT, int kLUnit, int kOUnit = 448, typename Params, typename OAt>
 __device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float (&m)[2],
                                          float (&l)[2], int64_t b, int64_t h, int64_t bh,
                                          int64_t row_a, int t, const float* vsc,
@@ -93,7 +94,7 @@ __device__ __forceinline__ void finalize(const Params& p, OAt o_at, const float 
     const int64_t row = row_a + 8 * r;
     if (row >= p.seq_q) return;
     const bool empty = l[r] == 0.0f;
-    const float inv = empty ? 0.0f : 1.0f / (l[r] * (448.0f / kLUnit));
+    const float inv = empty ? 0.0f : 1.0f / (l[r] * (float(kOUnit) / kLUnit));
     OutT* dst = static_cast<OutT*>(p.o) + b * p.o_batch + h * p.o_head + row * p.o_token;
     for (int i = 0; i < D / 8; ++i) {
       const int c = Frag::pair(i, t);

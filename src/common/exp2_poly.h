@@ -1,6 +1,6 @@
 // The polynomial 2^x the sm90 kernel takes for a share of its scores (sage_quant_config
-// .exp2_poly_every) and the 1.5·2^23 constant behind it and the kernel's seeded S accumulator,
-// for host and device: the kernel computes 2^x with this function and the CPU emulation
+// .exp2_poly_every), the 1.5·2^23 constant behind it and the kernel's seeded S accumulator, and
+// its running max's slack, for host and device: the kernel computes 2^x with this function and the CPU emulation
 // reproduces it bit for bit from the same definition. Any architecture.
 #pragma once
 
@@ -15,6 +15,10 @@ namespace sage {
 // 1.5·2^23: a float whose unit in the last place is 1, so adding it rounds to an integer held in
 // the low mantissa bits, and its bits plus an int32 x are the float 1.5·2^23 + x.
 constexpr float kMagicF = 12582912.0f;
+
+// The sm90 softmax's running max moves only when a block's row max passes it by more than this
+// (base 2; attn/sm90/softmax.cuh), so P~ is written in units of 448 / 2^kMaxSlack.
+constexpr int kMaxSlack = 1;
 
 // 2^r ~ 1 + c1·r + c2·r^2 + c3·r^3 on |r| <= 1/2, fitted for relative error (max 1.0e-4).
 constexpr float kExp2PolyC1 = 0.693282928f, kExp2PolyC2 = 0.242210972f,

@@ -1,9 +1,9 @@
 // The sm90 wgmma kernel (src/attn/sm90) emulated step by step: per tile of block_q rows, softmax
 // blocks of softmax_block_k keys (one or several 64-key K scale blocks) in order. In a block:
-// the scores in the kernel's fp32 form, the running max, P~·448 as one 2^x (the polynomial 2^x on
-// its share of the scores where the block is whole for the tile), the row sum kept in the four
-// threads' partial sums, P^·V^ in the wgmma E4M3 accumulator (each k32 step aligned to its
-// largest addend); at the end the kernel's finalize. The configs of sm90_softmax_form come here;
+// the scores in the kernel's fp32 form, the running max (with its slack), P~·224 as one 2^x (the
+// polynomial 2^x on its share of the scores where the block is whole for the tile), the row sum
+// kept in the four threads' partial sums, P^·V^ in the wgmma E4M3 accumulator (each k32 step
+// aligned to its largest addend); at the end the kernel's finalize. The configs of sm90_softmax_form come here;
 // the ones no kernel runs (other accumulators, formats, Q smoothing) are this algorithm with one
 // step changed. Host code.
 #include <algorithm>
@@ -52,8 +52,11 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
   // arithmetic.
   const bool kernel_scores = std::is_same_v<Real, float> && !(cfg.smooth & SAGE_SMOOTH_Q) &&
                              (cfg.qk_format == SAGE_QK_INT8 || cfg.qk_format == SAGE_QK_INT4);
-  // 2^x gives P~·p_scale directly: x = s - m + log2 p_scale.
-  const Real log2_p_scale = Real(std::log2(double(pv.p_scale)));
+  // 2^x gives P~·p_unit directly: x = s - m + log2 p_unit, p_unit = p_scale / 2^kMaxSlack (the
+  // running max m moves only when a block's row max passes it by more than kMaxSlack, so a score
+  // may exceed m by that much: attn/sm90/softmax.cuh).
+  const double p_unit = double(pv.p_scale) / double(1 << kMaxSlack);
+  const Real log2_p_unit = Real(std::log2(p_unit));
   const bool aligned = cfg.pv_accum == SAGE_PV_ACCUM_ALIGNED;
   const int bits = cfg.accum_mantissa_bits;
 
@@ -70,7 +73,7 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
     const Tile<Real> t = pre.tile(p, bq, item);
     const std::vector<Real> ds = delta_s(p, cfg, t);
     // Per row: running max m (base 2), the sums of the row's four threads t (t holds keys
-    // {8a + 2t, 8a + 2t + 1}) in units of P~·p_scale, and the P·V state (R: the wgmma
+    // {8a + 2t, 8a + 2t + 1}) in units of P~·p_unit, and the P·V state (R: the wgmma
     // accumulator).
     struct State {
       std::vector<Real> m, l4;
@@ -132,12 +135,13 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
             row_max =
                 row_scores(cfg, t, ds.data(), D, i, n, j0, j1, scale_log2, Real(0), s.data());
           }
-          const Real m_new = std::max(m[size_t(r)], row_max);
-          const Real alpha = std::exp2(m[size_t(r)] - m_new);  // 0 on the first block
-          // e = P~·p_scale = 2^(s - m + log2 p_scale); summed per thread t and 32-key quarter,
+          const bool move = row_max > m[size_t(r)] + Real(kMaxSlack);
+          const Real m_new = move ? row_max : m[size_t(r)];
+          const Real alpha = move ? std::exp2(m[size_t(r)] - m_new) : Real(1);  // 0: first block
+          // e = P~·p_unit = 2^(s - m + log2 p_unit); summed per thread t and 32-key quarter,
           // in key order, then l_t = l_t·alpha + ((p0 + p1) + (p2 + p3)) (the kernel's part[]).
           Real part[4][4] = {};
-          const Real m_shift = m_new - log2_p_scale;
+          const Real m_shift = m_new - log2_p_unit;
           for (int64_t j = j0; j < j1; ++j) {
             Real e = 0;
             if (j < n) {
@@ -206,8 +210,8 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
       }
     }
 
-    // 3. The kernel's finalize (attn/epilogue.cuh, kLUnit = 448): the threads' sums added
-    // (l0 + l1) + (l2 + l3), O · (v_scale · (1 / l)) + v_mean, and the LSE from l / 448.
+    // 3. The kernel's finalize (attn/epilogue.cuh, kLUnit = kOUnit = p_unit): the threads' sums
+    // added (l0 + l1) + (l2 + l3), O · (v_scale · (1 / l)) + v_mean, and the LSE from l / p_unit.
     for (int64_t r = 0; r < t.rows; ++r) {
       const int64_t i = t.r0 + r;
       if (special_row(p, t, i, out, lse)) continue;
@@ -219,7 +223,7 @@ void emulate_sm90(const Problem& p, const sage_quant_config& cfg, const TensorVi
         dst[d] = o[size_t(r * D + d)] * (t.kv.v_scale[size_t(d)] * inv) + t.kv.v_mean[size_t(d)];
       if (lse)
         lse[t.bh * Nq + i] =
-            (st.m[size_t(r)] + std::log2(lsum * (Real(1) / Real(pv.p_scale)))) * Real(kLn2) +
+            (st.m[size_t(r)] + std::log2(lsum * (Real(1) / Real(p_unit)))) * Real(kLn2) +
             t.q.lse_shift[size_t(i)];
     }
   });

@@ -104,10 +104,12 @@ TEST(Exp2Poly, RelativeErrorAboutOneIn1e4AndFloatIsTheDoublePolynomialRounded) {
 }
 
 // Problem, inputs and the sm90 softmax form computed from the definitions (double): softmax
-// blocks of sbk keys, each block's running max m_b over the visible keys so far, e_j =
-// 2^(s_j - m_b(j) + log2 448) (the polynomial where the block is whole for the tile's first row
-// and the position rule picks (i, j)), P^ = E4M3(e_j), O = Σ P^ V^ 2^(m_b - M) / Σ e 2^(m_b - M)
-// · δV, LSE = (M + log2(Σ e 2^(m_b - M) / 448)) · ln 2. Q and K unquantized, V per channel.
+// blocks of sbk keys, each block's running max m_b, which moves to the block's max over its
+// visible keys only where that passes m_b of the block before by more than `slack` (or none
+// was seen yet), e_j = 2^(s_j - m_b(j) + log2 u) with the unit u = 448 / 2^slack (the
+// polynomial where the block is whole for the tile's first row and the position rule picks
+// (i, j)), P^ = E4M3(e_j) (e_j <= 448 by the slack), O = Σ P^ V^ 2^(m_b - M) / Σ e 2^(m_b - M)
+// · δV, LSE = (M + log2(Σ e 2^(m_b - M) / u)) · ln 2. Q and K unquantized, V per channel.
 // With a split tail (sage.h, split_tiles): the running max starts afresh at each part's first
 // block (one head: tile = row / block_q).
 struct Sm90Definition {
@@ -116,6 +118,9 @@ struct Sm90Definition {
   sage_mask mask;
   double scale;
   sm90::SplitTail split{};
+  // The running max's slack (kMaxSlack in the sm90 form, 0 in the mma form the default knobs
+  // select: ref::sm90_softmax_form).
+  int slack = kMaxSlack;
   // Whether row i's running max restarts at block b (a split tile's part begins there).
   bool restarts(int64_t i, int64_t b) const {
     const int64_t tiles = (Nq + block_q - 1) / block_q, tail = i / block_q - (tiles - split.tiles);
@@ -136,6 +141,7 @@ struct Sm90Definition {
         Vq[size_t(j * D + d)] = round_float(kE4M3, float(V[size_t(j * D + d)]) * (448.0f / amax));
     }
     const auto table = poly_table(every);
+    const double unit = 448.0 / double(1 << slack);
     out->assign(size_t(Nq * D), 0.0);
     lse->assign(size_t(Nq), -std::numeric_limits<double>::infinity());
     for (int64_t i = 0; i < Nq; ++i) {
@@ -152,7 +158,9 @@ struct Sm90Definition {
       double run_max = -std::numeric_limits<double>::infinity();
       for (int64_t b0 = 0; b0 < n; b0 += sbk) {
         if (restarts(i, b0 / sbk)) run_max = -std::numeric_limits<double>::infinity();
-        for (int64_t j = b0; j < std::min(n, b0 + sbk); ++j) run_max = std::max(run_max, s[size_t(j)]);
+        double block_max = -std::numeric_limits<double>::infinity();
+        for (int64_t j = b0; j < std::min(n, b0 + sbk); ++j) block_max = std::max(block_max, s[size_t(j)]);
+        if (block_max > run_max + slack) run_max = block_max;
         for (int64_t j = b0; j < std::min(n, b0 + sbk); ++j) mb[size_t(j)] = run_max;
       }
       double M = -std::numeric_limits<double>::infinity();
@@ -160,7 +168,7 @@ struct Sm90Definition {
       double sum = 0;
       std::vector<double> o(static_cast<size_t>(D), 0.0);
       for (int64_t j = 0; j < n; ++j) {
-        const double x = s[size_t(j)] - mb[size_t(j)] + std::log2(448.0);
+        const double x = s[size_t(j)] - mb[size_t(j)] + std::log2(unit);
         const bool whole = (j / sbk + 1) * sbk <= tile_n;
         const bool poly = whole && table[size_t(i % 16)][size_t(j % 128)];
         const double e = poly ? double(poly_2x(x)) : std::exp2(x);
@@ -170,7 +178,7 @@ struct Sm90Definition {
         for (int64_t d = 0; d < D; ++d) o[size_t(d)] += ph * w * Vq[size_t(j * D + d)];
       }
       for (int64_t d = 0; d < D; ++d) (*out)[size_t(i * D + d)] = o[size_t(d)] / sum * vscale[size_t(d)];
-      (*lse)[size_t(i)] = (M + std::log2(sum / 448.0)) * 0.6931471805599453;
+      (*lse)[size_t(i)] = (M + std::log2(sum / unit)) * 0.6931471805599453;
     }
   }
 };
@@ -220,13 +228,15 @@ void expect_definition(const std::vector<double>& got, const std::vector<double>
 }
 
 // The double emulation with softmax_block_k (and the polynomial) against the definition, for
-// every mask, sizes that are not multiples of the blocks, and Nq != Nk.
+// every mask, sizes that are not multiples of the blocks, and Nq != Nk; in the sm90 form with
+// the running max's slack, which takes effect (the definition without it differs).
 TEST(Sm90Form, SoftmaxBlocksAndPolynomialMatchTheDefinition) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const int64_t Nq = 45, Nk = 300, D = 64;
   const DefinitionInputs in(rng, Nq, Nk, D);
+  double slack_effect = 0;
   for (sage_mask mask :
        {SAGE_MASK_NONE, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_MASK_CAUSAL_BOTTOM_RIGHT})
     for (int64_t sbk : {32, 96, 128})
@@ -238,11 +248,21 @@ TEST(Sm90Form, SoftmaxBlocksAndPolynomialMatchTheDefinition) {
         std::vector<double> got(size_t(p.out_elems())), got_lse(size_t(p.lse_elems()));
         attention_quant(p, cfg, in.q.view(), in.k.view(), in.v.view(), got.data(),
                         got_lse.data());
-        const Sm90Definition def{Nq, Nk, D, 16, sbk, every, mask, 0.125};
+        Sm90Definition def{Nq, Nk, D, 16, sbk, every, mask, 0.125};
+        def.slack = sm90_softmax_form(cfg) ? kMaxSlack : 0;
         std::vector<double> want, want_lse;
         def.run(in.Q, in.K, in.V, &want, &want_lse);
         ASSERT_NO_FATAL_FAILURE(expect_definition(got, got_lse, want, want_lse));
+        if (def.slack > 0) {
+          def.slack = 0;
+          std::vector<double> tight, tight_lse;
+          def.run(in.Q, in.K, in.V, &tight, &tight_lse);
+          for (size_t i = 0; i < want.size(); ++i)
+            slack_effect = std::max(slack_effect, std::fabs(tight[i] - want[i]) / (1 + std::fabs(want[i])));
+        }
       }
+  EXPECT_GT(slack_effect, 1e-6);
+  EXPECT_LT(slack_effect, 0.05);
 }
 
 // The knobs take effect: 128-key softmax blocks and the polynomial each change the quantized

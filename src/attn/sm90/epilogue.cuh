@@ -6,6 +6,7 @@
 
 #include "attn/epilogue.cuh"
 #include "attn/sm90/params.h"
+#include "attn/sm90/softmax.cuh"
 #include "common/fragment.cuh"
 #include "ptx/async.cuh"
 #include "ptx/barrier.cuh"
@@ -35,8 +36,8 @@ struct OutView {
   const float* lse_shift;
 };
 
-// Rows row_a and row_a + 8 of this thread: o[D/2] the wgmma accumulator (P~ · 448 · V^), m and l
-// the rows' softmax state; seq_q, tok0_q, shift_row0: the tile's sequence (TileInfo). Waits for
+// Rows row_a and row_a + 8 of this thread: o[D/2] the wgmma accumulator (P~ · kPUnit · V^), m and
+// l the rows' softmax state (l in units of kPUnit too: softmax.cuh); seq_q, tok0_q, shift_row0: the tile's sequence (TileInfo). Waits for
 // the V statistics and syncs the warpgroup (named barrier `bar`) first: the copy was issued by
 // other threads of it.
 template <int D, typename OutT>
@@ -58,7 +59,7 @@ __device__ __forceinline__ void store_tile(const Params& p, const float (&o)[D /
                   p.lse_head,
                   p.lse_token,
                   p.lse_shift + shift_row0};
-  attn::finalize<D, OutT, 448>(
+  attn::finalize<D, OutT, kPUnit, kPUnit>(
       v, [&](int i, int e) { return o[Frag::reg(i, e)]; }, m, l, b, h, /*bh=*/0, row_a, t, vst[0],
       vst[1]);
 }

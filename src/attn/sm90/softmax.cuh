@@ -8,14 +8,21 @@
 // [-127, 127], so |x| <= D·127² = 4 129 024 < 2^22 up to D = 256. The int -> float conversion
 // then costs nothing, the max can be taken on the bits, and
 // the softmax of a visible score is one FFMA and one 2^x:
-//   P~ · 448 = 2^(x·f - m + log2 448) = 2^(y·f - bias),  y = 1.5·2^23 + x,
-//   bias = 1.5·2^23·f + m - log2 448,
+//   P~ · kPUnit = 2^(x·f - m + log2 kPUnit) = 2^(y·f - bias),  y = 1.5·2^23 + x,
+//   bias = 1.5·2^23·f + m - log2 kPUnit,
 // where f = q_scale · k_scale · scale · log2 e. Rounding bias costs at most 0.75·f in the
-// exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). The softmax
-// writes P~ · 448 (the E4M3-range values P^ is packed from) over the scores, as float bits, and
-// l sums them (the epilogue's kLUnit 448). What bounds the kernel is this softmax's instruction
-// issue (the loop without it runs several times faster: docs/sm90-kernel.md, "What limits it"),
-// hence about seven instructions a score.
+// exponent, under a unit of the int32 score (int8 rounding moves it by hundreds). What bounds the
+// kernel is this softmax's instruction issue (the loop without it runs several times faster:
+// docs/sm90-kernel.md, "What limits it"), hence about seven instructions a score.
+//
+// The running max m moves only when a block's row max passes it by more than kSlack (base 2), so
+// that after the first blocks O is rarely rescaled (64 multiplies a thread whenever a row of the
+// warp moves its max). A score may then exceed m by up to kSlack, and the softmax writes
+// P~ · kPUnit = 2^(x·f - m + log2 kPUnit) with kPUnit = 448 / 2^kSlack: at most 448, the E4M3
+// range P^ is packed from, as float bits over the scores; l sums them, O sums P^ · V^, so both
+// are in units of kPUnit (the epilogue's). The slack costs P^ one binade at the bottom of E4M3's
+// range. m is the same in every thread of a row (the quad's max), so the rows' results do not
+// depend on the warp.
 #pragma once
 
 #include "attn/epilogue.cuh"
@@ -26,7 +33,27 @@
 namespace sage::sm90 {
 
 constexpr int kMagic = 0x4B400000;                    // the bits of kMagicF: the S seed
-constexpr float kLog2E4m3Max = 8.80735492205760410f;  // log2 448
+constexpr int kSlack = kMaxSlack;                     // the running max's slack (base 2)
+constexpr int kPUnit = 448 >> kSlack;                 // P~ · kPUnit: at most 448
+constexpr float kLog2PUnit = 7.80735492205760410f;    // log2 224
+static_assert(kSlack == 1, "kLog2PUnit is log2(448 / 2^kSlack)");
+
+// attn::online_max with the slack: the 4 threads of a row agree on its block max; m moves to it
+// only when it passes m by more than kSlack (or m is still -inf), l is rescaled by alpha (returned,
+// for O; exactly 1 where m stays), m_use is what to subtract (0 while the row has seen nothing).
+__device__ __forceinline__ void online_max_slack(float (&row_max)[2], float (&m)[2], float (&l)[2],
+                                                 float (&alpha)[2], float (&m_use)[2]) {
+  for (int r = 0; r < 2; ++r) {
+    row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
+    row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
+    const bool move = row_max[r] > m[r] + float(kSlack);
+    const float m_new = move ? row_max[r] : m[r];
+    m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
+    alpha[r] = move ? ptx::ex2(m[r] - m_use[r]) : 1.0f;
+    m[r] = m_new;
+    l[r] *= alpha[r];
+  }
+}
 
 // Register i of the 64 scores takes the polynomial (one in kPolyEvery; 0: none).
 template <int kPolyEvery>
@@ -34,7 +61,7 @@ __device__ __forceinline__ constexpr bool poly_at(int i) {
   return kPolyEvery > 0 && i % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1;
 }
 
-// The online softmax of one block over the thread's kN scores sacc (seeded), in place: P~ · 448
+// The online softmax of one block over the thread's kN scores sacc (seeded), in place: P~ · kPUnit
 // as float bits. f: the scale products of each 64 keys (their K scale groups). m, l: the
 // rows' running max and sum (l scaled by alpha, returned for O). unmasked: every key of the block
 // is visible to every row of the tile (CTA-uniform), else visible() gives the keys each row sees
@@ -64,11 +91,11 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[kN], bool unmasked,
       if constexpr (kHalves == 2)
         row_max[r] = fmaxf(row_max[r], (__int_as_float(mx[r][1]) - kMagicF) * f[1]);
     }
-    attn::online_max(row_max, m, l, alpha, m_use);
+    online_max_slack(row_max, m, l, alpha, m_use);
     at_max();
     float bias[2][kHalves];
     for (int r = 0; r < 2; ++r)
-      for (int h = 0; h < kHalves; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2E4m3Max);
+      for (int h = 0; h < kHalves; ++h) bias[r][h] = fmaf(kMagicF, f[h], m_use[r] - kLog2PUnit);
     for (int i = 0; i < kN; ++i) {
       const int k = Frag::span<64>(i);  // the 64 keys of a K scale
       const float x = fmaf(__int_as_float(sacc[i]), f[k], -bias[Frag::half(i)][k]);
@@ -87,10 +114,10 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[kN], bool unmasked,
       row_max[Frag::half(i)] = fmaxf(row_max[Frag::half(i)], x);
       sacc[i] = __float_as_int(x);
     }
-    attn::online_max(row_max, m, l, alpha, m_use);
+    online_max_slack(row_max, m, l, alpha, m_use);
     at_max();
     for (int i = 0; i < kN; ++i) {
-      const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[Frag::half(i)] - kLog2E4m3Max));
+      const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[Frag::half(i)] - kLog2PUnit));
       part[Frag::half(i)][Frag::span<32>(i)] += e;
       sacc[i] = __float_as_int(e);
     }
