@@ -78,10 +78,10 @@ __device__ __forceinline__ float row_poison(const Params& p, int64_t bh, int64_t
 // Finalize and store rows row_a, row_a + 8: O / l / 448 · v_scale + v_mean in the output dtype;
 // LSE = (m + log2 l)·ln 2 + the smoothing shift. A row with l = 0 saw no key (0, LSE -inf); a
 // poisoned row's l is NaN (row_poison), so are its output and LSE. o_at(i, e) reads element e of
-// channel tile i. kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 when
-// it sums the E4M3-range values P~ · 448 the kernel computed directly; kOUnit the same for O's
-// P^ (P~ · kOUnit · V^). vsc / vmean: this head's V
-// scales and means (D floats each), from global memory or staged in shared memory by the caller.
+// channel tile i. kLUnit is what l holds for a row whose P~ sums to 1: 1 when l sums P~, 448 (224
+// on sm90) when it sums the E4M3-range values P~ · 448 the kernel computed directly; kOUnit the
+// same for O's P^ (P~ · kOUnit · V^). vsc / vmean: this head's V scales and means (D floats
+// each), from global memory or staged in shared memory by the caller.
 // Only the caller's p.head_dim channels are stored (a padded head dim's zero channels past it
 // would land in memory that is not the output's); a pair never straddles it (an even head_dim).
 template <int D, typename OutT, int kLUnit, int kOUnit = 448, typename Params, typename OAt>

@@ -1,7 +1,7 @@
 // The polynomial 2^x the sm90 kernel takes for a share of its scores (sage_quant_config
 // .exp2_poly_every), the 1.5·2^23 constant behind it and the kernel's seeded S accumulator, and
-// its running max's slack, for host and device: the kernel computes 2^x with this function and the CPU emulation
-// reproduces it bit for bit from the same definition. Any architecture.
+// its running max's slack, for host and device: the kernel computes 2^x with this function and
+// the CPU emulation reproduces it bit for bit from the same definition. Any architecture.
 #pragma once
 
 #include <cmath>

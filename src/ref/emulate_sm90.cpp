@@ -3,9 +3,9 @@
 // the scores in the kernel's fp32 form, the running max (with its slack), P~·224 as one 2^x (the
 // polynomial 2^x on its share of the scores where the block is whole for the tile), the row sum
 // kept in the four threads' partial sums, P^·V^ in the wgmma E4M3 accumulator (each k32 step
-// aligned to its largest addend); at the end the kernel's finalize. The configs of sm90_softmax_form come here;
-// the ones no kernel runs (other accumulators, formats, Q smoothing) are this algorithm with one
-// step changed. Host code.
+// aligned to its largest addend); at the end the kernel's finalize. The configs of
+// sm90_softmax_form come here; the ones no kernel runs (other accumulators, formats, Q smoothing)
+// are this algorithm with one step changed. Host code.
 #include <algorithm>
 #include <cmath>
 #include <type_traits>

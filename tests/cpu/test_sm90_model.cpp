@@ -159,7 +159,8 @@ struct Sm90Definition {
       for (int64_t b0 = 0; b0 < n; b0 += sbk) {
         if (restarts(i, b0 / sbk)) run_max = -std::numeric_limits<double>::infinity();
         double block_max = -std::numeric_limits<double>::infinity();
-        for (int64_t j = b0; j < std::min(n, b0 + sbk); ++j) block_max = std::max(block_max, s[size_t(j)]);
+        for (int64_t j = b0; j < std::min(n, b0 + sbk); ++j)
+          block_max = std::max(block_max, s[size_t(j)]);
         if (block_max > run_max + slack) run_max = block_max;
         for (int64_t j = b0; j < std::min(n, b0 + sbk); ++j) mb[size_t(j)] = run_max;
       }
@@ -258,7 +259,8 @@ TEST(Sm90Form, SoftmaxBlocksAndPolynomialMatchTheDefinition) {
           std::vector<double> tight, tight_lse;
           def.run(in.Q, in.K, in.V, &tight, &tight_lse);
           for (size_t i = 0; i < want.size(); ++i)
-            slack_effect = std::max(slack_effect, std::fabs(tight[i] - want[i]) / (1 + std::fabs(want[i])));
+            slack_effect =
+                std::max(slack_effect, std::fabs(tight[i] - want[i]) / (1 + std::fabs(want[i])));
         }
       }
   EXPECT_GT(slack_effect, 1e-6);
