@@ -262,8 +262,7 @@ def main(argv=None):
             "date": datetime.date.today().isoformat(), "timing": "CUDA-graph replay, median"}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = "models" if args.set == "table" and not args.calls else \
-        ("calls" if args.calls else f"models-{args.set}")
+    tag = "calls" if args.calls else "models" if args.set == "table" else f"models-{args.set}"
     if args.dtype != "fp16":
         tag += "-" + args.dtype
     path = out / f"{meta['date']}-{gpu_slug(name)}-{tag}.json"

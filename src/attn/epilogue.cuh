@@ -41,16 +41,27 @@ __device__ __forceinline__ void visible_keys(const Params& p, int64_t row_a, int
 
 // Online softmax, base 2: the 4 threads of a row agree on its block max; the running max m moves
 // up, the running sum l is rescaled by alpha (returned, for O too), and m_use is what to subtract
-// from the scores (0 for a row that has seen nothing visible yet).
+// from the scores (0 for a row that has seen nothing visible yet). With a slack (the sm90
+// kernel's, attn/sm90/softmax.cuh), m moves only when the block max passes it by more than
+// kSlack, and then to that max; elsewhere alpha is exactly 1.
+template <int kSlack = 0>
 __device__ __forceinline__ void online_max(float (&row_max)[2], float (&m)[2], float (&l)[2],
                                            float (&alpha)[2], float (&m_use)[2]) {
   for (int r = 0; r < 2; ++r) {
     row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
     row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
-    const float m_new = fmaxf(m[r], row_max[r]);
-    m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
-    alpha[r] = ptx::ex2(m[r] - m_use[r]);
-    m[r] = m_new;
+    if constexpr (kSlack == 0) {
+      const float m_new = fmaxf(m[r], row_max[r]);
+      m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[r] = ptx::ex2(m[r] - m_use[r]);
+      m[r] = m_new;
+    } else {
+      const bool move = row_max[r] > m[r] + float(kSlack);
+      const float m_new = move ? row_max[r] : m[r];
+      m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[r] = move ? ptx::ex2(m[r] - m_use[r]) : 1.0f;
+      m[r] = m_new;
+    }
     l[r] *= alpha[r];
   }
 }

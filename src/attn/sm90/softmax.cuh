@@ -35,25 +35,8 @@ namespace sage::sm90 {
 constexpr int kMagic = 0x4B400000;                    // the bits of kMagicF: the S seed
 constexpr int kSlack = kMaxSlack;                     // the running max's slack (base 2)
 constexpr int kPUnit = 448 >> kSlack;                 // P~ · kPUnit: at most 448
-constexpr float kLog2PUnit = 7.80735492205760410f;    // log2 224
-static_assert(kSlack == 1, "kLog2PUnit is log2(448 / 2^kSlack)");
-
-// attn::online_max with the slack: the 4 threads of a row agree on its block max; m moves to it
-// only when it passes m by more than kSlack (or m is still -inf), l is rescaled by alpha (returned,
-// for O; exactly 1 where m stays), m_use is what to subtract (0 while the row has seen nothing).
-__device__ __forceinline__ void online_max_slack(float (&row_max)[2], float (&m)[2], float (&l)[2],
-                                                 float (&alpha)[2], float (&m_use)[2]) {
-  for (int r = 0; r < 2; ++r) {
-    row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 1));
-    row_max[r] = fmaxf(row_max[r], __shfl_xor_sync(0xffffffffu, row_max[r], 2));
-    const bool move = row_max[r] > m[r] + float(kSlack);
-    const float m_new = move ? row_max[r] : m[r];
-    m_use[r] = m_new == -INFINITY ? 0.0f : m_new;
-    alpha[r] = move ? ptx::ex2(m[r] - m_use[r]) : 1.0f;
-    m[r] = m_new;
-    l[r] *= alpha[r];
-  }
-}
+// log2 kPUnit (log2 448 = 8.807... as a float, less the slack: exact in float)
+constexpr float kLog2PUnit = 8.80735492205760410f - float(kSlack);
 
 // Register i of the 64 scores takes the polynomial (one in kPolyEvery; 0: none).
 template <int kPolyEvery>
@@ -91,7 +74,7 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[kN], bool unmasked,
       if constexpr (kHalves == 2)
         row_max[r] = fmaxf(row_max[r], (__int_as_float(mx[r][1]) - kMagicF) * f[1]);
     }
-    online_max_slack(row_max, m, l, alpha, m_use);
+    attn::online_max<kSlack>(row_max, m, l, alpha, m_use);
     at_max();
     float bias[2][kHalves];
     for (int r = 0; r < 2; ++r)
@@ -114,7 +97,7 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[kN], bool unmasked,
       row_max[Frag::half(i)] = fmaxf(row_max[Frag::half(i)], x);
       sacc[i] = __float_as_int(x);
     }
-    online_max_slack(row_max, m, l, alpha, m_use);
+    attn::online_max<kSlack>(row_max, m, l, alpha, m_use);
     at_max();
     for (int i = 0; i < kN; ++i) {
       const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[Frag::half(i)] - kLog2PUnit));
