@@ -6,7 +6,7 @@
 // that interpreter also ran beside the families on 5,120 random configs and problems, equal bit for
 // bit (commit e456563). A change to what any family computes changes a hash: a deliberate one
 // regenerates the table with SAGE_ORACLE_PRINT_GOLDEN=1 and says why in its commit (the sm90
-// form's running-max slack did).
+// form's running-max slack and its D = 128 polynomial share did).
 // The inputs come from a hand-written generator (splitmix64, sums of uniforms) so that the hashes
 // do not depend on the standard library's distributions; they do depend on the C library's exp2
 // and log2 (glibc here).
@@ -171,7 +171,7 @@ sage_quant_config sm90_config(int64_t D, int consumers) {
   e.block_q = 64 * consumers;
   e.warps = e.block_q / 16;
   e.softmax_block_k = D == 256 ? 64 : 128;
-  e.exp2_poly_every = D == 128 ? 8 : 0;
+  e.exp2_poly_every = D == 128 ? 16 : 0;
   if (D == 256) e.granularity = SAGE_GRANULARITY_PER_THREAD_WGMMA;
   return e;
 }

@@ -483,7 +483,7 @@ sage_quant_config sm90_config(int64_t D, int32_t block_q) {
   c.pv_accum = SAGE_PV_ACCUM_ALIGNED;
   c.accum_mantissa_bits = 13;
   c.accum_chunk = 32;
-  c.exp2_poly_every = D == 128 ? 8 : 0;
+  c.exp2_poly_every = D == 128 ? 16 : 0;
   return c;
 }
 
