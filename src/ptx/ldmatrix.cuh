@@ -24,4 +24,12 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* row) {
                : "r"(a));
 }
 
+// ld.volatile.shared.v4.b32: four registers from 16 bytes of shared memory in one instruction
+// (volatile: ptxas merges plain loads of one address into one load and a move per register).
+__device__ __forceinline__ void ld_shared_v4(uint32_t addr, int& a, int& b, int& c, int& d) {
+  asm volatile("ld.volatile.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+               : "r"(addr));
+}
+
 }  // namespace sage::ptx

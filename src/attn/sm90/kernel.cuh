@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(Traits<D, kCons>::kThreads, 1)
     sh.sched.init(kCons * 128 + (fused_q ? kQuantWarps * 32 : 0));
     ptx::fence_barrier_init();
   }
+  if (threadIdx.x < 4) sh.seed[threadIdx.x] = kMagic;
   __syncthreads();
   // Everything above overlapped the pre-pass's tail; nothing is read from global memory before
   // the kernels this one depends on have finished.

@@ -19,6 +19,7 @@
 #include "attn/sm90/traits.h"
 #include "common/fragment.cuh"
 #include "ptx/barrier.cuh"
+#include "ptx/ldmatrix.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
 #include "quant/layout.h"
@@ -190,12 +191,16 @@ struct Consumer {
     }
   }
 
-  // Q·Kᵀ of block kb (in stage st) into sacc, seeded with kMagic (softmax.cuh); its scales into f
-  // (loaded before the wait: the wgmma asm orders memory, the load hides behind it).
+  // Q·Kᵀ of block kb (in stage st) into sacc, seeded with kMagic (softmax.cuh) by 16-byte loads
+  // from shared memory (a fourth of the instructions of a move each: the softmax step is bound by
+  // issue); its scales into f (loaded before the wait: the wgmma asm orders memory, the load
+  // hides behind it).
   template <int st>
   __device__ __forceinline__ void issue_qk(int (&sacc)[kScores], float (&f)[Tr::kKGroupsPerBlock],
                                            int kb) {
-    for (int i = 0; i < kScores; ++i) sacc[i] = kMagic;
+    const uint32_t seed = static_cast<uint32_t>(__cvta_generic_to_shared(sh.seed));
+    for (int i = 0; i < kScores; i += 4)
+      ptx::ld_shared_v4(seed, sacc[i], sacc[i + 1], sacc[i + 2], sacc[i + 3]);
     scales(kb, f);
     take_turn();
     ptx::mbar_wait(&sh.bar.full_k[st], phase.full(kb, st));

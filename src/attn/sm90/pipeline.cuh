@@ -56,10 +56,11 @@ class RingPhase {
   uint32_t start_ = 0;  // bit s: stage s's phase at the tile's first use of it
 };
 
-// The CTA's shared memory besides the tiles: the epilogue's V statistics, fused Q's group
-// scales, the barriers and the scheduler ring.
+// The CTA's shared memory besides the tiles: the S seed, the epilogue's V statistics, fused Q's
+// group scales, the barriers and the scheduler ring.
 template <int D, int kCons>
 struct SharedStorage {
+  alignas(16) int seed[4];       // kMagic four times: the S seed, loaded 16 bytes at a time
   float v_stat[2][kCons][2][D];  // [tile parity][consumer warpgroup]: V scales, V means
   float q_sc[2][Traits<D, kCons>::kQGroups];  // fused Q: the Q group scales of each Q buffer
   float poison[2][Traits<D, kCons>::kBlockQ];  // fused Q: per row 0, or NaN (attn::row_poison)
