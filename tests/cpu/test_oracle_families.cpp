@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "attn/sm90/traits.h"
 #include "common/formats.h"
 #include "ref/ablations.h"
 #include "ref/reference.h"
@@ -160,8 +161,9 @@ Result run_new(const Case& c) {
 // ---- The fixed cases: every family's real configs and the ablation knobs the tests turn.
 
 // The planner's emulation configs (src/api/plan.cpp), written out: the sm90 (wgmma) kernel at
-// D = 64, 128 (softmax blocks of 128 keys over 64-key scale blocks; the polynomial on one score
-// in 8 at D = 128) and 256 (wgmma groups, 64-key softmax blocks), for 1..3 consumers of 64 rows.
+// D = 64, 128 (softmax blocks of 128 keys over 64-key scale blocks; the polynomial on the
+// kernel's share of the scores at D = 128, sm90::Traits::kPolyEvery) and 256 (wgmma groups, 64-key
+// softmax blocks), for 1..3 consumers of 64 rows.
 sage_quant_config sm90_config(int64_t D, int consumers) {
   sage_quant_config e = quant_preset(SAGE_VARIANT_SAGE2_8B);
   e.pv_accum = SAGE_PV_ACCUM_ALIGNED;
@@ -171,7 +173,7 @@ sage_quant_config sm90_config(int64_t D, int consumers) {
   e.block_q = 64 * consumers;
   e.warps = e.block_q / 16;
   e.softmax_block_k = D == 256 ? 64 : 128;
-  e.exp2_poly_every = D == 128 ? 16 : 0;
+  e.exp2_poly_every = D == 128 ? sage::sm90::Traits<128, 2>::kPolyEvery : 0;
   if (D == 256) e.granularity = SAGE_GRANULARITY_PER_THREAD_WGMMA;
   return e;
 }

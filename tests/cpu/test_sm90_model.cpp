@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attn/sm90/split.h"
+#include "attn/sm90/traits.h"
 #include "common/exp2_poly.h"  // kMagicF
 #include "common/test_util.h"
 
@@ -472,7 +473,7 @@ TEST(Sm90Form, InvalidKnobsAreRejectedByName) {
 // The sm90 kernel's configuration as the planner describes it (sage.h, sage_plan_info): tiles of
 // 128 rows (192 at D = 64 with three consumers), 64-key K groups in 128-key softmax blocks (64-key
 // ones at D = 256, the wgmma groups selecting the form), the aligned 13-bit wgmma accumulator,
-// the polynomial on one score in eight at D = 128.
+// the polynomial on the kernel's share of the scores at D = 128 (sm90::Traits::kPolyEvery).
 sage_quant_config sm90_config(int64_t D, int32_t block_q) {
   sage_quant_config c = quant_preset(SAGE_VARIANT_SAGE2_8B);
   c.block_q = block_q;
@@ -483,7 +484,7 @@ sage_quant_config sm90_config(int64_t D, int32_t block_q) {
   c.pv_accum = SAGE_PV_ACCUM_ALIGNED;
   c.accum_mantissa_bits = 13;
   c.accum_chunk = 32;
-  c.exp2_poly_every = D == 128 ? 16 : 0;
+  c.exp2_poly_every = D == 128 ? sm90::Traits<128, 2>::kPolyEvery : 0;
   return c;
 }
 
