@@ -1,7 +1,8 @@
-// ldmatrix wrappers (warp-wide shared-memory fragment loads, sm_75+). Each 8x8 b16 matrix is 8
-// rows of 16 bytes; lane l supplies the row address of matrix l/8, row l%8, and receives in each
-// register the 4 bytes (row l/4, bytes 4(l%4)..4(l%4)+3) of one matrix — exactly the mma.sync
-// B-operand fragment of 8-bit (k32) and 4-bit (k64) types when rows are the n dimension.
+// Shared-memory load wrappers: ldmatrix (warp-wide fragment loads, sm_75+), and one thread's
+// 16-byte vector load (ld_shared_v4). Each ldmatrix 8x8 b16 matrix is 8 rows of 16 bytes; lane l
+// supplies the row address of matrix l/8, row l%8, and receives in each register the 4 bytes (row
+// l/4, bytes 4(l%4)..4(l%4)+3) of one matrix — exactly the mma.sync B-operand fragment of 8-bit
+// (k32) and 4-bit (k64) types when rows are the n dimension.
 #pragma once
 
 #include <cstdint>
