@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "attn/sm90/traits.h"
 #include "common/formats.h"
+#include "cpu/sm90_config.h"
 #include "ref/ablations.h"
 #include "ref/reference.h"
 
@@ -160,22 +160,10 @@ Result run_new(const Case& c) {
 
 // ---- The fixed cases: every family's real configs and the ablation knobs the tests turn.
 
-// The planner's emulation configs (src/api/plan.cpp), written out: the sm90 (wgmma) kernel at
-// D = 64, 128 (softmax blocks of 128 keys over 64-key scale blocks; the polynomial on the
-// kernel's share of the scores at D = 128, sm90::Traits::kPolyEvery) and 256 (wgmma groups, 64-key
-// softmax blocks), for 1..3 consumers of 64 rows.
+// The planner's emulation configs (src/api/plan.cpp), written out: the sm90 kernel's for 1..3
+// consumers of 64 rows (cpu/sm90_config.h).
 sage_quant_config sm90_config(int64_t D, int consumers) {
-  sage_quant_config e = quant_preset(SAGE_VARIANT_SAGE2_8B);
-  e.pv_accum = SAGE_PV_ACCUM_ALIGNED;
-  e.accum_mantissa_bits = 13;
-  e.accum_chunk = 32;
-  e.block_k = 64;
-  e.block_q = 64 * consumers;
-  e.warps = e.block_q / 16;
-  e.softmax_block_k = D == 256 ? 64 : 128;
-  e.exp2_poly_every = D == 128 ? sage::sm90::Traits<128, 2>::kPolyEvery : 0;
-  if (D == 256) e.granularity = SAGE_GRANULARITY_PER_THREAD_WGMMA;
-  return e;
+  return test::sm90_config(D, 64 * consumers);
 }
 // The mma.sync kernel: two-level on sm_89/sm_120, one fp32 level on sm_90.
 sage_quant_config mma_config(sage_variant variant, bool two_level) {

@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "attn/sm90/split.h"
-#include "attn/sm90/traits.h"
 #include "common/exp2_poly.h"  // kMagicF
 #include "common/test_util.h"
+#include "cpu/sm90_config.h"
 
 namespace sage::ref {
 namespace {
@@ -470,23 +470,7 @@ TEST(Sm90Form, InvalidKnobsAreRejectedByName) {
   EXPECT_THROW(attention_quant(p, c, t, t, t, o.data(), nullptr), Error);
 }
 
-// The sm90 kernel's configuration as the planner describes it (sage.h, sage_plan_info): tiles of
-// 128 rows (192 at D = 64 with three consumers), 64-key K groups in 128-key softmax blocks (64-key
-// ones at D = 256, the wgmma groups selecting the form), the aligned 13-bit wgmma accumulator,
-// the polynomial on the kernel's share of the scores at D = 128 (sm90::Traits::kPolyEvery).
-sage_quant_config sm90_config(int64_t D, int32_t block_q) {
-  sage_quant_config c = quant_preset(SAGE_VARIANT_SAGE2_8B);
-  c.block_q = block_q;
-  c.warps = block_q / 16;
-  c.block_k = 64;
-  c.softmax_block_k = D == 256 ? 64 : 128;
-  if (D == 256) c.granularity = SAGE_GRANULARITY_PER_THREAD_WGMMA;
-  c.pv_accum = SAGE_PV_ACCUM_ALIGNED;
-  c.accum_mantissa_bits = 13;
-  c.accum_chunk = 32;
-  c.exp2_poly_every = D == 128 ? sm90::Traits<128, 2>::kPolyEvery : 0;
-  return c;
-}
+using test::sm90_config;  // the planner's sm90 configuration (cpu/sm90_config.h)
 
 // The seeded accumulator (attn/sm90/softmax.cuh): an int32 wgmma sum started at the bits of
 // 1.5·2^23 holds the bits of the float 1.5·2^23 + x for every score x the INT8 values ([-127,
