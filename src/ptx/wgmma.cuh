@@ -91,6 +91,24 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 #endif
 }
 
+// wgmma.mma_async m64n8k32 .f32.e4m3.e4m3, A in registers: d (+)= a·b (the sm90
+// kernel's row sums: B all ones).
+template <int kInst = 0>
+__device__ __forceinline__ void wgmma_m64n8k32_e4m3(float (&d)[4], const uint32_t (&a)[4],
+                                                    uint64_t b_desc, bool accumulate) {
+#ifdef SAGE_PTX_HAS_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
+      "{%0,%1,%2,%3}, "
+      "{%4,%5,%6,%7}, %8, p, 1, 1;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(int(accumulate)));
+#else
+  SAGE_PTX_REQUIRE(kInst, "wgmma.mma_async (sm_90a)");
+#endif
+}
+
 // wgmma.mma_async m64n64k32 .f32.e4m3.e4m3, A in registers: d (+)= a·b.
 template <int kInst = 0>
 __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], const uint32_t (&a)[4],

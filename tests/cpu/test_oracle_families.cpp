@@ -6,7 +6,7 @@
 // that interpreter also ran beside the families on 5,120 random configs and problems, equal bit for
 // bit (commit e456563). A change to what any family computes changes a hash: a deliberate one
 // regenerates the table with SAGE_ORACLE_PRINT_GOLDEN=1 and says why in its commit (the sm90
-// form's running-max slack and its D = 128 polynomial share did).
+// form's running-max slack, its D = 128 polynomial share and its row sums did).
 // The inputs come from a hand-written generator (splitmix64, sums of uniforms) so that the hashes
 // do not depend on the standard library's distributions; they do depend on the C library's exp2
 // and log2 (glibc here).

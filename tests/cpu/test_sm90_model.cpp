@@ -109,8 +109,9 @@ TEST(Exp2Poly, RelativeErrorAboutOneIn1e4AndFloatIsTheDoublePolynomialRounded) {
 // visible keys only where that passes m_b of the block before by more than `slack` (or none
 // was seen yet), e_j = 2^(s_j - m_b(j) + log2 u) with the unit u = 448 / 2^slack (the
 // polynomial where the block is whole for the tile's first row and the position rule picks
-// (i, j)), P^ = E4M3(e_j) (e_j <= 448 by the slack), O = Σ P^ V^ 2^(m_b - M) / Σ e 2^(m_b - M)
-// · δV, LSE = (M + log2(Σ e 2^(m_b - M) / u)) · ln 2. Q and K unquantized, V per channel.
+// (i, j)), P^ = E4M3(e_j) (e_j <= 448 by the slack), O = Σ P^ V^ 2^(m_b - M) / l · δV with the
+// row sum of the weights O takes, l = Σ P^ 2^(m_b - M) (the mma form: l = Σ e 2^(m_b - M)),
+// LSE = (M + log2(l / u)) · ln 2. Q and K unquantized, V per channel.
 // With a split tail (sage.h, split_tiles): the running max starts afresh at each part's first
 // block (one head: tile = row / block_q).
 struct Sm90Definition {
@@ -122,6 +123,8 @@ struct Sm90Definition {
   // The running max's slack (kMaxSlack in the sm90 form, 0 in the mma form the default knobs
   // select: ref::sm90_softmax_form).
   int slack = kMaxSlack;
+  // Whether l sums P^ (the sm90 form: the P̃·V wgmma's column of ones) or e (the mma form).
+  bool l_of_phat = true;
   // Whether row i's running max restarts at block b (a split tile's part begins there).
   bool restarts(int64_t i, int64_t b) const {
     const int64_t tiles = (Nq + block_q - 1) / block_q, tail = i / block_q - (tiles - split.tiles);
@@ -175,8 +178,8 @@ struct Sm90Definition {
         const bool poly = whole && table[size_t(i % 16)][size_t(j % 128)];
         const double e = poly ? double(poly_2x(x)) : std::exp2(x);
         const double w = std::exp2(mb[size_t(j)] - M);
-        sum += e * w;
         const double ph = round_float(kE4M3, float(e));
+        sum += (l_of_phat ? ph : e) * w;
         for (int64_t d = 0; d < D; ++d) o[size_t(d)] += ph * w * Vq[size_t(j * D + d)];
       }
       for (int64_t d = 0; d < D; ++d) (*out)[size_t(i * D + d)] = o[size_t(d)] / sum * vscale[size_t(d)];
@@ -252,6 +255,7 @@ TEST(Sm90Form, SoftmaxBlocksAndPolynomialMatchTheDefinition) {
                         got_lse.data());
         Sm90Definition def{Nq, Nk, D, 16, sbk, every, mask, 0.125};
         def.slack = sm90_softmax_form(cfg) ? kMaxSlack : 0;
+        def.l_of_phat = sm90_softmax_form(cfg);
         std::vector<double> want, want_lse;
         def.run(in.Q, in.K, in.V, &want, &want_lse);
         ASSERT_NO_FATAL_FAILURE(expect_definition(got, got_lse, want, want_lse));

@@ -23,9 +23,10 @@ def load_tool(name):
     return module
 
 
-def naive_attention(q, k, v, layout="HND", causal=None, scale=None):
+def naive_attention(q, k, v, layout="HND", causal=None, scale=None, max_weight=False):
     """float64 attention; causal None / 'bottom_right' / 'top_left'. Returns (o, lse) with o in
-    HND-or-NHD like q and lse [B, Hq, Nq] (natural log)."""
+    HND-or-NHD like q and lse [B, Hq, Nq] (natural log); with max_weight also each row's largest
+    softmax weight [B, Hq, Nq] (0 for an empty row), last."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     if layout == "NHD":
         q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
@@ -34,6 +35,7 @@ def naive_attention(q, k, v, layout="HND", causal=None, scale=None):
     scale = 1.0 / np.sqrt(D) if scale is None else scale
     o = np.zeros((B, Hq, Nq, D))
     lse = np.full((B, Hq, Nq), -np.inf)
+    w = np.zeros((B, Hq, Nq))
     i = np.arange(Nq)[:, None]
     j = np.arange(Nk)[None, :]
     if causal == "bottom_right":
@@ -54,9 +56,10 @@ def naive_attention(q, k, v, layout="HND", causal=None, scale=None):
             l = p.sum(axis=1, keepdims=True)
             o[b, h] = np.where(live[:, None], (p / np.where(l > 0, l, 1)) @ v[b, g], 0.0)
             lse[b, h] = np.where(live, np.log(np.where(l[:, 0] > 0, l[:, 0], 1)) + m[:, 0], -np.inf)
+            w[b, h] = np.where(live, 1 / np.where(l[:, 0] > 0, l[:, 0], 1), 0.0)
     if layout == "NHD":
         o = o.transpose(0, 2, 1, 3)
-    return o, lse
+    return (o, lse, w) if max_weight else (o, lse)
 
 
 def count_calls(monkeypatch, owner, name):

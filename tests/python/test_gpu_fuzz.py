@@ -108,20 +108,25 @@ def test_gpu_random_call_matches_emulation_and_float64(rng, case):
     hnd = (lambda x: x.transpose(1, 2)) if c["layout"] == "NHD" else (lambda x: x)
     o_h = hnd(o)
     # The emulation of the plan of this very call (its kernel, tile, groups, accumulator).
-    emu, emu_lse = call_emulation(hnd(q), hnd(k), hnd(v), c["causal"], c["scale"],
-                                  kernel=c["kernel"], return_lse=True)
+    emu, emu_lse, kernel = call_emulation(hnd(q), hnd(k), hnd(v), c["causal"], c["scale"],
+                                          kernel=c["kernel"], return_lse=True, return_kernel=True)
     assert torch.isfinite(o).all(), c
     err = metrics(o_h, emu)["rel_l1"]
     assert err < 5e-4, (c, err)
     live = torch.isfinite(emu_lse)
     got = lse.cpu()
     assert torch.equal(torch.isfinite(got), live), c
+    # float64 of the same rounded inputs (each row's largest weight too, for the LSE's bound).
+    ref, ref_lse, w_max = naive_attention(*(hnd(x).float().cpu().numpy() for x in (q, k, v)),
+                                          "HND", c["causal"], c["scale"], max_weight=True)
     dl = (got[live].double() - emu_lse[live].double()).abs()
     tol = 2e-3 + 1e-5 * emu_lse[live].double().abs()
+    if kernel == sage_attn._lib.KERNEL_SM90:
+        # Its l sums P^, and its ex2.approx may round a P^ on an E4M3 tie the other way from the
+        # emulation's exp2, moving that key's weight by up to 1/8 (tests/gpu, GpuVsEmulation).
+        tol = tol + 0.25 * torch.from_numpy(w_max)[live]
     assert bool((dl <= tol).all()), (c, float(dl.max()))
-    # Against float64 of the same rounded inputs: an 8-bit kernel's error, not another result.
-    ref, ref_lse = naive_attention(*(hnd(x).float().cpu().numpy() for x in (q, k, v)), "HND",
-                                   c["causal"], c["scale"])
+    # Against float64: an 8-bit kernel's error, not another result.
     ref = torch.from_numpy(ref)
     if float(ref.abs().max()) > 0:
         m = metrics(o_h, ref)

@@ -280,11 +280,12 @@ SHAPES = [  # (B, Hq, Hkv, Nq, Nk)
 
 
 def call_emulation(q, k, v, causal_align=None, scale=None, kernel=None, return_lse=False,
-                   qk_bits=None):
+                   qk_bits=None, return_kernel=False):
     """The CPU emulation of what sageattn(q, k, v, ..., kernel=kernel) runs on the GPU: the plan
     of the same arguments (sage_attention_plan) names the quantization config whose emulation
     computes the call (the kernel's tile, K groups, softmax blocks, accumulator, polynomial 2^x),
-    and the CPU reference runs it on host copies of the inputs. q, k, v: CUDA tensors, HND."""
+    and the CPU reference runs it on host copies of the inputs. q, k, v: CUDA tensors, HND.
+    return_kernel: also the plan's kernel (_lib.KERNEL_MMA or KERNEL_SM90), last."""
     from sage_attn import _lib
     kernels = {None: _lib.KERNEL_AUTO, "auto": _lib.KERNEL_AUTO, "mma": _lib.KERNEL_MMA,
                "sm90": _lib.KERNEL_SM90}
@@ -321,7 +322,10 @@ def call_emulation(q, k, v, causal_align=None, scale=None, kernel=None, return_l
     c.variant, c.quant = _lib.VARIANT_CUSTOM, info.emulation
     c.backend = _lib.BACKEND_CPU
     _lib.run(c)
-    return (out, lse) if return_lse else out
+    result = (out, lse) if return_lse else (out,)
+    if return_kernel:
+        result += (info.kernel,)
+    return result if len(result) > 1 else result[0]
 
 
 IS_SM90 = HAS_GPU and torch.cuda.get_device_capability() == (9, 0)

@@ -37,7 +37,8 @@ struct OutView {
 };
 
 // Rows row_a and row_a + 8 of this thread: o[D/2] the wgmma accumulator (P~ · kPUnit · V^), m and
-// l the rows' softmax state (l in units of kPUnit too: softmax.cuh); seq_q, tok0_q, shift_row0:
+// l the rows' softmax state (l this thread's part of the row's sum of P^, in units of kPUnit too:
+// softmax.cuh); seq_q, tok0_q, shift_row0:
 // the tile's sequence (TileInfo). Waits for the V statistics and syncs the warpgroup (named
 // barrier `bar`) first: the copy was issued by other threads of it.
 template <int D, typename OutT>

@@ -54,6 +54,18 @@ __global__ void __launch_bounds__(Traits<D, kCons>::kThreads, 1)
     sh.sched.init(kCons * 128 + (fused_q ? kQuantWarps * 32 : 0));
     ptx::fence_barrier_init();
   }
+  if (threadIdx.x < Tr::kOnesTile / 16) {
+    // The row sums' B operand (mainloop.cuh): channels 2s and 2s + 1 are E4M3 1.0 (0x38) on the
+    // 32 keys of P̃·V step s and 0 elsewhere. Written through Vᵀ's swizzle (16-byte chunk bits
+    // 4.. XOR address bits 7..: three of them for 128-byte rows, two for 64-byte ones), as the
+    // wgmma reads it.
+    const uint32_t at = threadIdx.x * 16;
+    const uint32_t logical = at ^ (((at >> 7) & (Tr::kBlockK == 128 ? 7u : 3u)) << 4);
+    const uint32_t ch = logical / Tr::kBlockK, key = logical % Tr::kBlockK;
+    const uint32_t b = key / 32 == ch / 2 ? 0x38383838u : 0u;
+    reinterpret_cast<uint4*>(tiles.ones)[threadIdx.x] = make_uint4(b, b, b, b);
+    ptx::fence_proxy_async_smem();  // (read by the consumers' wgmma: the async proxy)
+  }
   if (threadIdx.x < 4) sh.seed[threadIdx.x] = kMagic;
   __syncthreads();
   // Everything above overlapped the pre-pass's tail; nothing is read from global memory before

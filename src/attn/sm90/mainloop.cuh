@@ -2,7 +2,13 @@
 // tile; a warp 16 of them, a thread rows g and g+8. Per tile: Q·Kᵀ (wgmma s8, A and B from
 // shared memory) and the online softmax of each key block (128 keys; 64 at D = 256), P̃·V (wgmma
 // E4M3, A = P^ from registers, B = the Vᵀ tile) one block late so that it runs under the next
-// block's softmax.
+// block's softmax. The rows' sums of P^ come from the tensor cores too: beside each P̃·V step s an
+// m64n8k32 wgmma takes the same A against a tile whose channels 2s and 2s + 1 are ones (the rest
+// zeros), so the softmax adds nothing and thread t of a quad receives step t's sum of its rows.
+// Each step's sum thus starts from zero, and joins the thread's l in fp32: the wgmma's
+// accumulator cuts every addend to the grid of the largest (docs/fp8-accumulator.md), so one
+// chained over a block's steps would drop a few 1e-3 of l on flat rows; a step's products alone
+// lose at most 2^-13 of the largest.
 #pragma once
 
 #include <cstdint>
@@ -96,8 +102,10 @@ struct Consumer {
   float q_scale_log2;
   const float* k_scale;
   uint64_t q_desc, k_desc, v_desc;
-  float m[2], l[2];  // the rows' running max (base 2) and sum
+  float m[2], l[2];  // the rows' running max (base 2) and sum (this thread's part: its P̃·V step)
   float o[D / 2];    // the P̃·V accumulator
+  float ls[4];       // a block's P^ against the ones: [0], [1] row g's sum of step t, [2], [3]
+                     // row g + 8's
   uint32_t pf[Tr::kPvSteps][4];  // P^ of the previous block: the A operand of its P̃·V (issued
                                  // one block late)
 
@@ -156,6 +164,7 @@ struct Consumer {
     load_v_stats<D>(p, sh.v_stat[qbuf][consumer], bhk);
     m[0] = m[1] = -INFINITY;
     for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    for (int i = 0; i < 4; ++i) ls[i] = 0.0f;
     l[0] = l[1] = 0.0f;
     if (Tr::first_q_help(kCausal) && fused_q && it == 0) {
       // The CTA's first Q tile: quantized with warps 1-3 (kFirstQWarps), then released by them.
@@ -215,14 +224,20 @@ struct Consumer {
     ptx::wgmma_commit();
   }
 
-  // P̃·V of block kb (in stage st; A = pf).
+  // P̃·V of block kb (in stage st; A = pf), and the block's row sums of P^ by step into ls
+  // afresh: the ones tile sits right after the Vᵀ stages (Tiles), so its descriptor is Vᵀ's with
+  // an immediate offset (no registers), read like a Vᵀ tile of 8 channels.
   template <int st>
   __device__ __forceinline__ void issue_pv(int kb) {
     ptx::mbar_wait(&sh.bar.full_v[st], phase.full(kb, st));
     ptx::wgmma_fence_regs(o);
+    ptx::wgmma_fence_regs(ls);
     ptx::wgmma_fence();
-    for (int c = 0; c < Tr::kPvSteps; ++c)
+    for (int c = 0; c < Tr::kPvSteps; ++c) {
       pv_wgmma<D>(o, pf[c], v_desc + uint64_t((st * Tr::kVTile + c * 32) >> 4));
+      ptx::wgmma_m64n8k32_e4m3(ls, pf[c], v_desc + uint64_t((kStages * Tr::kVTile + c * 32) >> 4),
+                               /*accumulate=*/c > 0);
+    }
     ptx::wgmma_commit();
   }
 
@@ -289,8 +304,11 @@ struct Consumer {
     trace_event(trace, it, kb, 4);
     ptx::wgmma_wait<0>();  // P̃·V(kb-1) landed: O may be rescaled, pf rewritten
     ptx::wgmma_fence_regs(o);
+    ptx::wgmma_fence_regs(ls);
     trace_event(trace, it, kb, 5);
     release(&sh.bar.empty_v[1 - st]);
+    // Block kb-1's sums join l (rescaled by the softmax of kb) at kb's alpha, as O's rows do.
+    for (int r = 0; r < 2; ++r) l[r] = fmaf(ls[2 * r], alpha[r], l[r]);
     rescale_o(alpha);
     pack_p(sacc);
     trace_event(trace, it, kb, 6);
@@ -315,9 +333,10 @@ struct Consumer {
       issue_pv<0>(n_blocks - 1);
     ptx::wgmma_wait<0>();
     ptx::wgmma_fence_regs(o);
+    ptx::wgmma_fence_regs(ls);
     pass_turn();
     release(&sh.bar.empty_v[(n_blocks - 1) % kStages]);
-    l[0] += poison[0], l[1] += poison[1];
+    for (int r = 0; r < 2; ++r) l[r] = (l[r] + ls[2 * r]) + poison[r];
     tile_event(trace, it, 5);
   }
 

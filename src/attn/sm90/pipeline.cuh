@@ -69,19 +69,22 @@ struct SharedStorage {
 };
 
 // The swizzled tiles in dynamic shared memory (aligned to 1024 bytes, the 128-byte swizzle's
-// period): two Q buffers, kStages K and Vᵀ stages, and fused Q's staged 16-bit tile.
+// period): two Q buffers, kStages K and Vᵀ stages, the row sums' tile of ones, and fused Q's
+// staged 16-bit tile.
 template <class Tr>
 struct Tiles {
   uint8_t* q;
   uint8_t* k;
   uint8_t* v;
+  uint8_t* ones;
   uint8_t* q_staged;
 
   __device__ __forceinline__ explicit Tiles(uint8_t* smem_raw) {
     q = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     k = q + 2 * Tr::kQTile;
     v = k + kStages * Tr::kKTile;
-    q_staged = v + kStages * Tr::kVTile;
+    ones = v + kStages * Tr::kVTile;
+    q_staged = ones + Tr::kOnesTile;
   }
 };
 

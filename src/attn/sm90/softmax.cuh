@@ -19,10 +19,11 @@
 // that after the first blocks O is rarely rescaled (64 multiplies a thread whenever a row of the
 // warp moves its max). A score may then exceed m by up to kSlack, and the softmax writes
 // P~ · kPUnit = 2^(x·f - m + log2 kPUnit) with kPUnit = 448 / 2^kSlack: at most 448, the E4M3
-// range P^ is packed from, as float bits over the scores; l sums them, O sums P^ · V^, so both
-// are in units of kPUnit (the epilogue's). The slack costs P^ one binade at the bottom of E4M3's
-// range. m is the same in every thread of a row (the quad's max), so the rows' results do not
-// depend on the warp.
+// range P^ is packed from, as float bits over the scores. O sums P^ · V^, and l the weights O
+// takes, P^ (each block's sum from a wgmma against a column of ones beside P̃·V: mainloop.cuh), so
+// the softmax adds nothing; both are in units of kPUnit (the epilogue's). The slack costs P^ one
+// binade at the bottom of E4M3's range. m is the same in every thread of a row (the quad's max),
+// so the rows' results do not depend on the warp.
 #pragma once
 
 #include "attn/epilogue.cuh"
@@ -45,8 +46,8 @@ __device__ __forceinline__ constexpr bool poly_at(int i) {
 }
 
 // The online softmax of one block over the thread's kN scores sacc (seeded), in place: P~ · kPUnit
-// as float bits. f: the scale products of each 64 keys (their K scale groups). m, l: the
-// rows' running max and sum (l scaled by alpha, returned for O). unmasked: every key of the block
+// as float bits. f: the scale products of each 64 keys (their K scale groups). m, l: the rows'
+// running max and sum (l scaled by alpha, returned for O). unmasked: every key of the block
 // is visible to every row of the tile (CTA-uniform), else visible() gives the keys each row sees
 // (the diagonal, the Nk edge). at_max() runs once the rows' maxima are known (where a consumer
 // may pass the GEMM-issue turn).
@@ -58,7 +59,6 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[kN], bool unmasked,
   static_assert(kN == 64 || kN == 32, "128- or 64-key blocks");
   constexpr int kHalves = kN / 32;  // 64-key groups (a K scale each)
   float row_max[2], m_use[2];
-  float part[2][kN / 16] = {};  // a partial sum per row and 32 keys: short FADD chains
   if (unmasked) {
     int mx[2][kHalves];
     for (int r = 0; r < 2; ++r)
@@ -82,9 +82,7 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[kN], bool unmasked,
     for (int i = 0; i < kN; ++i) {
       const int k = Frag::span<64>(i);  // the 64 keys of a K scale
       const float x = fmaf(__int_as_float(sacc[i]), f[k], -bias[Frag::half(i)][k]);
-      const float e = poly_at<kPolyEvery>(i) ? exp2_poly(x) : ptx::ex2(x);
-      part[Frag::half(i)][Frag::span<32>(i)] += e;
-      sacc[i] = __float_as_int(e);
+      sacc[i] = __float_as_int(poly_at<kPolyEvery>(i) ? exp2_poly(x) : ptx::ex2(x));
     }
   } else {  // scores as floats, hidden ones -inf
     int vis[2];
@@ -99,17 +97,9 @@ __device__ __forceinline__ void softmax_block(int (&sacc)[kN], bool unmasked,
     }
     attn::online_max<kSlack>(row_max, m, l, alpha, m_use);
     at_max();
-    for (int i = 0; i < kN; ++i) {
-      const float e = ptx::ex2(__int_as_float(sacc[i]) - (m_use[Frag::half(i)] - kLog2PUnit));
-      part[Frag::half(i)][Frag::span<32>(i)] += e;
-      sacc[i] = __float_as_int(e);
-    }
-  }
-  for (int r = 0; r < 2; ++r) {
-    if constexpr (kN == 64)
-      l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
-    else
-      l[r] += part[r][0] + part[r][1];
+    for (int i = 0; i < kN; ++i)
+      sacc[i] = __float_as_int(
+          ptx::ex2(__int_as_float(sacc[i]) - (m_use[Frag::half(i)] - kLog2PUnit)));
   }
 }
 

@@ -77,7 +77,12 @@ struct Traits {
   static constexpr int kQPanel = kBlockQ * kRowBytes;
   static constexpr int kKPanel = kBlockK * kRowBytes;
   static constexpr int kQStaged = kBlockQ * D * 2;  // [kBlockQ rows][D elements], not swizzled
-  static constexpr int kBytes = 2 * kQTile + kStages * (kKTile + kVTile) + 1024;  // + alignment
+  // The row sums' B operand: 8 channels of E4M3 ones and zeros, a swizzle atom of 8 rows read
+  // through Vᵀ's descriptor (kernel.cuh, mainloop.cuh).
+  static constexpr int kOnesTile = 1024;
+  static_assert(kOnesTile >= 8 * kBlockK, "8 rows of a Vᵀ tile");
+  static constexpr int kBytes =
+      2 * kQTile + kStages * (kKTile + kVTile) + kOnesTile + 1024;  // + alignment
   static constexpr int kBytesFused = kBytes + kQStaged;
 
   // One score in kPolyEvery takes 2^x from a polynomial on the FMA pipe instead of MUFU.EX2
