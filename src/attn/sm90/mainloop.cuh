@@ -4,11 +4,12 @@
 // E4M3, A = P^ from registers, B = the Vᵀ tile) one block late so that it runs under the next
 // block's softmax. The rows' sums of P^ come from the tensor cores too: beside each P̃·V step s an
 // m64n8k32 wgmma takes the same A against a tile whose channels 2s and 2s + 1 are ones (the rest
-// zeros), so the softmax adds nothing and thread t of a quad receives step t's sum of its rows.
-// Each step's sum thus starts from zero, and joins the thread's l in fp32: the wgmma's
-// accumulator cuts every addend to the grid of the largest (docs/fp8-accumulator.md), so one
-// chained over a block's steps would drop a few 1e-3 of l on flat rows; a step's products alone
-// lose at most 2^-13 of the largest.
+// zeros), so the softmax adds nothing and thread t of a quad receives step t's sum of its rows,
+// which joins the thread's part of l in fp32 (the finalize adds the quad's parts, as before).
+// Each step's sum starts from zero: the wgmma's accumulator cuts every addend to the grid of the
+// largest (docs/fp8-accumulator.md), and a step's own E4M3 products are kept exactly unless they
+// are 2^10 below the step's largest, where a sum chained over the block's steps would cut each
+// later step to the grid of the sum so far.
 #pragma once
 
 #include <cstdint>

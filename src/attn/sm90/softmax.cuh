@@ -20,8 +20,8 @@
 // warp moves its max). A score may then exceed m by up to kSlack, and the softmax writes
 // P~ · kPUnit = 2^(x·f - m + log2 kPUnit) with kPUnit = 448 / 2^kSlack: at most 448, the E4M3
 // range P^ is packed from, as float bits over the scores. O sums P^ · V^, and l the weights O
-// takes, P^ (each block's sum from a wgmma against a column of ones beside P̃·V: mainloop.cuh), so
-// the softmax adds nothing; both are in units of kPUnit (the epilogue's). The slack costs P^ one
+// takes, P^ (each P̃·V step's sums from a wgmma against a tile of ones beside it: mainloop.cuh),
+// so the softmax adds nothing; both are in units of kPUnit (the epilogue's). The slack costs P^ one
 // binade at the bottom of E4M3's range. m is the same in every thread of a row (the quad's max),
 // so the rows' results do not depend on the warp.
 #pragma once
