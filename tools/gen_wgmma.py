@@ -50,7 +50,7 @@ class Wrapper(NamedTuple):
 WRAPPERS = [
     Wrapper("wgmma_m64n8k32_e4m3", 8, 32, "f32.e4m3.e4m3", True,
             "wgmma.mma_async m64n8k32 .f32.e4m3.e4m3, A in registers: d (+)= a·b (the sm90\n"
-            "kernel's row sums: B all ones)."),
+            "kernel's row sums: B a tile of ones and zeros)."),
     Wrapper("wgmma_m64n64k32_e4m3", 64, 32, "f32.e4m3.e4m3", True,
             "wgmma.mma_async m64n64k32 .f32.e4m3.e4m3, A in registers: d (+)= a·b."),
     Wrapper("wgmma_m64n128k32_e4m3", 128, 32, "f32.e4m3.e4m3", True,

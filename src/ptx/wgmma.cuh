@@ -92,7 +92,7 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 }
 
 // wgmma.mma_async m64n8k32 .f32.e4m3.e4m3, A in registers: d (+)= a·b (the sm90
-// kernel's row sums: B all ones).
+// kernel's row sums: B a tile of ones and zeros).
 template <int kInst = 0>
 __device__ __forceinline__ void wgmma_m64n8k32_e4m3(float (&d)[4], const uint32_t (&a)[4],
                                                     uint64_t b_desc, bool accumulate) {
