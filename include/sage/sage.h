@@ -181,11 +181,11 @@ typedef struct sage_quant_config {
   int32_t softmax_block_k; /* keys per online-softmax block, a multiple of block_k (the sm90
                               kernel: 128-key softmax blocks over 64-key K scale groups);
                               0: block_k */
-  int32_t exp2_poly_every; /* 0: every 2^x on the hardware's ex2; n in {2, 4, 8, 16}: in a softmax
-                              block that every key of the tile's rows sees, score (row r, key j)
-                              takes a degree-3 polynomial 2^x when (4·((j mod 128) / 8) +
+  int32_t exp2_poly_every; /* 0: every 2^x on the hardware's ex2; n in {2, 4, 8, 16, 32}: in a
+                              softmax block that every key of the tile's rows sees, score (row r,
+                              key j) takes a degree-3 polynomial 2^x when (4·((j mod 128) / 8) +
                               2·((r mod 16) / 8) + j mod 2) mod n = n - 1: register i mod n = n - 1
-                              of the wgmma accumulator (the sm90 kernel: 8 at D = 128) */
+                              of the wgmma accumulator (the sm90 kernel: 32 at D = 128) */
   int32_t split_tiles; /* the sm90 kernel's split tail (sage_plan_info.emulation sets it; the
                           sm90 softmax form only): the call's last split_tiles tiles of block_q
                           rows (numbered batch, head, query block) have their softmax blocks

@@ -115,8 +115,8 @@ std::string quant_config_error(const sage_quant_config& c) {
       (c.softmax_block_k > 0 && c.softmax_block_k % c.block_k != 0))
     return bad("softmax_block_k (0, or a multiple of block_k up to 65536)", c.softmax_block_k);
   if (c.exp2_poly_every != 0 && c.exp2_poly_every != 2 && c.exp2_poly_every != 4 &&
-      c.exp2_poly_every != 8 && c.exp2_poly_every != 16)
-    return bad("exp2_poly_every (0, 2, 4, 8 or 16)", c.exp2_poly_every);
+      c.exp2_poly_every != 8 && c.exp2_poly_every != 16 && c.exp2_poly_every != 32)
+    return bad("exp2_poly_every (0, 2, 4, 8, 16 or 32)", c.exp2_poly_every);
   if (c.split_tiles < 0 || c.split_ctas < 0 || (c.split_tiles == 0) != (c.split_ctas == 0) ||
       c.split_ctas < c.split_tiles)
     return "quant.split_tiles = " + std::to_string(c.split_tiles) +

@@ -313,7 +313,7 @@ TEST(Planner, EmulationConfigIsWhatRuns) {
       EXPECT_EQ(e.warps * 16, p.block_q);
       EXPECT_EQ(e.block_k, 64);
       EXPECT_EQ(e.softmax_block_k, 128);
-      EXPECT_EQ(e.exp2_poly_every, d == 128 ? 16 : 0);
+      EXPECT_EQ(e.exp2_poly_every, d == 128 ? 32 : 0);
       EXPECT_EQ(e.granularity, SAGE_GRANULARITY_PER_THREAD_MMA);
       EXPECT_EQ(e.qk_format, SAGE_QK_INT8);
       EXPECT_EQ(e.smooth, unsigned(SAGE_SMOOTH_K | SAGE_SMOOTH_V));

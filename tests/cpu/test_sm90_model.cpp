@@ -60,7 +60,7 @@ std::vector<std::vector<bool>> poly_table(int every) {
 }
 
 TEST(Exp2Poly, PositionRuleFollowsTheWgmmaRegisterLayout) {
-  for (int every : {0, 2, 4, 8, 16}) {
+  for (int every : {0, 2, 4, 8, 16, 32}) {
     const auto table = poly_table(every);
     int64_t taken = 0;
     for (int64_t row = 0; row < 48; ++row)
@@ -445,11 +445,11 @@ TEST(Sm90Form, InvalidKnobsAreRejectedByName) {
     EXPECT_NE(e.find(std::to_string(sbk)), std::string::npos) << e;
   }
   c = quant_preset(SAGE_VARIANT_SAGE2_8B);
-  for (int32_t every : {0, 2, 4, 8, 16}) {
+  for (int32_t every : {0, 2, 4, 8, 16, 32}) {
     c.exp2_poly_every = every;
     EXPECT_EQ(quant_config_error(c), "") << every;
   }
-  for (int32_t every : {-8, 1, 3, 6, 32}) {
+  for (int32_t every : {-8, 1, 3, 6, 64}) {
     c.exp2_poly_every = every;
     const std::string e = quant_config_error(c);
     EXPECT_NE(e.find("exp2_poly_every"), std::string::npos) << every << ": " << e;

@@ -88,12 +88,12 @@ struct Traits {
   // One score in kPolyEvery takes 2^x from a polynomial on the FMA pipe instead of MUFU.EX2
   // (16 results per SM per clock), at register positions i % kPolyEvery == kPolyEvery - 1 of the
   // thread's 64 scores (0: none). At D = 128 (two warps a scheduler) the MUFU queue is a limit,
-  // and one in sixteen relieves it most before the polynomial's issue slots (about eight
-  // instructions for one MUFU's) outweigh it; at D = 64 three warps a scheduler move the limit to
+  // and one in 32 relieves it most before the polynomial's issue slots (about eight instructions
+  // for one MUFU's) outweigh it; at D = 64 three warps a scheduler move the limit to
   // issue, where the polynomial's extra instructions cost more than they relieve. At D = 256 a
   // score costs twice D = 128's tensor work for the same MUFU work, so MUFU is not the limit
   // there: none (docs/sm90-kernel.md, "Softmax" and "D = 256", has the measurements).
-  static constexpr int kPolyEvery = D == 128 ? 16 : 0;
+  static constexpr int kPolyEvery = D == 128 ? 32 : 0;
 
   // Where a consumer passes the GEMM-issue turn: once its Q·Kᵀ has landed, or (D = 128
   // non-causal: two consumers with blocks of equal length) once its row maxima are taken, which
