@@ -705,10 +705,13 @@ TEST(Planner, CrossoverModelBounds) {
   EXPECT_FALSE(sage::api::prefer_sdpa(kH100, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, 32768, 32768,
                                       false, {1, 32, 8, 128}));
   // The H200 (6016-bit bus) has rows of its own: at real models' shapes, Flux.1 1024² (24 heads
-  // at 4608, D 128) goes to SDPA, SD3.5 (2 x 38 heads at 4096 + 333, D 64) and Wan 2.1 to sage.
+  // at 4608, D 128), SD3.5 (2 x 38 heads at 4096 + 333, D 64) and Wan 2.1 go to sage, 12 heads
+  // at 4096 (D 128) to SDPA.
   const Device h200{0, 90, 132, 8, 6016};
-  EXPECT_TRUE(sage::api::prefer_sdpa(h200, 128, SAGE_MASK_NONE, 4608, 4608, false,
-                                     {1, 24, 24, 128}));
+  EXPECT_FALSE(sage::api::prefer_sdpa(h200, 128, SAGE_MASK_NONE, 4608, 4608, false,
+                                      {1, 24, 24, 128}));
+  EXPECT_TRUE(sage::api::prefer_sdpa(h200, 128, SAGE_MASK_NONE, 4096, 4096, false,
+                                     {1, 12, 12, 128}));
   EXPECT_FALSE(sage::api::prefer_sdpa(h200, 64, SAGE_MASK_NONE, 4429, 4429, false,
                                       {2, 38, 38, 64}));
   EXPECT_FALSE(sage::api::prefer_sdpa(h200, 128, SAGE_MASK_NONE, 32760, 32760, false, wan));
