@@ -44,7 +44,7 @@ def kernel_dim(d):
 
 def sage_block_q(dk, causal, nq):
     # plan.cpp: sm90_consumers (a 16-byte aligned Q: quantized in the kernel) times 64 rows.
-    return 64 * (3 if dk == 64 and not (causal and nq < 2048) else 2)
+    return 64 * (3 if dk == 64 and not (causal and nq <= 4096) else 2)
 
 
 def features(impl, hq, hkv, nq, nk, d, causal, sms, batch=1):

@@ -32,10 +32,10 @@ constexpr Model kModels[] = {
 
 // The sm90 kernel's tile: three consumer warpgroups at D = 64 with fused Q (their 192-row tiles
 // have no pre-pass Q layout): a third warp per scheduler hides more of the softmax's latency.
-// Not for causal calls with fewer than 2048 query rows, where two consumers measured faster
+// Not for causal calls of up to 4096 query rows, where two consumers measured faster
 // (docs/sm90-kernel.md, "The CTA", has the figures).
 int sm90_consumers(int64_t head_dim, bool causal, int64_t seq_q, bool fused_q) {
-  return head_dim == 64 && fused_q && !(causal && seq_q < 2048) ? 3 : 2;
+  return head_dim == 64 && fused_q && !(causal && seq_q <= 4096) ? 3 : 2;
 }
 
 int sm90_poly_every(int64_t head_dim, int consumers) {

@@ -173,9 +173,10 @@ TEST(Planner, Sm90TileAndFusedQ) {
   EXPECT_EQ(d128.block_k, 128);
   EXPECT_TRUE(d128.fused_q);
   EXPECT_FALSE(d128.prepass.quantize_q);
-  // D = 64: three consumer warpgroups with fused Q, except causal under 2048 query rows.
+  // D = 64: three consumer warpgroups with fused Q, except causal up to 4096 query rows.
   EXPECT_EQ(must_plan(Call(3000, 3000, 64), kH100).consumers, 3);
-  EXPECT_EQ(must_plan(Call(3000, 3000, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).consumers, 3);
+  EXPECT_EQ(must_plan(Call(4097, 4097, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).consumers, 3);
+  EXPECT_EQ(must_plan(Call(4096, 4096, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).consumers, 2);
   EXPECT_EQ(must_plan(Call(1500, 3000, 64, SAGE_MASK_CAUSAL_TOP_LEFT), kH100).consumers, 2);
   // Pre-pass Q (the option, or a Q a TMA map cannot describe): two consumers, quant_q runs.
   Call pre(3000, 3000, 64);
@@ -682,10 +683,10 @@ TEST(Planner, CrossoverModelReplaysItsMeasurements) {
   EXPECT_GT(to_sage, sage_faster / 2);
   EXPECT_LT(dropin_ms, 0.9 * sdpa_ms);
   // The fit took each point's query tile from tools/crossover.py's copy of the plan's rule: the
-  // plan's own (lengths to 4096 cover both sides of its 2048 threshold).
+  // plan's own (lengths to 8192 cover both sides of its 4096 threshold).
   std::set<std::tuple<int64_t, int64_t, bool>> seen;
   for (const MeasuredPoint& m : kMeasured)
-    if (m.seq_q <= 4096 && seen.insert({m.seq_q, m.head_dim, m.causal}).second) {
+    if (m.seq_q <= 8192 && seen.insert({m.seq_q, m.head_dim, m.causal}).second) {
       const Call c(m.seq_q, m.seq_k, m.head_dim,
                    m.causal ? SAGE_MASK_CAUSAL_BOTTOM_RIGHT : SAGE_MASK_NONE);
       EXPECT_EQ(must_plan(c, kH100).block_q, m.block_q)
