@@ -238,7 +238,7 @@ INSTANTIATE_TEST_SUITE_P(
         // Causal with more tiles than SMs: CTAs draw tiles from the dynamic scheduler.
         Case{2, 6, 2, 3000, 2500, 64, kBR, kNHD, kF16, k8, 4},
         Case{1, 8, 4, 2200, 2200, 128, kTL, kHND, kBF16, k8, 4},
-        // D = 64 causal under 2048 query rows: the two-consumer fused-Q kernel (the launcher
+        // D = 64 causal up to 4096 query rows: the two-consumer fused-Q kernel (the planner
         // takes three consumers for D = 64 elsewhere); Nq > Nk and a partial last tile.
         Case{2, 4, 2, 1100, 900, 64, kBR, kHND, kBF16, k8, 4},
         // Q smoothing (mma.sync: ΔS formed in the kernel from the caller's K, a key block
@@ -341,7 +341,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1, 8, 2, 1000, 1000, 40, kNone, kNHD, kF16, k8, 4},    // SD 1.x; GQA 4:1
         Case{1, 2, 2, 1, 300, 40, kBR, kHND, kBF16, k8, 4},         // decode-like Nq = 1
         Case{2, 4, 2, 300, 1000, 40, kTL, kHND, kF16, k4, 8, 0, 1},  // K/V 2-byte aligned
-        Case{1, 4, 2, 2100, 2100, 40, kBR, kNHD, kBF16, k8, 4},     // causal, three consumers
+        Case{1, 4, 2, 4200, 4200, 40, kBR, kNHD, kBF16, k8, 4},     // causal, three consumers
         Case{1, 2, 2, 17, 300, 72, kNone, kHND, kF16, k8, 4},       // DiT-XL/2, PixArt
         Case{1, 8, 2, 1000, 1000, 72, kTL, kNHD, kBF16, k8, 8},     // GQA 4:1
         Case{1, 4, 4, 300, 300, 72, kNone, kNHD, kF16, k4, 4, 0, 1},  // K/V 2-byte aligned
