@@ -6,6 +6,7 @@ kernel's SASS per architecture.
     python tools/sass_diff.py HEAD src/bwd/backward_d128.cu          # against the last commit
     python tools/sass_diff.py 193f6f0 src/fp4/fp4.cu --archs 89,90a,120a --show attention_kernel
     python tools/sass_diff.py main src/quant/prepass.cu --regs   # + ptxas -v registers, spills
+    python tools/sass_diff.py main src/attn/sm90/attention_d64.cu --loop MUFU.EX2  # + hot loop
 
 A refactor whose kernels come out identical needs no device A/B; one that does not is timed on the
 device (scripts/gpu-check's ab stage). Normalized before comparing: instruction addresses and
@@ -83,6 +84,50 @@ def parse(dump: str) -> dict[str, list[str]]:
     return out
 
 
+def hot_loop(dump: str, op: str, least: int = 16) -> dict[str, tuple[int, int, int]]:
+    """Kernel -> (instructions, local loads, local stores) of its smallest loop holding at least
+    `least` `op` instructions (a loop: the code from a backward branch's target to the branch),
+    from cuobjdump -sass output; kernels without one are left out. That is the step loop, where a
+    spill costs (--regs counts a kernel's spills wherever they are); `least` keeps out a loop
+    with a few of them, such as a split tail's merge."""
+    out: dict[str, tuple[int, int, int]] = {}
+    arch, cur, ins = "", None, []
+
+    def close():
+        if cur is None:
+            return
+        at = {a: i for i, (a, _) in enumerate(ins)}
+        best = None
+        for i, (a, text) in enumerate(ins):
+            m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+            if not m or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
+                continue
+            body = [t for _, t in ins[at[int(m.group(1), 16)]:i + 1]]
+            ops = sum(bool(re.search(r"(^|\s)" + re.escape(op) + r"(\s|$)", t)) for t in body)
+            if ops >= least and (best is None or len(body) < best[0]):
+                best = (len(body), sum(bool(re.search(r"\bLDL\b", t)) for t in body),
+                        sum(bool(re.search(r"\bSTL\b", t)) for t in body))
+        if best is not None:
+            out[cur] = best
+
+    for line in dump.splitlines():
+        m = re.search(r"arch = (sm_\w+)", line)
+        if m:
+            close()
+            arch, cur, ins = m.group(1), None, []
+            continue
+        m = re.match(r"\s+Function : (\S+)", line)
+        if m:
+            close()
+            cur, ins = kernel_key(arch, m.group(1)), []
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if cur is not None and m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    close()
+    return out
+
+
 def ptxas_usage(log: str) -> dict[str, str]:
     """Kernel -> "R registers, S/L bytes spilled (stores/loads)", from ptxas -v output."""
     out: dict[str, str] = {}
@@ -105,8 +150,10 @@ def ptxas_usage(log: str) -> dict[str, str]:
 
 
 def sass(tree: str, files: list[str], archs: list[str], out_dir: str,
-         usage: dict[str, str] | None = None) -> dict[str, list[str]]:
-    """Kernel -> normalized SASS; with `usage`, also fills it from ptxas -v (kernel -> usage)."""
+         usage: dict[str, str] | None = None, loop_op: str | None = None,
+         loops: dict[str, tuple[int, int, int]] | None = None) -> dict[str, list[str]]:
+    """Kernel -> normalized SASS; with `usage`, also fills it from ptxas -v (kernel -> usage), with
+    `loops` from hot_loop(loop_op)."""
     kernels: dict[str, list[str]] = {}
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     for f in files:
@@ -120,6 +167,8 @@ def sass(tree: str, files: list[str], archs: list[str], out_dir: str,
         dump = subprocess.run(["cuobjdump", "-sass", obj], capture_output=True, text=True,
                               check=True).stdout
         kernels.update(parse(dump))
+        if loops is not None:
+            loops.update(hot_loop(dump, loop_op))  # (the softmax step: 64+ 2^x a block)
     return kernels
 
 
@@ -131,6 +180,10 @@ def main(argv=None) -> int:
     ap.add_argument("--show", default=None, help="print the diff of kernels whose name has this")
     ap.add_argument("--regs", action="store_true",
                     help="also compare ptxas -v registers and spills per kernel")
+    ap.add_argument("--loop", default=None, metavar="OP",
+                    help="also compare each kernel's smallest loop holding 16 or more OP "
+                         "instructions (e.g. MUFU.EX2: the softmax step): its length and local "
+                         "loads/stores")
     a = ap.parse_args(argv)
     archs = [x.strip() for x in a.archs.split(",") if x.strip()]
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,8 +196,12 @@ def main(argv=None) -> int:
         os.makedirs(os.path.join(tmp, "on"))
         use_old: dict[str, str] | None = {} if a.regs else None
         use_new: dict[str, str] | None = {} if a.regs else None
-        old = sass(base_tree, a.files, archs, os.path.join(tmp, "ob"), use_old)
-        new = sass(ROOT, a.files, archs, os.path.join(tmp, "on"), use_new)
+        loop_old: dict[str, tuple[int, int, int]] = {}
+        loop_new: dict[str, tuple[int, int, int]] = {}
+        old = sass(base_tree, a.files, archs, os.path.join(tmp, "ob"), use_old, a.loop,
+                   loop_old if a.loop else None)
+        new = sass(ROOT, a.files, archs, os.path.join(tmp, "on"), use_new, a.loop,
+                   loop_new if a.loop else None)
     same = 0
     changed = []
     for k in sorted(set(old) | set(new)):
@@ -166,6 +223,12 @@ def main(argv=None) -> int:
                 moved += 1
                 print(f"REGS {k}: {use_old[k]} -> {use_new[k]}")
         print(f"ptxas -v: {moved} kernels with other registers or spills")
+    if a.loop:
+        def show(x):
+            return "none" if x is None else f"{x[0]} instructions, LDL {x[1]}, STL {x[2]}"
+        for k in sorted(set(loop_old) | set(loop_new)):
+            if loop_old.get(k) != loop_new.get(k):
+                print(f"LOOP {k}: {show(loop_old.get(k))} -> {show(loop_new.get(k))}")
     print(f"{same} kernels identical, {len(changed)} different or unmatched")
     return 1 if changed else 0
 

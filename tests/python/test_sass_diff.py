@@ -61,3 +61,23 @@ def test_ptxas_usage():
     u = sd.ptxas_usage(log)
     assert u == {"sm_90a sage::bwd::judge_kernel<64>": "95 registers, 8/4 bytes spilled",
                  "sm_89 sage::bwd::judge_kernel<64>": "40 registers, 0/0 bytes spilled"}
+
+
+def test_hot_loop_is_the_smallest_loop_with_the_op():
+    # An outer loop (0x00-0x50) around an inner one (0x10-0x40) that holds MUFU.EX2 and a spill
+    # reload and store; a branch forward and a second kernel without the op are not loops of it.
+    body = ["S2R R0, SR_TID.X", "LDL R2, [R1+0x4]", "@P0 MUFU.EX2 R3, R2",
+            "STL [R1+0x4], R3", "@P0 BRA 0x10", "@P1 BRA 0x0", "@P2 BRA 0x80", "EXIT"]
+    other = ["S2R R0, SR_TID.X", "LDL R2, [R1]", "@P0 BRA 0x0", "EXIT"]
+    loops = sd.hot_loop(dump(K1, body) + dump(K2.replace("judge", "other"), other), "MUFU.EX2",
+                        least=1)
+    assert loops == {"sm_90a sage::bwd::judge_kernel<64>": (4, 1, 1)}
+    # Without the inner loop the outer one is the smallest that holds it.
+    flat = body[:4] + ["NOP"] + body[5:]
+    assert sd.hot_loop(dump(K1, flat), "MUFU.EX2", least=1) == {
+        "sm_90a sage::bwd::judge_kernel<64>": (6, 1, 1)}
+    # A loop with fewer of them than `least` is not the one (a split tail's merge).
+    assert sd.hot_loop(dump(K1, body), "MUFU.EX2", least=2) == {}
+    # An op named by its full mnemonic only: MUFU.EX2.F16 is not MUFU.EX2.
+    half = [x.replace("MUFU.EX2", "MUFU.EX2.F16") for x in body]
+    assert sd.hot_loop(dump(K1, half), "MUFU.EX2", least=1) == {}
