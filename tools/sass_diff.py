@@ -97,16 +97,22 @@ def hot_loop(dump: str, op: str, least: int = 16) -> dict[str, tuple[int, int, i
         if cur is None:
             return
         at = {a: i for i, (a, _) in enumerate(ins)}
+        # Running counts of the op, LDL and STL (count[k][i]: among the first i instructions),
+        # so that each loop's counts are two lookups.
+        pats = [r"(^|\s)" + re.escape(op) + r"(\s|$)", r"\bLDL\b", r"\bSTL\b"]
+        count = [[0] for _ in pats]
+        for _, text in ins:
+            for c, pat in zip(count, pats):
+                c.append(c[-1] + bool(re.search(pat, text)))
         best = None
         for i, (a, text) in enumerate(ins):
             m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
             if not m or int(m.group(1), 16) >= a or int(m.group(1), 16) not in at:
                 continue
-            body = [t for _, t in ins[at[int(m.group(1), 16)]:i + 1]]
-            ops = sum(bool(re.search(r"(^|\s)" + re.escape(op) + r"(\s|$)", t)) for t in body)
-            if ops >= least and (best is None or len(body) < best[0]):
-                best = (len(body), sum(bool(re.search(r"\bLDL\b", t)) for t in body),
-                        sum(bool(re.search(r"\bSTL\b", t)) for t in body))
+            s = at[int(m.group(1), 16)]
+            ops, ldl, stl = (c[i + 1] - c[s] for c in count)
+            if ops >= least and (best is None or i + 1 - s < best[0]):
+                best = (i + 1 - s, ldl, stl)
         if best is not None:
             out[cur] = best
 
