@@ -22,6 +22,7 @@ what its route knows already).
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import NamedTuple, Optional
 import warnings
@@ -35,6 +36,8 @@ from . import _lib
 _torch_sdpa = F.scaled_dot_product_attention
 if getattr(_torch_sdpa, "__module__", "").startswith("sage_attn"):
     _torch_sdpa = torch._C._nn.scaled_dot_product_attention
+# torch's own SDPA binding (torch.nn.functional's name for it), whose op the C++ fast path calls.
+_TORCH_SDPA_OP = torch._C._nn.scaled_dot_product_attention
 
 _GPU_DTYPES = (torch.float16, torch.bfloat16)
 _Tensor = torch.Tensor
@@ -946,6 +949,8 @@ def set_dropin_crossover(enabled: bool) -> None:
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled = {enabled!r}: must be a bool")
     _use_crossover = enabled
+    if _fast is not None:  # (its keys leave the switch out)
+        _fast.clear()
 
 
 def _dropin_call(q, k, v, layout, mask, scale, fallback):
@@ -1130,6 +1135,41 @@ def _training(query, key, value):
                                         value.requires_grad)
 
 
+# The drop-in's C++ fast path (sage_attn._fastpath; None where it is not built for this torch):
+# repeated calls whose route the Python path decided and handed to it (_fast_keep) are answered
+# there without Python's reads, hash and lookup.
+from . import _fastpath  # noqa: E402
+_fast = _fastpath.load()
+_fast_ready = False  # configured with the library's struct offsets and entry point
+
+
+def _fast_configure():
+    global _fast_ready
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:
+        return False
+    A = _AttentionArgs
+    offsets = (A.q.offset, A.k.offset, A.v.offset, A.o.offset, A.stream.offset,
+               A.workspace.offset, ctypes.sizeof(A))
+    run = ctypes.cast(_lib.library().sage_attention, ctypes.c_void_p).value
+    _fast.configure(offsets, run, raw)
+    _fast_ready = True
+    return True
+
+
+def _fast_keep(route, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """Hand the fast path a route it can repeat: torch's SDPA chosen silently (a route with a
+    reason warns, once, in Python), where torch's SDPA is torch's own op (not a function put in
+    its place before this module was imported); or sage run directly (_Route.direct)."""
+    if route.reason == "":
+        if _torch_sdpa is _TORCH_SDPA_OP:
+            _fast.remember(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                           1, None, 0)
+    elif route.reason is None and route.direct and (_fast_ready or _fast_configure()):
+        _fast.remember(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                       2, route.prep.args, route.prep.workspace_alloc)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention with SDPA's exact semantics (causal is
@@ -1153,8 +1193,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask = _lib.MASK_CAUSAL_TOP_LEFT if is_causal else _lib.MASK_NONE
         o, _ = _call(_dropin_call(q, k, v, _lib.LAYOUT_HND, mask, s, _FALLBACK_SDPA))
         return o
+    if _fast is not None:
+        o = _fast.call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if o is not None:
+            return o
     route = _dropin_route_of(query, key, value, attn_mask, dropout_p, is_causal, scale,
                              enable_gqa)
+    if _fast is not None:
+        _fast_keep(route, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if route.reason is not None:
         if route.reason:
             _warn_once(route.reason)

@@ -345,6 +345,7 @@ def host_time(args, gpu, commit):
     meta = {"bench": "host-time", "gpu": gpu[0], "driver": gpu[1], "cuda": torch.version.cuda,
             "torch": torch.__version__, "commit": commit, "date": date, "dtype": "fp16",
             "rounds": args.host_rounds, "calls": args.host_calls,
+            "fastpath": sage_attn._torch._fast is not None,
             "timing": "host µs per eager call, GPU held by a sleep, paired with SDPA by round"}
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -531,7 +532,8 @@ def main(argv=None):
     name, driver = gpu_info()
     if args.host_time:
         print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-              f"sage {sage_attn.version()}, commit {commit}; host time per eager call",
+              f"sage {sage_attn.version()}, commit {commit}; host time per eager call; the "
+              f"drop-in's C++ fast path {'on' if sage_attn._torch._fast else 'off'}",
               flush=True)
         return host_time(args, (name, driver), commit)
     b, h = args.batch, args.heads

@@ -30,7 +30,8 @@ LIB = "sage_attn/libsage.so"
 ALLOWED_NEEDED = {"libc.so.6", "libm.so.6", "libdl.so.2", "libpthread.so.0", "librt.so.1",
                   "ld-linux-x86-64.so.2", "libstdc++.so.6", "libgcc_s.so.1"}
 PY_FILES = ("sage_attn/__init__.py", "sage_attn/_lib.py", "sage_attn/_numpy.py",
-            "sage_attn/_torch.py")
+            "sage_attn/_torch.py", "sage_attn/_fastpath.py", "sage_attn/fastpath.py",
+            "sage_attn/_dropin_fast.cpp")
 
 
 def default_archs() -> list[str]:

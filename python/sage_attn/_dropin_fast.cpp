@@ -1,0 +1,333 @@
+// The SDPA drop-in's repeated calls in C++: sage_attn.fastpath compiles this file against the
+// installed torch (the package itself has no torch ABI tie) and the drop-in loads it when built.
+//
+// The Python drop-in decides every call's route once per signature (sage_attn._torch,
+// _dropin_route_of) and hands the answers it can repeat here (remember). A later call with the
+// same signature is then answered without Python: its key is read from the tensors' C++ objects,
+// looked up, and either torch's SDPA op is called (the route to torch) or the library's run is
+// launched on the plan's argument struct with this call's pointers (the direct route to sage).
+// Whatever this module does not recognize returns None, and the Python path runs as before:
+// masks, subclasses, non-strided tensors, other scalar types, and every call while a torch
+// function mode, a dispatch mode or a torch.func transform is active (each can see or change
+// the op).
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+enum Kind : long { kTorch = 1, kSage = 2 };
+
+struct Route {
+  long kind = 0;
+  std::string args;             // kSage: the plan's sage_attention_args, pointers unset
+  int64_t workspace_alloc = 0;  // kSage: the workspace, in elements of the query's dtype
+};
+
+// Every input a route depends on, as the Python signature has it: per tensor its dims, sizes,
+// strides, scalar type and device; the query's 16-byte alignment; dropout_p, is_causal, scale
+// (with its Python type), enable_gqa; whether the call trains. (The crossover switch is not in
+// it: setting it clears the table.)
+constexpr int kMaxDims = 6;
+constexpr int kKeyLen = 3 * (4 + 2 * kMaxDims) + 8;
+
+struct Key {
+  std::array<int64_t, kKeyLen> v{};
+  int n = 0;
+  void push(int64_t x) { v[n++] = x; }
+  bool operator==(const Key& o) const {
+    return n == o.n && std::memcmp(v.data(), o.v.data(), sizeof(int64_t) * n) == 0;
+  }
+};
+
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
+    for (int i = 0; i < k.n; ++i) {
+      h ^= static_cast<uint64_t>(k.v[i]);
+      h *= 1099511628211ull;
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+std::unordered_map<Key, Route, KeyHash> g_routes;
+constexpr size_t kMaxRoutes = 512;  // as the Python table: a model has a handful of shapes
+
+// Set once by configure(): where sage_attention_args keeps each pointer (the ctypes binding's
+// offsets, which the binding checks against the library), the library's sage_attention, and
+// torch._C._cuda_getCurrentRawStream.
+struct Config {
+  bool set = false;
+  Py_ssize_t q = 0, k = 0, v = 0, o = 0, stream = 0, workspace = 0, size = 0;
+  int (*run)(void*) = nullptr;
+  PyObject* raw_stream = nullptr;
+} g;
+
+int64_t double_bits(double x) {
+  int64_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+// A Python scalar as key words (tag, value): float 1, int 2, None 0 (where allowed). false: a type
+// the signature does not take here (the Python path keys or decides it).
+bool push_scalar(Key& key, PyObject* x, bool none_ok) {
+  if (x == Py_None && none_ok) {
+    key.push(0);
+    key.push(0);
+    return true;
+  }
+  if (PyFloat_CheckExact(x)) {
+    key.push(1);
+    key.push(double_bits(PyFloat_AS_DOUBLE(x)));
+    return true;
+  }
+  if (PyLong_CheckExact(x)) {
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (overflow != 0 || (value == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return false;
+    }
+    key.push(2);
+    key.push(value);
+    return true;
+  }
+  return false;
+}
+
+// The call's key, or false where it has none. args: query, key, value, attn_mask, dropout_p,
+// is_causal, scale, enable_gqa.
+bool make_key(PyObject* const* args, Key& key) {
+  if (args[3] != Py_None) return false;
+  const at::Tensor* t[3];
+  for (int i = 0; i < 3; ++i) {
+    if (!THPVariable_CheckExact(args[i])) return false;
+    t[i] = &THPVariable_Unpack(args[i]);
+    const at::Tensor& x = *t[i];
+    if (x.layout() != c10::kStrided || x.is_nested()) return false;
+    const c10::DeviceType dt = x.device().type();
+    if (dt != c10::DeviceType::CUDA && dt != c10::DeviceType::CPU) return false;
+    const int64_t dims = x.dim();
+    if (dims > kMaxDims) return false;
+    key.push(dims);
+    for (int64_t s : x.sizes()) key.push(s);
+    for (int64_t s : x.strides()) key.push(s);
+    key.push(static_cast<int64_t>(x.scalar_type()));
+    key.push(static_cast<int64_t>(dt) * 65536 + x.device().index());
+  }
+  const at::Tensor& q = *t[0];
+  if (!q.has_storage()) return false;
+  key.push(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0);
+  if (!push_scalar(key, args[4], false)) return false;
+  if (args[5] != Py_True && args[5] != Py_False) return false;
+  key.push(args[5] == Py_True);
+  if (!push_scalar(key, args[6], true)) return false;
+  if (args[7] != Py_True && args[7] != Py_False) return false;
+  key.push(args[7] == Py_True);
+  key.push(at::GradMode::is_enabled() &&
+           (q.requires_grad() || t[1]->requires_grad() || t[2]->requires_grad()));
+  return true;
+}
+
+bool modes_active() {
+  return c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
+         at::impl::torch_function_mode_enabled() ||
+         // (functorch includes its front-mode key while any transform's layer is on the stack)
+         c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
+}
+
+// torch's SDPA on the call's arguments, as torch.nn.functional.scaled_dot_product_attention
+// runs it for plain tensors (the GIL released around the op, as torch's bindings do).
+PyObject* run_torch(PyObject* const* args) {
+  const at::Tensor& q = THPVariable_Unpack(args[0]);
+  const at::Tensor& k = THPVariable_Unpack(args[1]);
+  const at::Tensor& v = THPVariable_Unpack(args[2]);
+  const double dropout = PyFloat_AsDouble(args[4]);
+  std::optional<double> scale;
+  if (args[6] != Py_None) scale = PyFloat_AsDouble(args[6]);
+  if (PyErr_Occurred()) return nullptr;
+  const bool causal = args[5] == Py_True, gqa = args[7] == Py_True;
+  at::Tensor out;
+  Py_BEGIN_ALLOW_THREADS
+  out = at::scaled_dot_product_attention(q, k, v, std::nullopt, dropout, causal, scale, gqa);
+  Py_END_ALLOW_THREADS
+  return THPVariable_Wrap(std::move(out));
+}
+
+void put_pointer(std::string& a, Py_ssize_t offset, const void* p) {
+  std::memcpy(&a[offset], &p, sizeof p);
+}
+
+// The library's run of the planned call (the Python drop-in's _launch): the output in the
+// query's shape, a workspace from torch's allocator, this call's stream. None where the
+// query's device is not the current one (the Python path switches it) or the library refuses.
+PyObject* run_sage(PyObject* const* args, const Route& r) {
+  const at::Tensor& q = THPVariable_Unpack(args[0]);
+  const at::Tensor& k = THPVariable_Unpack(args[1]);
+  const at::Tensor& v = THPVariable_Unpack(args[2]);
+  const c10::Device device = q.device();
+  if (device.type() != c10::DeviceType::CUDA) Py_RETURN_NONE;
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  if (impl->getDevice().index() != device.index()) Py_RETURN_NONE;
+  PyObject* index = PyLong_FromLong(device.index());
+  if (index == nullptr) return nullptr;
+  PyObject* stream_obj = PyObject_CallOneArg(g.raw_stream, index);
+  Py_DECREF(index);
+  if (stream_obj == nullptr) return nullptr;
+  void* stream = PyLong_AsVoidPtr(stream_obj);
+  Py_DECREF(stream_obj);
+  if (PyErr_Occurred()) return nullptr;
+  at::Tensor o = at::empty(q.sizes(), q.options());
+  // (Freed when this returns, the workspace goes only to work queued after the run on this
+  // stream: torch's allocator reuses memory by stream.)
+  at::Tensor workspace = at::empty({r.workspace_alloc}, q.options());
+  std::string a = r.args;
+  put_pointer(a, g.q, q.data_ptr());
+  put_pointer(a, g.k, k.data_ptr());
+  put_pointer(a, g.v, v.data_ptr());
+  put_pointer(a, g.o, o.data_ptr());
+  put_pointer(a, g.stream, stream);
+  put_pointer(a, g.workspace, workspace.data_ptr());
+  int status;
+  Py_BEGIN_ALLOW_THREADS
+  status = g.run(&a[0]);
+  Py_END_ALLOW_THREADS
+  if (status != 0) Py_RETURN_NONE;  // the Python path runs it again and reports or falls back
+  return THPVariable_Wrap(std::move(o));
+}
+
+// call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa): the output of a
+// call whose route is remembered, or None.
+PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "call takes the 8 arguments of the drop-in");
+    return nullptr;
+  }
+  if (g_routes.empty()) Py_RETURN_NONE;
+  try {
+    Key key;
+    if (!make_key(args, key)) Py_RETURN_NONE;
+    const auto it = g_routes.find(key);
+    if (it == g_routes.end() || modes_active()) Py_RETURN_NONE;
+    return it->second.kind == kTorch ? run_torch(args) : run_sage(args, it->second);
+  } catch (const std::exception&) {
+    // (Out of memory, say: the Python path runs the call again and raises torch's error.)
+    Py_RETURN_NONE;
+  }
+}
+
+// remember(query, ..., enable_gqa, kind, args, workspace_alloc): keep the route the Python
+// drop-in chose for this call's signature. True where kept.
+PyObject* remember(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 11) {
+    PyErr_SetString(PyExc_TypeError, "remember takes the call's 8 arguments and its route's 3");
+    return nullptr;
+  }
+  const long kind = PyLong_AsLong(args[8]);
+  if (kind == -1 && PyErr_Occurred()) return nullptr;
+  Route r;
+  r.kind = kind;
+  if (kind == kSage) {
+    char* data;
+    Py_ssize_t size;
+    if (!g.set || PyBytes_AsStringAndSize(args[9], &data, &size) < 0) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "configure() first");
+      return nullptr;
+    }
+    if (size != g.size) {
+      PyErr_SetString(PyExc_ValueError, "args: not a sage_attention_args of the configured size");
+      return nullptr;
+    }
+    r.args.assign(data, size);
+    r.workspace_alloc = PyLong_AsLongLong(args[10]);
+    if (r.workspace_alloc == -1 && PyErr_Occurred()) return nullptr;
+  } else if (kind != kTorch) {
+    PyErr_SetString(PyExc_ValueError, "kind: 1 (torch) or 2 (sage)");
+    return nullptr;
+  }
+  try {
+    Key key;
+    if (!make_key(args, key)) Py_RETURN_FALSE;
+    if (g_routes.size() >= kMaxRoutes) g_routes.clear();
+    g_routes[key] = std::move(r);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_TRUE;
+}
+
+// configure(offsets, run, raw_stream): offsets of q, k, v, o, stream, workspace in
+// sage_attention_args and its size; the address of the library's sage_attention; the raw stream
+// getter.
+PyObject* configure(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 7 ||
+      !PyCallable_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "configure(offsets: 7-tuple, run: int, raw_stream)");
+    return nullptr;
+  }
+  Py_ssize_t off[7];
+  for (int i = 0; i < 7; ++i) {
+    off[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[0], i));
+    if (off[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  for (int i = 0; i < 6; ++i) {
+    if (off[i] < 0 || off[i] + static_cast<Py_ssize_t>(sizeof(void*)) > off[6]) {
+      PyErr_SetString(PyExc_ValueError, "offsets: a pointer outside the struct");
+      return nullptr;
+    }
+  }
+  void* run = PyLong_AsVoidPtr(args[1]);
+  if (run == nullptr) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "run: a null address");
+    return nullptr;
+  }
+  g.q = off[0], g.k = off[1], g.v = off[2], g.o = off[3], g.stream = off[4];
+  g.workspace = off[5], g.size = off[6];
+  g.run = reinterpret_cast<int (*)(void*)>(run);
+  Py_INCREF(args[2]);
+  Py_XDECREF(g.raw_stream);
+  g.raw_stream = args[2];
+  g.set = true;
+  g_routes.clear();
+  Py_RETURN_NONE;
+}
+
+PyObject* clear(PyObject*, PyObject*) {
+  g_routes.clear();
+  Py_RETURN_NONE;
+}
+
+PyObject* size(PyObject*, PyObject*) { return PyLong_FromSize_t(g_routes.size()); }
+
+PyMethodDef methods[] = {
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call)), METH_FASTCALL,
+     "The output of a call whose route is remembered, or None."},
+    {"remember", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(remember)),
+     METH_FASTCALL, "Keep a route for the call's signature."},
+    {"configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(configure)),
+     METH_FASTCALL, "The library's struct offsets, run entry point and stream getter."},
+    {"clear", clear, METH_NOARGS, "Forget every route."},
+    {"size", size, METH_NOARGS, "Routes kept."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dropin_fast", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__dropin_fast() { return PyModule_Create(&module); }

@@ -1,0 +1,23 @@
+"""python -m sage_attn.fastpath: build the SDPA drop-in's C++ fast path for the installed torch
+(sage_attn._fastpath has the why and the how)."""
+import sys
+
+from ._fastpath import __doc__ as _DOC, build, load
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m sage_attn.fastpath", description=_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--verbose", action="store_true", help="print the compile command")
+    args = ap.parse_args(argv)
+    out = build(verbose=args.verbose)
+    if load() is None:
+        print(f"built {out}, but it does not load (SAGE_FASTPATH=0?)", file=sys.stderr)
+        return 1
+    print(f"built {out}; the SDPA drop-in uses it from the next import of sage_attn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

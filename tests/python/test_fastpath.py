@@ -1,0 +1,249 @@
+"""The SDPA drop-in's C++ fast path (sage_attn._fastpath, _dropin_fast.cpp): built against the
+installed torch, it repeats the routes the Python drop-in decided. Each test here would fail if
+the fast path answered a call the Python path would answer otherwise: another signature, a mode
+that sees the op, a subclass, a mask; or if its output differed from the Python path's."""
+import os
+import pathlib
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import sage_attn  # noqa: E402
+from sage_attn import _torch as T  # noqa: E402
+from sage_attn import _fastpath as fastpath  # noqa: E402
+
+GPU = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def fast():
+    """The built module (built here into SAGE_FASTPATH_DIR where scripts/test did not)."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler to build the fast path")
+    try:
+        fastpath.build()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    module = fastpath.load()
+    assert module is not None
+    return module
+
+
+@pytest.fixture
+def table(fast):
+    """The fast path with an empty route table, cleared again after the test."""
+    fast.clear()
+    yield fast
+    fast.clear()
+
+
+def args_of(q, k, v, mask=None, dropout=0.0, causal=False, scale=None, gqa=False):
+    return (q, k, v, mask, dropout, causal, scale, gqa)
+
+
+def randn(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+def test_build_is_named_by_torch_python_and_source(fast):
+    p = fastpath.path()
+    assert p.is_file() and torch.__version__.replace("+", "_") in p.name
+    assert p.parent == pathlib.Path(os.environ["SAGE_FASTPATH_DIR"])
+
+
+def test_load_respects_the_switch(fast, monkeypatch):
+    monkeypatch.setenv("SAGE_FASTPATH", "0")
+    assert fastpath.load() is None
+
+
+def test_torch_route_matches_torch(table):
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (randn(2, 4, 37, 16, dtype=dtype) for _ in range(3))
+        for causal, scale in ((False, None), (True, None), (False, 0.3), (True, 2)):
+            a = args_of(q, k, v, causal=causal, scale=scale)
+            assert table.call(*a) is None  # not remembered yet
+            assert table.remember(*a, 1, None, 0) is True
+            out = table.call(*a)
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            assert out is not None and out.dtype == dtype and torch.equal(out, ref)
+
+
+def test_gqa_and_strided_inputs(table):
+    q = randn(1, 8, 40, 16)
+    kv = randn(1, 40, 2, 16).transpose(1, 2)  # NHD storage read as HND: not contiguous
+    a = args_of(q, kv, kv, gqa=True)
+    table.remember(*a, 1, None, 0)
+    out = table.call(*a)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True))
+    # the same shapes with other strides are another signature
+    assert table.call(q, kv.contiguous(), kv.contiguous(), None, 0.0, False, None, True) is None
+
+
+def test_every_part_of_the_signature_is_in_the_key(table):
+    q, k, v = (randn(1, 2, 24, 16) for _ in range(3))
+    base = args_of(q, k, v)
+    table.remember(*base, 1, None, 0)
+    assert table.call(*base) is not None
+    other = [
+        args_of(randn(1, 2, 25, 16), k, v),                        # a size
+        args_of(q.double(), k.double(), v.double()),               # the dtype
+        args_of(q, k, v, causal=True),                             # the mask flag
+        args_of(q, k, v, scale=0.25),                              # the scale
+        args_of(q, k, v, scale=1),                                 # an int scale (the Python
+        args_of(q, k, v, dropout=0.5),                             #  type is keyed too)
+        args_of(q, k, v, gqa=True),                                # enable_gqa
+        args_of(q, k, torch.randn(1, 2, 16, 24).transpose(2, 3)),  # value's strides
+    ]
+    for a in other:
+        assert table.call(*a) is None
+    table.remember(*args_of(q, k, v, scale=1), 1, None, 0)
+    assert table.call(*args_of(q, k, v, scale=1.0)) is None  # 1.0 is not the int 1's key
+
+
+def test_alignment_of_the_query_is_in_the_key(table):
+    buf = randn(1 * 2 * 24 * 16 + 1, dtype=torch.float16)
+    q_aligned = buf[:-1].view(1, 2, 24, 16)
+    q_offset = buf[1:].view(1, 2, 24, 16)  # 2 bytes past a 16-byte boundary
+    assert q_aligned.data_ptr() % 16 == 0 and q_offset.data_ptr() % 16 != 0
+    k, v = (randn(1, 2, 24, 16, dtype=torch.float16) for _ in range(2))
+    table.remember(*args_of(q_aligned, k, v), 1, None, 0)
+    assert table.call(*args_of(q_offset, k, v)) is None
+
+
+def test_training_calls_are_their_own_key_and_keep_autograd(table):
+    q, k, v = (randn(1, 2, 20, 8) for _ in range(3))
+    table.remember(*args_of(q, k, v), 1, None, 0)
+    qg = q.clone().requires_grad_()
+    assert table.call(*args_of(qg, k, v)) is None  # trains: another key
+    with torch.no_grad():
+        assert table.call(*args_of(qg, k, v)) is not None  # no gradient wanted: the same key
+    table.remember(*args_of(qg, k, v), 1, None, 0)
+    out = table.call(*args_of(qg, k, v))
+    out.sum().backward()
+    qr = q.clone().requires_grad_()
+    F.scaled_dot_product_attention(qr, k, v).sum().backward()
+    assert torch.equal(qg.grad, qr.grad)
+
+
+def test_what_the_python_path_keeps_is_not_answered(table):
+    q, k, v = (randn(1, 2, 16, 8) for _ in range(3))
+    a = args_of(q, k, v)
+    table.remember(*a, 1, None, 0)
+
+    class Sub(torch.Tensor):
+        pass
+
+    mask = torch.ones(16, 16, dtype=torch.bool)
+    assert table.remember(*args_of(q, k, v, mask=mask), 1, None, 0) is False
+    assert table.call(*args_of(q, k, v, mask=mask)) is None
+    assert table.call(*args_of(q.as_subclass(Sub), k, v)) is None
+    assert table.call(q, k, v, None, 0.0, 1, None, False) is None  # is_causal not a bool
+    assert table.call(q, k, v, None, 0.0, False, torch.tensor(0.5), False) is None
+    with torch.overrides.TorchFunctionMode():
+        assert table.call(*a) is None
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passing():
+        assert table.call(*a) is None
+    seen = []
+    torch.func.vmap(lambda x: seen.append(table.call(x, k[0], v[0], None, 0.0, False, None,
+                                                     False)) or x)(q)
+    assert seen == [None]
+    assert table.call(*a) is not None  # and outside them, the route again
+
+
+def test_bad_arguments_raise(table):
+    q = randn(1, 1, 4, 8)
+    with pytest.raises(TypeError):
+        table.call(q, q, q)
+    with pytest.raises(ValueError):
+        table.remember(*args_of(q, q, q), 3, None, 0)
+    with pytest.raises(TypeError):
+        table.configure((0, 8), 1, len)
+    with pytest.raises(ValueError):
+        table.configure((0, 8, 16, 24, 32, 40, 44), 1, len)  # a pointer past the struct's end
+
+
+def test_the_dropin_hands_repeated_calls_to_the_fast_path(fast, monkeypatch):
+    """Through sage_attn.scaled_dot_product_attention: a route to torch decided once in Python,
+    then answered in C++ until the crossover switch changes."""
+    monkeypatch.setattr(T, "_fast", fast)
+    fast.clear()
+    decided = []
+
+    def to_torch(*a):
+        decided.append(a)
+        return T._SHORT  # torch's SDPA, silently
+
+    monkeypatch.setattr(T, "_dropin_route_of", to_torch)
+    q, k, v = (randn(1, 2, 30, 16) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    try:
+        for _ in range(3):
+            assert torch.equal(sage_attn.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               ref)
+        assert len(decided) == 1
+        sage_attn.set_dropin_crossover(T._use_crossover)  # any setting clears the table
+        sage_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert len(decided) == 2
+    finally:
+        fast.clear()
+
+
+def test_a_replaced_torch_sdpa_is_not_bypassed(fast, monkeypatch):
+    """Where something else stood in torch's SDPA's place when sage_attn was imported, the drop-in
+    calls that function every time, as its Python path does."""
+    monkeypatch.setattr(T, "_fast", fast)
+    fast.clear()
+    calls = []
+
+    def other_sdpa(*a, **kw):
+        calls.append(1)
+        return F.scaled_dot_product_attention(*a, **kw)
+
+    monkeypatch.setattr(T, "_torch_sdpa", other_sdpa)
+    monkeypatch.setattr(T, "_dropin_route_of", lambda *a: T._SHORT)
+    q = randn(1, 1, 8, 8)
+    for _ in range(3):
+        sage_attn.scaled_dot_product_attention(q, q, q)
+    assert len(calls) == 3 and fast.size() == 0
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_sage_route_on_the_gpu_is_the_python_paths(fast, monkeypatch):
+    """The direct route to sage: the same bits as the Python path's run, from the second call
+    on without a Python decision; and handed back to Python on another current device."""
+    monkeypatch.setattr(T, "_fast", fast)
+    fast.clear()
+    sage_attn.set_dropin_crossover(False)
+    try:
+        decided = []
+        real = T._dropin_route_of
+
+        def counted(*a):
+            decided.append(1)
+            return real(*a)
+
+        monkeypatch.setattr(T, "_dropin_route_of", counted)
+        for dtype, causal, n, d in ((torch.float16, False, 1000, 128), (torch.bfloat16, True,
+                                                                        333, 64)):
+            q, k, v = (randn(2, 4, n, d, dtype=dtype, device="cuda") for _ in range(3))
+            outs = [sage_attn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    for _ in range(3)]
+            before = len(decided)
+            ref = sage_attn.sageattn(q, k, v, is_causal=causal)
+            for o in outs:
+                assert torch.equal(o, ref)
+            assert before == len(decided)
+        assert len(decided) == 2  # one decision per signature
+        assert fast.size() == 2
+    finally:
+        sage_attn.set_dropin_crossover(True)
+        fast.clear()
