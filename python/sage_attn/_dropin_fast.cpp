@@ -163,9 +163,15 @@ PyObject* run_torch(PyObject* const* args) {
   if (PyErr_Occurred()) return nullptr;
   const bool causal = args[5] == Py_True, gqa = args[7] == Py_True;
   at::Tensor out;
+  bool failed = false;
   Py_BEGIN_ALLOW_THREADS
-  out = at::scaled_dot_product_attention(q, k, v, std::nullopt, dropout, causal, scale, gqa);
+  try {
+    out = at::scaled_dot_product_attention(q, k, v, std::nullopt, dropout, causal, scale, gqa);
+  } catch (const std::exception&) {
+    failed = true;  // (caught with the GIL released; the Python path raises torch's error)
+  }
   Py_END_ALLOW_THREADS
+  if (failed) Py_RETURN_NONE;
   return THPVariable_Wrap(std::move(out));
 }
 
@@ -177,6 +183,10 @@ void put_pointer(std::string& a, Py_ssize_t offset, const void* p) {
 // query's shape, a workspace from torch's allocator, this call's stream. None where the
 // query's device is not the current one (the Python path switches it) or the library refuses.
 PyObject* run_sage(PyObject* const* args, const Route& r) {
+  // (The route copied before anything that calls Python, which may let another thread clear
+  // the table.)
+  std::string a = r.args;
+  const int64_t workspace_alloc = r.workspace_alloc;
   const at::Tensor& q = THPVariable_Unpack(args[0]);
   const at::Tensor& k = THPVariable_Unpack(args[1]);
   const at::Tensor& v = THPVariable_Unpack(args[2]);
@@ -195,8 +205,7 @@ PyObject* run_sage(PyObject* const* args, const Route& r) {
   at::Tensor o = at::empty(q.sizes(), q.options());
   // (Freed when this returns, the workspace goes only to work queued after the run on this
   // stream: torch's allocator reuses memory by stream.)
-  at::Tensor workspace = at::empty({r.workspace_alloc}, q.options());
-  std::string a = r.args;
+  at::Tensor workspace = at::empty({workspace_alloc}, q.options());
   put_pointer(a, g.q, q.data_ptr());
   put_pointer(a, g.k, k.data_ptr());
   put_pointer(a, g.v, v.data_ptr());

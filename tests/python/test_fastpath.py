@@ -159,6 +159,17 @@ def test_what_the_python_path_keeps_is_not_answered(table):
     assert table.call(*a) is not None  # and outside them, the route again
 
 
+def test_an_op_that_raises_goes_back_to_python(table):
+    """torch's error is raised by the Python path's own call, not lost in C++ (here: a route
+    remembered for arguments SDPA rejects)."""
+    q, k = randn(1, 2, 4, 8), randn(1, 3, 5, 8)
+    a = args_of(q, k, k)
+    table.remember(*a, 1, None, 0)
+    assert table.call(*a) is None
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, k)
+
+
 def test_bad_arguments_raise(table):
     q = randn(1, 1, 4, 8)
     with pytest.raises(TypeError):
