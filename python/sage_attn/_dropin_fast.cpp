@@ -1,11 +1,13 @@
-// The SDPA drop-in's repeated calls in C++: sage_attn.fastpath compiles this file against the
-// installed torch (the package itself has no torch ABI tie) and the drop-in loads it when built.
+// The SDPA drop-in's and sageattn's repeated calls in C++: sage_attn.fastpath compiles this file
+// against the installed torch (the package itself has no torch ABI tie) and sage_attn._torch
+// loads it when built.
 //
 // The Python drop-in decides every call's route once per signature (sage_attn._torch,
-// _dropin_route_of) and hands the answers it can repeat here (remember). A later call with the
-// same signature is then answered without Python: its key is read from the tensors' C++ objects,
-// looked up, and either torch's SDPA op is called (the route to torch) or the library's run is
-// launched on the plan's argument struct with this call's pointers (the direct route to sage).
+// _dropin_route_of) and hands the answers it can repeat here (remember); sageattn hands over the
+// plan of an eager call (remember_sageattn). A later call with the same key is then answered
+// without Python: its key is read from the tensors' C++ objects and the arguments, looked up,
+// and either torch's SDPA op is called (the drop-in's route to torch) or the library's run is
+// launched on the plan's argument struct with this call's pointers (a direct run of sage).
 // Whatever this module does not recognize returns None, and the Python path runs as before:
 // masks, subclasses, non-strided tensors, other scalar types, and every call while a torch
 // function mode, a dispatch mode or a torch.func transform is active (each can see or change
@@ -23,6 +25,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -30,6 +33,8 @@
 namespace {
 
 enum Kind : long { kTorch = 1, kSage = 2 };
+// Which entry point a key is of (its first word).
+enum Entry : int64_t { kEntryDropin = 1, kEntrySageattn = 2 };
 
 struct Route {
   long kind = 0;
@@ -42,7 +47,7 @@ struct Route {
 // (with its Python type), enable_gqa; whether the call trains. (The crossover switch is not in
 // it: setting it clears the table.)
 constexpr int kMaxDims = 6;
-constexpr int kKeyLen = 3 * (4 + 2 * kMaxDims) + 8;
+constexpr int kKeyLen = 1 + 3 * (4 + 2 * kMaxDims) + 2 + 12;
 
 struct Key {
   std::array<int64_t, kKeyLen> v{};
@@ -110,10 +115,9 @@ bool push_scalar(Key& key, PyObject* x, bool none_ok) {
   return false;
 }
 
-// The call's key, or false where it has none. args: query, key, value, attn_mask, dropout_p,
-// is_causal, scale, enable_gqa.
-bool make_key(PyObject* const* args, Key& key) {
-  if (args[3] != Py_None) return false;
+// The tensors' part of a key: every word the signature reads of q, k and v (plain, strided,
+// on a CPU or CUDA device), the query's alignment, and whether the call trains. false: no key.
+bool push_tensors(PyObject* const* args, Key& key) {
   const at::Tensor* t[3];
   for (int i = 0; i < 3; ++i) {
     if (!THPVariable_CheckExact(args[i])) return false;
@@ -133,15 +137,70 @@ bool make_key(PyObject* const* args, Key& key) {
   const at::Tensor& q = *t[0];
   if (!q.has_storage()) return false;
   key.push(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0);
+  key.push(at::GradMode::is_enabled() &&
+           (q.requires_grad() || t[1]->requires_grad() || t[2]->requires_grad()));
+  return true;
+}
+
+bool push_bool(Key& key, PyObject* x) {
+  if (x != Py_True && x != Py_False) return false;
+  key.push(x == Py_True);
+  return true;
+}
+
+// A string argument among `names`, as its index + 1 (0 for None where none_ok). false: anything
+// else (the Python path names the error).
+bool push_choice(Key& key, PyObject* x, std::initializer_list<const char*> names, bool none_ok) {
+  if (x == Py_None && none_ok) {
+    key.push(0);
+    return true;
+  }
+  if (!PyUnicode_CheckExact(x)) return false;
+  int64_t i = 1;
+  for (const char* name : names) {
+    if (PyUnicode_CompareWithASCIIString(x, name) == 0) {
+      key.push(i);
+      return true;
+    }
+    ++i;
+  }
+  return false;
+}
+
+// The drop-in's key. args: query, key, value, attn_mask, dropout_p, is_causal, scale,
+// enable_gqa.
+bool make_key(PyObject* const* args, Key& key) {
+  if (args[3] != Py_None) return false;
+  key.push(kEntryDropin);
+  if (!push_tensors(args, key)) return false;
   if (!push_scalar(key, args[4], false)) return false;
   if (args[5] != Py_True && args[5] != Py_False) return false;
   key.push(args[5] == Py_True);
   if (!push_scalar(key, args[6], true)) return false;
   if (args[7] != Py_True && args[7] != Py_False) return false;
   key.push(args[7] == Py_True);
-  key.push(at::GradMode::is_enabled() &&
-           (q.requires_grad() || t[1]->requires_grad() || t[2]->requires_grad()));
   return true;
+}
+
+// sageattn's key (without an LSE asked for). args: q, k, v, tensor_layout, is_causal, sm_scale,
+// qk_bits, smooth_k, smooth_q, smooth_v, causal_align, kernel.
+bool make_sageattn_key(PyObject* const* args, Key& key) {
+  key.push(kEntrySageattn);
+  if (!push_tensors(args, key)) return false;
+  if (key.v[key.n - 1] != 0) return false;  // trains: the op's path, for autograd
+  if (!push_choice(key, args[3], {"HND", "NHD"}, false)) return false;
+  if (!push_bool(key, args[4])) return false;
+  if (!push_scalar(key, args[5], true)) return false;
+  if (!push_scalar(key, args[6], true)) return false;
+  for (int i = 7; i < 10; ++i) {
+    if (args[i] == Py_None) {
+      key.push(2);
+    } else if (!push_bool(key, args[i])) {
+      return false;
+    }
+  }
+  if (!push_choice(key, args[10], {"bottom_right", "top_left"}, false)) return false;
+  return push_choice(key, args[11], {"auto", "mma", "sm90"}, true);
 }
 
 bool modes_active() {
@@ -195,13 +254,14 @@ PyObject* run_sage(PyObject* const* args, const Route& r) {
   const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
   if (impl->getDevice().index() != device.index()) Py_RETURN_NONE;
   PyObject* index = PyLong_FromLong(device.index());
-  if (index == nullptr) return nullptr;
-  PyObject* stream_obj = PyObject_CallOneArg(g.raw_stream, index);
-  Py_DECREF(index);
-  if (stream_obj == nullptr) return nullptr;
-  void* stream = PyLong_AsVoidPtr(stream_obj);
-  Py_DECREF(stream_obj);
-  if (PyErr_Occurred()) return nullptr;
+  PyObject* stream_obj = index ? PyObject_CallOneArg(g.raw_stream, index) : nullptr;
+  Py_XDECREF(index);
+  void* stream = stream_obj ? PyLong_AsVoidPtr(stream_obj) : nullptr;
+  Py_XDECREF(stream_obj);
+  if (PyErr_Occurred()) {  // (the Python path asks torch itself, and reports what fails)
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
   at::Tensor o = at::empty(q.sizes(), q.options());
   // (Freed when this returns, the workspace goes only to work queued after the run on this
   // stream: torch's allocator reuses memory by stream.)
@@ -240,6 +300,79 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
 }
 
+// sageattn(q, k, v, tensor_layout, is_causal, sm_scale, qk_bits, smooth_k, smooth_q, smooth_v,
+// causal_align, kernel): the output of an eager sageattn call (no LSE) whose plan is remembered,
+// or None.
+PyObject* sageattn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 12) {
+    PyErr_SetString(PyExc_TypeError, "sageattn takes 12 arguments");
+    return nullptr;
+  }
+  if (g_routes.empty()) Py_RETURN_NONE;
+  try {
+    Key key;
+    if (!make_sageattn_key(args, key)) Py_RETURN_NONE;
+    const auto it = g_routes.find(key);
+    if (it == g_routes.end() || modes_active()) Py_RETURN_NONE;
+    return run_sage(args, it->second);
+  } catch (const std::exception&) {
+    Py_RETURN_NONE;
+  }
+}
+
+// A route of `kind` from its args and workspace_alloc (kSage needs configure() first).
+bool parse_route(long kind, PyObject* args_obj, PyObject* alloc_obj, Route& r) {
+  r.kind = kind;
+  if (kind == kSage) {
+    char* data;
+    Py_ssize_t size;
+    if (!g.set || PyBytes_AsStringAndSize(args_obj, &data, &size) < 0) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "configure() first");
+      return false;
+    }
+    if (size != g.size) {
+      PyErr_SetString(PyExc_ValueError, "args: not a sage_attention_args of the configured size");
+      return false;
+    }
+    r.args.assign(data, size);
+    r.workspace_alloc = PyLong_AsLongLong(alloc_obj);
+    if (r.workspace_alloc == -1 && PyErr_Occurred()) return false;
+    if (r.workspace_alloc < 1) {
+      PyErr_SetString(PyExc_ValueError, "workspace_alloc: at least one element");
+      return false;
+    }
+  } else if (kind != kTorch) {
+    PyErr_SetString(PyExc_ValueError, "kind: 1 (torch) or 2 (sage)");
+    return false;
+  }
+  return true;
+}
+
+PyObject* keep(Key& key, Route&& r) {
+  if (g_routes.size() >= kMaxRoutes) g_routes.clear();
+  g_routes[key] = std::move(r);
+  Py_RETURN_TRUE;
+}
+
+// remember_sageattn(q, ..., kernel, args, workspace_alloc): keep the plan of an eager sageattn
+// call. True where kept.
+PyObject* remember_sageattn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 14) {
+    PyErr_SetString(PyExc_TypeError, "remember_sageattn takes sageattn's 12 arguments and 2");
+    return nullptr;
+  }
+  Route r;
+  if (!parse_route(kSage, args[12], args[13], r)) return nullptr;
+  try {
+    Key key;
+    if (!make_sageattn_key(args, key)) Py_RETURN_FALSE;
+    return keep(key, std::move(r));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 // remember(query, ..., enable_gqa, kind, args, workspace_alloc): keep the route the Python
 // drop-in chose for this call's signature. True where kept.
 PyObject* remember(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -250,35 +383,15 @@ PyObject* remember(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const long kind = PyLong_AsLong(args[8]);
   if (kind == -1 && PyErr_Occurred()) return nullptr;
   Route r;
-  r.kind = kind;
-  if (kind == kSage) {
-    char* data;
-    Py_ssize_t size;
-    if (!g.set || PyBytes_AsStringAndSize(args[9], &data, &size) < 0) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "configure() first");
-      return nullptr;
-    }
-    if (size != g.size) {
-      PyErr_SetString(PyExc_ValueError, "args: not a sage_attention_args of the configured size");
-      return nullptr;
-    }
-    r.args.assign(data, size);
-    r.workspace_alloc = PyLong_AsLongLong(args[10]);
-    if (r.workspace_alloc == -1 && PyErr_Occurred()) return nullptr;
-  } else if (kind != kTorch) {
-    PyErr_SetString(PyExc_ValueError, "kind: 1 (torch) or 2 (sage)");
-    return nullptr;
-  }
+  if (!parse_route(kind, args[9], args[10], r)) return nullptr;
   try {
     Key key;
     if (!make_key(args, key)) Py_RETURN_FALSE;
-    if (g_routes.size() >= kMaxRoutes) g_routes.clear();
-    g_routes[key] = std::move(r);
+    return keep(key, std::move(r));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
-  Py_RETURN_TRUE;
 }
 
 // configure(offsets, run, raw_stream): offsets of q, k, v, o, stream, workspace in
@@ -329,6 +442,11 @@ PyMethodDef methods[] = {
      "The output of a call whose route is remembered, or None."},
     {"remember", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(remember)),
      METH_FASTCALL, "Keep a route for the call's signature."},
+    {"sageattn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(sageattn)),
+     METH_FASTCALL, "The output of an eager sageattn call whose plan is remembered, or None."},
+    {"remember_sageattn",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(remember_sageattn)),
+     METH_FASTCALL, "Keep the plan of an eager sageattn call."},
     {"configure", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(configure)),
      METH_FASTCALL, "The library's struct offsets, run entry point and stream getter."},
     {"clear", clear, METH_NOARGS, "Forget every route."},

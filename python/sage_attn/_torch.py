@@ -30,7 +30,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import _lib
+from . import _fastpath, _lib
 
 # The real SDPA, saved before anyone replaces F.scaled_dot_product_attention with ours.
 _torch_sdpa = F.scaled_dot_product_attention
@@ -43,6 +43,28 @@ _GPU_DTYPES = (torch.float16, torch.bfloat16)
 _Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
 _AttentionArgs = _lib.AttentionArgs
+
+# The C++ fast path (sage_attn._fastpath; None where it is not built for this torch): repeated
+# drop-in and sageattn calls whose route or plan the Python path decided and handed to it
+# (_fast_keep, sageattn) are answered there without Python's checks, reads, hash and lookup.
+_fast = _fastpath.load()
+_fast_ready = False  # configured with the library's struct offsets and entry point
+
+
+def _fast_configure():
+    global _fast_ready
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:
+        return False
+    A = _AttentionArgs
+    offsets = (A.q.offset, A.k.offset, A.v.offset, A.o.offset, A.stream.offset,
+               A.workspace.offset, ctypes.sizeof(A))
+    run = ctypes.cast(_lib.library().sage_attention, ctypes.c_void_p).value
+    _fast.configure(offsets, run, raw)
+    _fast_ready = True
+    return True
+
+
 _DTYPE_CODES = {torch.float16: _lib.DTYPE_FP16, torch.bfloat16: _lib.DTYPE_BF16,
                 torch.float32: _lib.DTYPE_FP32}
 # The op's fallback argument: what to do when the library has no kernel for valid arguments
@@ -709,6 +731,12 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     CPU reference's emulation on CPU tensors); a gradient reaching the returned LSE is included.
     Under torch.use_deterministic_algorithms(True) the CUDA backward sums dQ in a fixed order
     instead of with atomics: the same gradient bits on every run (dK, dV are anyway)."""
+    fast = _fast is not None and return_lse is False and not torch.compiler.is_compiling()
+    if fast:
+        o = _fast.sageattn(q, k, v, tensor_layout, is_causal, sm_scale, qk_bits, smooth_k,
+                           smooth_q, smooth_v, causal_align, kernel)
+        if o is not None:
+            return o
     if tensor_layout not in _lib.LAYOUTS:
         raise ValueError(f"tensor_layout = {tensor_layout!r}: must be 'HND' or 'NHD'")
     _lib.check_call_flags(causal_align, is_causal, return_lse)
@@ -721,9 +749,22 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     mask = _lib.CAUSAL_ALIGNS[causal_align] if is_causal else _lib.MASK_NONE
     for name, value in (("smooth_q", smooth_q), ("smooth_k", smooth_k), ("smooth_v", smooth_v)):
         _lib.check_flag(name, value)
-    o, lse = _call(_Call(q, k, v, layout, mask, scale, qk_bits=qk_bits, smooth_q=smooth_q,
-                         smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse,
-                         fallback=_RAISE, family=kernel_code))
+    c = _Call(q, k, v, layout, mask, scale, qk_bits=qk_bits, smooth_q=smooth_q,
+              smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse, fallback=_RAISE,
+              family=kernel_code)
+    o, lse = _call(c)
+    if (fast and type(q) is _Tensor and q.is_cuda and not _functorch_on()
+            and (_fast_ready or _fast_configure())):
+        # The plan this call ran (or its op planned) is the fast path's for the next one with
+        # the same key (which leaves out training calls: they need the op, for autograd).
+        try:
+            prep = _prepared.get(_key(c))
+        except RuntimeError:  # (a tensor without storage: nothing planned to keep)
+            prep = None
+        if type(prep) is _Prepared:
+            _fast.remember_sageattn(q, k, v, tensor_layout, is_causal, sm_scale, qk_bits,
+                                    smooth_k, smooth_q, smooth_v, causal_align, kernel,
+                                    prep.args, prep.workspace_alloc)
     return (o, lse) if return_lse else o
 
 
@@ -1133,28 +1174,6 @@ def dropin_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 def _training(query, key, value):
     return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
                                         value.requires_grad)
-
-
-# The drop-in's C++ fast path (sage_attn._fastpath; None where it is not built for this torch):
-# repeated calls whose route the Python path decided and handed to it (_fast_keep) are answered
-# there without Python's reads, hash and lookup.
-from . import _fastpath  # noqa: E402
-_fast = _fastpath.load()
-_fast_ready = False  # configured with the library's struct offsets and entry point
-
-
-def _fast_configure():
-    global _fast_ready
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is None:
-        return False
-    A = _AttentionArgs
-    offsets = (A.q.offset, A.k.offset, A.v.offset, A.o.offset, A.stream.offset,
-               A.workspace.offset, ctypes.sizeof(A))
-    run = ctypes.cast(_lib.library().sage_attention, ctypes.c_void_p).value
-    _fast.configure(offsets, run, raw)
-    _fast_ready = True
-    return True
 
 
 def _fast_keep(route, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):

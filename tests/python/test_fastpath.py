@@ -258,3 +258,84 @@ def test_sage_route_on_the_gpu_is_the_python_paths(fast, monkeypatch):
     finally:
         sage_attn.set_dropin_crossover(True)
         fast.clear()
+
+
+def sageattn_args(q, k, v, layout="HND", causal=False, scale=None, qk_bits=None, smooth_k=True,
+                  smooth_q=None, smooth_v=None, align="bottom_right", kernel=None):
+    return (q, k, v, layout, causal, scale, qk_bits, smooth_k, smooth_q, smooth_v, align, kernel)
+
+
+@pytest.fixture
+def configured(table):
+    """The table configured with the library's entry point and struct (T._fast_configure)."""
+    import ctypes
+
+    from sage_attn import _lib
+    A = _lib.AttentionArgs
+    offsets = (A.q.offset, A.k.offset, A.v.offset, A.o.offset, A.stream.offset,
+               A.workspace.offset, ctypes.sizeof(A))
+    run = ctypes.cast(_lib.library().sage_attention, ctypes.c_void_p).value
+    table.configure(offsets, run, lambda index: 0)
+    yield table, bytes(ctypes.sizeof(A))
+
+
+def test_sageattn_keys(configured):
+    """What a sageattn call's key takes: its keywords as the Python checks accept them, and no
+    training call (those need the op, for autograd); anything else has no key."""
+    table, struct = configured
+    q, k, v = (randn(1, 2, 24, 16, dtype=torch.float16) for _ in range(3))
+    assert table.remember_sageattn(*sageattn_args(q, k, v), struct, 1) is True
+    for a in (sageattn_args(q, k, v, layout="NHD", causal=True, scale=0.5, qk_bits=4,
+                            smooth_k=False, smooth_q=True, smooth_v=False, align="top_left",
+                            kernel="sm90"),
+              sageattn_args(q, k, v, scale=1, kernel="auto")):
+        assert table.remember_sageattn(*a, struct, 1) is True
+    for a in (sageattn_args(q, k, v, layout="hnd"), sageattn_args(q, k, v, causal=1),
+              sageattn_args(q, k, v, smooth_k=1), sageattn_args(q, k, v, align="bottom"),
+              sageattn_args(q, k, v, kernel="fast"), sageattn_args(q, k, v, qk_bits=True),
+              sageattn_args(q, k, v, scale=torch.tensor(0.5))):
+        assert table.remember_sageattn(*a, struct, 1) is False
+    qg = q.clone().requires_grad_()
+    assert table.remember_sageattn(*sageattn_args(qg, k, v), struct, 1) is False
+    with pytest.raises(ValueError):
+        table.remember_sageattn(*sageattn_args(q, k, v), struct[:-1], 1)  # not the struct's size
+    with pytest.raises(ValueError):
+        table.remember_sageattn(*sageattn_args(q, k, v), struct, 0)
+    # CPU tensors: remembered, but the run is CUDA's only, so the Python path answers
+    assert table.sageattn(*sageattn_args(q, k, v)) is None
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_sageattn_on_the_gpu_is_the_python_paths(fast, monkeypatch):
+    """Repeated sageattn calls: from the second on, no Python checks, and the bits of the
+    Python path's run (HND and NHD, causal both alignments, GQA, 4-bit, a given scale)."""
+    monkeypatch.setattr(T, "_fast", fast)
+    fast.clear()
+    checks = []
+    real = T._check_tensors
+    monkeypatch.setattr(T, "_check_tensors", lambda *a: checks.append(1) or real(*a))
+    cases = [dict(), dict(tensor_layout="NHD"), dict(is_causal=True),
+             dict(is_causal=True, causal_align="top_left"), dict(sm_scale=0.1, qk_bits=4),
+             dict(kernel="mma")]
+    try:
+        for n, kw in enumerate(cases):
+            q = randn(2, 8, 333, 128, dtype=torch.bfloat16, device="cuda")
+            k, v = (randn(2, 2, 300, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+            if kw.get("tensor_layout") == "NHD":
+                q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            outs = [sage_attn.sageattn(q, k, v, **kw) for _ in range(3)]
+            assert len(checks) == n + 1  # one Python decision per signature
+            monkeypatch.setattr(T, "_fast", None)
+            ref = sage_attn.sageattn(q, k, v, **kw)
+            monkeypatch.setattr(T, "_fast", fast)
+            for o in outs:
+                assert torch.equal(o, ref)
+        # a call that trains still goes through the op: a gradient comes back
+        q = randn(1, 2, 200, 64, dtype=torch.float16, device="cuda").requires_grad_()
+        k, v = (randn(1, 2, 200, 64, dtype=torch.float16, device="cuda") for _ in range(2))
+        for _ in range(2):
+            q.grad = None
+            sage_attn.sageattn(q, k, v).float().sum().backward()
+            assert q.grad is not None and torch.isfinite(q.grad).all()
+    finally:
+        fast.clear()
