@@ -280,8 +280,19 @@ PyObject* run_sage(PyObject* const* args, const Route& r) {
   return THPVariable_Wrap(std::move(o));
 }
 
+using KeyFn = bool (*)(PyObject* const*, Key&);
+
+// The route kept for this call's key, or nullptr: no key, none kept, or a mode active.
+const Route* find(PyObject* const* args, KeyFn make) {
+  Key key;
+  if (!make(args, key)) return nullptr;
+  const auto it = g_routes.find(key);
+  if (it == g_routes.end() || modes_active()) return nullptr;
+  return &it->second;
+}
+
 // call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa): the output of a
-// call whose route is remembered, or None.
+// drop-in call whose route is kept, or None.
 PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 8) {
     PyErr_SetString(PyExc_TypeError, "call takes the 8 arguments of the drop-in");
@@ -289,11 +300,9 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   if (g_routes.empty()) Py_RETURN_NONE;
   try {
-    Key key;
-    if (!make_key(args, key)) Py_RETURN_NONE;
-    const auto it = g_routes.find(key);
-    if (it == g_routes.end() || modes_active()) Py_RETURN_NONE;
-    return it->second.kind == kTorch ? run_torch(args) : run_sage(args, it->second);
+    const Route* r = find(args, make_key);
+    if (r == nullptr) Py_RETURN_NONE;
+    return r->kind == kTorch ? run_torch(args) : run_sage(args, *r);
   } catch (const std::exception&) {
     // (Out of memory, say: the Python path runs the call again and raises torch's error.)
     Py_RETURN_NONE;
@@ -301,8 +310,8 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // sageattn(q, k, v, tensor_layout, is_causal, sm_scale, qk_bits, smooth_k, smooth_q, smooth_v,
-// causal_align, kernel): the output of an eager sageattn call (no LSE) whose plan is remembered,
-// or None.
+// causal_align, kernel): the output of an eager sageattn call (no LSE) whose plan is kept, or
+// None.
 PyObject* sageattn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 12) {
     PyErr_SetString(PyExc_TypeError, "sageattn takes 12 arguments");
@@ -310,11 +319,9 @@ PyObject* sageattn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   if (g_routes.empty()) Py_RETURN_NONE;
   try {
-    Key key;
-    if (!make_sageattn_key(args, key)) Py_RETURN_NONE;
-    const auto it = g_routes.find(key);
-    if (it == g_routes.end() || modes_active()) Py_RETURN_NONE;
-    return run_sage(args, it->second);
+    const Route* r = find(args, make_sageattn_key);
+    if (r == nullptr) Py_RETURN_NONE;
+    return run_sage(args, *r);
   } catch (const std::exception&) {
     Py_RETURN_NONE;
   }
@@ -348,29 +355,18 @@ bool parse_route(long kind, PyObject* args_obj, PyObject* alloc_obj, Route& r) {
   return true;
 }
 
-PyObject* keep(Key& key, Route&& r) {
-  if (g_routes.size() >= kMaxRoutes) g_routes.clear();
-  g_routes[key] = std::move(r);
-  Py_RETURN_TRUE;
-}
-
-// remember_sageattn(q, ..., kernel, args, workspace_alloc): keep the plan of an eager sageattn
-// call. True where kept.
-PyObject* remember_sageattn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 14) {
-    PyErr_SetString(PyExc_TypeError, "remember_sageattn takes sageattn's 12 arguments and 2");
-    return nullptr;
-  }
-  Route r;
-  if (!parse_route(kSage, args[12], args[13], r)) return nullptr;
+// Keeps r under this call's key: True, or False where the call has no key.
+PyObject* keep(PyObject* const* args, KeyFn make, Route&& r) {
   try {
     Key key;
-    if (!make_sageattn_key(args, key)) Py_RETURN_FALSE;
-    return keep(key, std::move(r));
+    if (!make(args, key)) Py_RETURN_FALSE;
+    if (g_routes.size() >= kMaxRoutes) g_routes.clear();
+    g_routes[key] = std::move(r);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
+  Py_RETURN_TRUE;
 }
 
 // remember(query, ..., enable_gqa, kind, args, workspace_alloc): keep the route the Python
@@ -384,14 +380,19 @@ PyObject* remember(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (kind == -1 && PyErr_Occurred()) return nullptr;
   Route r;
   if (!parse_route(kind, args[9], args[10], r)) return nullptr;
-  try {
-    Key key;
-    if (!make_key(args, key)) Py_RETURN_FALSE;
-    return keep(key, std::move(r));
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
+  return keep(args, make_key, std::move(r));
+}
+
+// remember_sageattn(q, ..., kernel, args, workspace_alloc): keep the plan of an eager sageattn
+// call. True where kept.
+PyObject* remember_sageattn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 14) {
+    PyErr_SetString(PyExc_TypeError, "remember_sageattn takes sageattn's 12 arguments and 2");
     return nullptr;
   }
+  Route r;
+  if (!parse_route(kSage, args[12], args[13], r)) return nullptr;
+  return keep(args, make_sageattn_key, std::move(r));
 }
 
 // configure(offsets, run, raw_stream): offsets of q, k, v, o, stream, workspace in
