@@ -342,3 +342,66 @@ def test_sageattn_on_the_gpu_is_the_python_paths(fast, monkeypatch):
             assert q.grad is not None and torch.isfinite(q.grad).all()
     finally:
         fast.clear()
+
+
+def python_signature(q, k, v, mask, dropout, causal, scale, gqa):
+    """The drop-in's own signature of a call (sage_attn._torch._dropin_route_of), which decides
+    whether two calls share a route there."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, q.data_ptr() % 16 == 0, dropout, causal,
+            scale, type(scale), gqa, torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad))
+
+
+def test_a_hit_is_always_the_python_signature(table, rng):
+    """Random calls against one remembered call: whenever the fast path answers a call, the
+    Python drop-in's signature of it is the remembered call's (so it would have taken the same
+    route), and its output is torch's."""
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    def tensor(shape, dtype):
+        base = torch.randn(2 * int(torch.tensor(shape).prod()) + 8, generator=gen).to(dtype)
+        layout = pick(["contiguous", "offset", "transposed"])
+        if layout == "offset":  # the same shape, 2 elements into its storage
+            return base[2:2 + int(torch.tensor(shape).prod())].view(shape)
+        if layout == "transposed":  # the same shape, other strides
+            return base[:int(torch.tensor(shape).prod())].view(
+                shape[0], shape[2], shape[1], shape[3]).transpose(1, 2)
+        return base[:int(torch.tensor(shape).prod())].view(shape)
+
+    def random_call():
+        dtype = pick([torch.float16, torch.bfloat16, torch.float32])
+        b, h, n, d = pick([1, 2]), pick([2, 4]), pick([16, 24]), pick([8, 16])
+        hkv = pick([h, 1])
+        q = tensor((b, h, n, d), dtype)
+        k, v = tensor((b, hkv, n, d), dtype), tensor((b, hkv, n, d), dtype)
+        if pick([False, False, True]):
+            q = q.detach().requires_grad_()
+        return (q, k, v, None, pick([0.0, 0]), pick([False, True]),
+                pick([None, 0.25, 0.5, 1, 1.0]), hkv != h or pick([False, True]))
+
+    hits = 0
+    for _ in range(40):
+        table.clear()
+        first = random_call()
+        grad_on = pick([True, False])
+        with torch.set_grad_enabled(grad_on):
+            assert table.remember(*first, 1, None, 0) is True
+            sig = python_signature(*first)
+        for _ in range(25):
+            other = random_call() if pick([True, True, False]) else first
+            with torch.set_grad_enabled(pick([grad_on, not grad_on])):
+                out = table.call(*other)
+                if out is None:
+                    continue
+                hits += 1
+                assert python_signature(*other) == sig
+                q, k, v, _, dropout, causal, scale, gqa = other
+                ref = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout,
+                                                     is_causal=causal, scale=scale,
+                                                     enable_gqa=gqa)
+                assert torch.equal(out, ref)
+    assert hits >= 40  # (each remembered call repeated about a third of the time)
