@@ -84,7 +84,9 @@ def sweep(argv):
     ap.add_argument("--heads", default="4,8,12,16,24,32,48,64,96,128", help="B·H (B = 1)")
     ap.add_argument("--seqs", default="512,1024,1536,2048,3072,4096,4608,5120,6144,7168,8192,"
                                       "12288,16384")
-    ap.add_argument("--groups", default="1,4", help="GQA groups (Hq / Hkv), D 128 only")
+    ap.add_argument("--groups", default="1,4", help="GQA groups (Hq / Hkv), at --group-dims")
+    ap.add_argument("--group-dims", default="128",
+                    help="head dims swept at every GQA group (the others at group 1 only)")
     ap.add_argument("--seconds", type=float, default=0.04, help="timing target per figure")
     ap.add_argument("--max-ms", type=float, default=40.0, help="skip shapes slower than this")
     ap.add_argument("--rounds", type=int, default=3,
@@ -108,7 +110,7 @@ def sweep(argv):
     shapes = []
     for d in ints(a.dims):
         for causal in (False, True):
-            for g in (ints(a.groups) if d == 128 else [1]):
+            for g in (ints(a.groups) if d in ints(a.group_dims) else [1]):
                 for h in ints(a.heads):
                     if h % g == 0:
                         shapes += [(h, h // g, n, d, causal) for n in ints(a.seqs)]
