@@ -32,9 +32,12 @@
 
 namespace {
 
-enum Kind : long { kTorch = 1, kSage = 2 };
+// A route: the drop-in's to torch (kTorch) or a direct run of sage (kSage); the official-API
+// alias's to torch's SDPA on its layouts (kAliasTorch) or to sageattn (kAliasSage: the caller
+// calls sageattn, which has its own plan here).
+enum Kind : long { kTorch = 1, kSage = 2, kAliasTorch = 3, kAliasSage = 4 };
 // Which entry point a key is of (its first word).
-enum Entry : int64_t { kEntryDropin = 1, kEntrySageattn = 2 };
+enum Entry : int64_t { kEntryDropin = 1, kEntrySageattn = 2, kEntryAlias = 3 };
 
 struct Route {
   long kind = 0;
@@ -203,6 +206,24 @@ bool make_sageattn_key(PyObject* const* args, Key& key) {
   return push_choice(key, args[11], {"auto", "mma", "sm90"}, true);
 }
 
+// The official-API alias's key (sage_attn.sageattention._run without keywords or an LSE).
+// args: q, k, v, tensor_layout, is_causal, sm_scale, smooth_k, smooth_v.
+bool make_alias_key(PyObject* const* args, Key& key) {
+  key.push(kEntryAlias);
+  if (!push_tensors(args, key)) return false;
+  if (!push_choice(key, args[3], {"HND", "NHD"}, false)) return false;
+  if (!push_bool(key, args[4])) return false;
+  if (!push_scalar(key, args[5], true)) return false;
+  for (int i = 6; i < 8; ++i) {
+    if (args[i] == Py_None) {
+      key.push(2);
+    } else if (!push_bool(key, args[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
 bool modes_active() {
   return c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
          at::impl::torch_function_mode_enabled() ||
@@ -228,6 +249,32 @@ PyObject* run_torch(PyObject* const* args) {
     out = at::scaled_dot_product_attention(q, k, v, std::nullopt, dropout, causal, scale, gqa);
   } catch (const std::exception&) {
     failed = true;  // (caught with the GIL released; the Python path raises torch's error)
+  }
+  Py_END_ALLOW_THREADS
+  if (failed) Py_RETURN_NONE;
+  return THPVariable_Wrap(std::move(out));
+}
+
+// The alias's hand-off to torch (sageattention._sdpa_fallback without a mask): an NHD call's
+// tensors as [B, H, N, D] views, GQA where the heads differ, the output back in the call's layout.
+PyObject* run_alias_torch(PyObject* const* args) {
+  const bool nhd = PyUnicode_CompareWithASCIIString(args[3], "NHD") == 0;
+  at::Tensor q = THPVariable_Unpack(args[0]), k = THPVariable_Unpack(args[1]),
+             v = THPVariable_Unpack(args[2]);
+  std::optional<double> scale;
+  if (args[5] != Py_None) scale = PyFloat_AsDouble(args[5]);
+  if (PyErr_Occurred()) return nullptr;
+  const bool causal = args[4] == Py_True;
+  at::Tensor out;
+  bool failed = false;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    if (nhd) q = q.transpose(1, 2), k = k.transpose(1, 2), v = v.transpose(1, 2);
+    const bool gqa = q.size(1) != k.size(1);
+    out = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, causal, scale, gqa);
+    if (nhd) out = out.transpose(1, 2);
+  } catch (const std::exception&) {
+    failed = true;
   }
   Py_END_ALLOW_THREADS
   if (failed) Py_RETURN_NONE;
@@ -327,6 +374,25 @@ PyObject* sageattn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
 }
 
+// alias(q, k, v, tensor_layout, is_causal, sm_scale, smooth_k, smooth_v): for a kept call of the
+// official-API alias, torch's output (its route to torch) or True (its route to sageattn, which
+// the caller then calls); None where nothing is kept.
+PyObject* alias(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "alias takes 8 arguments");
+    return nullptr;
+  }
+  if (g_routes.empty()) Py_RETURN_NONE;
+  try {
+    const Route* r = find(args, make_alias_key);
+    if (r == nullptr) Py_RETURN_NONE;
+    if (r->kind == kAliasSage) Py_RETURN_TRUE;
+    return run_alias_torch(args);
+  } catch (const std::exception&) {
+    Py_RETURN_NONE;
+  }
+}
+
 // A route of `kind` from its args and workspace_alloc (kSage needs configure() first).
 bool parse_route(long kind, PyObject* args_obj, PyObject* alloc_obj, Route& r) {
   r.kind = kind;
@@ -381,6 +447,24 @@ PyObject* remember(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Route r;
   if (!parse_route(kind, args[9], args[10], r)) return nullptr;
   return keep(args, make_key, std::move(r));
+}
+
+// remember_alias(q, k, v, tensor_layout, is_causal, sm_scale, smooth_k, smooth_v, kind): keep the
+// alias's route (kAliasTorch or kAliasSage) for the call's key. True where kept.
+PyObject* remember_alias(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 9) {
+    PyErr_SetString(PyExc_TypeError, "remember_alias takes the alias's 8 arguments and a kind");
+    return nullptr;
+  }
+  const long kind = PyLong_AsLong(args[8]);
+  if (kind == -1 && PyErr_Occurred()) return nullptr;
+  if (kind != kAliasTorch && kind != kAliasSage) {
+    PyErr_SetString(PyExc_ValueError, "kind: 3 (torch) or 4 (sageattn)");
+    return nullptr;
+  }
+  Route r;
+  r.kind = kind;
+  return keep(args, make_alias_key, std::move(r));
 }
 
 // remember_sageattn(q, ..., kernel, args, workspace_alloc): keep the plan of an eager sageattn
@@ -445,6 +529,11 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "Keep a route for the call's signature."},
     {"sageattn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(sageattn)),
      METH_FASTCALL, "The output of an eager sageattn call whose plan is remembered, or None."},
+    {"alias", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(alias)), METH_FASTCALL,
+     "For a kept call of the official-API alias: torch's output, True (sageattn), or None."},
+    {"remember_alias",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(remember_alias)), METH_FASTCALL,
+     "Keep the official-API alias's route for the call."},
     {"remember_sageattn",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(remember_sageattn)),
      METH_FASTCALL, "Keep the plan of an eager sageattn call."},

@@ -97,8 +97,33 @@ def _crossover_prefers_sdpa(q, k, v, tensor_layout, is_causal, sm_scale):
     return _t._dropin_prefers_sdpa(q, k, v, mask, scale, training=_t._training(q, k, v))
 
 
+def _fast_keep(kind, q, k, v, tensor_layout, is_causal, sm_scale, smooth_k, smooth_v):
+    """Hand the C++ fast path (sage_attn._fastpath) this call's route: 3, torch's SDPA (where
+    it is torch's own op and no mask object is needed: not a causal call with Nq != Nk), or 4,
+    sageattn."""
+    if _t._functorch_on():
+        return
+    if kind == 3:
+        if _t._torch_sdpa is not _t._TORCH_SDPA_OP:
+            return
+        n = 1 if tensor_layout == "NHD" else 2
+        if is_causal and q.shape[n] != k.shape[n]:
+            return
+    _t._fast.remember_alias(q, k, v, tensor_layout, is_causal, sm_scale, smooth_k, smooth_v, kind)
+
+
 def _run(fn, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, smooth_k, smooth_v,
          kwargs):
+    fast = (_t._fast is not None and not kwargs and return_lse is False
+            and not torch.compiler.is_compiling())
+    if fast:
+        route = _t._fast.alias(q, k, v, tensor_layout, is_causal, sm_scale, smooth_k, smooth_v)
+        if route is True:
+            return _t.sageattn(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                               sm_scale=sm_scale, return_lse=False, smooth_k=smooth_k,
+                               smooth_v=smooth_v)
+        if route is not None:
+            return route
     attn_mask, dropout_p = _extras(fn, kwargs)
     if tensor_layout not in _lib.LAYOUTS:
         raise ValueError(f"tensor_layout = {tensor_layout!r}: must be 'HND' or 'NHD'")
@@ -111,14 +136,21 @@ def _run(fn, q, k, v, tensor_layout, is_causal, sm_scale, return_lse, smooth_k, 
         reason = "dropout_p > 0 is not supported by the quantized kernel"
     if reason is None and not return_lse and _crossover_prefers_sdpa(q, k, v, tensor_layout,
                                                                      is_causal, sm_scale):
-        return _sdpa_fallback(q, k, v, tensor_layout, is_causal, sm_scale, None, 0.0)
+        o = _sdpa_fallback(q, k, v, tensor_layout, is_causal, sm_scale, None, 0.0)
+        if fast:
+            _fast_keep(3, q, k, v, tensor_layout, is_causal, sm_scale, smooth_k, smooth_v)
+        return o
     if reason is None:
         try:
-            return _t.sageattn(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
-                               sm_scale=sm_scale, return_lse=return_lse, smooth_k=smooth_k,
-                               smooth_v=smooth_v)
+            o = _t.sageattn(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal,
+                            sm_scale=sm_scale, return_lse=return_lse, smooth_k=smooth_k,
+                            smooth_v=smooth_v)
         except _lib.SageUnsupportedError as e:  # valid arguments the library has no kernel for
             reason = f"no kernel for this call ({e})"
+        else:
+            if fast:
+                _fast_keep(4, q, k, v, tensor_layout, is_causal, sm_scale, smooth_k, smooth_v)
+            return o
     if return_lse:
         raise ValueError(f"return_lse=True: {reason}, and torch's SDPA, the fallback, returns "
                          "no LSE")

@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
+from conftest import count_calls  # noqa: E402
 
 import sage_attn  # noqa: E402
 from sage_attn import _torch as T  # noqa: E402
@@ -405,3 +406,59 @@ def test_a_hit_is_always_the_python_signature(table, rng):
                                                      enable_gqa=gqa)
                 assert torch.equal(out, ref)
     assert hits >= 40  # (each remembered call repeated about a third of the time)
+
+
+def test_alias_routes(table, monkeypatch):
+    """The official-API alias (sage_attn.sageattention): its route to torch's SDPA run in C++
+    gives _sdpa_fallback's output (either layout, GQA, causal, a given scale); its route to
+    sageattn is decided once per signature; what needs a mask object stays in Python."""
+    from sage_attn import sageattention as sa
+    monkeypatch.setattr(T, "_fast", table)
+    for layout, causal, scale, hq, hkv in (("NHD", False, None, 4, 4), ("HND", True, 0.3, 8, 2),
+                                           ("NHD", True, 1, 8, 1)):
+        shape = (lambda h: (2, 30, h, 16)) if layout == "NHD" else (lambda h: (2, h, 30, 16))
+        q, k, v = randn(*shape(hq)), randn(*shape(hkv)), randn(*shape(hkv))
+        table.clear()
+        sa._fast_keep(3, q, k, v, layout, causal, scale, True, None)
+        assert table.size() == 1
+        out = table.alias(q, k, v, layout, causal, scale, True, None)
+        ref = sa._sdpa_fallback(q, k, v, layout, causal, scale, None, 0.0)
+        assert torch.equal(out, ref) and out.stride() == ref.stride()
+        assert table.alias(q, k, v, layout, not causal, scale, True, None) is None
+    # a causal call with Nq != Nk needs torch's lower-right mask object: not kept
+    table.clear()
+    q, kv = randn(1, 2, 20, 16), randn(1, 2, 30, 16)
+    sa._fast_keep(3, q, kv, kv, "HND", True, None, True, None)
+    assert table.size() == 0
+    # the route to sageattn (CPU tensors: the library's CPU reference), decided once
+    decided = count_calls(monkeypatch, sa, "_crossover_prefers_sdpa")
+    q = randn(1, 40, 2, 16)
+    outs = [sa.sageattn(q, q, q, tensor_layout="NHD") for _ in range(3)]
+    assert len(decided) == 1 and table.alias(q, q, q, "NHD", False, None, True, None) is True
+    monkeypatch.setattr(T, "_fast", None)
+    ref = sa.sageattn(q, q, q, tensor_layout="NHD")
+    for o in outs:
+        assert torch.equal(o, ref)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_alias_on_the_gpu(fast, monkeypatch):
+    """The alias on CUDA with the crossover on: a call handed to torch and a call run with sage,
+    each decided once, each the Python path's output."""
+    from sage_attn import sageattention as sa
+    monkeypatch.setattr(T, "_fast", fast)
+    fast.clear()
+    decided = count_calls(monkeypatch, sa, "_crossover_prefers_sdpa")
+    try:
+        for n in (256, 16384):  # (the first shorter than any routed length, the second not)
+            q, k, v = (randn(1, n, 8, 64, dtype=torch.float16, device="cuda") for _ in range(3))
+            before = len(decided)
+            outs = [sa.sageattn(q, k, v, tensor_layout="NHD") for _ in range(3)]
+            assert len(decided) == before + 1
+            monkeypatch.setattr(T, "_fast", None)
+            ref = sa.sageattn(q, k, v, tensor_layout="NHD")
+            monkeypatch.setattr(T, "_fast", fast)
+            for o in outs:
+                assert torch.equal(o, ref)
+    finally:
+        fast.clear()
