@@ -1,10 +1,11 @@
-// The SDPA drop-in's and sageattn's repeated calls in C++: sage_attn.fastpath compiles this file
-// against the installed torch (the package itself has no torch ABI tie) and sage_attn._torch
-// loads it when built.
+// The SDPA drop-in's, sageattn's and the official-API alias's repeated calls in C++:
+// sage_attn.fastpath compiles this file against the installed torch (the package itself has no
+// torch ABI tie) and sage_attn._torch loads it when built.
 //
 // The Python drop-in decides every call's route once per signature (sage_attn._torch,
 // _dropin_route_of) and hands the answers it can repeat here (remember); sageattn hands over the
-// plan of an eager call (remember_sageattn). A later call with the same key is then answered
+// plan of an eager call (remember_sageattn); the alias (sage_attn.sageattention) its route to
+// torch or to sageattn (remember_alias). A later call with the same key is then answered
 // without Python: its key is read from the tensors' C++ objects and the arguments, looked up,
 // and either torch's SDPA op is called (the drop-in's route to torch) or the library's run is
 // launched on the plan's argument struct with this call's pointers (a direct run of sage).
