@@ -280,10 +280,10 @@ def _sleep_cycles_per_ms():
 
 
 def host_time(args, gpu, commit):
-    """--host-time: the eager host time per call of torch's SDPA, sageattn and the SDPA drop-in
-    (as it routes, and with the crossover off: sage wherever it can) at HOST_SHAPES, non-causal
-    fp16, each paired with SDPA round by round (paired_host_us). Prints a table, writes
-    <out>/<date>-<gpu>[-tag]-host.json."""
+    """--host-time: the eager host time per call of torch's SDPA, sageattn, the SDPA drop-in (as
+    it routes, and with the crossover off: sage wherever it can) and the official-API alias's
+    sageattn (as it routes) at HOST_SHAPES, non-causal fp16, each paired with SDPA round by round
+    (paired_host_us). Prints a table, writes <out>/<date>-<gpu>[-tag]-host.json."""
     import json
     dtype = torch.float16
     gen = torch.Generator(device="cuda")
@@ -293,16 +293,17 @@ def host_time(args, gpu, commit):
     if getattr(sdpa, "__module__", "").startswith("sage_attn"):
         sdpa = torch._C._nn.scaled_dot_product_attention  # (torch's own, not a patched one)
     dropin = sage_attn.scaled_dot_product_attention
+    from . import sageattention as alias  # the official-API alias (diffusers, ComfyUI)
     rows = []
     print("| call | B | H | N | D | SDPA µs | sageattn µs | drop-in route | drop-in µs | "
           "drop-in − SDPA µs [10-90 %] | drop-in, crossover off µs | "
-          "its − SDPA µs [10-90 %] |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "its − SDPA µs [10-90 %] | alias − SDPA µs [10-90 %] |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for call, b, h, n, d in HOST_SHAPES:
         q, k, v = (torch.randn((b, h, n, d), generator=gen, device="cuda", dtype=dtype)
                    for _ in range(3))
         fns = {"sdpa": lambda: sdpa(q, k, v), "sageattn": lambda: sage_attn.sageattn(q, k, v),
-               "dropin": lambda: dropin(q, k, v)}
+               "dropin": lambda: dropin(q, k, v), "alias": lambda: alias.sageattn(q, k, v)}
         # The round's host work, timed once unheld (every call warm), sets the sleep: thrice it.
         for fn in fns.values():
             fn()
@@ -326,6 +327,8 @@ def host_time(args, gpu, commit):
         row["sageattn_us"] = round(statistics.median(times["sageattn"]), 2)
         us, *diff = (round(x, 2) for x in paired_summary(times, "dropin", "sdpa"))
         row.update(dropin_us=us, dropin_minus_sdpa_us=diff)
+        us, *diff = (round(x, 2) for x in paired_summary(times, "alias", "sdpa"))
+        row.update(alias_us=us, alias_minus_sdpa_us=diff)
         sage_attn.set_dropin_crossover(False)
         try:
             row["choice_crossover_off"] = sage_attn.dropin_backend(q, k, v)
@@ -339,8 +342,8 @@ def host_time(args, gpu, commit):
         print(f"| {call} | {b} | {h} | {n} | {d} | {row['sdpa_us']:.1f} | "
               f"{row['sageattn_us']:.1f} | {row['choice']} | {row['dropin_us']:.1f} | "
               f"{spread(row['dropin_minus_sdpa_us'])} | {row['dropin_off_us']:.1f} "
-              f"({row['choice_crossover_off']}) | {spread(row['dropin_off_minus_sdpa_us'])} |",
-              flush=True)
+              f"({row['choice_crossover_off']}) | {spread(row['dropin_off_minus_sdpa_us'])} | "
+              f"{spread(row['alias_minus_sdpa_us'])} |", flush=True)
     date = datetime.date.today().isoformat()
     meta = {"bench": "host-time", "gpu": gpu[0], "driver": gpu[1], "cuda": torch.version.cuda,
             "torch": torch.__version__, "commit": commit, "date": date, "dtype": "fp16",
