@@ -1,7 +1,8 @@
-"""The SDPA drop-in's C++ fast path (sage_attn._fastpath, _dropin_fast.cpp): built against the
-installed torch, it repeats the routes the Python drop-in decided. Each test here would fail if
-the fast path answered a call the Python path would answer otherwise: another signature, a mode
-that sees the op, a subclass, a mask; or if its output differed from the Python path's."""
+"""The C++ fast path (sage_attn._fastpath, _dropin_fast.cpp): built against the installed torch,
+it repeats the routes and plans that the Python drop-in, sageattn and the official-API alias
+decided. Each test here would fail if the fast path answered a call the Python path would answer
+otherwise: another signature, a mode that sees the op, a subclass, a mask, a call that trains;
+or if its output differed from the Python path's."""
 import os
 import pathlib
 import shutil
