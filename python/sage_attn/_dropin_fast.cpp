@@ -152,6 +152,13 @@ bool push_bool(Key& key, PyObject* x) {
   return true;
 }
 
+// A smoothing flag: None (the preset), True or False.
+bool push_flag(Key& key, PyObject* x) {
+  if (x != Py_None) return push_bool(key, x);
+  key.push(2);
+  return true;
+}
+
 // A string argument among `names`, as its index + 1 (0 for None where none_ok). false: anything
 // else (the Python path names the error).
 bool push_choice(Key& key, PyObject* x, std::initializer_list<const char*> names, bool none_ok) {
@@ -196,13 +203,8 @@ bool make_sageattn_key(PyObject* const* args, Key& key) {
   if (!push_bool(key, args[4])) return false;
   if (!push_scalar(key, args[5], true)) return false;
   if (!push_scalar(key, args[6], true)) return false;
-  for (int i = 7; i < 10; ++i) {
-    if (args[i] == Py_None) {
-      key.push(2);
-    } else if (!push_bool(key, args[i])) {
-      return false;
-    }
-  }
+  for (int i = 7; i < 10; ++i)
+    if (!push_flag(key, args[i])) return false;
   if (!push_choice(key, args[10], {"bottom_right", "top_left"}, false)) return false;
   return push_choice(key, args[11], {"auto", "mma", "sm90"}, true);
 }
@@ -215,14 +217,7 @@ bool make_alias_key(PyObject* const* args, Key& key) {
   if (!push_choice(key, args[3], {"HND", "NHD"}, false)) return false;
   if (!push_bool(key, args[4])) return false;
   if (!push_scalar(key, args[5], true)) return false;
-  for (int i = 6; i < 8; ++i) {
-    if (args[i] == Py_None) {
-      key.push(2);
-    } else if (!push_bool(key, args[i])) {
-      return false;
-    }
-  }
-  return true;
+  return push_flag(key, args[6]) && push_flag(key, args[7]);
 }
 
 bool modes_active() {
@@ -232,47 +227,28 @@ bool modes_active() {
          c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
 }
 
-// torch's SDPA on the call's arguments, as torch.nn.functional.scaled_dot_product_attention
-// runs it for plain tensors (the GIL released around the op, as torch's bindings do).
-PyObject* run_torch(PyObject* const* args) {
-  const at::Tensor& q = THPVariable_Unpack(args[0]);
-  const at::Tensor& k = THPVariable_Unpack(args[1]);
-  const at::Tensor& v = THPVariable_Unpack(args[2]);
-  const double dropout = PyFloat_AsDouble(args[4]);
-  std::optional<double> scale;
-  if (args[6] != Py_None) scale = PyFloat_AsDouble(args[6]);
-  if (PyErr_Occurred()) return nullptr;
-  const bool causal = args[5] == Py_True, gqa = args[7] == Py_True;
-  at::Tensor out;
-  bool failed = false;
-  Py_BEGIN_ALLOW_THREADS
-  try {
-    out = at::scaled_dot_product_attention(q, k, v, std::nullopt, dropout, causal, scale, gqa);
-  } catch (const std::exception&) {
-    failed = true;  // (caught with the GIL released; the Python path raises torch's error)
-  }
-  Py_END_ALLOW_THREADS
-  if (failed) Py_RETURN_NONE;
-  return THPVariable_Wrap(std::move(out));
+// A scale argument: None, or a float or int as a double (PyFloat_AsDouble takes both).
+std::optional<double> scale_of(PyObject* x) {
+  if (x == Py_None) return std::nullopt;
+  return PyFloat_AsDouble(x);
 }
 
-// The alias's hand-off to torch (sageattention._sdpa_fallback without a mask): an NHD call's
-// tensors as [B, H, N, D] views, GQA where the heads differ, the output back in the call's layout.
-PyObject* run_alias_torch(PyObject* const* args) {
-  const bool nhd = PyUnicode_CompareWithASCIIString(args[3], "NHD") == 0;
+// torch's SDPA, as torch.nn.functional.scaled_dot_product_attention runs it for plain tensors
+// (the GIL released around the op, as torch's bindings do). nhd: [B, N, H, D] tensors, passed as
+// [B, H, N, D] views and the output returned in their layout. None where the op raises (caught
+// with the GIL released; the Python path runs the call again and raises torch's error).
+PyObject* run_sdpa(PyObject* const* args, double dropout, bool causal, PyObject* scale_obj,
+                   bool gqa, bool nhd) {
   at::Tensor q = THPVariable_Unpack(args[0]), k = THPVariable_Unpack(args[1]),
              v = THPVariable_Unpack(args[2]);
-  std::optional<double> scale;
-  if (args[5] != Py_None) scale = PyFloat_AsDouble(args[5]);
+  const std::optional<double> scale = scale_of(scale_obj);
   if (PyErr_Occurred()) return nullptr;
-  const bool causal = args[4] == Py_True;
   at::Tensor out;
   bool failed = false;
   Py_BEGIN_ALLOW_THREADS
   try {
     if (nhd) q = q.transpose(1, 2), k = k.transpose(1, 2), v = v.transpose(1, 2);
-    const bool gqa = q.size(1) != k.size(1);
-    out = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, causal, scale, gqa);
+    out = at::scaled_dot_product_attention(q, k, v, std::nullopt, dropout, causal, scale, gqa);
     if (nhd) out = out.transpose(1, 2);
   } catch (const std::exception&) {
     failed = true;
@@ -280,6 +256,23 @@ PyObject* run_alias_torch(PyObject* const* args) {
   Py_END_ALLOW_THREADS
   if (failed) Py_RETURN_NONE;
   return THPVariable_Wrap(std::move(out));
+}
+
+// The drop-in's route to torch: SDPA on the call's own arguments.
+PyObject* run_torch(PyObject* const* args) {
+  const double dropout = PyFloat_AsDouble(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  return run_sdpa(args, dropout, args[5] == Py_True, args[6], args[7] == Py_True, false);
+}
+
+// The alias's route to torch (sageattention._sdpa_fallback without a mask): GQA where the heads
+// differ (dimension 2 of NHD tensors, 1 of HND ones).
+PyObject* run_alias_torch(PyObject* const* args) {
+  const bool nhd = PyUnicode_CompareWithASCIIString(args[3], "NHD") == 0;
+  const int heads = nhd ? 2 : 1;
+  const bool gqa =
+      THPVariable_Unpack(args[0]).size(heads) != THPVariable_Unpack(args[1]).size(heads);
+  return run_sdpa(args, 0.0, args[4] == Py_True, args[5], gqa, nhd);
 }
 
 void put_pointer(std::string& a, Py_ssize_t offset, const void* p) {
@@ -339,59 +332,50 @@ const Route* find(PyObject* const* args, KeyFn make) {
   return &it->second;
 }
 
-// call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa): the output of a
-// drop-in call whose route is kept, or None.
-PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 8) {
-    PyErr_SetString(PyExc_TypeError, "call takes the 8 arguments of the drop-in");
+// What a kept route answers: torch's output (kTorch, kAliasTorch), sage's (kSage), or True
+// (kAliasSage: the caller calls sageattn). The kinds a key's entry keeps are the entry's.
+PyObject* run(PyObject* const* args, const Route& r) {
+  switch (r.kind) {
+    case kTorch: return run_torch(args);
+    case kSage: return run_sage(args, r);
+    case kAliasTorch: return run_alias_torch(args);
+    default: Py_RETURN_TRUE;
+  }
+}
+
+// An entry point's answer: its kept route's, or None (nothing kept for the key, a mode active,
+// or any C++ exception, out of memory say: the Python path then runs the call and raises).
+PyObject* answer(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, const char* usage,
+                 KeyFn make) {
+  if (nargs != want) {
+    PyErr_SetString(PyExc_TypeError, usage);
     return nullptr;
   }
   if (g_routes.empty()) Py_RETURN_NONE;
   try {
-    const Route* r = find(args, make_key);
+    const Route* r = find(args, make);
     if (r == nullptr) Py_RETURN_NONE;
-    return r->kind == kTorch ? run_torch(args) : run_sage(args, *r);
+    return run(args, *r);
   } catch (const std::exception&) {
-    // (Out of memory, say: the Python path runs the call again and raises torch's error.)
     Py_RETURN_NONE;
   }
+}
+
+// call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa): a drop-in call.
+PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return answer(args, nargs, 8, "call takes the 8 arguments of the drop-in", make_key);
 }
 
 // sageattn(q, k, v, tensor_layout, is_causal, sm_scale, qk_bits, smooth_k, smooth_q, smooth_v,
-// causal_align, kernel): the output of an eager sageattn call (no LSE) whose plan is kept, or
-// None.
+// causal_align, kernel): an eager sageattn call without an LSE.
 PyObject* sageattn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 12) {
-    PyErr_SetString(PyExc_TypeError, "sageattn takes 12 arguments");
-    return nullptr;
-  }
-  if (g_routes.empty()) Py_RETURN_NONE;
-  try {
-    const Route* r = find(args, make_sageattn_key);
-    if (r == nullptr) Py_RETURN_NONE;
-    return run_sage(args, *r);
-  } catch (const std::exception&) {
-    Py_RETURN_NONE;
-  }
+  return answer(args, nargs, 12, "sageattn takes 12 arguments", make_sageattn_key);
 }
 
-// alias(q, k, v, tensor_layout, is_causal, sm_scale, smooth_k, smooth_v): for a kept call of the
-// official-API alias, torch's output (its route to torch) or True (its route to sageattn, which
-// the caller then calls); None where nothing is kept.
+// alias(q, k, v, tensor_layout, is_causal, sm_scale, smooth_k, smooth_v): an official-API alias
+// call (True: its route is sageattn, which the caller then calls).
 PyObject* alias(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 8) {
-    PyErr_SetString(PyExc_TypeError, "alias takes 8 arguments");
-    return nullptr;
-  }
-  if (g_routes.empty()) Py_RETURN_NONE;
-  try {
-    const Route* r = find(args, make_alias_key);
-    if (r == nullptr) Py_RETURN_NONE;
-    if (r->kind == kAliasSage) Py_RETURN_TRUE;
-    return run_alias_torch(args);
-  } catch (const std::exception&) {
-    Py_RETURN_NONE;
-  }
+  return answer(args, nargs, 8, "alias takes 8 arguments", make_alias_key);
 }
 
 // A route of `kind` from its args and workspace_alloc (kSage needs configure() first).
