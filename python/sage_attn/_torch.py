@@ -753,10 +753,12 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
               smooth_k=smooth_k, smooth_v=smooth_v, return_lse=return_lse, fallback=_RAISE,
               family=kernel_code)
     o, lse = _call(c)
-    if (fast and type(q) is _Tensor and q.is_cuda and not _functorch_on()
+    if (fast and type(q) is _Tensor and q.is_cuda and not _training(q, k, v)
+            and _dispatch_stack_len() == 0 and not _function_mode_on() and not _functorch_on()
             and (_fast_ready or _fast_configure())):
-        # The plan this call ran (or its op planned) is the fast path's for the next one with
-        # the same key (which leaves out training calls: they need the op, for autograd).
+        # The plan this call ran is the fast path's for the next one with the same key. Not a
+        # call that trains (it needs the op, for autograd: the key refuses it too) nor one under a
+        # mode (the fast path answers none): each of those would pay the lookup and come back.
         try:
             prep = _prepared.get(_key(c))
         except RuntimeError:  # (a tensor without storage: nothing planned to keep)
