@@ -1,15 +1,16 @@
-"""The SDPA drop-in's C++ fast path: where its build lives, building it, loading it.
+"""The C++ fast path of the SDPA drop-in, sageattn and the official-API alias: where its build
+lives, building it, loading it.
 
 The package reaches the library through its C API (ctypes), so nothing in it is tied to a torch
-version. The price is host time: a drop-in call that repeats a signature still reads the
-tensors' attributes, hashes them and looks the route up in Python, a few microseconds a call.
+version. The price is host time: a call that repeats a signature still reads the tensors'
+attributes, checks them and looks its route or plan up in Python, a few microseconds a call.
 This module compiles `_dropin_fast.cpp` against the installed torch (its headers, libraries and
-C++ ABI) into a cache directory; the drop-in then answers repeated calls in C++ (the route to
-torch's SDPA and the direct route to sage), and everything else as before. Without a build the
-drop-in is the same Python it was.
+C++ ABI) into a cache directory; sage_attn then answers repeated calls in C++ (a route to
+torch's SDPA, a direct run of sage) and everything else as before. Without a build it is the
+same Python it was.
 
     python -m sage_attn.fastpath            # build (about half a minute), then load it
-    SAGE_FASTPATH=0                         # the drop-in ignores a build
+    SAGE_FASTPATH=0                         # sage_attn ignores a build
     SAGE_FASTPATH_DIR=/path                 # where builds go (default ~/.cache/sage_attn)
 
 A build is named by torch's version, the Python version and the source's hash, so an upgrade of
@@ -75,14 +76,14 @@ def build(verbose: bool = False) -> pathlib.Path:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"building the drop-in's fast path failed ({cmd[0]}):\n{r.stderr}")
+        raise RuntimeError(f"building sage_attn's fast path failed ({cmd[0]}):\n{r.stderr}")
     os.replace(tmp, out)  # (atomic: a concurrent loader sees no half-written file)
     return out
 
 
 def load():
     """The built module for this torch, or None (not built, SAGE_FASTPATH=0, or it fails to
-    load: the drop-in then runs its Python path)."""
+    load: sage_attn then runs its Python path)."""
     if os.environ.get("SAGE_FASTPATH", "1") == "0":
         return None
     try:

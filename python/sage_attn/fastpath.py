@@ -1,5 +1,5 @@
-"""python -m sage_attn.fastpath: build the SDPA drop-in's C++ fast path for the installed torch
-(sage_attn._fastpath has the why and the how)."""
+"""python -m sage_attn.fastpath: build the C++ fast path of the SDPA drop-in, sageattn and the
+official-API alias for the installed torch (sage_attn._fastpath has the why and the how)."""
 import sys
 
 from ._fastpath import __doc__ as _DOC, build, load
@@ -15,7 +15,7 @@ def main(argv=None) -> int:
     if load() is None:
         print(f"built {out}, but it does not load (SAGE_FASTPATH=0?)", file=sys.stderr)
         return 1
-    print(f"built {out}; the SDPA drop-in uses it from the next import of sage_attn")
+    print(f"built {out}; sage_attn uses it from its next import")
     return 0
 
 

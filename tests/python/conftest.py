@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# The drop-in's C++ fast path, where scripts/test built it (python -m sage_attn.fastpath): the
+# sage_attn's C++ fast path, where scripts/test built it (python -m sage_attn.fastpath): the
 # suite runs with it, except in the modules below.
 os.environ.setdefault("SAGE_FASTPATH_DIR", str(ROOT / "build" / "fastpath"))
 try:
