@@ -116,7 +116,11 @@ typedef enum sage_pv_format {
 } sage_pv_format;
 
 typedef enum sage_v_scale {
-  SAGE_V_SCALE_PER_CHANNEL = 0,       /* max |V[:, c]| over the whole sequence */
+  SAGE_V_SCALE_PER_CHANNEL = 0,       /* from max |V[:, c] - v_mean[c]| over the sequence:
+                                         with V smoothing that max; without, the larger of
+                                         twice its max over K's mean sample of the tokens
+                                         (k_mean_tokens) and the max itself, so that the
+                                         pre-pass quantizes V without reading all of it first */
   SAGE_V_SCALE_PER_BLOCK_CHANNEL = 1, /* max |V[block, c]| per key block (a flush every block) */
   SAGE_V_SCALE_PER_BLOCK = 2          /* one power of two per key block (all channels), folded
                                          into P~'s exponent: any pv_accum; FP8_E4M3 V only */
@@ -147,7 +151,9 @@ typedef enum sage_kernel {
 /* sage_attention_args.options flags. */
 #define SAGE_OPTION_PREPASS_Q 1u /* sm90: Q quantized by the pre-pass instead of inside the kernel */
 #define SAGE_OPTION_PREPASS_KV_SPLIT 2u /* K/V pre-pass in three launches (statistics, finalize,
-                                           quantize) where it would run as one cluster launch */
+                                           quantize) where it would run as one cluster launch
+                                           (with V smoothing; without it the pre-pass starts
+                                           from a sample of the tokens either way) */
 #define SAGE_OPTION_WHOLE_TILES 4u /* sm90: no split tail: the last round's tiles run whole, one
                                       CTA each (sage_quant_config.split_tiles) */
 #define SAGE_OPTION_PREPASS_KV_BLOCKS 8u /* the three-launch K/V pre-pass quantizes with a CTA per

@@ -721,7 +721,8 @@ def sageattn(q, k, v, tensor_layout="HND", is_causal=False, sm_scale=None, retur
     Hq a multiple of Hkv (GQA/MQA); D a multiple of 8 from 8 to 256 on the GPU; fp16 or bf16 (fp32
     too on the CPU, where the exact CPU emulation runs). is_causal masks with the alignment
     causal_align ("bottom_right" as FlashAttention, "top_left" as torch SDPA). smooth_q None = on
-    for 4-bit only; smooth_v None = on (free in this library's kernel). Returns o, or (o, lse) with
+    for 4-bit only; smooth_v None = on (V's exact channel mean: a pass over V; False is faster
+    at short lengths). Returns o, or (o, lse) with
     lse [B,Hq,Nq] float32, the natural log of each row's softmax denominator. kernel (CUDA):
     None/"auto" the library's choice, "mma" the portable mma.sync kernel, "sm90" the Hopper wgmma
     kernel (ValueError where it has no kernel for the call).

@@ -131,7 +131,8 @@ struct PrepassPlan {
   int bits = 8;                 // QK format: 8 (INT8) or 4 (INT4)
   bool smooth_q = false, smooth_k = false, smooth_v = false;
   // The K smoothing mean is taken over tokens 0, s, 2s, ... < Nk (s = k_mean_stride,
-  // k_mean_samples of them; sage_quant_config::k_mean_tokens); V's statistics over every token.
+  // k_mean_samples of them; sage_quant_config::k_mean_tokens); V's scale is bounded from the same
+  // sample (kv_sampled), or, with V smoothing, from V's statistics over every token.
   int64_t k_mean_stride = 1, k_mean_samples = 0;
   int32_t k_mean_tokens = 0;  // the kernels take each sequence's stride from its own length
   bool quantize_q = true;       // false: the sm90 kernel quantizes Q itself (fused Q)
@@ -143,6 +144,12 @@ struct PrepassPlan {
   // three-launch path (kv_stats, kv_finalize, quant_kv), for heads of more chunks than a cluster
   // holds and GPUs without clusters.
   int kv_cluster = 0;
+  // K/V from a sample (sample.cuh, without V smoothing): kv_sample (K's mean and V's bounds from
+  // K's mean sample), quant_kv checking V against the bounds, fix_v (re-quantizes a head where V
+  // lay past them): V's scale by v_sample_bound's rule (common/formats.h), as the emulation's.
+  // With V smoothing the exact mean needs a pass over all of V first, which gives V's exact range
+  // too: kv_cluster or the three statistics launches.
+  bool kv_sampled = false;
   // The width of the kernels' loads of the caller's rows (their kVec): 16 bytes (cp.async where a
   // chunk is staged) where every row of the tensor starts 16-byte aligned (rows_aligned16), else
   // 2 bytes. vec_kv: K and V both; vec_q: Q (quant_q). The planner sets them from the call's
@@ -164,8 +171,8 @@ struct PrepassPlan {
   // region has the offset of the next one. kv_stats is not a region of its own (see
   // make_prepass_plan).
   size_t q = 0, q_scale = 0, q_mean = 0, lse_shift = 0, k = 0, k_scale = 0, v = 0,
-         kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, tile_counter = 0,
-         kv_bad = 0, split_parts = 0, total = 0;
+         kv_stats = 0, k_mean = 0, v_mean = 0, v_scale = 0, v_inv = 0, v_bound = 0, v_amax = 0,
+         v_over = 0, tile_counter = 0, kv_bad = 0, split_parts = 0, total = 0;
   // The 32-bit counters at tile_counter the pre-pass zeroes: the causal scheduler's two, then the
   // split tail's flags (SplitRegions).
   int64_t counters = 2;
@@ -203,7 +210,8 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   p.row_bytes = head_dim * bits / 8;
   // K/V statistics are reduced in fixed-size token chunks (deterministic, no atomics).
   p.stat_chunks = (seq_kv + kStatTokens - 1) / kStatTokens;
-  p.kv_cluster = p.stat_chunks <= max_kv_cluster ? int(p.stat_chunks) : 0;
+  p.kv_sampled = !smooth_v;
+  p.kv_cluster = !p.kv_sampled && p.stat_chunks <= max_kv_cluster ? int(p.stat_chunks) : 0;
   p.k_mean_stride = k_mean_stride;
   p.k_mean_samples = (seq_kv + p.k_mean_stride - 1) / p.k_mean_stride;
   p.k_mean_tokens = k_mean_tokens;
@@ -251,9 +259,14 @@ inline PrepassPlan make_prepass_plan(int64_t batch, int64_t heads_q, int64_t hea
   p.v_mean = take(size_t(bk * head_dim) * 4);
   p.v_scale = take(size_t(bk * head_dim) * 4);
   p.v_inv = take(size_t(bk * head_dim) * 4);
+  // V's sampled bounds, the exact maxima of channels past them, a mark a head (VBound; written
+  // by the sampled path only, laid out always).
+  p.v_bound = take(size_t(bk * head_dim) * 4);
+  p.v_amax = take(size_t(bk * head_dim) * 4);
+  p.v_over = take(size_t(bk) * 4);
   // The sm90 kernel's causal tile scheduler: {next tile, CTAs done}, and the split tail's flags,
-  // zeroed by the pre-pass (kv_finalize, kv_prepass) and reset by the kernel (the causal
-  // scheduler's last CTA, each split tile's merger).
+  // zeroed by the pre-pass (kv_sample, kv_finalize, kv_prepass) and reset by the kernel (the
+  // causal scheduler's last CTA, each split tile's merger).
   p.counters = 2 + split.flags;
   p.tile_counter = take(size_t(p.counters) * 4);
   // Per KV head: the first key whose K or V row holds Inf/NaN (kKvBadNone: none), for the rows

@@ -74,6 +74,7 @@ struct Parts {
   HeadFinalOut final_out;
   HeadFinalIn final_in;
   KvQuantOut kv_out;
+  VBound v_bound;
   QInput q_in;
   QHeads q_heads;
   QRows q_rows;
@@ -97,6 +98,8 @@ Parts parts_of(const Plan& p, const PrepassInputs& in, uint8_t* ws) {
                  reinterpret_cast<unsigned*>(ws + p.tile_counter), kv_bad, int32_t(p.counters)};
   x.final_in = {f32(p.k_mean), f32(p.v_mean), f32(p.v_inv), kv_bad};
   x.kv_out = {ws + p.k, f32(p.k_scale), ws + p.v};
+  x.v_bound = {f32(p.v_bound), reinterpret_cast<unsigned*>(ws + p.v_amax),
+               reinterpret_cast<unsigned*>(ws + p.v_over)};
   x.q_in = {in.q, in.q_strides, dim};
   x.q_heads = {int(p.heads_kv), int(p.heads_q / p.heads_kv), p.batch * p.heads_q};
   x.q_rows = {p.q_rows, p.kv_rows, p.shift_rows};
@@ -138,6 +141,40 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
       }
       return;
     }
+    // Three launches either way: sampled (kv_sample, quant_kv checking V, fix_v), or the
+    // statistics (kv_stats, kv_finalize, quant_kv).
+    auto quantize = [&](auto checked) {
+      constexpr bool kCheck = decltype(checked)::value;
+      const QuantKvParams qp{x.kv_in, x.heads, x.final_in, x.kv_out, x.v_bound};
+      if (p.kv_grid > 0) {
+        if constexpr (D == 64) {
+          constexpr auto kernel = quant_kv_staged_kernel<T, D, kBits, kVec, kCheck>;
+          check(set_max_dynamic_smem_once<kernel>(device, kStagedQuantKvBytes<D>));
+          check(launch_pdl(kernel,
+                           {dim3(unsigned(p.kv_grid)), dim3(kKvThreads),
+                            size_t(kStagedQuantKvBytes<D>)},
+                           st, qp));
+        } else {
+          check(cudaErrorInvalidConfiguration);  // planned for D = 64 only (plan.cpp)
+        }
+      } else {
+        check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec, kCheck>,
+                         {kv_grid(p.k_blocks), dim3(kKvThreads)}, st, qp));
+      }
+    };
+    if (p.kv_sampled) {
+      check(launch_pdl(kv_sample_kernel<T, D, kVec>,
+                       {dim3(unsigned(x.heads.bk)), dim3(kSampleThreads)}, st,
+                       KvSampleParams{x.kv_in, x.heads, x.sampling, x.smoothing, x.final_out,
+                                      x.v_bound}));
+      if (err != cudaSuccess) return;
+      quantize(std::true_type{});
+      if (err != cudaSuccess) return;
+      const int64_t fix_ctas = p.k_blocks < kFixCtas ? p.k_blocks : kFixCtas;
+      check(launch_pdl(fix_v_kernel<T, D, kVec>, {kv_grid(fix_ctas), dim3(kKvThreads)}, st,
+                       VFixParams{x.kv_in, x.heads, x.final_out, x.kv_out, x.v_bound}));
+      return;
+    }
     constexpr auto stats_kernel = kv_stats_kernel<T, D, kVec>;
     check(set_max_dynamic_smem_once<stats_kernel>(device, Stage<D>::kBytes));
     check(launch_pdl(stats_kernel,
@@ -150,22 +187,7 @@ cudaError_t launch_dim(const Plan& p, const PrepassInputs& in, uint8_t* ws, int 
     check(launch_pdl(kv_finalize_kernel<D>, {dim3(unsigned(x.heads.bk)), dim3(kFinalize)}, st,
                      KvFinalizeParams{x.stats, x.heads, x.sampling, x.smoothing, x.final_out}));
     if (err != cudaSuccess) return;
-    const QuantKvParams qp{x.kv_in, x.heads, x.final_in, x.kv_out};
-    if (p.kv_grid > 0) {
-      if constexpr (D == 64) {
-        constexpr auto kernel = quant_kv_staged_kernel<T, D, kBits, kVec>;
-        check(set_max_dynamic_smem_once<kernel>(device, kStagedQuantKvBytes<D>));
-        check(launch_pdl(kernel,
-                         {dim3(unsigned(p.kv_grid)), dim3(kKvThreads),
-                          size_t(kStagedQuantKvBytes<D>)},
-                         st, qp));
-      } else {
-        check(cudaErrorInvalidConfiguration);  // planned for D = 64 only (plan.cpp)
-      }
-    } else {
-      check(launch_pdl(quant_kv_kernel<T, D, kBits, kVec>, {kv_grid(p.k_blocks), dim3(kKvThreads)},
-                       st, qp));
-    }
+    quantize(std::false_type{});
   };
   auto quant = [&](auto bits, auto vkv, auto vq) {
     constexpr int kBits = decltype(bits)::value;
@@ -246,7 +268,8 @@ int ctas_per_sm(int device, int bytes) {
 int staged_quant_kv_ctas(int device) {
   // The fp16 INT8 16-byte-load instantiation stands for all: the others differ in nothing that
   // limits residency (the same shared memory; registers under the same bounds).
-  return ctas_per_sm<quant_kv_staged_kernel<__half, 64, 8, true>>(device, kStagedQuantKvBytes<64>);
+  return ctas_per_sm<quant_kv_staged_kernel<__half, 64, 8, true, true>>(device,
+                                                                      kStagedQuantKvBytes<64>);
 }
 
 cudaError_t run_prepass(const Plan& plan, const PrepassInputs& in, uint8_t* workspace, int device,

@@ -84,8 +84,11 @@ std::vector<Real> load_rows(const TensorView& t, int64_t b, int64_t h, int64_t r
 // V - v_mean ([Nk][D], in place) to the P·V format: FP4 runs of keys per channel; a power of
 // two per key block (SAGE_V_SCALE_PER_BLOCK, kp.v_exponent); or amax / v_max per channel, or per
 // (key block, channel) (kp.v_scale); or the format alone where it takes no scale.
+// sample > 0 (a per-channel scale without V smoothing): every channel's amax is at least
+// v_sample_bound of its max over tokens 0, sample, 2·sample, ... (formats.h).
 template <typename Real>
-void quantize_v(const sage_quant_config& cfg, int64_t Nk, int64_t D, KvPrep<Real>& kp) {
+void quantize_v(const sage_quant_config& cfg, int64_t Nk, int64_t D, int64_t sample,
+                KvPrep<Real>& kp) {
   const PvFormat pv = pv_format_of(cfg.pv_format);
   const int64_t bk = cfg.block_k, k_blocks = (Nk + bk - 1) / bk;
   const bool block_v_scale = cfg.v_scale == SAGE_V_SCALE_PER_BLOCK_CHANNEL && pv.v_max > 0;
@@ -117,6 +120,13 @@ void quantize_v(const sage_quant_config& cfg, int64_t Nk, int64_t D, KvPrep<Real
         a = std::max(a, float(std::fabs(kp.v[size_t(j * D + d)])));
       }
     }
+    if (!block_v_scale && sample > 0)
+      for (int64_t d = 0; d < D; ++d) {
+        float smax = 0.0f;
+        for (int64_t j = 0; j < Nk; j += sample)
+          smax = std::max(smax, float(std::fabs(kp.v[size_t(j * D + d)])));
+        amax[size_t(d)] = std::max(amax[size_t(d)], v_sample_bound(smax));
+      }
     for (int64_t j = 0; j < Nk; ++j) {
       const int64_t row = block_v_scale ? j / bk : 0;
       for (int64_t d = 0; d < D; ++d) {
@@ -154,7 +164,10 @@ KvPrep<Real> prepare_kv(const Problem& p, const sage_quant_config& cfg, const Te
   kp.v_mean = cfg.smooth & SAGE_SMOOTH_V ? channel_mean(kp.v, 0, Nk, D)
                                          : std::vector<Real>(size_t(D), Real(0));
   subtract_mean(kp.v, 0, Nk, D, kp.v_mean);
-  quantize_v(cfg, Nk, D, kp);
+  // Without V smoothing V's scale is bounded from K's mean sample (v_sample_bound); with it the
+  // exact channel range, which the pass for V's exact mean gives anyway.
+  quantize_v(cfg, Nk, D,
+             cfg.smooth & SAGE_SMOOTH_V ? 0 : mean_token_stride(Nk, cfg.k_mean_tokens), kp);
   return kp;
 }
 

@@ -521,9 +521,10 @@ size_t documented_workspace(const Shape& s, int bits, bool prepass_q, bool smoot
   size_t w = up256(bk * nk * r)          // K^
              + up256(bk * nk / 4)        // K scales: 4 floats a 64-key block
              + up256(bk * s.D * nk)      // V^ᵀ (E4M3)
-             + 4 * up256(4 * bk * s.D)   // K mean, V mean, V scale, 1 / V scale
+             + 6 * up256(4 * bk * s.D)   // K mean, V mean, V scale, 1 / V scale, V's bound, max
              + up256(4 * (2 + split.tiles * consumers))  // the sm90 tile counters, split flags
              + up256(8 * bk)             // each KV head's first non-finite key
+             + up256(4 * bk)             // each KV head's mark: V past its bound
              + up256(split.ctas * consumers * 512 * (s.D / 2 + 4));  // the split tail's parts
   if (prepass_q) w += up256(bq * nq * r) + up256(2 * bq * nq);  // Q^, 64 scales a 128-row block
   if (smooth_q) w += up256(4 * bq * (nq / 128) * s.D);          // Q's block means
@@ -559,8 +560,8 @@ Plan plan_of(const Shape& s, const Device& dev, sage_variant variant, bool lse,
 
 TEST(Workspace, OutputPlusKvAndScalesAt32k) {
   // B=1, H=32, N=32k, D=128, 8-bit on the H100 (the wgmma kernel, Q quantized in the kernel), no
-  // LSE: K^ and V^ (128 MiB each), K's scales (256 KiB), the four per-channel vectors (16 KiB
-  // each), the tile counters and the heads' first non-finite keys (256 bytes each); with the
+  // LSE: K^ and V^ (128 MiB each), K's scales (256 KiB), the six per-channel vectors (16 KiB
+  // each), the tile counters, the heads' first non-finite keys and marks (256 bytes each); with the
   // output (256 MiB), 512.3 MiB in all. (8192 tiles on 132 SMs: 62 rounds and 8 tiles, which a
   // split tail would shorten by well under 1 %: whole tiles, no parts in the workspace.)
   const Shape s{1, 32, 32, 32768, 32768, 128};
@@ -570,7 +571,7 @@ TEST(Workspace, OutputPlusKvAndScalesAt32k) {
   ASSERT_TRUE(p.fused_q);
   EXPECT_EQ(p.split.tiles, 0);
   const size_t output = size_t(s.B * s.Hq * s.Nq * s.D) * 2;
-  EXPECT_EQ(p.prepass.total, 256 * kMiB + 256 * 1024 + 4 * 16 * 1024 + 256 + 256);
+  EXPECT_EQ(p.prepass.total, 256 * kMiB + 256 * 1024 + 6 * 16 * 1024 + 3 * 256);
   EXPECT_EQ(p.prepass.total, documented_workspace(s, 8, false, false, false, p.split));
   EXPECT_LE(output + p.prepass.total, 512 * kMiB + kMiB / 2);
   // With the LSE: 4 bytes a query row more (4 MiB), as the LSE itself.

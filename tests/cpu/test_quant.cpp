@@ -12,6 +12,7 @@
 
 #include "common/test_util.h"
 #include "ref/ablations.h"
+#include "ref/emulate.h"
 #include "ref/synthetic.h"
 
 namespace sage::ref {
@@ -218,6 +219,60 @@ TEST(Emulation, PvQuantizationMatchesIndependentComputation) {
 
 // SAGE_V_SCALE_PER_BLOCK's exponent against its definition through ilogb: amax / 2^e lands in
 // [128, 256) (inside E4M3's 448, its top octave used) over the whole normal float range.
+// Without V smoothing V's per-channel scale comes from v_sample_bound (4x the max of |v| over
+// K's mean sample, tokens 0, s, 2s, ...) unless some token's |v| exceeds it, then from that
+// channel's exact max; with V smoothing from the exact max of |v - v_mean|. The scales the
+// emulation's pre-pass takes, channel by channel, on V with a channel bias and spikes past the
+// bound on tokens the sample skips (two channels), and on a sampled token (it sets the bound).
+TEST(VScale, PerChannelScaleIsBoundedFromKsMeanSample) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t Nk = 1000, D = 16;
+  const Problem p{1, 1, 1, 4, Nk, D, 0.25, SAGE_MASK_NONE};
+  const Fp16Tensor q = test::random_tensor(rng, 1, 1, 4, D, 0.0f);
+  const Fp16Tensor k = test::random_tensor(rng, 1, 1, Nk, D, 0.0f);
+  Fp16Tensor v = test::random_tensor(rng, 1, 1, Nk, D, 2.0f);
+  const int64_t stride = mean_token_stride(Nk, 256);
+  ASSERT_EQ(stride, 3);
+  auto set = [&](int64_t j, int64_t d, float x) {
+    v.data[size_t(j * D + d)] = uint16_t(encode_float(kFp16, x, false));
+  };
+  set(1, 0, 90.0f);     // past the bound, a token the sample skips
+  set(500, 1, -100.0f);  // the same, negative
+  set(300, 3, 30.0f);    // a sampled token: it sets the bound itself
+  const std::vector<double> x = test::head_matrix(v, 0, Nk, D);
+  for (const unsigned smooth : {unsigned(SAGE_SMOOTH_K), unsigned(SAGE_SMOOTH_K | SAGE_SMOOTH_V)}) {
+    SCOPED_TRACE("smooth " + std::to_string(smooth));
+    sage_quant_config cfg = quant_preset(SAGE_VARIANT_SAGE2_8B);
+    cfg.smooth = smooth;
+    const emu::Prepass<float> pre = emu::prepass<float>(p, cfg, q.view(), k.view(), v.view(), 1);
+    const emu::KvPrep<float>& kp = pre.kv[0];
+    int past = 0, bounded = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      float exact = 0.0f, sample = 0.0f;
+      for (int64_t j = 0; j < Nk; ++j) {
+        const float c = float(x[size_t(j * D + d)]) - kp.v_mean[size_t(d)];
+        exact = std::max(exact, std::fabs(c));
+        if (j % stride == 0) sample = std::max(sample, std::fabs(c));
+      }
+      float amax = exact;
+      if (!(smooth & SAGE_SMOOTH_V)) {
+        amax = std::max(exact, v_sample_bound(sample));
+        (exact > v_sample_bound(sample) ? past : bounded) += 1;
+      }
+      EXPECT_EQ(kp.v_scale[size_t(d)], make_quant_scale(amax, kE4M3Max).scale) << "channel " << d;
+    }
+    if (!(smooth & SAGE_SMOOTH_V)) {
+      EXPECT_GE(past, 2);  // channels 0 and 1
+      EXPECT_GE(bounded, D - 4);
+    }
+  }
+  // Exactly at the bound is within it.
+  EXPECT_EQ(v_sample_bound(3.0f), 12.0f);
+  EXPECT_EQ(v_sample_bound(3.0e38f), 3.402823466e38f);
+}
+
 TEST(VScale, BlockExponentPutsTheBlockMaxInTheTopOctave) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -356,11 +411,12 @@ TEST(Emulation, PerBlockVScaleMatchesIndependentComputation) {
   EXPECT_LT(compare(exact.data(), got.data(), Nq * D).rel_l1, 0.05);
 }
 
-// K's smoothing mean from tokens 0, s, 2s, ... (sage_quant_config.k_mean_tokens), V's from every
-// token: the float emulation with smoothing equals, bit for bit, the emulation without smoothing
-// run on K - k̄ and V - v̄ made here (fp32 inputs) with v̄ added back, where k̄ (v̄) is the double
-// sum over the sampled (all) tokens divided by their count, rounded to float. k_mean_tokens 0 is
-// every token (the behaviour before k_mean_tokens existed); 256 of 1000 tokens is stride 3, 334.
+// K's smoothing mean from tokens 0, s, 2s, ... (sage_quant_config.k_mean_tokens): the float
+// emulation with K smoothing equals, bit for bit, the emulation without smoothing run on K - k̄
+// made here (fp32 inputs), where k̄ is the double sum over the sampled tokens divided by their
+// count, rounded to float (V unsmoothed on both sides: its scale from the same sample of the same
+// values). k_mean_tokens 0 is every token (the behaviour before k_mean_tokens existed); 256 of
+// 1000 tokens is stride 3, 334.
 TEST(SmoothingMeans, StridedMeansAreTheMeansOfTheSampledTokens) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -384,29 +440,28 @@ TEST(SmoothingMeans, StridedMeansAreTheMeansOfTheSampledTokens) {
        {std::tuple<int32_t, int64_t, int64_t>{0, 1, 1000}, {256, 3, 334}}) {
     SCOPED_TRACE("k_mean_tokens " + std::to_string(k_mean_tokens));
     ASSERT_EQ(mean_token_stride(Nk, k_mean_tokens), stride);
-    std::vector<float> shifted[2], mean[2];
-    for (int t = 0; t < 2; ++t) {
-      const std::vector<double> X = test::head_matrix(t == 0 ? k : v, 0, Nk, D);
-      const int64_t step = t == 0 ? stride : 1;  // V: every token
+    std::vector<float> shifted, mean;
+    {
+      const std::vector<double> X = test::head_matrix(k, 0, Nk, D);
       std::vector<double> sum(static_cast<size_t>(D), 0.0);
       int64_t taken = 0;
-      for (int64_t j = 0; j < Nk; j += step, ++taken)
+      for (int64_t j = 0; j < Nk; j += stride, ++taken)
         for (int64_t d = 0; d < D; ++d) sum[size_t(d)] += X[size_t(j * D + d)];
-      ASSERT_EQ(taken, t == 0 ? count : Nk);
-      for (int64_t d = 0; d < D; ++d) mean[t].push_back(float(sum[size_t(d)] / double(taken)));
+      ASSERT_EQ(taken, count);
+      for (int64_t d = 0; d < D; ++d) mean.push_back(float(sum[size_t(d)] / double(taken)));
       for (int64_t j = 0; j < Nk; ++j)
         for (int64_t d = 0; d < D; ++d)
-          shifted[t].push_back(float(X[size_t(j * D + d)]) - mean[t][size_t(d)]);
+          shifted.push_back(float(X[size_t(j * D + d)]) - mean[size_t(d)]);
     }
     sage_quant_config cfg = quant_preset(SAGE_VARIANT_SAGE2_8B);
     cfg.k_mean_tokens = k_mean_tokens;
+    // V unsmoothed on both sides (its scale then comes from the same sample of the same values).
+    cfg.smooth = SAGE_SMOOTH_K;
     std::vector<float> got(size_t(Nq * D)), want(got.size());
     attention_quant(p, cfg, q.view(), k.view(), v.view(), got.data(), nullptr);
     cfg.smooth = 0;
-    const TensorView ks{shifted[0].data(), SAGE_DTYPE_FP32, strides},
-        vs{shifted[1].data(), SAGE_DTYPE_FP32, strides};
-    attention_quant(p, cfg, q.view(), ks, vs, want.data(), nullptr);
-    for (int64_t i = 0; i < Nq * D; ++i) want[size_t(i)] += mean[1][size_t(i % D)];
+    const TensorView ks{shifted.data(), SAGE_DTYPE_FP32, strides};
+    attention_quant(p, cfg, q.view(), ks, v.view(), want.data(), nullptr);
     EXPECT_EQ(first_difference(got, want), -1);
     outputs[k_mean_tokens] = got;
   }
@@ -415,7 +470,7 @@ TEST(SmoothingMeans, StridedMeansAreTheMeansOfTheSampledTokens) {
   // k_mean_tokens >= N, and N / k_mean_tokens == 1, take every token too.
   for (int32_t k_mean_tokens : {1000, 600, 4096}) {
     sage_quant_config cfg = quant_preset(SAGE_VARIANT_SAGE2_8B);
-    cfg.k_mean_tokens = k_mean_tokens;
+    cfg.k_mean_tokens = k_mean_tokens, cfg.smooth = SAGE_SMOOTH_K;
     std::vector<float> got(size_t(Nq * D));
     attention_quant(p, cfg, q.view(), k.view(), v.view(), got.data(), nullptr);
     EXPECT_EQ(first_difference(got, outputs[0]), -1) << "k_mean_tokens " << k_mean_tokens;

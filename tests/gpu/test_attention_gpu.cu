@@ -497,6 +497,7 @@ std::pair<GpuRun, GpuRun> expect_same_bits(const Case& c, const Inputs& in, cons
   return {std::move(ra), std::move(rb)};
 }
 
+// With V smoothing (the sampled path takes none: its exact mean needs a pass over all of V),
 // K/V's pre-pass as one cluster launch (a CTA per 128-token chunk, a cluster per KV head) and as
 // three launches (SAGE_OPTION_PREPASS_KV_SPLIT) take the same statistics in the same order and
 // quantize with the same operations, so O and LSE must agree bit for bit: for rows 16-byte
@@ -509,12 +510,13 @@ TEST(GpuAttention, OneLaunchKvPrepassMatchesThreeLaunches) {
   const std::vector<KernelChoice> kernels = kernels_of_this_gpu();
   if (kernels.empty()) GTEST_SKIP() << "no SageAttention2 kernel below sm_89";
   std::mt19937_64 rng(sage::test::fresh_seed());
-  for (const Case& c : {Case{1, 4, 2, 70, 1, 64, kNone, kHND, kF16, k8, 4},
-                        Case{2, 4, 2, 90, 255, 128, kBR, kNHD, kBF16, k8, 4},
-                        Case{1, 3, 3, 130, 1000, 128, kNone, kHND, kF16, k8, 4},
-                        Case{1, 2, 1, 64, 1024, 64, kTL, kNHD, kBF16, k8, 4},
-                        Case{1, 2, 2, 100, 1999, 128, kNone, kNHD, kF16, k8, 4},
-                        Case{1, 2, 2, 257, 700, 128, kNone, kHND, kF16, k4, 4}}) {
+  constexpr unsigned kKV = SAGE_SMOOTH_K | SAGE_SMOOTH_V, kQKV = kKV | SAGE_SMOOTH_Q;
+  for (const Case& c : {Case{1, 4, 2, 70, 1, 64, kNone, kHND, kF16, k8, 4, kKV},
+                        Case{2, 4, 2, 90, 255, 128, kBR, kNHD, kBF16, k8, 4, kKV},
+                        Case{1, 3, 3, 130, 1000, 128, kNone, kHND, kF16, k8, 4, kKV},
+                        Case{1, 2, 1, 64, 1024, 64, kTL, kNHD, kBF16, k8, 4, kKV},
+                        Case{1, 2, 2, 100, 1999, 128, kNone, kNHD, kF16, k8, 4, kKV},
+                        Case{1, 2, 2, 257, 700, 128, kNone, kHND, kF16, k4, 4, kQKV}}) {
     SCOPED_TRACE(name(c));
     const Inputs in = draw_inputs(rng, c);
     for (const KernelChoice& kc : kernels) {
@@ -561,6 +563,72 @@ TEST(GpuAttention, StagedKvQuantizationMatchesOneCtaABlock) {
       const KernelChoice staged{kc.kernel, kSplit, "staged"};
       const KernelChoice blocks{kc.kernel, kSplit | SAGE_OPTION_PREPASS_KV_BLOCKS, "blocks"};
       expect_same_bits(c, in, blocks, staged);
+    }
+  }
+}
+
+// Without V smoothing V's E4M3 scale is bounded from K's mean sample of the tokens
+// (v_sample_bound: 4x the sample's max), and where a value lies past its channel's bound the
+// pre-pass re-quantizes that head's V with the channel's exact max (fix_v), as the emulation's
+// rule amax = max(bound, exact max) says. Spikes of ±80 on tokens the sample skips, in a few
+// channels of one head (the others stay within their bounds), must give the emulation's output
+// (a value saturated at the bound would be off by far more than the bound allows) for both
+// kernel families, fp16 and bf16, D 64 (the staged quantization grid) and 128, GQA, both masks,
+// one spike in the last, partial block; and the same calls without spikes.
+TEST(GpuAttention, VPastItsSampledBoundIsRequantized) {
+  SAGE_REQUIRE_GPU();
+  const std::vector<KernelChoice> kernels = kernels_of_this_gpu();
+  if (kernels.empty()) GTEST_SKIP() << "no SageAttention2 kernel below sm_89";
+  std::mt19937_64 rng(sage::test::fresh_seed());
+  for (const Case& base : {Case{1, 4, 2, 200, 1000, 64, kNone, kHND, kF16, k8, 0},
+                           Case{2, 4, 4, 130, 3001, 128, kBR, kNHD, kBF16, k8, 0},
+                           Case{1, 2, 1, 64, 700, 128, kTL, kHND, kF16, k8, 2},
+                           Case{2, 6, 3, 100, 2500, 64, kNone, kNHD, kBF16, k8, 0}}) {
+    for (const bool spikes : {true, false}) {
+      const Case c = base;
+      SCOPED_TRACE(name(c) + (spikes ? " spikes" : " no spikes"));
+      Inputs in = draw_inputs(rng, c);
+      const int64_t stride = std::max<int64_t>(1, c.Nk / 256);  // the presets' k_mean_tokens
+      ASSERT_GT(stride, 1);
+      if (spikes) {
+        const int64_t b = c.B - 1, h = c.Hkv - 1;
+        const int64_t tokens[3] = {1, c.Nk / 2 + 1, c.Nk - 1 - (c.Nk - 1) % stride + 1};
+        for (int s = 0; s < 3; ++s) {
+          const int64_t n = std::min(tokens[s], c.Nk - 1);
+          if (n % stride == 0) continue;
+          for (const int64_t d : {int64_t(3), c.D / 2 + 1, c.D - 1}) {
+            const float x = (s + d) % 2 ? 80.0f : -80.0f;
+            in.v.data[size_t(b * in.v.strides.batch + h * in.v.strides.head +
+                             n * in.v.strides.token + d)] =
+                uint16_t(sage::encode_float(sage::kFp16, x, false));
+          }
+        }
+        in.vd = to_dtype(in.v.data, c.dtype);
+      }
+      CpuSide cpu(c, in, 1.0 / std::sqrt(double(c.D)));
+      for (const KernelChoice& kc : kernels) {
+        SCOPED_TRACE(kc.label);
+        const GpuRun g = run_gpu(c, in.qd, in.kd, in.vd, kc);
+        ASSERT_EQ(g.status, SAGE_OK) << g.error;
+        std::vector<float> got;
+        if (!output_floats(c, g, &got)) continue;
+        const CpuSide::Emulation& e = cpu.emulate(g.plan.emulation);
+        const std::vector<double> want = rounded(c, e.o);
+        double diff = 0, norm = 0, worst = 0, err = 0, ref = 0;
+        for (size_t i = 0; i < want.size(); ++i) {
+          diff += std::fabs(want[i] - got[i]), norm += std::fabs(want[i]);
+          worst = std::max(worst, std::fabs(want[i] - got[i]));
+          err += std::fabs(cpu.exact[i] - got[i]), ref += std::fabs(cpu.exact[i]);
+        }
+        double out_max = 0;
+        for (double w : want) out_max = std::max(out_max, std::fabs(w));
+        const Bound bound = emulation_bound(c, cpu.v_spread, out_max);
+        EXPECT_LE(diff / norm, bound.rel_l1) << worst_at(c, want, got);
+        EXPECT_LE(worst, bound.max_abs) << worst_at(c, want, got);
+        EXPECT_LT(err / ref, 0.1);  // against float64: nothing saturated
+        std::printf("    %-14s %s%s: rel-L1 vs emulation %.2e, vs float64 %.4f\n", kc.label,
+                    name(c).c_str(), spikes ? " spikes" : "", diff / norm, err / ref);
+      }
     }
   }
 }

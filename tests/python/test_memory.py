@@ -24,7 +24,7 @@ def workspace_formula(B, Hq, Hkv, Nq, Nk, D, bits, prepass_q, smooth_q, lse):
     """The workspace formula of docs/c-api.md ("Device memory"), term by term."""
     nq, nk, r = -(-Nq // 128) * 128, -(-Nk // 64) * 64, D * bits // 8
     w = (up256(B * Hkv * nk * r) + up256(B * Hkv * nk // 4) + up256(B * Hkv * D * nk)
-         + 4 * up256(4 * B * Hkv * D) + 256 + up256(8 * B * Hkv))
+         + 6 * up256(4 * B * Hkv * D) + 256 + up256(8 * B * Hkv) + up256(4 * B * Hkv))
     if prepass_q:
         w += up256(B * Hq * nq * r) + up256(2 * B * Hq * nq)
     if smooth_q:

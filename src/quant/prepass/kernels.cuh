@@ -13,6 +13,7 @@
 #include "quant/prepass/kv_split.cuh"
 #include "quant/prepass/params.h"
 #include "quant/prepass/q_quant.cuh"
+#include "quant/prepass/sample.cuh"
 
 namespace sage::quant {
 namespace {
@@ -40,7 +41,8 @@ __global__ void __launch_bounds__(kKvThreads, D <= 64 ? 3 : 2)
   kv_prepass<T, D, kBits, kVec>(p, stage);
 }
 
-// K/V in three launches: statistics, finalize, quantization.
+// K/V in three launches: statistics, finalize, quantization (or, sampled: sample, quantization,
+// fix).
 template <typename T, int D, bool kVec>
 __global__ void __launch_bounds__(kKvThreads, 2)
     kv_stats_kernel(const KvStatsParams params) {
@@ -60,24 +62,40 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 
 // At D = 256 a thread holds twice the K and V words: two CTAs an SM (128 registers; at three,
 // ptxas spilled ~0.5 KB a thread).
-template <typename T, int D, int kBits, bool kVec>
+// kCheck: the sampled path's, which checks V against its bounds (PrepassPlan::kv_sampled).
+template <typename T, int D, int kBits, bool kVec, bool kCheck>
 __global__ void __launch_bounds__(kKvThreads, D <= 64 ? 4 : D <= 128 ? 3 : 2)
     quant_kv_kernel(const QuantKvParams params) {
   const auto p = in_registers(params);
   pdl_enter();
-  quant_kv<T, D, kBits, kVec>(p);
+  quant_kv<T, D, kBits, kVec, kCheck>(p);
 }
 
 // The staged quantization (planned at D = 64): a grid of about the CTAs the SMs hold
 // (PrepassPlan::kv_grid), two stages of a block each in dynamic shared memory
 // (kStagedQuantKvBytes).
-template <typename T, int D, int kBits, bool kVec>
+template <typename T, int D, int kBits, bool kVec, bool kCheck>
 __global__ void __launch_bounds__(kKvThreads, D <= 64 ? 4 : 3)
     quant_kv_staged_kernel(const QuantKvParams params) {
   const auto p = in_registers(params);
   pdl_enter();
   extern __shared__ __align__(16) uint8_t stage[];
-  quant_kv_staged<T, D, kBits, kVec>(p, stage);
+  quant_kv_staged<T, D, kBits, kVec, kCheck>(p, stage);
+}
+
+// The sampled path's first and last launches (sample.cuh): a CTA per (sequence, KV head).
+template <typename T, int D, bool kVec>
+__global__ void __launch_bounds__(kSampleThreads) kv_sample_kernel(const KvSampleParams params) {
+  const auto p = in_registers(params);
+  pdl_enter();
+  kv_sample<T, D, kVec>(p);
+}
+
+template <typename T, int D, bool kVec>
+__global__ void __launch_bounds__(kKvThreads) fix_v_kernel(const VFixParams params) {
+  const auto p = in_registers(params);
+  pdl_enter();
+  fix_v<T, D, kVec>(p);
 }
 
 // Q (PrepassPlan::quantize_q). At D = 256, one CTA an SM: 128 registers for the row's 32 words.

@@ -134,6 +134,71 @@ __device__ __forceinline__ KvBlock<D> load_block_staged(const uint8_t* smem, int
   return x;
 }
 
+// The E4M3 Vᵀ of block kb (pairs of keys vkey0, vkey0 + 1 and vkey0 + 8, vkey0 + 9 of each
+// channel, one word) with the head's v_mean and 1/v_scale (vm, vi); quant_kv_block's V, and the
+// re-quantization of a head whose V lay past its sampled bound (fix_v).
+template <typename T, int D>
+__device__ __forceinline__ void quant_v_block(const KvBlock<D>& x, int64_t kb, int64_t vcol0,
+                                              int64_t pitch, const float* vm, const float* vi,
+                                              uint8_t* vq) {
+  using B = KvBlock<D>;
+  const int sl = B::slice();
+  uint8_t* vdst = vq + vcol0 + int64_t(sl * B::kW) * pitch + kb * kBlockK + 4 * B::group();
+  for (int e = 0; e < B::kW; ++e) {
+    const int c = sl * B::kW + e;
+    const float m = vm[c], s = vi[c];
+    auto val = [&](int u) {
+      const uint32_t bits = (e % 2) ? x.vr[u][e / 2] >> 16 : x.vr[u][e / 2] & 0xFFFFu;
+      return __fmul_rn(__fsub_rn(Bits<T>::to_float(bits), m), s);
+    };
+    const uint32_t lo = ptx::cvt_e4m3x2(val(0), val(1)), hi = ptx::cvt_e4m3x2(val(2), val(3));
+    *reinterpret_cast<uint32_t*>(vdst + int64_t(e) * pitch) = __byte_perm(lo, hi, 0x5410) & x.vkeep;
+  }
+}
+
+// Whether some |v| of the thread's V words (no Inf/NaN: zero_special_keys) lies past its
+// channel's bound (this head's v_sample_bound per channel, `bound`). Without V smoothing
+// |v - v_mean| is |v| exactly, and a float bound compares with a 16-bit value as its conversion
+// to the 16-bit format does (exact for a bound that is 4x a 16-bit value; +inf past the
+// format's range, which no finite value exceeds), so the test runs on packed pairs: a max of
+// the four keys and one compare a channel pair.
+template <typename T, int D>
+__device__ __forceinline__ bool v_past_bound(const KvBlock<D>& x, const float* bound) {
+  using B = KvBlock<D>;
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  const float* b = bound + B::slice() * B::kW;
+  unsigned past = 0u;
+  for (int i = 0; i < B::kW / 2; ++i) {
+    T2 m = __habs2(*reinterpret_cast<const T2*>(&x.vr[0][i]));
+    for (int u = 1; u < 4; ++u) m = __hmax2(m, __habs2(*reinterpret_cast<const T2*>(&x.vr[u][i])));
+    T2 lim;
+    if constexpr (std::is_same_v<T, __half>)
+      lim = __floats2half2_rn(b[2 * i], b[2 * i + 1]);
+    else
+      lim = __floats2bfloat162_rn(b[2 * i], b[2 * i + 1]);
+    past |= __hgt2_mask(m, lim);
+  }
+  return past != 0u;
+}
+
+// A block with a V value past its channel's bound: the exact max of each such channel's |v| over
+// the block goes into the head's v_amax (float bits: non-negative floats order as their bits),
+// and the head is marked for fix_v.
+template <typename T, int D>
+__device__ __forceinline__ void note_v_past_bound(const KvBlock<D>& x, const VCheck& vc) {
+  using B = KvBlock<D>;
+  const int c0 = B::slice() * B::kW;
+  for (int e = 0; e < B::kW; ++e) {
+    float a = 0.0f;
+    for (int u = 0; u < 4; ++u) {
+      const uint32_t bits = (e % 2) ? x.vr[u][e / 2] >> 16 : x.vr[u][e / 2] & 0xFFFFu;
+      a = fmaxf(a, fabsf(Bits<T>::to_float(bits)));
+    }
+    if (a > vc.bound[c0 + e]) atomicMax(vc.amax + c0 + e, __float_as_uint(a));
+  }
+  if (threadIdx.x == 0) atomicOr(vc.over, 1u);
+}
+
 // Quantizes and stores block kb of the (sequence, KV head) whose K̂ rows start at row krow0 and
 // whose Vᵀ at byte vcol0 (channel pitch `pitch`: quant/layout.h, SeqRows). km, vm, vi: the head's
 // k_mean, v_mean and 1/v_scale in shared memory; group_max: [8][4] floats of shared memory (one
@@ -141,12 +206,13 @@ __device__ __forceinline__ KvBlock<D> load_block_staged(const uint8_t* smem, int
 // (KvBlock::zero_special_keys), and k_mean is finite, so K's max is taken on the bits of
 // |k - k_mean| (non-negative floats order as their bits), and with a finite group amax and inv
 // quantize_bits' clamp and NaN test cannot act (see quant_q) and are skipped.
-template <typename T, int D, int kBits>
+template <typename T, int D, int kBits, bool kCheck = false>
 __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, int64_t krow0,
                                                int64_t vcol0, int64_t pitch, const float* km,
                                                const float* vm, const float* vi,
                                                float (*group_max)[4], int64_t seq_kv,
-                                               uint8_t* kq, float* k_scale, uint8_t* vq) {
+                                               uint8_t* kq, float* k_scale, uint8_t* vq,
+                                               VCheck vcheck = {}) {
   using B = KvBlock<D>;
   constexpr float qmax = kBits == 8 ? float(kInt8Max) : float(kInt4Max);
   const int j = B::key(), part = B::part(), warp = threadIdx.x / 32;
@@ -172,23 +238,15 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
   const int t = (j % 8) / 2;
   if (threadIdx.x % 8 == 0) group_max[warp][t] = amax;
 
-  // V: E4M3 pairs (keys vkey0, vkey0 + 1) and (vkey0 + 8, vkey0 + 9) of each channel, one word.
-  {
-    const int sl = B::slice();
-    uint8_t* vdst = vq + vcol0 + int64_t(sl * B::kW) * pitch + kb * kBlockK + 4 * B::group();
-    for (int e = 0; e < B::kW; ++e) {
-      const int c = sl * B::kW + e;
-      const float m = vm[c], s = vi[c];
-      auto val = [&](int u) {
-        const uint32_t bits = (e % 2) ? x.vr[u][e / 2] >> 16 : x.vr[u][e / 2] & 0xFFFFu;
-        return __fmul_rn(__fsub_rn(Bits<T>::to_float(bits), m), s);
-      };
-      const uint32_t lo = ptx::cvt_e4m3x2(val(0), val(1)), hi = ptx::cvt_e4m3x2(val(2), val(3));
-      *reinterpret_cast<uint32_t*>(vdst + int64_t(e) * pitch) =
-          __byte_perm(lo, hi, 0x5410) & x.vkeep;
-    }
-  }
-  __syncthreads();
+  quant_v_block<T, D>(x, kb, vcol0, pitch, vm, vi, vq);
+  // The check of V's sampled bound (kCheck: PrepassPlan::kv_sampled) rides on the barrier the
+  // K scales need anyway; a block with a value past its channel's bound (rare) notes it after.
+  bool past = false;
+  if constexpr (kCheck) past = v_past_bound<T, D>(x, vcheck.bound);
+  if constexpr (kCheck)
+    past = __syncthreads_or(past);
+  else
+    __syncthreads();
 
   amax = 0.0f;
   for (int w = 0; w < 8; ++w) amax = fmaxf(amax, group_max[w][t]);
@@ -200,6 +258,8 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
   uint8_t* const krow = kq + (krow0 + key) * (D * kBits / 8);
   for (int ci = 0; ci < B::kChunks; ++ci)
     quantize_store8<kBits>(krow, (ci * 4 + part) * 8, kc[ci], s.inv, qmax, fast, keep, RowPlace{});
+  if constexpr (kCheck)
+    if (past) note_v_past_bound<T, D>(x, vcheck);
 }
 
 // A packed batch's sequence whose keys end in the first half of a 128-key block (kb, its last

@@ -80,10 +80,18 @@ __device__ __forceinline__ void kv_finalize(const KvFinalizeParams& p) {
   }
 }
 
+// Head bh's part of V's sampled bounds (none where kCheck is off).
+template <bool kCheck>
+__device__ __forceinline__ VCheck v_check(const QuantKvParams& p, int64_t bh, int D) {
+  if constexpr (!kCheck) return {};
+  return {p.v_bound + bh * D, p.v_amax + bh * D, p.v_over + bh};
+}
+
 // The three-launch path's quantization: one CTA (256 threads) per 64-key block, K and V loaded
 // together (the loads of both in flight at once) before the head's means and scales.
 // (The kernel's bounds: kernels.cuh.)
-template <typename T, int D, int kBits, bool kVec>
+// kCheck (the sampled path): V is checked against the head's bounds (quant_kv_block).
+template <typename T, int D, int kBits, bool kVec, bool kCheck>
 __device__ __forceinline__ void quant_kv(const QuantKvParams& p) {
   __shared__ float group_max[8][4];
   __shared__ __align__(16) float km[D];
@@ -113,8 +121,9 @@ __device__ __forceinline__ void quant_kv(const QuantKvParams& p) {
   }
   __syncthreads();
   const int64_t vcol0 = v_base(kv_rows, b, h, sp, D);
-  quant_kv_block<T, D, kBits>(x, kb, kv_rows.row0(b, h, sp), vcol0, kv_rows.pitch, km, vm, vi,
-                              group_max, seq_kv, p.kq, p.k_scale, p.vq);
+  quant_kv_block<T, D, kBits, kCheck>(x, kb, kv_rows.row0(b, h, sp), vcol0, kv_rows.pitch, km,
+                                      vm, vi, group_max, seq_kv, p.kq, p.k_scale, p.vq,
+                                      v_check<kCheck>(p, bh, D));
   zero_v_tail<D>(kv_rows, kb, (seq_kv + kBlockK - 1) / kBlockK, vcol0, p.vq);
 }
 
@@ -135,7 +144,7 @@ struct QuantKvStage {
 template <int D>
 constexpr int kStagedQuantKvBytes = 2 * QuantKvStage<D>::kBytes;
 
-template <typename T, int D, int kBits, bool kVec>
+template <typename T, int D, int kBits, bool kVec, bool kCheck>
 __device__ __forceinline__ void quant_kv_staged(const QuantKvParams& p, uint8_t* smem) {
   static_assert(D <= 128, "a 64-key stage of D = 256 rows is planned with the direct quant_kv");
   using St = QuantKvStage<D>;
@@ -198,9 +207,10 @@ __device__ __forceinline__ void quant_kv_staged(const QuantKvParams& p, uint8_t*
       x.template zero_special_keys<T>(cur.kb * kBlockK, p.kv_bad + bh);
       const float* means = reinterpret_cast<const float*>(here + St::kMeans);
       const int64_t vcol0 = v_base(kv_rows, cur.b, cur.h, cur.sp, D);
-      quant_kv_block<T, D, kBits>(x, cur.kb, kv_rows.row0(cur.b, cur.h, cur.sp), vcol0,
-                                  kv_rows.pitch, means, means + D, means + 2 * D, group_max[i % 2],
-                                  seq_kv, p.kq, p.k_scale, p.vq);
+      quant_kv_block<T, D, kBits, kCheck>(x, cur.kb, kv_rows.row0(cur.b, cur.h, cur.sp), vcol0,
+                                          kv_rows.pitch, means, means + D, means + 2 * D,
+                                          group_max[i % 2], seq_kv, p.kq, p.k_scale, p.vq,
+                                          v_check<kCheck>(p, bh, D));
       zero_v_tail<D>(kv_rows, cur.kb, (seq_kv + kBlockK - 1) / kBlockK, vcol0, p.vq);
     }
     // (No barrier here: quant_kv_block reads the stage only before its own barrier, so every

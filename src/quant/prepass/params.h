@@ -83,6 +83,23 @@ struct HeadFinalIn {
   unsigned long long* kv_bad;
 };
 
+// V's scale from a sample (PrepassPlan::kv_sampled): per (sequence, KV head, channel) the bound
+// v_sample_bound of |v| over K's mean sample, the exact max of |v| of the channels where some
+// value lies past it (float bits, atomicMax; zero elsewhere), and per (sequence, KV head) a mark
+// that some did. kv_sample writes the bounds and zeroes the rest; quant_kv checks and notes;
+// fix_v re-quantizes a marked head's V with the exact max.
+struct VBound {
+  float* v_bound;
+  unsigned* v_amax;
+  unsigned* v_over;
+};
+// One head's part of it, as quant_kv_block reads it.
+struct VCheck {
+  const float* bound = nullptr;
+  unsigned* amax = nullptr;
+  unsigned* over = nullptr;
+};
+
 // INT8/INT4 K̂ rows and their scales, E4M3 Vᵀ.
 struct KvQuantOut {
   uint8_t* kq;
@@ -135,7 +152,11 @@ using KvPrepassParams =
 // The three-launch path (kv_split.cuh): statistics, finalize, quantization.
 using KvStatsParams = ParamsOf<KvInput, KvHeads, KMeanSampling, ChunkStatsOut>;
 using KvFinalizeParams = ParamsOf<ChunkStatsOut, KvHeads, KMeanSampling, Smoothing, HeadFinalOut>;
-using QuantKvParams = ParamsOf<KvInput, KvHeads, HeadFinalIn, KvQuantOut>;
+using QuantKvParams = ParamsOf<KvInput, KvHeads, HeadFinalIn, KvQuantOut, VBound>;
+// The sampled path (sample.cuh): the sample's statistics and bounds, the quantization checking
+// them (QuantKvParams), the re-quantization of a head past them.
+using KvSampleParams = ParamsOf<KvInput, KvHeads, KMeanSampling, Smoothing, HeadFinalOut, VBound>;
+using VFixParams = ParamsOf<KvInput, KvHeads, HeadFinalOut, KvQuantOut, VBound>;
 // Q's quantization and LSE shifts (q_quant.cuh).
 using QuantQParams = ParamsOf<QInput, QHeads, QRows, LseShiftIn, QQuantOut>;
 
