@@ -137,9 +137,17 @@ struct Sm90Definition {
            const std::vector<double>& V, std::vector<double>* out,
            std::vector<double>* lse) const {
     std::vector<double> vscale(static_cast<size_t>(D)), Vq(V.size());
+    // V's scale without V smoothing: the exact max, or v_sample_bound of the max over K's mean
+    // sample (every stride-th token: the presets' 256 samples) where that is larger.
+    const int64_t stride = mean_token_stride(Nk, 256);
     for (int64_t d = 0; d < D; ++d) {
-      float amax = 0;
-      for (int64_t j = 0; j < Nk; ++j) amax = std::max(amax, float(std::fabs(V[size_t(j * D + d)])));
+      float amax = 0, smax = 0;
+      for (int64_t j = 0; j < Nk; ++j) {
+        const float a = float(std::fabs(V[size_t(j * D + d)]));
+        amax = std::max(amax, a);
+        if (j % stride == 0) smax = std::max(smax, a);
+      }
+      amax = std::max(amax, v_sample_bound(smax));
       vscale[size_t(d)] = double(amax / 448.0f);
       for (int64_t j = 0; j < Nk; ++j)
         Vq[size_t(j * D + d)] = round_float(kE4M3, float(V[size_t(j * D + d)]) * (448.0f / amax));
