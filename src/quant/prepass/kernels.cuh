@@ -67,7 +67,7 @@ template <typename T, int D, int kBits, bool kVec, bool kCheck>
 __global__ void __launch_bounds__(kKvThreads, D <= 64 ? 4 : D <= 128 ? 3 : 2)
     quant_kv_kernel(const QuantKvParams params) {
   const auto p = in_registers(params);
-  pdl_enter();
+  if constexpr (!kCheck) pdl_enter();  // (the sampled path's: in quant_kv, after its loads)
   quant_kv<T, D, kBits, kVec, kCheck>(p);
 }
 

@@ -112,6 +112,10 @@ __device__ __forceinline__ void quant_kv(const QuantKvParams& p) {
   if (kb * kBlockK >= seq_kv) return;  // past this sequence's keys (a packed batch)
   KvBlock<D> x =
       load_block_global<T, D, kVec>(k, v, p.ks, p.vs, p.dim, b, h, sp.tok0, kb, seq_kv);
+  // The sampled path (kCheck) enters the PDL chain only here: its block's loads, of the caller's
+  // K and V, are in flight while kv_sample runs. (They are safe before the wait: this grid starts
+  // only once every kv_sample CTA has passed its own wait for the caller's kernels.)
+  if constexpr (kCheck) pdl_enter();
   x.template zero_special_keys<T>(kb * kBlockK, p.kv_bad + bh);
   if (threadIdx.x < D) {
     const int c = threadIdx.x;

@@ -20,10 +20,11 @@
 namespace sage::quant {
 namespace {
 
-constexpr int kSampleThreads = 256;
+constexpr int kSampleThreads = 512;
 
 // One CTA per (sequence, KV head). A thread takes 8 channels (one 16-byte piece of a row) of
-// every G-th sampled token (G = 256 / (D/8) row groups): K summed exactly (scaled_double, as
+// every G-th sampled token (G = 512 / (D/8) row groups; with the presets' 256 samples, 4 to 16
+// rows a thread, their loads issued together: the call waits on this kernel's latency): K summed exactly (scaled_double, as
 // kv_stats: fp16 and bf16 values of moderate range sum exactly in double, so the order is the
 // emulation's in effect), |V| maxed on packed pairs; Inf/NaN elements count as zeros. Then a
 // thread a channel adds the groups: k_mean (over the samples, as kv_finalize), v_mean 0, the
@@ -50,7 +51,7 @@ __device__ __forceinline__ void kv_sample(const KvSampleParams& p) {
   T2 mv[4];
   for (int w = 0; w < 4; ++w) mv[w] = T2(T(0.0f), T(0.0f));
   if (c * 8 < p.dim) {
-#pragma unroll 4
+#pragma unroll 8
     for (int64_t i = g; i < samples; i += kG) {
       const int64_t n = sp.tok0 + i * stride;
       uint4 kw = load_raw8<kVec>(row_ptr(k, p.ks, b, h, n) + c * 8);
