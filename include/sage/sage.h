@@ -183,7 +183,9 @@ typedef struct sage_quant_config {
   int32_t k_mean_tokens; /* K's smoothing mean over tokens 0, s, 2s, ... < N, s = max(1,
                             N / k_mean_tokens) (integer division); 0: every token. V's mean
                             always takes every token (the sm90 kernel's accumulator needs V - v_mean
-                            to sum to zero over the sequence) */
+                            to sum to zero over the sequence); without V smoothing V's scale is
+                            bounded from the same sample (SAGE_V_SCALE_PER_CHANNEL), and 0 makes
+                            the GPU pre-pass read every row first, a CTA a head */
   int32_t softmax_block_k; /* keys per online-softmax block, a multiple of block_k (the sm90
                               kernel: 128-key softmax blocks over 64-key K scale groups);
                               0: block_k */

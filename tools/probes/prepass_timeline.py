@@ -4,10 +4,13 @@
 # torch.profiler (graph_kernels.kernels_of); the kernels' start and end offsets from the first one's
 # start are the medians of seven replays. Shows the K/V pre-pass's launches (kv_stats, kv_finalize,
 # quant_kv or the one-launch kv_prepass) and how far into the call the attention kernel starts and
-# ends (it starts early as a programmatic dependent and waits). Results in bench/results/probes/.
-# Run: python tools/probes/prepass_timeline.py
+# ends (it starts early as a programmatic dependent and waits). --no-smooth-v: the calls without
+# V smoothing (K/V's pre-pass from a sample: kv_sample, quant_kv, fix_v). Results in
+# bench/results/probes/.
+# Run: python tools/probes/prepass_timeline.py [--no-smooth-v]
 import re
 import statistics
+import sys
 
 import torch
 
@@ -32,7 +35,8 @@ def main():
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn((b, h, n, d), generator=gen, device="cuda", dtype=torch.float16)
                    for _ in range(3))
-        g, _ = capture_graph(lambda: sage_attn.sageattn(q, k, v))
+        smooth_v = False if "--no-smooth-v" in sys.argv[1:] else None  # None: the preset's
+        g, _ = capture_graph(lambda: sage_attn.sageattn(q, k, v, smooth_v=smooth_v))
         runs = [kernels_of(g) for _ in range(7)]
         print(f"== {name} B{b} H{h} N{n} D{d}")
         for i, (kn, _, _) in enumerate(runs[0]):

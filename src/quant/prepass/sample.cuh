@@ -24,9 +24,11 @@ constexpr int kSampleThreads = 512;
 
 // One CTA per (sequence, KV head). A thread takes 8 channels (one 16-byte piece of a row) of
 // every G-th sampled token (G = 512 / (D/8) row groups; with the presets' 256 samples, 4 to 16
-// rows a thread, their loads issued together: the call waits on this kernel's latency): K summed exactly (scaled_double, as
-// kv_stats: fp16 and bf16 values of moderate range sum exactly in double, so the order is the
-// emulation's in effect), |V| maxed on packed pairs; Inf/NaN elements count as zeros. Then a
+// rows a thread, their loads issued together: the call waits on this kernel's latency. With
+// k_mean_tokens 0, every token, the CTA reads all of the head's K and V: slow at long lengths).
+// K is summed exactly (scaled_double, as kv_stats: fp16 and bf16 values of moderate range sum
+// exactly in double, so the order is the emulation's in effect), |V| maxed on packed pairs;
+// Inf/NaN elements count as zeros. Then a
 // thread a channel adds the groups: k_mean (over the samples, as kv_finalize), v_mean 0, the
 // bound and the E4M3 scale it gives. It also does kv_finalize's resets: the sm90 kernel's
 // counters (CTA 0), the head's first bad key, its mark and its channels' exact maxima.
