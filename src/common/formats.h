@@ -146,12 +146,12 @@ SAGE_HOST_DEVICE inline int quantize_int(float x, float inv, int qmax) {
 // V's per-channel scale without V smoothing (SageAttn2's FP8 V): from a bound on the channel's
 // |v| taken from K's mean sample of the tokens (every k_mean_stride-th, ref::mean_token_stride),
 // four times that sample's max, unless some token exceeds it, in which case the channel's exact
-// max. (Twice was exceeded somewhere in 1-5 % of N(0,1) heads of 1k-16k tokens: a 256-token
-// sample's max can fall to 2.3 standard deviations. A factor of 4 costs E4M3 two binades of range
-// at the bottom, where V's values weigh least.)
-// So amax = max(v_sample_bound(sample max), exact max): the pre-pass quantizes V with the bound
-// without a statistics pass over all of V first, and re-quantizes a head only where a token lies
-// past it (docs/sm90-kernel.md, "The pre-pass"). Clamped so that it stays a finite float.
+// max. (Twice is exceeded in a few per cent of N(0,1) heads of thousands of tokens, since a
+// 256-token sample's max can fall well under the sequence's, and each such head is quantized
+// twice; four times costs E4M3 two binades at the bottom of its range, where V's values weigh
+// least.) So amax = max(v_sample_bound(sample max), exact max): the pre-pass quantizes V with
+// the bound without a statistics pass over all of V first, and re-quantizes a head only where a
+// token lies past it (docs/sm90-kernel.md, "What limits it"). Clamped to a finite float.
 SAGE_HOST_DEVICE inline float v_sample_bound(float sample_amax) {
   const float b = 4.0f * sample_amax;
   return b < 3.402823466e38f ? b : 3.402823466e38f;
