@@ -184,13 +184,8 @@ bool make_key(PyObject* const* args, Key& key) {
   if (args[3] != Py_None) return false;
   key.push(kEntryDropin);
   if (!push_tensors(args, key)) return false;
-  if (!push_scalar(key, args[4], false)) return false;
-  if (args[5] != Py_True && args[5] != Py_False) return false;
-  key.push(args[5] == Py_True);
-  if (!push_scalar(key, args[6], true)) return false;
-  if (args[7] != Py_True && args[7] != Py_False) return false;
-  key.push(args[7] == Py_True);
-  return true;
+  return push_scalar(key, args[4], false) && push_bool(key, args[5]) &&
+         push_scalar(key, args[6], true) && push_bool(key, args[7]);
 }
 
 // sageattn's key (without an LSE asked for). args: q, k, v, tensor_layout, is_causal, sm_scale,
