@@ -30,6 +30,12 @@ __device__ __forceinline__ void pdl_enter() {
   ptx::launch_dependents();
 }
 
+// The attention kernel's counters (HeadFinalOut::tile_counter) start at zero: it leaves them so,
+// and the one pre-pass CTA that calls this zeroes them for a fresh workspace.
+__device__ __forceinline__ void zero_counters(const HeadFinalOut& p) {
+  for (int i = threadIdx.x; i < p.counters; i += blockDim.x) p.tile_counter[i] = 0u;
+}
+
 // The byte offset of (b, h)'s Vᵀ in the workspace's Vᵀ region: channel c's keys start c·pitch
 // bytes later (quant/layout.h, SeqRows).
 __device__ __forceinline__ int64_t v_base(const SeqRows& rows, int64_t b, int64_t h,

@@ -33,6 +33,10 @@ struct KvBlock {
     const int g = group();
     return 16 * (g / 4) + 2 * (g % 4) + (u % 2) + 8 * (u / 2);
   }
+  // The 16 bits of V row u's element e (of the thread's kW channels).
+  __device__ uint32_t v_bits(int u, int e) const {
+    return (e % 2) ? vr[u][e / 2] >> 16 : vr[u][e / 2] & 0xFFFFu;
+  }
   // Zeroes the thread's Inf/NaN elements (they count as zeros, as in the statistics) and lowers
   // the head's first bad key (*kv_bad, kKvBadNone when there is none) to the first key that held
   // one: quant_q and the sm90 kernel's Q quantization mark the rows that see it.
@@ -147,10 +151,7 @@ __device__ __forceinline__ void quant_v_block(const KvBlock<D>& x, int64_t kb, i
   for (int e = 0; e < B::kW; ++e) {
     const int c = sl * B::kW + e;
     const float m = vm[c], s = vi[c];
-    auto val = [&](int u) {
-      const uint32_t bits = (e % 2) ? x.vr[u][e / 2] >> 16 : x.vr[u][e / 2] & 0xFFFFu;
-      return __fmul_rn(__fsub_rn(Bits<T>::to_float(bits), m), s);
-    };
+    auto val = [&](int u) { return __fmul_rn(__fsub_rn(Bits<T>::to_float(x.v_bits(u, e)), m), s); };
     const uint32_t lo = ptx::cvt_e4m3x2(val(0), val(1)), hi = ptx::cvt_e4m3x2(val(2), val(3));
     *reinterpret_cast<uint32_t*>(vdst + int64_t(e) * pitch) = __byte_perm(lo, hi, 0x5410) & x.vkeep;
   }
@@ -190,10 +191,7 @@ __device__ __forceinline__ void note_v_past_bound(const KvBlock<D>& x, const VCh
   const int c0 = B::slice() * B::kW;
   for (int e = 0; e < B::kW; ++e) {
     float a = 0.0f;
-    for (int u = 0; u < 4; ++u) {
-      const uint32_t bits = (e % 2) ? x.vr[u][e / 2] >> 16 : x.vr[u][e / 2] & 0xFFFFu;
-      a = fmaxf(a, fabsf(Bits<T>::to_float(bits)));
-    }
+    for (int u = 0; u < 4; ++u) a = fmaxf(a, fabsf(Bits<T>::to_float(x.v_bits(u, e))));
     if (a > vc.bound[c0 + e]) atomicMax(vc.amax + c0 + e, __float_as_uint(a));
   }
   if (threadIdx.x == 0) atomicOr(vc.over, 1u);
@@ -242,9 +240,8 @@ __device__ __forceinline__ void quant_kv_block(const KvBlock<D>& x, int64_t kb, 
   // The check of V's sampled bound (kCheck: PrepassPlan::kv_sampled) rides on the barrier the
   // K scales need anyway; a block with a value past its channel's bound (rare) notes it after.
   bool past = false;
-  if constexpr (kCheck) past = v_past_bound<T, D>(x, vcheck.bound);
   if constexpr (kCheck)
-    past = __syncthreads_or(past);
+    past = __syncthreads_or(v_past_bound<T, D>(x, vcheck.bound));
   else
     __syncthreads();
 

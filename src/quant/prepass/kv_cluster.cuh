@@ -67,10 +67,7 @@ __device__ __forceinline__ void kv_prepass(const KvPrepassParams& p, uint8_t* st
       p.v_scale[at] = f.v_scale, p.v_inv[at] = f.v_inv;
     }
   }
-  // The attention kernel's counters start at zero (it leaves them so; this covers a fresh
-  // workspace).
-  if (bh == 0 && chunk == 0)
-    for (int i = threadIdx.x; i < p.counters; i += blockDim.x) p.tile_counter[i] = 0u;
+  if (bh == 0 && chunk == 0) zero_counters(p);
   __syncthreads();
   // The statistics live in the head's Vᵀ rows, which the quantization below overwrites: every
   // CTA of the cluster has read them first.

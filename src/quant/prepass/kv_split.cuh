@@ -59,10 +59,7 @@ __device__ __forceinline__ void kv_stats(const KvStatsParams& p, uint8_t* stage)
 constexpr int kFinalizeThreads = 128;
 template <int D>
 __device__ __forceinline__ void kv_finalize(const KvFinalizeParams& p) {
-  // The attention kernel's counters start at zero (it leaves them so; this covers a fresh
-  // workspace).
-  if (blockIdx.x == 0)
-    for (int i = threadIdx.x; i < p.counters; i += blockDim.x) p.tile_counter[i] = 0u;
+  if (blockIdx.x == 0) zero_counters(p);
   const int64_t bh = blockIdx.x, b = bh / p.heads_kv, h = bh % p.heads_kv;
   const SeqSpan sp = p.kv_rows.span(b);
   const int64_t seq_kv = sp.len, chunks = (seq_kv + kStatTokens - 1) / kStatTokens;

@@ -38,8 +38,7 @@ __device__ __forceinline__ void kv_sample(const KvSampleParams& p) {
   constexpr int kC = D / 8, kG = kSampleThreads / kC;
   __shared__ double sum_k[kG][D];
   __shared__ float max_v[kG][D];
-  if (blockIdx.x == 0)
-    for (int i = threadIdx.x; i < p.counters; i += blockDim.x) p.tile_counter[i] = 0u;
+  if (blockIdx.x == 0) zero_counters(p);
   const int64_t bh = blockIdx.x;
   const BatchHead bhd = batch_head(bh, p.heads_kv);
   const int b = int(bhd.b), h = int(bhd.h);
