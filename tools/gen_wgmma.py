@@ -32,6 +32,7 @@ class Wrapper(NamedTuple):
     types: str  # PTX .dtype.atype.btype, e.g. "f32.e4m3.e4m3"
     a_in_registers: bool  # A from registers (the mma.sync m16n8k32 A fragment) or a descriptor
     comment: str  # the line(s) above the wrapper, without "// "
+    mn_major: bool = False  # 16-bit only: B (and A from shared memory) MN-major, not K-major
 
     @property
     def float_accumulator(self):
@@ -44,7 +45,10 @@ class Wrapper(NamedTuple):
         if not self.float_accumulator:
             return ""
         sixteen_bit = self.types.split(".")[1] in ("f16", "bf16")
-        return ", 1, 1, 0, 0" if sixteen_bit and not self.a_in_registers else ", 1, 1"
+        t = "1" if self.mn_major else "0"
+        if sixteen_bit:  # imm-trans-a (shared-memory A only), imm-trans-b
+            return ", 1, 1, " + t if self.a_in_registers else ", 1, 1, " + t + ", " + t
+        return ", 1, 1"
 
 
 WRAPPERS = [
@@ -71,6 +75,17 @@ WRAPPERS = [
             "wgmma.mma_async m64n64k16 .f32.f16.f16, both K-major in shared memory."),
     Wrapper("wgmma_m64n64k16_bf16_ss", 64, 16, "f32.bf16.bf16", False,
             "wgmma.mma_async m64n64k16 .f32.bf16.bf16, both K-major in shared memory."),
+    Wrapper("wgmma_m64n64k16_f16_rs_mn", 64, 16, "f32.f16.f16", True,
+            "wgmma.mma_async m64n64k16 .f32.f16.f16, A in registers (the 16-bit A fragment: the\n"
+            "m64n16 accumulator's layout), B N-major in shared memory (imm-trans-b 1).", True),
+    Wrapper("wgmma_m64n64k16_bf16_rs_mn", 64, 16, "f32.bf16.bf16", True,
+            "wgmma.mma_async m64n64k16 .f32.bf16.bf16, A in registers, B N-major in shared memory.",
+            True),
+    Wrapper("wgmma_m64n64k16_f16_ss_mn", 64, 16, "f32.f16.f16", False,
+            "wgmma.mma_async m64n64k16 .f32.f16.f16, A M-major and B N-major in shared memory.", True),
+    Wrapper("wgmma_m64n64k16_bf16_ss_mn", 64, 16, "f32.bf16.bf16", False,
+            "wgmma.mma_async m64n64k16 .f32.bf16.bf16, A M-major and B N-major in shared memory.",
+            True),
 ]
 
 HEADER = """\
@@ -80,7 +95,9 @@ HEADER = """\
 //
 // 8-bit A from registers is the per-warp 16-row fragment of mma.sync m16n8k32 (reg0 row g k 4t..,
 // reg1 row g+8, reg2 row g k 16+4t.., reg3 row g+8); operands in shared memory go through matrix
-// descriptors; all K-major (8-bit types have no transpose; the 16-bit ones are used K-major too).
+// descriptors, K-major (8-bit types have no transpose) or, for the _mn 16-bit forms, MN-major:
+// a tile stored [k][m or n] in 128-byte swizzled rows, read with the same descriptor (its stride
+// byte offset then steps along K), a k16 step 16 rows on.
 // The accumulator of m64nNk32 per warp w of the warpgroup: rows 16w+g (+8), d[4i+e] at column
 // 8i+2t+(e&1), row +8 for e>=2 — the mma.sync C layout repeated over N/8 tiles.
 //

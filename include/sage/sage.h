@@ -367,7 +367,9 @@ typedef struct sage_backward_config {
                           scores (a statistics pass); SAGE_BWD_NORM_FORWARD: P = exp(S - lse) and
                           D = rowsum(dO∘O) - g from the forward's lse and o, which must then be
                           given (a 16-bit forward's: S must be computed as it did, so not with
-                          SAGE_BWD_INT8_QK). CPU only */
+                          SAGE_BWD_INT8_QK). CUDA: with int8 = 0 (every product in the dtype) on
+                          sm_90's wgmma kernel, without Q smoothing or the deterministic option;
+                          otherwise CPU only */
 } sage_backward_config;
 
 #define SAGE_BWD_NORM_OWN 0u

@@ -360,6 +360,29 @@ bwd::Params backward_params(const api::ResolvedBackward& r, const sage_backward_
   return x;
 }
 
+// The forward-normalized backward's params (its workspace: plan.fn_layout).
+bwd::fn::Params fn_params(const api::ResolvedBackward& r, const sage_backward_args& a,
+                          const bwd::fn::Layout& w, uint8_t* ws) {
+  const ref::Problem& p = r.problem;
+  bwd::fn::Params x{};
+  x.q = a.q, x.k = a.k, x.v = a.v, x.d_o = a.d_o, x.d_lse = a.d_lse;
+  x.o = a.o, x.lse = a.lse;
+  x.dq = a.dq, x.dk = a.dk, x.dv = a.dv;
+  x.q_st = r.q, x.k_st = r.k, x.v_st = r.v, x.do_st = r.d_o, x.dlse_st = r.dlse;
+  x.o_st = r.o, x.lse_st = r.lse;
+  x.dq_st = r.dq, x.dk_st = r.dk, x.dv_st = r.dv;
+  x.lse2 = reinterpret_cast<float*>(ws + w.lse2);
+  x.delta = reinterpret_cast<float*>(ws + w.delta);
+  x.dq_acc = reinterpret_cast<float*>(ws + w.dq_acc);
+  x.batch = p.batch, x.heads_q = p.heads_q, x.heads_kv = p.heads_kv;
+  x.seq_q = p.seq_q, x.seq_kv = p.seq_kv, x.nq_pad = w.nq_pad, x.q_blocks = w.q_blocks;
+  x.causal = p.mask != SAGE_MASK_NONE;
+  x.causal_offset = causal_offset(p);
+  x.scale = float(p.scale);
+  x.scale_log2 = float(p.scale * 1.4426950408889634);
+  return x;
+}
+
 }  // namespace
 
 sage_status backward_workspace_size(const api::ResolvedBackward& r, const sage_backward_args& a,
@@ -367,7 +390,7 @@ sage_status backward_workspace_size(const api::ResolvedBackward& r, const sage_b
   api::Device dev;
   api::BackwardPlan plan;
   SAGE_RETURN_IF_ERROR(plan_backward(r, a, &dev, &plan));
-  *bytes = plan.layout.total;
+  *bytes = plan.workspace();
   return SAGE_OK;
 }
 
@@ -376,20 +399,35 @@ sage_status backward(const api::ResolvedBackward& r, const sage_backward_args& a
   api::BackwardPlan plan;
   SAGE_RETURN_IF_ERROR(plan_backward(r, a, &dev, &plan));
   const bwd::Layout& w = plan.layout;
-  if (a.workspace_size < w.total || a.workspace == nullptr)
+  if (a.workspace_size < plan.workspace() || a.workspace == nullptr)
     return set_error(SAGE_ERROR_WORKSPACE_TOO_SMALL,
                      "workspace_size = %zu, this call needs %zu bytes "
                      "(sage_backward_workspace_size)",
-                     a.workspace_size, w.total);
+                     a.workspace_size, plan.workspace());
   if (reinterpret_cast<uintptr_t>(a.workspace) % 256 != 0)
     return set_error(SAGE_ERROR_INVALID_ARGUMENT, "workspace = %p must be 256-byte aligned",
                      a.workspace);
   if (pointer_kind(a.workspace) != PointerKind::kDevice)
     return set_error(SAGE_ERROR_INVALID_ARGUMENT, "workspace = %p is not device memory",
                      a.workspace);
-  const bwd::Params x = backward_params(r, a, w, static_cast<uint8_t*>(a.workspace));
   cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const bool bf16 = a.dtype == SAGE_DTYPE_BF16;
+  if (plan.forward_normalized) {
+    if (a.untrusted) {  // nothing is quantized: the gradients are always the 16-bit ones
+      const cudaError_t z = cudaMemsetAsync(a.untrusted, 0, sizeof(int32_t), stream);
+      if (z != cudaSuccess)
+        return set_error(SAGE_ERROR_CUDA, "backward: %s", cudaGetErrorString(z));
+    }
+    const bwd::fn::Params x =
+        fn_params(r, a, plan.fn_layout, static_cast<uint8_t*>(a.workspace));
+    const cudaError_t e = r.problem.head_dim == 64
+                              ? bwd::fn::run<64>(x, bf16, dev.index, stream)
+                              : bwd::fn::run<128>(x, bf16, dev.index, stream);
+    if (e != cudaSuccess)
+      return set_error(SAGE_ERROR_CUDA, "backward launch: %s", cudaGetErrorString(e));
+    return SAGE_OK;
+  }
+  const bwd::Params x = backward_params(r, a, w, static_cast<uint8_t*>(a.workspace));
   const bool sm90 = plan.family == api::Family::kSm90;
   const cudaError_t e = r.problem.head_dim == 64
                             ? bwd::run<64>(x, bf16, sm90, dev.index, stream)

@@ -403,6 +403,66 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
   return SAGE_OK;
 }
 
+namespace {
+
+// TMA reads q, k, v and d_o in place: each base 16-byte aligned and each stride of a dimension
+// longer than one a positive 16-byte multiple.
+bool tma_ready(const void* base, const sage_strides& st, int64_t heads, int64_t seq,
+               int64_t batch, int64_t elem) {
+  auto fits = [&](int64_t s, int64_t n) { return n == 1 || (s > 0 && (s * elem) % 16 == 0); };
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && fits(st.token, seq) &&
+         fits(st.head, heads) && fits(st.batch, batch);
+}
+
+// The forward-normalized 16-bit backward: P from the forward's LSE, D from its O, every product
+// in the input dtype (sm_90a's wgmma kernel, bwd/fn).
+sage_status make_forward_normalized_plan(const ResolvedBackward& r, const sage_backward_args& a,
+                                         const Device& dev, BackwardPlan* out) {
+  const ref::Problem& p = r.problem;
+  const sage_backward_config& c = r.config;
+  if (dev.cc != 90 || a.kernel == SAGE_KERNEL_MMA)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "config.normalizer = SAGE_BWD_NORM_FORWARD with 16-bit products runs on the "
+                     "wgmma kernel of an sm_90 GPU (this is sm_%d%s)",
+                     dev.cc, a.kernel == SAGE_KERNEL_MMA ? ", kernel = MMA" : "");
+  if (c.smooth & SAGE_SMOOTH_Q)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "config.smooth = 0x%x: the 16-bit forward-normalized backward on the GPU "
+                     "takes no Q smoothing (nothing is quantized; the CPU reference runs it)",
+                     unsigned(c.smooth));
+  if (a.options & SAGE_BWD_OPTION_DETERMINISTIC)
+    return set_error(SAGE_ERROR_UNSUPPORTED,
+                     "options = SAGE_BWD_OPTION_DETERMINISTIC: the forward-normalized backward "
+                     "sums dQ by bulk reductions in any order");
+  const int64_t es = 2;
+  const struct {
+    const char* name;
+    const void* base;
+    const sage_strides& st;
+    int64_t heads, seq;
+  } reads[] = {{"q", a.q, r.q, p.heads_q, p.seq_q},
+               {"d_o", a.d_o, r.d_o, p.heads_q, p.seq_q},
+               {"k", a.k, r.k, p.heads_kv, p.seq_kv},
+               {"v", a.v, r.v, p.heads_kv, p.seq_kv}};
+  for (const auto& x : reads)
+    if (!tma_ready(x.base, x.st, x.heads, x.seq, p.batch, es))
+      return set_error(SAGE_ERROR_UNSUPPORTED,
+                       "%s: the forward-normalized backward reads it by TMA, which needs a "
+                       "16-byte aligned base and strides of 16-byte multiples (strides %lld, "
+                       "%lld, %lld elements)",
+                       x.name, static_cast<long long>(x.st.batch),
+                       static_cast<long long>(x.st.head), static_cast<long long>(x.st.token));
+  BackwardPlan plan;
+  plan.family = Family::kSm90;
+  plan.forward_normalized = true;
+  plan.fn_layout = bwd::fn::make_layout(p);
+  plan.launches = 3;  // rows, main kernel, dQ store
+  *out = plan;
+  return SAGE_OK;
+}
+
+}  // namespace
+
 sage_status make_backward_plan(const ResolvedBackward& r, const sage_backward_args& a,
                                const Device& dev, BackwardPlan* out) {
   const ref::Problem& p = r.problem;
@@ -421,9 +481,11 @@ sage_status make_backward_plan(const ResolvedBackward& r, const sage_backward_ar
                      static_cast<long long>(kMaxHeadDim));
   if (a.dtype == SAGE_DTYPE_FP32)
     return set_error(SAGE_ERROR_UNSUPPORTED, "dtype = FP32 runs on the CPU reference only");
+  const sage_backward_config& c = r.config;
+  if (c.normalizer == SAGE_BWD_NORM_FORWARD && c.int8 == 0u)
+    return make_forward_normalized_plan(r, a, dev, out);
   sage_backward_config want = ref::backward_preset();
   want.smooth = r.config.smooth;  // either way: k_mean is zero without smoothing
-  const sage_backward_config& c = r.config;
   if (c.int8 != want.int8 || c.block_q != want.block_q || c.block_k != want.block_k ||
       c.granularity != want.granularity || c.channel_scales != want.channel_scales ||
       c.normalizer != want.normalizer)

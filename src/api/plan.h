@@ -7,6 +7,7 @@
 
 #include "api/backend.h"
 #include "attn/sm90/split.h"
+#include "bwd/fn/params.h"
 #include "bwd/params.h"
 #include "fp4/layout.h"
 #include "quant/layout.h"
@@ -76,8 +77,13 @@ int64_t sdpa_below(const Device& dev);
 // verdict are the same for both), the workspace layout, and the launches.
 struct BackwardPlan {
   Family family = Family::kMma;  // kSm90: the wgmma main kernel; kMma: the mma.sync one
+  // The forward-normalized 16-bit backward (config.normalizer SAGE_BWD_NORM_FORWARD, no INT8
+  // product; sm_90a): its workspace is fn_layout, and layout is unused.
+  bool forward_normalized = false;
   bwd::Layout layout;            // the workspace (layout.total bytes)
+  bwd::fn::Layout fn_layout;
   int launches = 0;              // kernels launched per call
+  size_t workspace() const { return forward_normalized ? fn_layout.total : layout.total; }
 };
 
 // Plans a CUDA backward (r.backend == CUDA): SAGE_ERROR_UNSUPPORTED, naming the argument, where

@@ -1,6 +1,8 @@
 // SageBwd's kernels for head dim 128 (sm_80+; built for the architectures in SAGE_CUDA_ARCHS).
+#include "bwd/fn/launch.cuh"
 #include "bwd/launch.cuh"
 
 namespace sage::bwd {
 template cudaError_t run<128>(const Params&, bool, bool, int, cudaStream_t);
+template cudaError_t fn::run<128>(const fn::Params&, bool, int, cudaStream_t);
 }  // namespace sage::bwd

@@ -80,6 +80,22 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tensor_m
 #endif
 }
 
+// cp.async.bulk (1-D): `bytes` (a multiple of 16, both addresses 16-byte aligned) from global
+// memory into shared memory, completing `bar`'s transaction bytes.
+template <int kInst = 0>
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint32_t bytes,
+                                          uint64_t* bar) {
+#ifdef SAGE_PTX_HAS_TMA
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_u32(smem_dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+#elif defined(__CUDA_ARCH__)
+  SAGE_PTX_REQUIRE(kInst, "cp.async.bulk (sm_90)");
+#endif
+}
+
 // Orders this thread's generic-proxy writes to shared memory before later async-proxy reads
 // (wgmma operands, TMA stores) that another thread starts after synchronizing with this one.
 template <int kInst = 0>

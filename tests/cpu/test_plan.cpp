@@ -843,7 +843,8 @@ namespace {
 // A backward call validated as host pointers (the CPU backend), then planned as the CUDA backend
 // would on a described device.
 sage_status plan_backward(const Device& dev, int64_t d, sage_dtype dtype, sage_kernel kernel,
-                          sage::api::BackwardPlan* out, int64_t n = 300) {
+                          sage::api::BackwardPlan* out, int64_t n = 300,
+                          const sage_backward_config* config = nullptr, uint32_t options = 0) {
   const size_t qn = size_t(4 * n * d), kn = size_t(2 * n * d);
   static std::vector<uint16_t> q, k, v, o, d_o, dq, dk, dv;
   static std::vector<float> lse;
@@ -856,6 +857,8 @@ sage_status plan_backward(const Device& dev, int64_t d, sage_dtype dtype, sage_k
   a.d_o = d_o.data(), a.dq = dq.data(), a.dk = dk.data(), a.dv = dv.data();
   a.batch = 1, a.heads_q = 4, a.heads_kv = 2, a.seq_q = n, a.seq_kv = n, a.head_dim = d;
   a.dtype = dtype;
+  a.options = options;
+  if (config) a.variant = SAGE_VARIANT_CUSTOM, a.config = *config;
   sage::api::ResolvedBackward r;
   const sage_status s = sage::api::validate_backward(&a, &r);
   if (s != SAGE_OK) return s;
@@ -892,4 +895,38 @@ TEST(BackwardPlan, FamilyWorkspaceAndRefusals) {
   EXPECT_EQ(plan_backward(kH100, 64, SAGE_DTYPE_FP32, SAGE_KERNEL_AUTO, &p),
             SAGE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(sage_last_error()).find("FP32"), std::string::npos);
+}
+
+// The forward-normalized 16-bit config: sm_90's own kernel family (three launches, its own
+// workspace: two floats a query row and dQ's fp32 accumulator), refused elsewhere and with what
+// it does not compute, naming the argument.
+TEST(BackwardPlan, ForwardNormalizedSixteenBit) {
+  sage_backward_config c = sage::ref::backward_preset();
+  c.int8 = 0, c.smooth = 0, c.normalizer = SAGE_BWD_NORM_FORWARD;
+  sage::api::BackwardPlan p;
+  ASSERT_EQ(plan_backward(kH100, 128, SAGE_DTYPE_BF16, SAGE_KERNEL_AUTO, &p, 300, &c), SAGE_OK)
+      << sage_last_error();
+  EXPECT_TRUE(p.forward_normalized);
+  EXPECT_EQ(p.launches, 3);
+  const int64_t nq_pad = 320;  // 300 rows in 64-row blocks
+  EXPECT_EQ(p.workspace(), size_t(4 * nq_pad * 4 * 2 + 4 * nq_pad * 128 * 4));
+  ASSERT_EQ(plan_backward(kH100, 64, SAGE_DTYPE_FP16, SAGE_KERNEL_SM90, &p, 77, &c), SAGE_OK);
+  EXPECT_TRUE(p.forward_normalized);
+  for (const Device& dev : {kAda, kBlackwell}) {
+    EXPECT_EQ(plan_backward(dev, 128, SAGE_DTYPE_FP16, SAGE_KERNEL_AUTO, &p, 300, &c),
+              SAGE_ERROR_UNSUPPORTED);
+    EXPECT_NE(std::string(sage_last_error()).find("SAGE_BWD_NORM_FORWARD"), std::string::npos);
+  }
+  EXPECT_EQ(plan_backward(kH100, 128, SAGE_DTYPE_FP16, SAGE_KERNEL_MMA, &p, 300, &c),
+            SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("kernel = MMA"), std::string::npos);
+  EXPECT_EQ(plan_backward(kH100, 128, SAGE_DTYPE_FP16, SAGE_KERNEL_AUTO, &p, 300, &c,
+                          SAGE_BWD_OPTION_DETERMINISTIC),
+            SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("DETERMINISTIC"), std::string::npos);
+  sage_backward_config q = c;
+  q.smooth = SAGE_SMOOTH_Q;
+  EXPECT_EQ(plan_backward(kH100, 128, SAGE_DTYPE_FP16, SAGE_KERNEL_AUTO, &p, 300, &q),
+            SAGE_ERROR_UNSUPPORTED);
+  EXPECT_NE(std::string(sage_last_error()).find("config.smooth"), std::string::npos);
 }

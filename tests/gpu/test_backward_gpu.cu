@@ -108,7 +108,8 @@ struct GpuGrads {
 // One call's device buffers; run() may be called again on the same buffers and workspace.
 class GpuCall {
  public:
-  GpuCall(const Problem& pr, uint32_t options, sage_kernel kernel = SAGE_KERNEL_AUTO)
+  GpuCall(const Problem& pr, uint32_t options, sage_kernel kernel = SAGE_KERNEL_AUTO,
+          const sage_backward_config* config = nullptr)
       : pr_(pr),
         qb_(pr.q.size() * 2),
         kb_(pr.k.size() * 2),
@@ -139,6 +140,7 @@ class GpuCall {
     a_.head_dim = c.D, a_.layout = c.layout, a_.dtype = c.dtype, a_.mask = c.mask;
     a_.options = options;
     a_.kernel = kernel;
+    if (config) a_.variant = SAGE_VARIANT_CUSTOM, a_.config = *config;
     size_t ws_bytes = 0;
     status_ = sage_backward_workspace_size(&a_, &ws_bytes);
     if (status_ != SAGE_OK) {
@@ -221,17 +223,22 @@ std::vector<float> to_hnd(const std::vector<uint16_t>& x, sage_strides s, int64_
 }
 
 // The GPU's gradients against the emulation of the same configuration (tight) and float64.
-void expect_close_to_references(const Problem& pr, const GpuGrads& g) {
+void expect_close_to_references(const Problem& pr, const GpuGrads& g,
+                                const sage_backward_config* config = nullptr) {
   const BwdCase& c = pr.c;
   const std::vector<float> dq = to_hnd(g.dq, pr.qs, c.B, c.Hq, c.Nq, c.D, c.dtype);
   const std::vector<float> dk = to_hnd(g.dk, pr.ks, c.B, c.Hkv, c.Nk, c.D, c.dtype);
   const std::vector<float> dv = to_hnd(g.dv, pr.ks, c.B, c.Hkv, c.Nk, c.D, c.dtype);
   // The emulation of the same configuration, rounded to dtype as the GPU stores.
   std::vector<float> eq(dq.size()), ek(dk.size()), ev(dv.size());
-  sage::ref::attention_backward_quant(pr.p, sage::ref::backward_preset(), pr.view(pr.q, pr.qs),
-                                      pr.view(pr.k, pr.ks), pr.view(pr.v, pr.ks),
-                                      pr.view(pr.d_o, pr.qs), eq.data(), ek.data(), ev.data(), 0,
-                                      pr.d_lse.data());
+  // A forward-normalized config reads the forward's O (the dtype's, as the GPU is given it) and
+  // LSE.
+  const std::vector<float> o = to_hnd(pr.o, pr.qs, c.B, c.Hq, c.Nq, c.D, c.dtype);
+  sage::ref::attention_backward_quant(pr.p, config ? *config : sage::ref::backward_preset(),
+                                      pr.view(pr.q, pr.qs), pr.view(pr.k, pr.ks),
+                                      pr.view(pr.v, pr.ks), pr.view(pr.d_o, pr.qs), eq.data(),
+                                      ek.data(), ev.data(), 0, pr.d_lse.data(), nullptr, 0,
+                                      o.data(), pr.lse.data());
   const sage::FloatFormat& f = c.dtype == SAGE_DTYPE_BF16 ? sage::kBf16 : sage::kFp16;
   for (auto* x : {&eq, &ek, &ev})
     for (float& y : *x) y = sage::round_float(f, y, false);
@@ -356,6 +363,61 @@ INSTANTIATE_TEST_SUITE_P(
                 SAGE_DTYPE_FP16},
         BwdCase{1, 4, 2, 333, 1000, 64, SAGE_MASK_NONE, SAGE_LAYOUT_HND, SAGE_DTYPE_BF16},
         BwdCase{4, 8, 8, 1000, 1000, 64, SAGE_MASK_NONE, SAGE_LAYOUT_HND, SAGE_DTYPE_FP16}),
+    [](const ::testing::TestParamInfo<BwdCase>& info) { return case_name(info.param); });
+
+// The forward-normalized 16-bit backward (config.normalizer SAGE_BWD_NORM_FORWARD, every product
+// in the dtype; sm_90's bwd/fn kernel): P from the forward's LSE, D from its O. Held to its
+// emulation and to float64 as the preset is, over the shapes above: 128-key CTAs with keys past
+// Nk, GQA, both causal alignments with Nq != Nk, a gradient on the LSE, outputs poisoned.
+sage_backward_config forward_normalized_16() {
+  sage_backward_config c = sage::ref::backward_preset();
+  c.int8 = 0;
+  c.smooth = 0;
+  c.normalizer = SAGE_BWD_NORM_FORWARD;
+  return c;
+}
+
+class GpuBackwardForwardNormalized : public ::testing::TestWithParam<BwdCase> {};
+
+TEST_P(GpuBackwardForwardNormalized, MatchesItsEmulationAndFloat64) {
+  SAGE_REQUIRE_GPU();
+  if (kernels_here().size() < 2) GTEST_SKIP() << "the forward-normalized backward needs sm_90";
+  const BwdCase c = GetParam();
+  const uint64_t seed = sage::test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const Problem pr(c, rng);
+  const sage_backward_config config = forward_normalized_16();
+  GpuCall call(pr, 0, SAGE_KERNEL_AUTO, &config);
+  const GpuGrads g = call.run();
+  ASSERT_EQ(g.status, SAGE_OK) << g.error;
+  expect_close_to_references(pr, g, &config);
+  const GpuGrads again = call.run();  // the workspace as the first run left it
+  ASSERT_EQ(again.status, SAGE_OK) << again.error;
+  expect_close_to_references(pr, again, &config);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GpuBackwardForwardNormalized,
+    ::testing::Values(
+        BwdCase{1, 2, 2, 1, 1, 64, SAGE_MASK_NONE, SAGE_LAYOUT_HND, SAGE_DTYPE_FP16},
+        BwdCase{1, 2, 1, 17, 17, 128, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_LAYOUT_HND, SAGE_DTYPE_BF16},
+        BwdCase{1, 2, 1, 130, 200, 64, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, SAGE_LAYOUT_HND,
+                SAGE_DTYPE_FP16},
+        BwdCase{1, 4, 2, 130, 200, 128, SAGE_MASK_NONE, SAGE_LAYOUT_NHD, SAGE_DTYPE_BF16},
+        BwdCase{2, 4, 2, 1000, 1000, 64, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, SAGE_LAYOUT_NHD,
+                SAGE_DTYPE_FP16},
+        BwdCase{1, 4, 1, 300, 700, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, SAGE_LAYOUT_HND,
+                SAGE_DTYPE_BF16},
+        BwdCase{1, 2, 2, 700, 300, 64, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, SAGE_LAYOUT_HND,
+                SAGE_DTYPE_FP16},
+        BwdCase{1, 3, 3, 333, 333, 128, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_LAYOUT_NHD,
+                SAGE_DTYPE_FP16},
+        BwdCase{1, 4, 2, 1000, 333, 128, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_LAYOUT_NHD,
+                SAGE_DTYPE_FP16},
+        BwdCase{1, 2, 1, 4097, 4097, 128, SAGE_MASK_NONE, SAGE_LAYOUT_HND, SAGE_DTYPE_BF16},
+        BwdCase{1, 2, 1, 4096, 4096, 128, SAGE_MASK_CAUSAL_TOP_LEFT, SAGE_LAYOUT_HND,
+                SAGE_DTYPE_FP16, 4.0f}),
     [](const ::testing::TestParamInfo<BwdCase>& info) { return case_name(info.param); });
 
 TEST(GpuBackwardErrors, NanPropagatesAndRefusalsAreClear) {
