@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams 
   const int64_t kb = blockIdx.x, bkv = cta_outer_index(), k0 = kb * kBlockK;
   // (the whole CTA, before any barrier; a call the verdict refused is NaN whatever this computes)
   if (bkv >= p.batch * p.heads_kv || refused(p)) return;
-  const int64_t b = bkv / p.heads_kv, hkv = bkv % p.heads_kv, G = p.group();
+  const int64_t b = bkv / p.heads_kv, hkv = bkv % p.heads_kv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int ka = warp * 16 + g;  // this thread's keys (local): ka and ka + 8
 
@@ -150,9 +150,9 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const MainParams 
   }
 
   // Query blocks that see any of these keys: query i sees key j when j <= i + causal_offset.
-  const int64_t q_begin = kCausal ? max(int64_t(0), k0 - p.causal_offset) / kBlockQ : 0;
-  const int64_t n_q = max(int64_t(0), p.q_blocks - q_begin), iters = n_q * G;
-  BlockWalk cur{b * p.heads_q + hkv * G, int(q_begin), int(q_begin), int(p.q_blocks)}, nxt = cur;
+  const QueryStream qs = query_stream<kCausal>(p, b, hkv, k0);
+  const int64_t iters = qs.iters;
+  BlockWalk cur = qs.first, nxt = cur;
   if (iters > 0) load_stage<D>(smem, p, nxt.bh, nxt.qb);
   ptx::cp_async_commit();
 

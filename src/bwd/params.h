@@ -123,6 +123,22 @@ struct BlockWalk {
   }
 };
 
+// The query blocks the CTA whose keys start at k0 streams, for KV head (b, hkv): every kBlockQ-row
+// block of each query head of the group from the first a causal mask lets see key k0; iters of
+// them. (Every main kernel's scheduler; a template on the mask, as those kernels are.)
+struct QueryStream {
+  int64_t iters;
+  BlockWalk first;
+};
+template <bool kCausal, typename P>
+SAGE_HOST_DEVICE inline QueryStream query_stream(const P& p, int64_t b, int64_t hkv, int64_t k0) {
+  const int64_t G = p.group(), d = k0 - p.causal_offset;
+  const int64_t q_begin = kCausal ? (d > 0 ? d : 0) / kBlockQ : 0;
+  const int64_t left = p.q_blocks - q_begin, n_q = left > 0 ? left : 0;
+  return {n_q * G,
+          BlockWalk{b * p.heads_q + hkv * G, int(q_begin), int(q_begin), int(p.q_blocks)}};
+}
+
 // Each kernel's Params is the parts of the call it reads (ParamsOf<...> below): a kernel cannot
 // read what its launch did not hand it, and the plan fills every part once (the whole call's
 // Params), from which each launch takes its own by slicing.

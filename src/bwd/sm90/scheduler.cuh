@@ -25,11 +25,9 @@ __device__ __forceinline__ CtaWork cta_work(const MainParams& p) {
   w.k0 = w.kb * kBlockK;
   w.b = w.bkv / p.heads_kv;
   w.hkv = w.bkv % p.heads_kv;
-  const int64_t G = p.group();
-  const int64_t q_begin = kCausal ? max(int64_t(0), w.k0 - p.causal_offset) / kBlockQ : 0;
-  const int64_t n_q = max(int64_t(0), p.q_blocks - q_begin);
-  w.iters = n_q * G;
-  w.first = BlockWalk{w.b * p.heads_q + w.hkv * G, int(q_begin), int(q_begin), int(p.q_blocks)};
+  const QueryStream q = query_stream<kCausal>(p, w.b, w.hkv, w.k0);
+  w.iters = q.iters;
+  w.first = q.first;
   return w;
 }
 
