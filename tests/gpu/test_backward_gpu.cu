@@ -438,6 +438,13 @@ TEST(GpuBackwardErrors, NanPropagatesAndRefusalsAreClear) {
   ASSERT_EQ(det.status, SAGE_OK) << det.error;
   EXPECT_TRUE(has_nan(det.dq));
   EXPECT_TRUE(has_nan(det.dk));
+  if (kernels_here().size() == 2) {  // the forward-normalized kernel (sm_90) hides no NaN either
+    const sage_backward_config config = forward_normalized_16();
+    const GpuGrads fn = GpuCall(pr, 0, SAGE_KERNEL_AUTO, &config).run();
+    ASSERT_EQ(fn.status, SAGE_OK) << fn.error;
+    EXPECT_TRUE(has_nan(fn.dq));
+    EXPECT_TRUE(has_nan(fn.dk));
+  }
   const GpuGrads bad = run_backward(pr, SAGE_BWD_OPTION_DETERMINISTIC | 4u);
   EXPECT_EQ(bad.status, SAGE_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(bad.error.find("options = 0x5"), std::string::npos) << bad.error;
