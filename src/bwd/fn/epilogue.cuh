@@ -6,8 +6,8 @@
 #pragma once
 
 #include "bwd/fn/mainloop.cuh"
-#include "ptx/barrier.cuh"
 #include "ptx/atomic.cuh"
+#include "ptx/barrier.cuh"
 #include "ptx/tma.cuh"
 
 namespace sage::bwd::fn {
@@ -44,21 +44,23 @@ struct Epilogue {
 
   // After the last block: the reductions done, then dK (times the softmax scale) and dV out,
   // zeros for keys no query saw. Each goes through shared memory (the warpgroup's own Q and dO
-  // stage, free by now) so that a warp writes whole 16-byte pieces of rows; where the caller's
-  // rows are not 16-byte aligned, pairs straight from the registers.
+  // stage, free once both warpgroups are done) so that a warp writes whole 16-byte pieces of
+  // rows; where the caller's rows are not 16-byte aligned, pairs straight from the registers.
   __device__ void dk_dv(const CtaWork& w, const Mainloop<T, D, kCausal>& m) const {
     if (m.lane == 0) ptx::bulk_wait<0>();
     T* dkp = static_cast<T*>(p.dk) + w.b * p.dk_st.batch + w.hkv * p.dk_st.head;
     T* dvp = static_cast<T*>(p.dv) + w.b * p.dv_st.batch + w.hkv * p.dv_st.head;
-    const bool aligned = reinterpret_cast<uintptr_t>(dkp) % 16 == 0 &&
-                         reinterpret_cast<uintptr_t>(dvp) % 16 == 0 &&
-                         (p.dk_st.token * sizeof(T)) % 16 == 0 &&
-                         (p.dv_st.token * sizeof(T)) % 16 == 0;
+    const bool aligned =
+        reinterpret_cast<uintptr_t>(dkp) % 16 == 0 && reinterpret_cast<uintptr_t>(dvp) % 16 == 0 &&
+        (p.dk_st.token * sizeof(T)) % 16 == 0 && (p.dv_st.token * sizeof(T)) % 16 == 0;
     if (!aligned) {
       store_pairs(dkp, p.dk_st.token, m.dk, p.scale, m);
       store_pairs(dvp, p.dv_st.token, m.dv, 1.0f, m);
       return;
     }
+    // Both warpgroups read the last block's stage: each has waited for its own products, and
+    // after this barrier for the other's too (the producer loads nothing more).
+    ptx::named_bar_sync(1, 256);
     uint8_t* const ks = smem + S::q_stage(m.wg);  // 64 keys x D of the dtype, each
     uint8_t* const vs = smem + S::do_stage(m.wg);
     stage(ks, m.dk, p.scale, m);
@@ -95,8 +97,8 @@ struct Epilogue {
         for (int n = 0; n < 8; ++n) {
           const int d = 64 * h + 8 * n + 2 * m.t, i = 4 * n + 2 * r;
           const int at = row * D * 2 + (((d >> 3) ^ (row & 7)) << 4) + (d & 7) * 2;
-          *reinterpret_cast<uint32_t*>(rows + at) = Mainloop<T, D, kCausal>::pack(x[h][i] * s,
-                                                                                 x[h][i + 1] * s);
+          *reinterpret_cast<uint32_t*>(rows + at) =
+              Mainloop<T, D, kCausal>::pack(x[h][i] * s, x[h][i + 1] * s);
         }
     }
   }

@@ -172,8 +172,7 @@ struct Mainloop {
       ptx::wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kKeys / 16; ++ks)
-        mma_ss_mn(dq, ds_d + at(ks * 2048), kq_d + at(ks * 2048),
-                  ks > 0);
+        mma_ss_mn(dq, ds_d + at(ks * 2048), kq_d + at(ks * 2048), ks > 0);
       ptx::wgmma_commit();
     }
     ptx::wgmma_wait<0>();
@@ -214,7 +213,8 @@ struct Mainloop {
         const int n = 2 * j + (r >> 1), i = 8 * j + 2 * r, c = 8 * n + 2 * t;
         const float2 l = *reinterpret_cast<const float2*>(rows_s + 8 * n);          // L
         const float2 d = *reinterpret_cast<const float2*>(rows_s + kRows + 8 * n);  // D
-        float p0 = ptx::ex2(__fmaf_rn(x[i], c2, -l.x)), p1 = ptx::ex2(__fmaf_rn(x[i + 1], c2, -l.y));
+        float p0 = ptx::ex2(__fmaf_rn(x[i], c2, -l.x)),
+              p1 = ptx::ex2(__fmaf_rn(x[i + 1], c2, -l.y));
         if constexpr (kMasked) {
           const int f = first[r & 1];
           p0 = c >= f ? p0 : 0.0f;
