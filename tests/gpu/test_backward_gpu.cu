@@ -106,13 +106,19 @@ struct GpuGrads {
 };
 
 // One call's device buffers; run() may be called again on the same buffers and workspace.
+// out_pad > 0: dq, dk and dv are rows of D + out_pad elements (strided views, rows not 16-byte
+// aligned for an odd pad); run() hands them back in the inputs' layout and checks that the pad
+// elements kept their poison.
 class GpuCall {
  public:
   GpuCall(const Problem& pr, uint32_t options, sage_kernel kernel = SAGE_KERNEL_AUTO,
-          const sage_backward_config* config = nullptr)
+          const sage_backward_config* config = nullptr, int64_t out_pad = 0)
       : pr_(pr),
+        pad_(out_pad),
         qb_(pr.q.size() * 2),
         kb_(pr.k.size() * 2),
+        qo_(qb_ / size_t(pr.c.D) * size_t(pr.c.D + out_pad)),
+        ko_(kb_ / size_t(pr.c.D) * size_t(pr.c.D + out_pad)),
         q_(qb_),
         k_(kb_),
         v_(kb_),
@@ -120,9 +126,9 @@ class GpuCall {
         d_o_(qb_),
         lse_(pr.lse.size() * 4),
         dlse_(pr.lse.size() * 4),
-        dq_(qb_),
-        dk_(kb_),
-        dv_(kb_) {
+        dq_(qo_),
+        dk_(ko_),
+        dv_(ko_) {
     const BwdCase& c = pr.c;
     cudaMemcpy(dlse_.ptr, pr.d_lse.data(), pr.lse.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(q_.ptr, pr.q.data(), qb_, cudaMemcpyHostToDevice);
@@ -140,6 +146,11 @@ class GpuCall {
     a_.head_dim = c.D, a_.layout = c.layout, a_.dtype = c.dtype, a_.mask = c.mask;
     a_.options = options;
     a_.kernel = kernel;
+    if (out_pad > 0) {
+      oqs_ = sage::ref::contiguous_strides(c.layout, c.Hq, c.Nq, c.D + out_pad);
+      oks_ = sage::ref::contiguous_strides(c.layout, c.Hkv, c.Nk, c.D + out_pad);
+      a_.dq_strides = oqs_, a_.dk_strides = oks_, a_.dv_strides = oks_;
+    }
     if (config) a_.variant = SAGE_VARIANT_CUSTOM, a_.config = *config;
     size_t ws_bytes = 0;
     status_ = sage_backward_workspace_size(&a_, &ws_bytes);
@@ -159,9 +170,9 @@ class GpuCall {
     r.status = status_;
     r.error = error_;
     if (r.status != SAGE_OK) return r;
-    cudaMemset(dq_.ptr, 0xFF, qb_);
-    cudaMemset(dk_.ptr, 0xFF, kb_);
-    cudaMemset(dv_.ptr, 0xFF, kb_);
+    cudaMemset(dq_.ptr, 0xFF, qo_);
+    cudaMemset(dk_.ptr, 0xFF, ko_);
+    cudaMemset(dv_.ptr, 0xFF, ko_);
     r.status = sage_attention_backward(&a_);
     if (r.status != SAGE_OK) {
       r.error = sage_last_error();
@@ -172,18 +183,44 @@ class GpuCall {
       r.error = cudaGetErrorString(cudaGetLastError());
       return r;
     }
-    r.dq.resize(pr_.q.size());
-    r.dk.resize(pr_.k.size());
-    r.dv.resize(pr_.k.size());
-    cudaMemcpy(r.dq.data(), dq_.ptr, qb_, cudaMemcpyDeviceToHost);
-    cudaMemcpy(r.dk.data(), dk_.ptr, kb_, cudaMemcpyDeviceToHost);
-    cudaMemcpy(r.dv.data(), dv_.ptr, kb_, cudaMemcpyDeviceToHost);
+    r.dq.resize(qo_ / 2);
+    r.dk.resize(ko_ / 2);
+    r.dv.resize(ko_ / 2);
+    cudaMemcpy(r.dq.data(), dq_.ptr, qo_, cudaMemcpyDeviceToHost);
+    cudaMemcpy(r.dk.data(), dk_.ptr, ko_, cudaMemcpyDeviceToHost);
+    cudaMemcpy(r.dv.data(), dv_.ptr, ko_, cudaMemcpyDeviceToHost);
+    if (pad_ > 0) {
+      const BwdCase& c = pr_.c;
+      r.dq = unpad(r.dq, oqs_, pr_.qs, c.Hq, c.Nq);
+      r.dk = unpad(r.dk, oks_, pr_.ks, c.Hkv, c.Nk);
+      r.dv = unpad(r.dv, oks_, pr_.ks, c.Hkv, c.Nk);
+    }
     return r;
   }
 
  private:
+  // x (strides `from`, rows of D + pad_) in the inputs' layout (strides `to`); a pad element that
+  // lost its poison fails the test.
+  std::vector<uint16_t> unpad(const std::vector<uint16_t>& x, sage_strides from, sage_strides to,
+                              int64_t H, int64_t N) const {
+    const int64_t D = pr_.c.D;
+    std::vector<uint16_t> out(size_t(pr_.c.B * H * N * D));
+    for (int64_t b = 0; b < pr_.c.B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t n = 0; n < N; ++n) {
+          const int64_t row = b * from.batch + h * from.head + n * from.token;
+          for (int64_t d = 0; d < D; ++d)
+            out[size_t(b * to.batch + h * to.head + n * to.token + d)] = x[size_t(row + d)];
+          for (int64_t d = D; d < D + pad_; ++d)
+            EXPECT_EQ(x[size_t(row + d)], 0xFFFF) << "a pad element was written";
+        }
+    return out;
+  }
+
   const Problem& pr_;
-  size_t qb_, kb_;
+  int64_t pad_;
+  sage_strides oqs_{}, oks_{};
+  size_t qb_, kb_, qo_, ko_;
   DeviceBuffer q_, k_, v_, o_, d_o_, lse_, dlse_, dq_, dk_, dv_;
   std::unique_ptr<DeviceBuffer> ws_;
   sage_backward_args a_{};
@@ -395,6 +432,28 @@ TEST_P(GpuBackwardForwardNormalized, MatchesItsEmulationAndFloat64) {
   const GpuGrads again = call.run();  // the workspace as the first run left it
   ASSERT_EQ(again.status, SAGE_OK) << again.error;
   expect_close_to_references(pr, again, &config);
+}
+
+// Outputs whose rows are not 16-byte aligned (views with rows of D + 1 elements): the kernel
+// writes dK and dV as pairs from its registers there instead of 16-byte pieces through shared
+// memory, and touches no pad element.
+TEST(GpuBackwardForwardNormalizedStrided, OutputRowsOffTheSixteenByteGrid) {
+  SAGE_REQUIRE_GPU();
+  if (kernels_here().size() < 2) GTEST_SKIP() << "the forward-normalized backward needs sm_90";
+  const uint64_t seed = sage::test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const sage_backward_config config = forward_normalized_16();
+  for (const BwdCase& c :
+       {BwdCase{1, 4, 2, 200, 300, 128, SAGE_MASK_CAUSAL_BOTTOM_RIGHT, SAGE_LAYOUT_HND,
+                SAGE_DTYPE_BF16},
+        BwdCase{2, 2, 2, 130, 150, 64, SAGE_MASK_NONE, SAGE_LAYOUT_NHD, SAGE_DTYPE_FP16}}) {
+    SCOPED_TRACE(case_name(c));
+    const Problem pr(c, rng);
+    const GpuGrads g = GpuCall(pr, 0, SAGE_KERNEL_AUTO, &config, /*out_pad=*/1).run();
+    ASSERT_EQ(g.status, SAGE_OK) << g.error;
+    expect_close_to_references(pr, g, &config);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
