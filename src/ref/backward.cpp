@@ -221,10 +221,10 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
   if (fwd_norm && (fwd_o == nullptr || fwd_lse == nullptr))
     throw Error{SAGE_ERROR_INVALID_ARGUMENT,
                 "config.normalizer = SAGE_BWD_NORM_FORWARD needs the forward's o and lse"};
-  if (fwd_norm && fp8 != 0)
+  if (fwd_norm && (fp8 & ~uint32_t(SAGE_BWD_INT8_PDO)))
     throw Error{SAGE_ERROR_INVALID_ARGUMENT,
-                "the e4m3 products take their scales from the statistics pass, which "
-                "SAGE_BWD_NORM_FORWARD does not run"};
+                "the e4m3 dK and dQ take their scales from the statistics pass, which "
+                "SAGE_BWD_NORM_FORWARD does not run (its e4m3 dV takes P itself: 448·P)"};
   const uint32_t fp8_products = SAGE_BWD_INT8_PDO | SAGE_BWD_INT8_DSK | SAGE_BWD_INT8_DSQ;
   if (fp8 & ~fp8_products)
     throw Error{SAGE_ERROR_INVALID_ARGUMENT, "fp8 = 0x" + std::to_string(fp8) +
@@ -388,6 +388,10 @@ void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
         const float g = d_lse ? d_lse[bh * Nq + i] : 0.0f;
         s.lse2[size_t(i)] = float(double(fwd_lse[bh * Nq + i]) * kLog2e);
         s.delta[size_t(i)] = float(dsum) - g;
+        if (f8) {  // e4m3 dV without a statistics pass: e = P (the row's max taken as its L)
+          s.rowmax[size_t(i)] = s.lse2[size_t(i)];
+          s.mu[size_t(i)] = 1.0f;
+        }
         continue;
       }
       float m = -std::numeric_limits<float>::infinity();

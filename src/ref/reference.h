@@ -201,8 +201,10 @@ struct BackwardCheck {
 // P_ij = e_ij·μ_i, P̄ = e4m3(448·e_ij), dS̄ = e4m3(e_ij·(dP_ij - D_i)·448 / W_i), and the other
 // operand takes the row's factor: dO_i·μ_i / 448 (dV), Q_i·μ_i·W_i / 448 (dK), with one scale per
 // channel over the KV head's queries (448 / their max); dQ's K - k̄ takes one per channel over the
-// keys, and its per-query μ_i·W_i / 448 multiplies the sum. Not yet a GPU kernel's: the reference
-// of the design.
+// keys, and its per-query μ_i·W_i / 448 multiplies the sum. With SAGE_BWD_NORM_FORWARD there is
+// no stats pass: only dV's e4m3 form is taken, with the forward's L as each row's max (e = P,
+// μ_i = 1: P̄ = e4m3(448·P)); dK's and dQ's, which need W_i, are refused. Not yet a GPU kernel's:
+// the reference of the design.
 void attention_backward_quant(const Problem& p, const sage_backward_config& cfg,
                               const TensorView& q, const TensorView& k, const TensorView& v,
                               const TensorView& d_o, float* dq, float* dk, float* dv,
