@@ -1,5 +1,6 @@
 // Helpers of the CPU backward tests on the training input classes (ref::make_training_inputs):
-// the problem of a spec, float64 gradients (the truth), and the cosine against them.
+// the problem of a spec, float64 gradients (the truth) and forward outputs, and the cosine against
+// them.
 #pragma once
 
 #include <cmath>
@@ -31,6 +32,24 @@ inline Exact exact_grads(const ref::Problem& p, const ref::TrainingInputs& in) {
   ref::attention_backward_exact(p, in.q_view(), in.k_view(), in.v_view(), o.data(), lse.data(),
                                 in.d_o_view(), g.dq.data(), g.dk.data(), g.dv.data(), 2);
   return g;
+}
+
+// The float64 forward's outputs as a forward-normalized backward takes them: O in fp32 (o32)
+// and rounded to the dtype as a 16-bit forward returns it (o16), and the LSE.
+struct Forward {
+  std::vector<float> o32, o16, lse;
+};
+inline Forward forward_of(const ref::Problem& p, const ref::TrainingInputs& in, sage_dtype dtype) {
+  std::vector<double> o(size_t(p.out_elems())), lse(size_t(p.lse_elems()));
+  ref::attention_exact(p, in.q_view(), in.k_view(), in.v_view(), o.data(), lse.data(), 2);
+  Forward f{std::vector<float>(o.begin(), o.end()), std::vector<float>(o.size()),
+            std::vector<float>(lse.begin(), lse.end())};
+  std::vector<uint16_t> bits(o.size());
+  for (size_t i = 0; i < o.size(); ++i) {
+    ref::store_element(bits.data(), dtype, int64_t(i), o[i]);
+    f.o16[i] = ref::load_element(bits.data(), dtype, int64_t(i));
+  }
+  return f;
 }
 
 inline double cosine(const std::vector<double>& truth, const std::vector<float>& x) {

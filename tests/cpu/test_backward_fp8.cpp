@@ -243,14 +243,9 @@ TEST(BackwardFp8, ForwardNormalizedDvWithoutStatistics) {
       const ref::Problem p = problem_of(s, causal ? SAGE_MASK_CAUSAL_BOTTOM_RIGHT : SAGE_MASK_NONE);
       SCOPED_TRACE(std::string(c.name) + (causal ? " causal bf16 D128 GQA" : " fp16 D64"));
       const Exact t = exact_grads(p, in);
-      std::vector<double> o(size_t(p.out_elems())), lse(size_t(p.lse_elems()));
-      ref::attention_exact(p, in.q_view(), in.k_view(), in.v_view(), o.data(), lse.data(), 2);
-      std::vector<uint16_t> bits(o.size());
-      std::vector<float> o16(o.size()), lf(lse.begin(), lse.end());
-      for (size_t i = 0; i < o.size(); ++i) {
-        ref::store_element(bits.data(), s.dtype, int64_t(i), o[i]);
-        o16[i] = ref::load_element(bits.data(), s.dtype, int64_t(i));
-      }
+      const test::Forward fwd = test::forward_of(p, in, s.dtype);
+      const std::vector<float>& o16 = fwd.o16;
+      const std::vector<float>& lf = fwd.lse;
       auto run = [&](uint32_t fp8) {
         Grads g;
         g.dq.resize(t.dq.size());
