@@ -398,7 +398,6 @@ sage_status backward(const api::ResolvedBackward& r, const sage_backward_args& a
   api::Device dev;
   api::BackwardPlan plan;
   SAGE_RETURN_IF_ERROR(plan_backward(r, a, &dev, &plan));
-  const bwd::Layout& w = plan.layout;
   if (a.workspace_size < plan.workspace() || a.workspace == nullptr)
     return set_error(SAGE_ERROR_WORKSPACE_TOO_SMALL,
                      "workspace_size = %zu, this call needs %zu bytes "
@@ -427,7 +426,7 @@ sage_status backward(const api::ResolvedBackward& r, const sage_backward_args& a
       return set_error(SAGE_ERROR_CUDA, "backward launch: %s", cudaGetErrorString(e));
     return SAGE_OK;
   }
-  const bwd::Params x = backward_params(r, a, w, static_cast<uint8_t*>(a.workspace));
+  const bwd::Params x = backward_params(r, a, plan.layout, static_cast<uint8_t*>(a.workspace));
   const bool sm90 = plan.family == api::Family::kSm90;
   const cudaError_t e = r.problem.head_dim == 64
                             ? bwd::run<64>(x, bf16, sm90, dev.index, stream)

@@ -405,13 +405,15 @@ sage_status make_plan(const Resolved& r, const sage_attention_args& a, const Dev
 
 namespace {
 
-// TMA reads q, k, v and d_o in place: each base 16-byte aligned and each stride of a dimension
-// longer than one a positive 16-byte multiple.
-bool tma_ready(const void* base, const sage_strides& st, int64_t heads, int64_t seq,
-               int64_t batch, int64_t elem) {
-  auto fits = [&](int64_t s, int64_t n) { return n == 1 || (s > 0 && (s * elem) % 16 == 0); };
-  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && fits(st.token, seq) &&
-         fits(st.head, heads) && fits(st.batch, batch);
+// TMA reads q, k, v and d_o in place: rows 16-byte aligned (quant::rows_aligned16, as for the
+// forward's fused Q) and a positive stride for each dimension longer than one (a dimension of one
+// takes any stride: the launcher gives it a placeholder).
+bool tma_ready(const void* base, sage_strides st, int64_t heads, int64_t seq, int64_t batch) {
+  if (batch == 1) st.batch = 0;
+  if (heads == 1) st.head = 0;
+  if (seq == 1) st.token = 0;
+  return quant::rows_aligned16(base, st) && (batch == 1 || st.batch > 0) &&
+         (heads == 1 || st.head > 0) && (seq == 1 || st.token > 0);
 }
 
 // The forward-normalized 16-bit backward: P from the forward's LSE, D from its O, every product
@@ -434,7 +436,6 @@ sage_status make_forward_normalized_plan(const ResolvedBackward& r, const sage_b
     return set_error(SAGE_ERROR_UNSUPPORTED,
                      "options = SAGE_BWD_OPTION_DETERMINISTIC: the forward-normalized backward "
                      "sums dQ by bulk reductions in any order");
-  const int64_t es = 2;
   const struct {
     const char* name;
     const void* base;
@@ -445,7 +446,7 @@ sage_status make_forward_normalized_plan(const ResolvedBackward& r, const sage_b
                {"k", a.k, r.k, p.heads_kv, p.seq_kv},
                {"v", a.v, r.v, p.heads_kv, p.seq_kv}};
   for (const auto& x : reads)
-    if (!tma_ready(x.base, x.st, x.heads, x.seq, p.batch, es))
+    if (!tma_ready(x.base, x.st, x.heads, x.seq, p.batch))
       return set_error(SAGE_ERROR_UNSUPPORTED,
                        "%s: the forward-normalized backward reads it by TMA, which needs a "
                        "16-byte aligned base and strides of 16-byte multiples (strides %lld, "

@@ -844,7 +844,8 @@ namespace {
 // would on a described device.
 sage_status plan_backward(const Device& dev, int64_t d, sage_dtype dtype, sage_kernel kernel,
                           sage::api::BackwardPlan* out, int64_t n = 300,
-                          const sage_backward_config* config = nullptr, uint32_t options = 0) {
+                          const sage_backward_config* config = nullptr, uint32_t options = 0,
+                          const sage_strides* k_strides = nullptr) {
   const size_t qn = size_t(4 * n * d), kn = size_t(2 * n * d);
   static std::vector<uint16_t> q, k, v, o, d_o, dq, dk, dv;
   static std::vector<float> lse;
@@ -859,6 +860,7 @@ sage_status plan_backward(const Device& dev, int64_t d, sage_dtype dtype, sage_k
   a.dtype = dtype;
   a.options = options;
   if (config) a.variant = SAGE_VARIANT_CUSTOM, a.config = *config;
+  if (k_strides) a.k_strides = *k_strides;
   sage::api::ResolvedBackward r;
   const sage_status s = sage::api::validate_backward(&a, &r);
   if (s != SAGE_OK) return s;
@@ -929,4 +931,16 @@ TEST(BackwardPlan, ForwardNormalizedSixteenBit) {
   EXPECT_EQ(plan_backward(kH100, 128, SAGE_DTYPE_FP16, SAGE_KERNEL_AUTO, &p, 300, &q),
             SAGE_ERROR_UNSUPPORTED);
   EXPECT_NE(std::string(sage_last_error()).find("config.smooth"), std::string::npos);
+  // TMA reads k in place: rows of D + 1 elements are not 16-byte aligned (refused, naming k);
+  // the stride of a dimension of one (B = 1) is not read.
+  const sage_strides odd_rows{2 * 300 * 129, 300 * 129, 129};
+  EXPECT_EQ(plan_backward(kH100, 128, SAGE_DTYPE_FP16, SAGE_KERNEL_AUTO, &p, 300, &c, 0,
+                          &odd_rows),
+            SAGE_ERROR_UNSUPPORTED);
+  EXPECT_EQ(std::string(sage_last_error()).rfind("k: ", 0), 0u) << sage_last_error();
+  const sage_strides odd_batch{7, 300 * 128, 128};
+  EXPECT_EQ(plan_backward(kH100, 128, SAGE_DTYPE_FP16, SAGE_KERNEL_AUTO, &p, 300, &c, 0,
+                          &odd_batch),
+            SAGE_OK)
+      << sage_last_error();
 }

@@ -19,7 +19,7 @@ constexpr int kKeys = 128;
 constexpr int kRows = 64;
 
 struct Layout {
-  int64_t nq_pad = 0, q_blocks = 0, k_ctas = 0;
+  int64_t nq_pad = 0, q_blocks = 0;
   size_t lse2 = 0;   // f32 [B*Hq][nq_pad]: the forward's LSE·log2 e (+inf: a row that sees no key)
   size_t delta = 0;  // f32 [B*Hq][nq_pad]: rowsum(dO∘O) - g (0 there)
   size_t dq_acc = 0;  // f32 [B*Hq][nq_pad x D] in dq_offset's layout: Σ dS·K, summed by bulk
@@ -32,7 +32,6 @@ inline Layout make_layout(const ref::Problem& p) {
   const int64_t bq = p.batch * p.heads_q;
   w.q_blocks = (p.seq_q + kRows - 1) / kRows;
   w.nq_pad = w.q_blocks * kRows;
-  w.k_ctas = (p.seq_kv + kKeys - 1) / kKeys;
   WorkspaceCarver carve;
   w.lse2 = carve.take(size_t(bq * w.nq_pad) * 4);
   w.delta = carve.take(size_t(bq * w.nq_pad) * 4);
